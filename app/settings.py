@@ -1,0 +1,61 @@
+"""Process settings, read once from ``BROKER_*`` environment variables and validated at start-up."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class Settings(BaseSettings):
+    """Everything a broker process needs to know about its environment."""
+
+    model_config = SettingsConfigDict(env_prefix="BROKER_", extra="ignore")
+
+    redis_url: str | None = Field(
+        default=None, description="Redis URL; unset (with database_url unset) = embedded Redis"
+    )
+    database_url: str | None = Field(
+        default=None,
+        description="SQLAlchemy async URL (postgresql+asyncpg://...); unset = embedded Postgres",
+    )
+    redis_prefix: str = Field(
+        default="rb", description="Prefix of every Redis key and channel this broker owns"
+    )
+    data_dir: Path | None = Field(default=None, description="Data folder of embedded services")
+
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    max_rollouts_per_request: int = Field(default=4096, ge=1, le=65536)
+    max_tokens_per_rollout: int = Field(default=262_144, ge=1, le=16_777_216)
+    max_batch_size: int = Field(default=8192, ge=1, le=1_000_000)
+    max_wait_s: float = Field(default=60.0, ge=0, le=3600)
+    sweep_interval_s: float = Field(default=1.0, gt=0, le=60)
+    retry_after_s: int = Field(default=1, ge=1, le=3600)
+
+    @field_validator("redis_prefix")
+    @classmethod
+    def _safe_prefix(cls, v: str) -> str:
+        if not _PREFIX_RE.match(v):
+            raise ValueError("redis_prefix must be 1-64 characters of [A-Za-z0-9_.-]")
+        return v
+
+    @field_validator("database_url")
+    @classmethod
+    def _async_driver(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if v.startswith("postgresql://") or v.startswith("postgres://"):
+            # Accept the plain libpq form and pick the async driver for it.
+            return "postgresql+asyncpg://" + v.split("://", 1)[1]
+        if not v.startswith("postgresql+asyncpg://"):
+            raise ValueError("database_url must be a postgresql+asyncpg:// URL")
+        return v
+
+    @property
+    def embedded(self) -> bool:
+        """True when neither service is configured: start embedded Redis and Postgres."""
+        return self.redis_url is None and self.database_url is None
