@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     max_wait_s: float = Field(default=60.0, ge=0, le=3600)
     sweep_interval_s: float = Field(default=1.0, gt=0, le=60)
     retry_after_s: int = Field(default=1, ge=1, le=3600)
+    workers_in_process: bool = Field(
+        default=False, description="Run the background workers inside the API process"
+    )
 
     @field_validator("redis_prefix")
     @classmethod

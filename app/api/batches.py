@@ -1,0 +1,85 @@
+"""Batches: trainers lease, acknowledge and give back."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
+
+from app.api.codec import parse_body, read_body, render, wants_msgpack
+from app.api.deps import broker_of, settings_of
+from app.broker.config import MAX_VERSION
+from app.broker.schemas import AckBody, AckMsgpack, AckResult, BatchOut, NackResult
+from app.broker.service import LeasedBatch
+
+router = APIRouter(prefix="/v1/runs", tags=["batches"])
+
+
+@router.get(
+    "/{run_id}/batch",
+    response_model=BatchOut,
+    responses={204: {"description": "nothing qualified within wait_s"}},
+)
+async def lease_batch(
+    run_id: str,
+    request: Request,
+    size: Annotated[int, Query(ge=1, le=1_000_000)],
+    policy_version: Annotated[int | None, Query(ge=0, le=MAX_VERSION)] = None,
+    wait_s: Annotated[float, Query(ge=0, le=3600, allow_inf_nan=False)] = 0.0,
+    partial: bool = False,
+    trainer_id: Annotated[str | None, Query(max_length=256)] = None,
+) -> Response:
+    batch = await broker_of(request).lease(
+        run_id,
+        size=size,
+        policy_version=policy_version,
+        wait_s=wait_s,
+        partial=partial,
+        trainer_id=trainer_id,
+    )
+    if batch is None:
+        return Response(status_code=204)
+    as_msgpack = wants_msgpack(request)
+    return render(batch_body(batch, as_msgpack), as_msgpack=as_msgpack)
+
+
+def batch_body(batch: LeasedBatch, as_msgpack: bool) -> dict[str, Any]:
+    def arr(a: Any) -> Any:
+        if a is None:
+            return None
+        return a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes() if as_msgpack else a
+
+    return {
+        "batch_id": batch.batch_id,
+        "policy_version": batch.policy_version,
+        "lease_expires_at": batch.lease_expires_at,
+        "rollouts": [
+            {
+                "rollout_id": r.rollout_id,
+                "group_id": r.group_id,
+                "policy_version": r.policy_version,
+                "prompt_ids": arr(r.prompt_ids),
+                "response_ids": arr(r.response_ids),
+                "logprobs": arr(r.logprobs),
+                "reward": r.reward,
+                "finish_reason": r.finish_reason,
+                "metadata": r.metadata,
+                "uses": uses,
+                "lag": lag,
+            }
+            for r, uses, lag in batch.rollouts
+        ],
+    }
+
+
+@router.post("/{run_id}/batches/{batch_id}/ack", response_model=AckResult)
+async def ack_batch(run_id: str, batch_id: str, request: Request) -> Response:
+    body = await read_body(request, settings_of(request).max_body_bytes)
+    ack = parse_body(body, request.headers.get("content-type"), AckBody, AckMsgpack)
+    return render(await broker_of(request).ack(run_id, batch_id, ack))
+
+
+@router.post("/{run_id}/batches/{batch_id}/nack", response_model=NackResult)
+async def nack_batch(run_id: str, batch_id: str, request: Request) -> Response:
+    return render(await broker_of(request).nack(run_id, batch_id))

@@ -1,0 +1,1 @@
+"""The broker's rules: run configuration, packing, off-policy statistics, the Redis store."""

@@ -1,0 +1,67 @@
+"""Run configuration (the SPEC's RunConfig) and the bounds every identifier and number obeys."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from typing_extensions import Annotated
+
+# Versions and lags are exact doubles inside Redis's Lua: stay within 2**53.
+MAX_VERSION = 2**53 - 1
+
+# Ids end up in Redis key names and in the batch ledger: printable, no spaces, bounded.
+RunId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
+ItemId = Annotated[str, StringConstraints(pattern=r"^[^\s\x00-\x1f\x7f{}]{1,256}$")]
+
+KlEstimator = Literal["k1", "k2", "k3"]
+Order = Literal["freshest", "fifo", "random"]
+
+
+class RunConfig(BaseModel):
+    """Rules of one run; every field has the SPEC's default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_staleness: int = Field(1, ge=0, le=MAX_VERSION)
+    max_reuse: int = Field(1, ge=1, le=10_000)
+    kl_max: float = Field(0.05, ge=0, le=1e12, allow_inf_nan=False)
+    kl_flush: float = Field(0.1, ge=0, le=1e12, allow_inf_nan=False)
+    kl_estimator: KlEstimator = "k3"
+    clip_epsilon: float = Field(0.2, gt=0, lt=1, allow_inf_nan=False)
+    group_size: int = Field(1, ge=1, le=4096)
+    group_timeout_s: float = Field(600.0, gt=0, le=30 * 86400, allow_inf_nan=False)
+    drop_zero_variance_groups: bool = False
+    order: Order = "freshest"
+    capacity_rollouts: int = Field(100_000, ge=1, le=1_000_000_000)
+    lease_timeout_s: float = Field(300.0, gt=0, le=7 * 86400, allow_inf_nan=False)
+
+    def canonical_json(self) -> str:
+        """The one text form of a config: how Redis stores it and how equality is judged."""
+        return orjson.dumps(self.model_dump(), option=orjson.OPT_SORT_KEYS).decode()
+
+    def merged(self, patch: RunConfigPatch) -> RunConfig:
+        """This config with the patch's set fields applied, validated as a whole."""
+        data: dict[str, Any] = self.model_dump()
+        data.update(patch.model_dump(exclude_unset=True))
+        return RunConfig.model_validate(data)
+
+
+class RunConfigPatch(BaseModel):
+    """A partial RunConfig: only the fields present change."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_staleness: int | None = Field(None, ge=0, le=MAX_VERSION)
+    max_reuse: int | None = Field(None, ge=1, le=10_000)
+    kl_max: float | None = Field(None, ge=0, le=1e12, allow_inf_nan=False)
+    kl_flush: float | None = Field(None, ge=0, le=1e12, allow_inf_nan=False)
+    kl_estimator: KlEstimator | None = None
+    clip_epsilon: float | None = Field(None, gt=0, lt=1, allow_inf_nan=False)
+    group_size: int | None = Field(None, ge=1, le=4096)
+    group_timeout_s: float | None = Field(None, gt=0, le=30 * 86400, allow_inf_nan=False)
+    drop_zero_variance_groups: bool | None = None
+    order: Order | None = None
+    capacity_rollouts: int | None = Field(None, ge=1, le=1_000_000_000)
+    lease_timeout_s: float | None = Field(None, gt=0, le=7 * 86400, allow_inf_nan=False)

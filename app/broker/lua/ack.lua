@@ -1,0 +1,59 @@
+-- Acknowledge a live batch: every rollout gains one use, units at max_reuse or above kl_max
+-- retire, and a batch mean KL above kl_flush raises the run's version floor to the batch's
+-- version, flushing every buffered unit below it. A repeat returns the stored answer.
+-- ARGV: wake, batch_id, kl_mean ('' = not measured), acked event payload (msgpack, without t),
+--       stats text (stored for repeats), flush_limit, m, then m pairs rollout_id, kl.
+-- Returns {'ok', answer} | {'acked', answer} | {'err', 'missing'|'batch_missing'|'nacked'|'expired'}.
+if not load_run() then return { 'err', 'missing' } end
+local bid = ARGV[2]
+local bk = bkey(bid)
+local f = redis.call('HMGET', bk, 'st', 'units', 'n', 'v', 'exp', 'ans')
+if not f[1] then return { 'err', 'batch_missing' } end
+if f[1] == 'a' then return { 'acked', f[6] } end
+if f[1] == 'n' then return { 'err', 'nacked' } end
+if f[1] == 'e' then return { 'err', 'expired' } end
+if tonumber(f[5]) <= NOW then
+  expire_batch(bid)
+  finish()
+  return { 'err', 'expired' }
+end
+
+redis.call('ZREM', LEASES, bid)
+emit('acked', cmsgpack.unpack(ARGV[4]))
+
+local kl = {}
+local m = tonumber(ARGV[7])
+for i = 1, m do kl[ARGV[6 + 2 * i]] = ARGV[7 + 2 * i] end
+
+local units = cjson.decode(f[2])
+for _, u in ipairs(units) do
+  local uk = ukey(u)
+  redis.call('HINCRBY', uk, 'uses', 1)
+  -- A group is handed out whole, so its gate is its worst member's KL.
+  local worst = nil
+  for _, rid in ipairs(redis.call('LRANGE', mkey(u), 0, -1)) do
+    local x = kl[rid]
+    if x and (not worst or tonumber(x) > tonumber(worst)) then worst = x end
+  end
+  if worst then redis.call('HSET', uk, 'kl', worst) else redis.call('HDEL', uk, 'kl') end
+  settle(u)
+end
+local retired = RETIRED_N
+
+local flushed = 0
+if ARGV[3] ~= '' and tonumber(ARGV[3]) > CFG.kl_flush then
+  local V = tonumber(f[4])
+  if V > R.floor then
+    redis.call('HSET', RUN, 'floor', I(V))
+    R.floor = V
+  end
+  retire_below(tonumber(ARGV[6]))
+  flushed = RETIRED_N - retired
+end
+
+redis.call('HINCRBY', RUN, 'leased', -tonumber(f[3]))
+local ans = I(retired) .. ',' .. I(flushed) .. ',' .. ARGV[5]
+redis.call('HSET', bk, 'st', 'a', 'ans', ans, 'end', I(NOW))
+redis.call('PEXPIRE', bk, 86400000)
+finish()
+return { 'ok', ans }

@@ -1,0 +1,214 @@
+-- Shared prologue of every broker script. KEYS[1] is the run hash "<prefix>:{<run_id>}:run";
+-- every other key of the run is derived from it, so all of them share the {<run_id>} hash tag
+-- and the scripts run unchanged on Redis Cluster.
+redis.replicate_commands()  -- TIME before writes (a no-op on Redis >= 7)
+
+local RUN = KEYS[1]
+local B = string.sub(RUN, 1, #RUN - 3)
+local EV = B .. 'events'     -- stream: accounting events
+local Q = B .. 'q'           -- zset: ready units by arrival seq
+local VS = B .. 'vs'         -- zset: versions that have ready units, score = version
+local OPEN = B .. 'open'     -- zset: incomplete groups by creation ms
+local OV = B .. 'ov'         -- zset: incomplete groups by (oldest) version
+local LEASES = B .. 'leases' -- zset: live batches by expiry ms
+local SEEN = B .. 'seen'     -- set: every rollout_id ever received (idempotency)
+local WAKE = ARGV[1]         -- pub/sub channel that wakes long-polling trainers
+
+local t = redis.call('TIME')
+local NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+local function I(x) return string.format('%d', x) end
+local function qv(v) return B .. 'qv:' .. I(v) end
+local function ukey(u) return B .. 'u:' .. u end
+local function mkey(u) return B .. 'm:' .. u end
+local function rkey(r) return B .. 'r:' .. r end
+local function bkey(b) return B .. 'b:' .. b end
+
+local function emit(e, d)
+  d['t'] = NOW
+  redis.call('XADD', EV, '*', 'e', e, 'd', cmsgpack.pack(d))
+end
+
+-- The run's state, read once per call.
+local R = nil
+local CFG = nil
+local function load_run()
+  local f = redis.call('HMGET', RUN, 'cfg', 'ver', 'st', 'floor')
+  if not f[1] then return false end
+  CFG = cjson.decode(f[1])
+  R = { ver = tonumber(f[2]), st = f[3], floor = tonumber(f[4]) }
+  return true
+end
+
+-- Lowest version still eligible: the staleness bound, raised by the last kl_flush.
+local function min_version()
+  return math.max(R.ver - CFG.max_staleness, R.floor)
+end
+
+local function version_reason(v)
+  if v < R.ver - CFG.max_staleness then return 'stale' end
+  if v < R.floor then return 'kl_flush' end
+  return nil
+end
+
+-- Retirements are collected per reason and written as one event per reason at the end.
+local RETIRED = {}
+local RETIRED_ORDER = {}
+local RETIRED_N = 0
+local WOKE = false
+
+local function unready(u, v)
+  redis.call('ZREM', Q, u)
+  local k = qv(v)
+  redis.call('ZREM', k, u)
+  if redis.call('EXISTS', k) == 0 then redis.call('ZREM', VS, I(v)) end
+end
+
+local function make_ready(u, v, seq)
+  redis.call('ZADD', Q, seq, u)
+  redis.call('ZADD', qv(v), seq, u)
+  redis.call('ZADD', VS, I(v), I(v))
+  redis.call('HSET', ukey(u), 'st', 'r')
+  WOKE = true
+end
+
+-- Remove a unit (ready 'r', open 'o', or just back from a lease 'l') and its rollouts.
+local function retire(u, reason)
+  local uk = ukey(u)
+  local f = redis.call('HMGET', uk, 'st', 'v', 'uses')
+  if not f[1] then return 0 end
+  local v = tonumber(f[2])
+  if f[1] == 'r' then
+    unready(u, v)
+  elseif f[1] == 'o' then
+    redis.call('ZREM', OPEN, u)
+    redis.call('ZREM', OV, u)
+  end  -- 'l': a unit back from a lease is in no index
+  local items = RETIRED[reason]
+  if not items then
+    items = {}
+    RETIRED[reason] = items
+    table.insert(RETIRED_ORDER, reason)
+  end
+  local uses = tonumber(f[3])
+  local members = redis.call('LRANGE', mkey(u), 0, -1)
+  for _, rid in ipairs(members) do
+    local rk = rkey(rid)
+    local rf = redis.call('HMGET', rk, 'v', 'n')
+    table.insert(items, { rid, tonumber(rf[1]), tonumber(rf[2]), uses })
+    redis.call('DEL', rk)
+  end
+  redis.call('DEL', uk, mkey(u))
+  redis.call('HINCRBY', RUN, 'live', -#members)
+  RETIRED_N = RETIRED_N + #members
+  return #members
+end
+
+-- Why a complete unit can never be handed out again under the current rules, or nil.
+local function permanent_reason(uses, v, kl)
+  if R.st == 'closed' then return 'run_closed' end
+  if uses >= CFG.max_reuse then return 'max_reuse' end
+  local vr = version_reason(v)
+  if vr then return vr end
+  if kl and kl > CFG.kl_max then return 'kl' end
+  return nil
+end
+
+-- A unit back from a lease (ack, nack, expiry): retire it or make it ready again.
+local function settle(u)
+  local uk = ukey(u)
+  local f = redis.call('HMGET', uk, 'v', 'seq', 'uses', 'kl')
+  local v = tonumber(f[1])
+  local reason = permanent_reason(tonumber(f[3]), v, tonumber(f[4]))
+  if reason then
+    retire(u, reason)
+  else
+    redis.call('HDEL', uk, 'b')
+    make_ready(u, v, tonumber(f[2]))
+  end
+end
+
+local function batch_items(units)
+  local items = {}
+  for _, u in ipairs(units) do
+    for _, rid in ipairs(redis.call('LRANGE', mkey(u), 0, -1)) do
+      local rf = redis.call('HMGET', rkey(rid), 'v', 'n')
+      table.insert(items, { rid, tonumber(rf[1]), tonumber(rf[2]) })
+    end
+  end
+  return items
+end
+
+-- Return an expired batch's units to the buffer.
+local function expire_batch(bid)
+  local bk = bkey(bid)
+  local f = redis.call('HMGET', bk, 'st', 'units', 'n')
+  redis.call('ZREM', LEASES, bid)
+  if f[1] ~= 'l' then return 0 end
+  local units = cjson.decode(f[2])
+  emit('expired', { batch_id = bid, items = batch_items(units) })
+  for _, u in ipairs(units) do settle(u) end
+  redis.call('HINCRBY', RUN, 'leased', -tonumber(f[3]))
+  redis.call('HSET', bk, 'st', 'e', 'end', NOW)
+  redis.call('PEXPIRE', bk, 86400000)
+  return 1
+end
+
+-- Retire buffered units below the version floor (everything, in a closed run), at most
+-- `budget` units; returns the budget left.
+local function retire_below(budget)
+  local floor_v
+  if R.st == 'closed' then floor_v = '+inf' else floor_v = '(' .. I(min_version()) end
+  local function reason_for(v)
+    if R.st == 'closed' then return 'run_closed' end
+    return version_reason(v)
+  end
+  if budget > 0 then
+    local open_old = redis.call('ZRANGEBYSCORE', OV, '-inf', floor_v, 'WITHSCORES', 'LIMIT', 0, budget)
+    for i = 1, #open_old, 2 do retire(open_old[i], reason_for(tonumber(open_old[i + 1]))) end
+    budget = budget - #open_old / 2
+  end
+  while budget > 0 do
+    local vs = redis.call('ZRANGEBYSCORE', VS, '-inf', floor_v, 'LIMIT', 0, 1)
+    if #vs == 0 then break end
+    local units = redis.call('ZRANGE', qv(tonumber(vs[1])), 0, budget - 1)
+    if #units == 0 then redis.call('ZREM', VS, vs[1]) end
+    for _, u in ipairs(units) do retire(u, reason_for(tonumber(vs[1]))) end
+    budget = budget - #units
+  end
+  return budget
+end
+
+-- Bounded clean-up: expired leases, timed-out groups, units below the version floor, and
+-- everything buffered in a closed run. Returns 1 when work was left for a later call.
+local function sweep(limit)
+  local more = 0
+  local expired = redis.call('ZRANGEBYSCORE', LEASES, '-inf', I(NOW), 'LIMIT', 0, limit)
+  for _, bid in ipairs(expired) do expire_batch(bid) end
+  if #expired == limit then more = 1 end
+
+  local budget = limit
+  local cutoff = NOW - CFG.group_timeout_s * 1000
+  local late = redis.call('ZRANGEBYSCORE', OPEN, '-inf', I(cutoff), 'LIMIT', 0, budget)
+  for _, u in ipairs(late) do retire(u, R.st == 'closed' and 'run_closed' or 'incomplete_group') end
+  budget = budget - #late
+
+  budget = retire_below(budget)
+  if budget <= 0 then more = 1 end
+  return more
+end
+
+local function finish()
+  for _, reason in ipairs(RETIRED_ORDER) do
+    emit('retired', { reason = reason, items = RETIRED[reason] })
+  end
+  if WOKE then redis.call('PUBLISH', WAKE, string.sub(B, 1, #B - 1)) end
+end
+
+local function run_snapshot(change)
+  local f = redis.call('HMGET', RUN, 'id', 'cfg', 'ver', 'st', 'created')
+  emit('run', {
+    run_id = f[1], change = change, config = cjson.decode(f[2]),
+    policy_version = tonumber(f[3]), status = f[4], created_at = tonumber(f[5]),
+  })
+end

@@ -1,0 +1,131 @@
+-- Store a request's rollouts: all-or-nothing validation first (Redis does not roll a script
+-- back), then the writes, the accounting events and one wake-up for long-polling trainers.
+-- ARGV: wake, n, then n records of 6: rollout_id, group_id ('' = none), policy_version,
+--       tokens, reward (exact decimal text), blob.
+-- Returns {'ok', accepted, duplicates, rid1, reason1, ...} or {'err', code, detail...}.
+if not load_run() then return { 'err', 'missing' } end
+local n = tonumber(ARGV[2])
+local gs = CFG.group_size
+local minv = min_version()
+
+-- Phase 1: decide every rollout's fate and check the whole request, writing nothing.
+local fate = {}      -- i -> 'ok' | 'dup' | reason
+local unit = {}      -- i -> unit id
+local in_req = {}
+local pending = {}   -- unit -> members this request adds
+local accepted = 0
+for i = 1, n do
+  local o = 2 + (i - 1) * 6
+  local rid, gid, v = ARGV[o + 1], ARGV[o + 2], tonumber(ARGV[o + 3])
+  if in_req[rid] or redis.call('SISMEMBER', SEEN, rid) == 1 then
+    fate[i] = 'dup'
+  else
+    in_req[rid] = true
+    if R.st == 'closed' then
+      fate[i] = 'run_closed'
+    elseif v > R.ver then
+      fate[i] = 'future_version'
+    elseif v < minv then
+      fate[i] = 'stale'
+    else
+      fate[i] = 'ok'
+      accepted = accepted + 1
+      local u
+      if gs > 1 then
+        if gid == '' then return { 'err', 'group_missing', rid } end
+        u = 'g:' .. gid
+        local f = redis.call('HMGET', ukey(u), 'st', 'have', 'need')
+        local have, need = 0, gs
+        if f[1] then
+          if f[1] ~= 'o' then return { 'err', 'group_overflow', gid, f[3], f[3] } end
+          have, need = tonumber(f[2]), tonumber(f[3])
+        end
+        pending[u] = (pending[u] or 0) + 1
+        if have + pending[u] > need then
+          return { 'err', 'group_overflow', gid, I(have + pending[u]), I(need) }
+        end
+      else
+        u = 'r:' .. rid
+      end
+      unit[i] = u
+    end
+  end
+end
+local live = tonumber(redis.call('HGET', RUN, 'live'))
+if accepted > 0 and live + accepted > CFG.capacity_rollouts then
+  return { 'err', 'capacity', I(live), I(CFG.capacity_rollouts) }
+end
+
+-- Phase 2: write.
+redis.call('HINCRBY', RUN, 'live', accepted)
+local acc_items, rej_items, dup_ids, out = {}, {}, {}, {}
+for i = 1, n do
+  local o = 2 + (i - 1) * 6
+  local rid, gid, vs, ntok, rw, blob =
+    ARGV[o + 1], ARGV[o + 2], ARGV[o + 3], ARGV[o + 4], ARGV[o + 5], ARGV[o + 6]
+  local v, tokens = tonumber(vs), tonumber(ntok)
+  if fate[i] == 'dup' then
+    table.insert(dup_ids, rid)
+  elseif fate[i] ~= 'ok' then
+    redis.call('SADD', SEEN, rid)
+    table.insert(rej_items, { rid, fate[i], v, tokens })
+    table.insert(out, rid)
+    table.insert(out, fate[i])
+  else
+    redis.call('SADD', SEEN, rid)
+    local u = unit[i]
+    local uk = ukey(u)
+    redis.call('HSET', rkey(rid), 'd', blob, 'v', vs, 'n', ntok)
+    redis.call('RPUSH', mkey(u), rid)
+    local f = redis.call('HMGET', uk, 'have', 'need', 'v', 'rmin', 'rmax', 'seq')
+    local new_unit = 0
+    local have, need, uv, seq
+    if not f[1] then
+      new_unit = 1
+      seq = redis.call('HINCRBY', RUN, 'seq', 1)
+      have, need, uv = 1, gs, v
+      redis.call('HSET', uk, 'need', gs, 'have', 1, 'v', vs, 'seq', seq, 'uses', 0, 'st', 'o')
+      if gs > 1 then
+        redis.call('HSET', uk, 'rmin', rw, 'rmax', rw)
+        redis.call('ZADD', OPEN, NOW, u)
+        redis.call('ZADD', OV, vs, u)
+      end
+    else
+      have = redis.call('HINCRBY', uk, 'have', 1)
+      need, uv, seq = tonumber(f[2]), tonumber(f[3]), tonumber(f[6])
+      if v < uv then
+        uv = v
+        redis.call('HSET', uk, 'v', vs)
+        redis.call('ZADD', OV, vs, u)
+      end
+      -- Compare as doubles, keep the exact text: Lua would print doubles with 14 digits.
+      if tonumber(rw) < tonumber(f[4]) then redis.call('HSET', uk, 'rmin', rw) end
+      if tonumber(rw) > tonumber(f[5]) then redis.call('HSET', uk, 'rmax', rw) end
+    end
+    table.insert(acc_items, { rid, gs > 1 and gid or rid, v, tokens, new_unit })
+    if have == need then
+      if need > 1 then
+        redis.call('ZREM', OPEN, u)
+        redis.call('ZREM', OV, u)
+      end
+      if need > 1 and CFG.drop_zero_variance_groups then
+        local rr = redis.call('HMGET', uk, 'rmin', 'rmax')
+        if tonumber(rr[1]) == tonumber(rr[2]) then
+          retire(u, 'zero_variance')
+        else
+          make_ready(u, uv, seq)
+        end
+      else
+        make_ready(u, uv, seq)
+      end
+    end
+  end
+end
+
+if #acc_items > 0 then emit('accepted', { items = acc_items }) end
+if #dup_ids > 0 then emit('duplicate', { n = #dup_ids, ids = dup_ids }) end
+if #rej_items > 0 then emit('rejected', { items = rej_items }) end
+finish()
+local res = { 'ok', accepted, #dup_ids }
+for _, x in ipairs(out) do table.insert(res, x) end
+return res

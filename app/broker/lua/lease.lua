@@ -1,0 +1,97 @@
+-- Select eligible units in the run's order and lease them as one batch, atomically: no unit
+-- can be in two live leases. Units found permanently ineligible on the way are retired.
+-- ARGV: wake, batch_id, size, policy_version ('' = current), partial (0/1), trainer_id,
+--       sweep_limit, scan_limit.
+-- Returns {'ok', batch_id, V, expires_at, n, uses1, lag1, blob1, ...} | {'none', found}
+--       | {'err', 'missing'} | {'err', 'future', current}.
+if not load_run() then return { 'err', 'missing' } end
+local bid, N = ARGV[2], tonumber(ARGV[3])
+local V = R.ver
+if ARGV[4] ~= '' then
+  V = tonumber(ARGV[4])
+  if V > R.ver then return { 'err', 'future', I(R.ver) } end
+end
+local partial = ARGV[5] == '1'
+sweep(tonumber(ARGV[7]))
+local scan_limit = tonumber(ARGV[8])
+
+local picked, picked_n, scanned = {}, 0, 0
+local function full() return picked_n >= N or scanned >= scan_limit end
+
+local function consider(u)
+  scanned = scanned + 1
+  local f = redis.call('HMGET', ukey(u), 'v', 'uses', 'kl', 'have')
+  if not f[1] then return end
+  local v, uses, have = tonumber(f[1]), tonumber(f[2]), tonumber(f[4])
+  local reason = permanent_reason(uses, v, tonumber(f[3]))
+  if reason then
+    retire(u, reason)
+  elseif have <= N - picked_n then
+    table.insert(picked, { u, v, uses })
+    picked_n = picked_n + have
+  end
+end
+
+-- Walk one zset in seq order, a page at a time (retiring changes ranks, not scores).
+local function walk(key)
+  local after = '-inf'
+  while not full() do
+    local page = redis.call('ZRANGEBYSCORE', key, after, '+inf', 'WITHSCORES', 'LIMIT', 0, 64)
+    if #page == 0 then return end
+    for i = 1, #page, 2 do
+      consider(page[i])
+      after = '(' .. page[i + 1]
+      if full() then return end
+    end
+  end
+end
+
+local order = CFG.order
+if order == 'fifo' then
+  walk(Q)
+elseif order == 'random' then
+  local sample = redis.call('ZRANDMEMBER', Q, math.min(scan_limit, 2 * N + 32))
+  for _, u in ipairs(sample) do
+    consider(u)
+    if full() then break end
+  end
+else -- freshest: highest version first, oldest arrival within a version
+  local versions = redis.call('ZREVRANGE', VS, 0, -1)
+  for _, v in ipairs(versions) do
+    walk(B .. 'qv:' .. v)
+    if full() then break end
+  end
+end
+
+if picked_n == 0 or (picked_n < N and not partial) then
+  finish()
+  return { 'none', picked_n }
+end
+
+local exp = NOW + CFG.lease_timeout_s * 1000
+local units, items, res = {}, {}, { 'ok', bid, I(V), I(exp), picked_n }
+local tokens = 0
+for _, p in ipairs(picked) do
+  local u, v, uses = p[1], p[2], p[3]
+  unready(u, v)
+  redis.call('HSET', ukey(u), 'st', 'l', 'b', bid)
+  table.insert(units, u)
+  for _, rid in ipairs(redis.call('LRANGE', mkey(u), 0, -1)) do
+    local rf = redis.call('HMGET', rkey(rid), 'd', 'v', 'n')
+    local rv, rn = tonumber(rf[2]), tonumber(rf[3])
+    tokens = tokens + rn
+    table.insert(items, { rid, rv, rn, V - rv, uses })
+    table.insert(res, uses)
+    table.insert(res, I(V - rv))
+    table.insert(res, rf[1])
+  end
+end
+redis.call('HSET', bkey(bid), 'st', 'l', 'v', I(V), 'exp', I(exp), 'units', cjson.encode(units),
+  'n', picked_n, 'tok', I(tokens), 'tr', ARGV[6], 't', I(NOW))
+redis.call('ZADD', LEASES, I(exp), bid)
+redis.call('HINCRBY', RUN, 'leased', picked_n)
+local ev = { batch_id = bid, policy_version = V, expires_at = exp, items = items }
+if ARGV[6] ~= '' then ev['trainer_id'] = ARGV[6] end
+emit('leased', ev)
+finish()
+return res

@@ -1,0 +1,151 @@
+"""Wire models of rollouts, batches and acks. JSON bodies carry arrays as lists; msgpack
+bodies may also carry `response_ids`, `prompt_ids` (int32) and `logprobs` (float32) as raw
+little-endian bytes."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.broker.config import MAX_VERSION, ItemId, RunConfig, RunConfigPatch, RunId
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class RolloutJSON(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rollout_id: ItemId
+    group_id: ItemId | None = None
+    policy_version: int = Field(ge=0, le=MAX_VERSION)
+    prompt_ids: list[int] | None = None
+    response_ids: list[int]
+    logprobs: list[float] | None = None
+    reward: float = Field(allow_inf_nan=False)
+    finish_reason: FinishReason | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class RolloutMsgpack(RolloutJSON):
+    prompt_ids: list[int] | bytes | None = None  # type: ignore[assignment]
+    response_ids: list[int] | bytes  # type: ignore[assignment]
+    logprobs: list[float] | bytes | None = None  # type: ignore[assignment]
+
+
+class IngestJSON(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rollouts: list[RolloutJSON]
+
+
+class IngestMsgpack(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rollouts: list[RolloutMsgpack]
+
+
+class Rejection(BaseModel):
+    rollout_id: str
+    reason: str
+
+
+class IngestResult(BaseModel):
+    accepted: int
+    duplicates: int
+    rejected: list[Rejection]
+
+
+class CreateRun(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    run_id: RunId | None = None
+    config: RunConfig | None = None
+
+
+class Run(BaseModel):
+    run_id: str
+    config: RunConfig
+    policy_version: int
+    status: Literal["open", "closed"]
+    created_at: str
+
+
+class PolicyUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=0, le=MAX_VERSION)
+
+
+class PolicyResult(BaseModel):
+    policy_version: int
+    evicted: int
+
+
+class AckBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    logprobs: dict[str, list[float]] | None = None
+    kl: dict[str, float] | None = None
+    step: int | None = Field(None, ge=0, le=MAX_VERSION)
+
+
+class AckMsgpack(AckBody):
+    logprobs: dict[str, list[float] | bytes] | None = None  # type: ignore[assignment]
+
+
+class BatchStats(BaseModel):
+    kl_mean: float | None
+    kl_max: float | None
+    is_ratio_mean: float | None
+    clip_fraction: float | None
+    ess_fraction: float | None
+
+
+class AckResult(BaseModel):
+    consumed: int
+    retired: int
+    flushed: int
+    stats: BatchStats
+
+
+class NackResult(BaseModel):
+    returned: int
+
+
+__all__ = [
+    "AckBody",
+    "AckMsgpack",
+    "AckResult",
+    "BatchStats",
+    "CreateRun",
+    "IngestJSON",
+    "IngestMsgpack",
+    "IngestResult",
+    "NackResult",
+    "PolicyResult",
+    "PolicyUpdate",
+    "Rejection",
+    "RolloutJSON",
+    "RolloutMsgpack",
+    "Run",
+    "RunConfigPatch",
+]
+
+
+class LeasedRolloutOut(BaseModel):
+    """A rollout as a trainer receives it (msgpack responses carry the arrays as raw bytes)."""
+
+    rollout_id: str
+    group_id: str | None
+    policy_version: int
+    prompt_ids: list[int] | None
+    response_ids: list[int]
+    logprobs: list[float] | None
+    reward: float
+    finish_reason: FinishReason | None
+    metadata: dict[str, Any] | None
+    uses: int
+    lag: int
+
+
+class BatchOut(BaseModel):
+    batch_id: str
+    policy_version: int
+    lease_expires_at: str
+    rollouts: list[LeasedRolloutOut]

@@ -1,0 +1,408 @@
+"""The broker's operations as the API needs them: validate, call the store, shape results.
+
+No HTTP here: the routers parse requests and render what these methods return; the rules
+themselves live in the Lua scripts (atomic state changes) and in stats.py (numpy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+from app.broker.config import RunConfig, RunConfigPatch
+from app.broker.notify import Waker
+from app.broker.packing import (
+    PackedRollout,
+    StoredRollout,
+    logprob_array,
+    pack_rollout,
+    unpack_rollout,
+)
+from app.broker.schemas import (
+    AckBody,
+    AckResult,
+    BatchStats,
+    IngestResult,
+    NackResult,
+    PolicyResult,
+    Rejection,
+    RolloutJSON,
+    Run,
+)
+from app.broker.stats import BatchFigures, Measured, batch_figures
+from app.broker.store import Lease, RedisStore, RunState, StoreError
+from app.errors import (
+    BatchNotFound,
+    BatchSettled,
+    LeaseExpired,
+    OverCapacity,
+    RunConflict,
+    RunNotFound,
+    ValidationFailed,
+    VersionConflict,
+)
+
+
+def iso_ms(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat().replace("+00:00", "Z")
+
+
+def run_view(state: RunState) -> Run:
+    return Run(
+        run_id=state.run_id,
+        config=state.config,
+        policy_version=state.policy_version,
+        status=state.status,
+        created_at=iso_ms(state.created_at_ms),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class LeasedBatch:
+    batch_id: str
+    policy_version: int
+    lease_expires_at: str
+    rollouts: list[tuple[StoredRollout, int, int]]  # (rollout, uses, lag)
+
+
+class Broker:
+    def __init__(
+        self,
+        store: RedisStore,
+        waker: Waker,
+        *,
+        max_tokens_per_rollout: int,
+        max_rollouts_per_request: int,
+        max_batch_size: int,
+        max_wait_s: float,
+        retry_after_s: int,
+    ) -> None:
+        self.store = store
+        self.waker = waker
+        self.max_tokens = max_tokens_per_rollout
+        self.max_rollouts = max_rollouts_per_request
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_s
+        self.retry_after_s = retry_after_s
+
+    # -- runs -----------------------------------------------------------------------------
+    async def _run(self, run_id: str) -> RunState:
+        state = await self.store.get_run(run_id)
+        if state is None:
+            raise RunNotFound(f"no run {run_id!r}")
+        return state
+
+    async def create_run(self, run_id: str | None, config: RunConfig | None) -> tuple[Run, bool]:
+        """The run and whether it was created now (False: it existed with the same config)."""
+        rid = run_id or f"run-{uuid.uuid4().hex[:12]}"
+        cfg = config or RunConfig()
+        outcome = await self.store.create_run(rid, cfg)
+        if outcome == "conflict":
+            raise RunConflict(f"run {rid!r} exists with a different config")
+        return run_view(await self._run(rid)), outcome == "created"
+
+    async def get_run(self, run_id: str) -> Run:
+        return run_view(await self._run(run_id))
+
+    async def list_runs(self) -> list[Run]:
+        return [run_view(s) for s in await self.store.list_runs()]
+
+    async def patch_config(self, run_id: str, patch: RunConfigPatch) -> Run:
+        while True:
+            state = await self._run(run_id)
+            try:
+                new = state.config.merged(patch)
+            except ValueError as exc:
+                raise ValidationFailed(f"invalid config: {exc}") from None
+            outcome = await self.store.replace_config(run_id, state.config_json, new)
+            if outcome == "missing":
+                raise RunNotFound(f"no run {run_id!r}")
+            if outcome == "ok":
+                return run_view(await self._run(run_id))
+            # 'changed': another patch landed between our read and write; merge again.
+
+    async def close_run(self, run_id: str) -> Run:
+        if not await self.store.close_run(run_id):
+            raise RunNotFound(f"no run {run_id!r}")
+        return run_view(await self._run(run_id))
+
+    async def set_policy(self, run_id: str, version: int) -> PolicyResult:
+        outcome, current, evicted = await self.store.set_policy(run_id, version)
+        if outcome == "missing":
+            raise RunNotFound(f"no run {run_id!r}")
+        if outcome == "backwards":
+            raise VersionConflict(
+                f"policy version {version} is below the run's current version {current}"
+            )
+        return PolicyResult(policy_version=current, evicted=evicted)
+
+    # -- rollouts -------------------------------------------------------------------------
+    def pack(self, rollouts: Sequence[RolloutJSON]) -> list[PackedRollout]:
+        if len(rollouts) > self.max_rollouts:
+            raise ValidationFailed(
+                f"{len(rollouts)} rollouts in one request, at most {self.max_rollouts}"
+            )
+        return [
+            pack_rollout(
+                rollout_id=r.rollout_id,
+                group_id=r.group_id,
+                policy_version=r.policy_version,
+                prompt_ids=r.prompt_ids,
+                response_ids=r.response_ids,
+                logprobs=r.logprobs,
+                reward=r.reward,
+                finish_reason=r.finish_reason,
+                metadata=r.metadata,
+                max_tokens=self.max_tokens,
+            )
+            for r in rollouts
+        ]
+
+    async def ingest(self, run_id: str, rollouts: Sequence[RolloutJSON]) -> IngestResult:
+        packed = self.pack(rollouts)
+        try:
+            out = await self.store.ingest(run_id, packed)
+        except StoreError as err:
+            raise self._ingest_error(run_id, err) from None
+        return IngestResult(
+            accepted=out.accepted,
+            duplicates=out.duplicates,
+            rejected=[Rejection(rollout_id=r, reason=why) for r, why in out.rejected],
+        )
+
+    def _ingest_error(self, run_id: str, err: StoreError) -> Exception:
+        a = err.args_
+        if err.code == "missing":
+            return RunNotFound(f"no run {run_id!r}")
+        if err.code == "group_missing":
+            return ValidationFailed(
+                f"rollout {a[0]!r} has no group_id, and this run's group_size is above 1"
+            )
+        if err.code == "group_overflow":
+            return ValidationFailed(
+                f"group {a[0]!r} would have {a[1]} rollouts, more than its group_size {a[2]}"
+            )
+        if err.code == "capacity":
+            return OverCapacity(
+                f"run {run_id!r} holds {a[0]} rollouts, its capacity is {a[1]}; retry later",
+                retry_after_s=self.retry_after_s,
+            )
+        return RuntimeError(f"ingest failed: {err.code}")
+
+    # -- batches --------------------------------------------------------------------------
+    async def lease(
+        self,
+        run_id: str,
+        *,
+        size: int,
+        policy_version: int | None,
+        wait_s: float,
+        partial: bool,
+        trainer_id: str | None,
+    ) -> LeasedBatch | None:
+        """A leased batch, or None when nothing qualified within ``wait_s``."""
+        state = await self._run(run_id)
+        if size > self.max_batch_size:
+            raise ValidationFailed(f"size {size} is above the largest batch, {self.max_batch_size}")
+        gs = state.config.group_size
+        if size % gs:
+            raise ValidationFailed(f"size {size} is not a multiple of this run's group_size {gs}")
+        if policy_version is not None and policy_version > state.policy_version:
+            raise ValidationFailed(
+                f"policy_version {policy_version} is above the run's current version "
+                f"{state.policy_version}"
+            )
+        wait_s = min(max(wait_s, 0.0), self.max_wait_s)
+        deadline = time.monotonic() + wait_s
+        while True:
+            ev = self.waker.event(run_id)
+            remaining = deadline - time.monotonic()
+            last = remaining <= 0
+            try:
+                got = await self.store.lease(
+                    run_id,
+                    batch_id=uuid.uuid4().hex,
+                    size=size,
+                    policy_version=policy_version,
+                    # Take a part only once waiting for the whole is over.
+                    partial=partial and last,
+                    trainer_id=trainer_id,
+                )
+            except StoreError as err:
+                if err.code == "missing":
+                    raise RunNotFound(f"no run {run_id!r}") from None
+                raise ValidationFailed(
+                    f"policy_version {policy_version} is above the run's current version "
+                    f"{err.args_[0]}"
+                ) from None
+            if isinstance(got, Lease):
+                return LeasedBatch(
+                    batch_id=got.batch_id,
+                    policy_version=got.policy_version,
+                    lease_expires_at=iso_ms(got.expires_at_ms),
+                    rollouts=[(unpack_rollout(r.blob), r.uses, r.lag) for r in got.rollouts],
+                )
+            if last:
+                return None
+            await self.waker.wait(ev, remaining)
+
+    async def ack(self, run_id: str, batch_id: str, body: AckBody) -> AckResult:
+        state = await self._run(run_id)
+        view = await self.store.batch_view(run_id, batch_id)
+        if view is None:
+            raise BatchNotFound(f"no batch {batch_id!r} in run {run_id!r}")
+        if view.state != "l":
+            return self._settled_ack(view.state, view.answer, view.size, batch_id)
+        new_lp: dict[str, Any] = body.logprobs or {}
+        ready_kl = body.kl or {}
+        unknown = (new_lp.keys() | ready_kl.keys()) - set(view.rollout_ids)
+        if unknown:
+            raise ValidationFailed(
+                f"batch {batch_id!r} has no rollout {sorted(unknown)[0]!r} "
+                f"({len(unknown)} unknown rollout ids)"
+            )
+        both = new_lp.keys() & ready_kl.keys()
+        if both:
+            raise ValidationFailed(
+                f"rollout {sorted(both)[0]!r} has both logprobs and kl; give one of them"
+            )
+        for rid, value in ready_kl.items():
+            if not math.isfinite(value):
+                raise ValidationFailed(f"kl of rollout {rid!r} must be finite")
+
+        rows = [_BatchRow.of(rid, blob) for rid, blob in zip(view.rollout_ids, view.blobs, strict=True)]
+        items: list[Measured] = []
+        for row in rows:
+            new = None
+            if row.rollout_id in new_lp:
+                new = logprob_array(new_lp[row.rollout_id], f"ack logprobs of rollout {row.rollout_id!r}")
+                if new.size != row.tokens:
+                    raise ValidationFailed(
+                        f"ack logprobs of rollout {row.rollout_id!r}: {new.size} values for "
+                        f"{row.tokens} tokens"
+                    )
+            items.append(Measured(row.old, new, ready_kl.get(row.rollout_id), row.tokens))
+        cfg = state.config
+        fig = batch_figures(items, cfg.kl_estimator, cfg.clip_epsilon)
+        stats = BatchStats(
+            kl_mean=fig.kl_mean,
+            kl_max=fig.kl_max,
+            is_ratio_mean=fig.is_ratio_mean,
+            clip_fraction=fig.clip_fraction,
+            ess_fraction=fig.ess_fraction,
+        )
+        outcome, answer = await self.store.ack(
+            run_id,
+            batch_id,
+            kl_mean=fig.kl_mean,
+            event=_acked_event(batch_id, body.step, view.policy_version, rows, fig, stats),
+            stats_text=stats.model_dump_json(),
+            kl=[(row.rollout_id, k) for row, k in zip(rows, fig.kl, strict=True) if k is not None],
+        )
+        if answer is not None:
+            return self._answer(answer, view.size)
+        return self._settled_ack(outcome, None, view.size, batch_id)
+
+    @staticmethod
+    def _answer(answer: str, size: int) -> AckResult:
+        retired, flushed, stats = answer.split(",", 2)
+        return AckResult(
+            consumed=size,
+            retired=int(retired),
+            flushed=int(flushed),
+            stats=BatchStats.model_validate_json(stats),
+        )
+
+    def _settled_ack(self, state: str, answer: str | None, size: int, batch_id: str) -> AckResult:
+        if state in ("a", "acked") and answer is not None:
+            return self._answer(answer, size)
+        if state in ("e", "expired"):
+            raise LeaseExpired(f"the lease of batch {batch_id!r} expired; its rollouts went back")
+        if state in ("n", "nacked"):
+            raise BatchSettled(f"batch {batch_id!r} was nacked; it cannot be acked")
+        raise BatchNotFound(f"no batch {batch_id!r}")
+
+    async def nack(self, run_id: str, batch_id: str) -> NackResult:
+        outcome, n = await self.store.nack(run_id, batch_id)
+        if outcome == "missing":
+            raise RunNotFound(f"no run {run_id!r}")
+        if outcome == "batch_missing":
+            raise BatchNotFound(f"no batch {batch_id!r} in run {run_id!r}")
+        if outcome == "acked":
+            raise BatchSettled(f"batch {batch_id!r} was acked; it cannot be nacked")
+        if outcome == "expired":
+            raise LeaseExpired(f"the lease of batch {batch_id!r} expired; its rollouts went back")
+        return NackResult(returned=n)
+
+    # -- maintenance ----------------------------------------------------------------------
+    async def sweep_all(self) -> int:
+        """One clean-up pass over every run; returns rollouts retired."""
+        total = 0
+        for rid in await self.store.run_ids():
+            more = 1
+            while more:
+                more, n = await self.store.sweep(rid)
+                total += n
+            await asyncio.sleep(0)
+        return total
+
+
+@dataclass(frozen=True, slots=True)
+class _BatchRow:
+    rollout_id: str
+    policy_version: int
+    tokens: int
+    old: npt.NDArray[np.float32] | None
+
+    @classmethod
+    def of(cls, rollout_id: str, blob: bytes) -> _BatchRow:
+        doc = msgpack.unpackb(blob, raw=False)
+        lp = doc.get("l")
+        return cls(
+            rollout_id,
+            doc["v"],
+            len(doc["r"]) // doc["rw"],
+            np.frombuffer(lp, dtype="<f4") if lp is not None else None,
+        )
+
+
+def _acked_event(
+    batch_id: str,
+    step: int | None,
+    policy_version: int,
+    rows: Sequence[_BatchRow],
+    fig: BatchFigures,
+    stats: BatchStats,
+) -> bytes:
+    items: list[list[Any]] = []
+    for row, k in zip(rows, fig.kl, strict=True):
+        item: list[Any] = [row.rollout_id, row.policy_version, row.tokens]
+        if k is not None:
+            item.append(k)
+        items.append(item)
+    payload: dict[str, Any] = {
+        "batch_id": batch_id,
+        "policy_version": policy_version,
+        "items": items,
+        "stats": {k: v for k, v in stats.model_dump().items() if v is not None},
+        "sums": {
+            "kl_tokens": fig.kl_tokens,
+            "kl_sum": fig.kl_sum,
+            "ratio_tokens": fig.ratio_tokens,
+            "ratio_sum": fig.ratio_sum,
+            "clipped": fig.clipped,
+        },
+    }
+    if step is not None:
+        payload["step"] = step
+    return msgpack.packb(payload, use_bin_type=True)

@@ -1,0 +1,127 @@
+"""The FastAPI application: ``create_app()`` wires settings, Redis, the broker and the routers.
+
+Connections are built in the lifespan, never at import, so tests and the CLI choose the
+settings first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from redis.asyncio import Redis
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app import __version__
+from app.api import batches, health, rollouts, runs
+from app.api.codec import describe_errors, render
+from app.broker.notify import Waker
+from app.broker.service import Broker
+from app.broker.store import RedisStore
+from app.errors import BrokerError
+from app.settings import Settings
+
+log = logging.getLogger("rollout_broker")
+
+_HTTP_NAMES = {
+    400: "BadRequest",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "NotFound",
+    405: "MethodNotAllowed",
+    409: "Conflict",
+    413: "PayloadTooLarge",
+    415: "UnsupportedMediaType",
+    422: "ValidationFailed",
+    429: "OverCapacity",
+}
+
+
+def error_body(name: str, detail: str, status: int, headers: dict[str, str] | None = None) -> Response:
+    resp = render({"error": name, "detail": detail}, status_code=status)
+    resp.headers.update(headers or {})
+    return resp
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """One renderer for every error: ``{"error": Name, "detail": text}``."""
+
+    @app.exception_handler(BrokerError)
+    async def _broker_error(_: Request, exc: BrokerError) -> Response:
+        return error_body(exc.name, exc.detail, exc.status, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> Response:
+        return error_body("ValidationFailed", describe_errors(list(exc.errors())), 422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+        name = _HTTP_NAMES.get(exc.status_code, "HTTPError")
+        return error_body(name, str(exc.detail), exc.status_code, dict(exc.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        log.exception("unhandled error")
+        return error_body("InternalError", f"internal error ({type(exc).__name__})", 500)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.redis_url is None:
+            raise RuntimeError("BROKER_REDIS_URL is not set (use `rollout-broker serve` for embedded)")
+        redis = Redis.from_url(settings.redis_url, decode_responses=False)
+        store = RedisStore(redis, settings.redis_prefix)
+        waker = Waker(redis, store.wake_channel, settings.redis_prefix)
+        await waker.start()
+        broker = Broker(
+            store,
+            waker,
+            max_tokens_per_rollout=settings.max_tokens_per_rollout,
+            max_rollouts_per_request=settings.max_rollouts_per_request,
+            max_batch_size=settings.max_batch_size,
+            max_wait_s=settings.max_wait_s,
+            retry_after_s=settings.retry_after_s,
+        )
+        app.state.settings = settings
+        app.state.redis = redis
+        app.state.store = store
+        app.state.broker = broker
+        stop = asyncio.Event()
+        tasks: list[asyncio.Task[None]] = []
+        if settings.workers_in_process:
+            from workers.maintenance import run_maintenance
+
+            tasks.append(asyncio.create_task(run_maintenance(broker, settings.sweep_interval_s, stop)))
+        try:
+            yield
+        finally:
+            stop.set()
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+            await waker.stop()
+            await redis.aclose()
+
+    app = FastAPI(
+        title="Rollout Broker",
+        version=__version__,
+        summary="Versioned rollouts in, leased batches out, exact sample accounting.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    install_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(runs.router)
+    app.include_router(rollouts.router)
+    app.include_router(batches.router)
+    return app

@@ -1,0 +1,23 @@
+"""The maintenance loop: expire leases, time out groups, retire what the rules no longer allow,
+for every run, every ``interval`` seconds. Lease calls do the same lazily; this loop makes it
+happen for runs nobody is leasing from."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from app.broker.service import Broker
+
+log = logging.getLogger(__name__)
+
+
+async def run_maintenance(broker: Broker, interval: float, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            await broker.sweep_all()
+        except Exception:  # keep sweeping: a Redis blip must not end the loop
+            log.exception("maintenance sweep failed")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=interval)
