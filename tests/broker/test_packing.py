@@ -1,0 +1,82 @@
+"""Packing of rollouts into Redis blobs: lossless, narrow, and strict about bad arrays."""
+
+import numpy as np
+import pytest
+
+from app.broker.packing import pack_ids, pack_rollout, unpack_ids, unpack_rollout
+from app.errors import ValidationFailed
+
+
+@pytest.mark.parametrize(("top", "width"), [(65535, 2), (65536, 3), (2**24 - 1, 3), (2**24, 4), (2**31 - 1, 4)])
+def test_ids_use_the_narrowest_width_and_round_trip(top, width):
+    arr = np.array([0, 1, top // 2, top], dtype=np.int32)
+    data, w = pack_ids(arr)
+    assert w == width
+    assert len(data) == width * arr.size
+    assert unpack_ids(data, w).tolist() == arr.tolist()
+
+
+def _pack(**kw):
+    base = dict(
+        rollout_id="r",
+        group_id=None,
+        policy_version=3,
+        prompt_ids=None,
+        response_ids=[1, 2, 3],
+        logprobs=None,
+        reward=0.5,
+        finish_reason=None,
+        metadata=None,
+        max_tokens=16,
+    )
+    base.update(kw)
+    return pack_rollout(**base)
+
+
+def test_rollout_round_trip_with_binary_arrays():
+    ids = np.array([5, 150_000, 7], dtype="<i4")
+    lps = np.array([-0.1, -2.5, -1e-8], dtype="<f4")
+    p = _pack(
+        group_id="g",
+        prompt_ids=[9, 8],
+        response_ids=ids.tobytes(),
+        logprobs=lps.tobytes(),
+        reward=0.1,
+        finish_reason="length",
+        metadata={"k": [1, "x"]},
+    )
+    assert (p.tokens, p.reward_text) == (3, "0.1")
+    back = unpack_rollout(p.blob)
+    assert back.response_ids.tolist() == ids.tolist()
+    assert back.logprobs.tobytes() == lps.tobytes()
+    assert back.prompt_ids.tolist() == [9, 8]
+    assert (back.group_id, back.policy_version, back.reward, back.finish_reason) == ("g", 3, 0.1, "length")
+    assert back.metadata == {"k": [1, "x"]}
+
+
+def test_packed_1024_token_rollout_stays_under_8_kib():
+    ids = list(np.random.default_rng(0).integers(0, 151_000, 1024))
+    p = _pack(response_ids=[int(x) for x in ids], logprobs=[-0.5] * 1024, max_tokens=2048)
+    assert len(p.blob) < 8192 - 64  # fits jemalloc's 8 KiB class with the sds header
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        (dict(response_ids=[]), "empty"),
+        (dict(response_ids=[1, -2]), "between 0 and"),
+        (dict(response_ids=[2**31]), "between 0 and"),
+        (dict(response_ids=[1] * 17), "at most 16"),
+        (dict(response_ids=b"\x01\x00\x00"), "whole number of int32"),
+        (dict(response_ids=np.array([-1], "<i4").tobytes()), "negative"),
+        (dict(logprobs=[-0.1, -0.2]), "2 logprobs for 3"),
+        (dict(logprobs=[-0.1, float("nan"), -0.2]), "finite"),
+        (dict(logprobs=[-0.1, float("-inf"), -0.2]), "finite"),
+        (dict(logprobs=[-0.1, 0.5, -0.2]), "≤ 0"),
+        (dict(logprobs=[-0.1, -1e39, -0.2]), "float32 range"),
+        (dict(logprobs=b"\x00\x00"), "whole number of float32"),
+    ],
+)
+def test_bad_arrays_are_refused_with_a_readable_reason(kw, message):
+    with pytest.raises(ValidationFailed, match=message):
+        _pack(**kw)

@@ -1,0 +1,325 @@
+"""The Lua scripts, called directly through the store on a real Redis: every rule and reason,
+and the accounting event each change leaves behind."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import msgpack
+import pytest
+
+from app.broker.config import RunConfig
+from app.broker.packing import pack_rollout, unpack_rollout
+from app.broker.store import Lease, RedisStore, StoreError
+
+
+def packed(rid, version=0, *, group=None, reward=1.0, tokens=3):
+    return pack_rollout(
+        rollout_id=rid,
+        group_id=group,
+        policy_version=version,
+        prompt_ids=None,
+        response_ids=list(range(1, tokens + 1)),
+        logprobs=[-0.5] * tokens,
+        reward=reward,
+        finish_reason=None,
+        metadata=None,
+        max_tokens=4096,
+    )
+
+
+async def events(store: RedisStore, run_id: str = "r") -> list[tuple[str, dict]]:
+    out = []
+    for _, f in await store.redis.xrange(store.events_key(run_id)):
+        out.append((f[b"e"].decode(), msgpack.unpackb(f[b"d"], raw=False)))
+    return out
+
+
+async def retired(store: RedisStore, run_id: str = "r") -> dict[str, list[str]]:
+    got: dict[str, list[str]] = {}
+    for e, d in await events(store, run_id):
+        if e == "retired":
+            got.setdefault(d["reason"], []).extend(i[0] for i in d["items"])
+    return got
+
+
+async def lease(store, size, *, version=None, partial=False, run_id="r"):
+    return await store.lease(
+        run_id,
+        batch_id=uuid.uuid4().hex,
+        size=size,
+        policy_version=version,
+        partial=partial,
+        trainer_id="t",
+    )
+
+
+def ids(got: Lease) -> list[str]:
+    return [unpack_rollout(r.blob).rollout_id for r in got.rollouts]
+
+
+async def ack(store, got: Lease, *, kl=(), kl_mean=None, run_id="r"):
+    return await store.ack(
+        run_id, got.batch_id, kl_mean=kl_mean, event=msgpack.packb({"batch_id": got.batch_id}),
+        stats_text="{}", kl=list(kl),
+    )
+
+
+async def new_run(store, **cfg) -> RunConfig:
+    config = RunConfig(**cfg)
+    assert await store.create_run("r", config) == "created"
+    return config
+
+
+async def test_create_is_idempotent_and_conflicts_on_another_config(store):
+    await new_run(store, max_reuse=2)
+    assert await store.create_run("r", RunConfig(max_reuse=2)) == "exists"
+    assert await store.create_run("r", RunConfig(max_reuse=3)) == "conflict"
+    assert [e for e, _ in await events(store)] == ["run"]  # only the real change left an event
+    assert await store.run_ids() == ["r"]
+
+
+async def test_ingest_counts_duplicates_and_rejections_and_remembers_them(store):
+    await new_run(store, max_staleness=1)
+    await store.set_policy("r", 3)
+    out = await store.ingest(
+        "r", [packed("a", 3), packed("a", 3), packed("old", 1), packed("fut", 4), packed("b", 2)]
+    )
+    assert (out.accepted, out.duplicates) == (2, 1)
+    assert out.rejected == [("old", "stale"), ("fut", "future_version")]
+    again = await store.ingest("r", [packed("a", 3), packed("old", 1), packed("fut", 3)])
+    assert (again.accepted, again.duplicates, again.rejected) == (0, 3, [])
+    evs = [(e, d) for e, d in await events(store) if e != "run"]
+    assert [e for e, _ in evs] == ["accepted", "duplicate", "rejected", "duplicate"]
+    assert [i[:4] for i in evs[0][1]["items"]] == [["a", "a", 3, 3], ["b", "b", 2, 3]]
+    assert evs[1][1] == {"n": 1, "ids": ["a"], "t": evs[1][1]["t"]}
+    assert evs[2][1]["items"] == [["old", "stale", 1, 3], ["fut", "future_version", 4, 3]]
+    assert evs[3][1]["n"] == 3
+
+
+async def test_a_refused_request_stores_nothing(store, redis, prefix):
+    await new_run(store, group_size=2, capacity_rollouts=3)
+    before = sorted([k async for k in redis.scan_iter(match=f"{prefix}:*")])
+    n_events = len(await events(store))
+    with pytest.raises(StoreError) as err:
+        await store.ingest("r", [packed("a", group="g"), packed("b", group="g"), packed("c", group="g")])
+    assert err.value.code == "group_overflow"
+    with pytest.raises(StoreError) as err:
+        await store.ingest("r", [packed(f"x{i}", group=f"g{i // 2}") for i in range(4)])
+    assert err.value.code == "capacity"
+    with pytest.raises(StoreError) as err:
+        await store.ingest("r", [packed("a", group="g"), packed("nogroup")])
+    assert err.value.code == "group_missing"
+    assert sorted([k async for k in redis.scan_iter(match=f"{prefix}:*")]) == before
+    assert len(await events(store)) == n_events
+
+
+async def test_group_overflow_is_checked_across_requests(store):
+    await new_run(store, group_size=2)
+    await store.ingest("r", [packed("a", group="g")])
+    await store.ingest("r", [packed("b", group="g")])
+    with pytest.raises(StoreError) as err:
+        await store.ingest("r", [packed("c", group="g")])
+    assert err.value.code == "group_overflow"
+
+
+async def test_freshest_order_is_highest_version_then_oldest_arrival(store):
+    await new_run(store, max_staleness=5)
+    await store.set_policy("r", 3)
+    await store.ingest("r", [packed("v1a", 1), packed("v3a", 3), packed("v2a", 2)])
+    await store.ingest("r", [packed("v3b", 3), packed("v1b", 1)])
+    got = await lease(store, 5)
+    assert ids(got) == ["v3a", "v3b", "v2a", "v1a", "v1b"]
+    assert [r.lag for r in got.rollouts] == [0, 0, 1, 2, 2]
+
+
+async def test_fifo_order_is_arrival(store):
+    await new_run(store, max_staleness=5, order="fifo")
+    await store.set_policy("r", 3)
+    await store.ingest("r", [packed("a", 1), packed("b", 3), packed("c", 2)])
+    assert ids(await lease(store, 3)) == ["a", "b", "c"]
+
+
+async def test_random_order_returns_distinct_eligible_rollouts(store):
+    await new_run(store, order="random")
+    await store.ingest("r", [packed(f"x{i}") for i in range(40)])
+    seen: set[str] = set()
+    for _ in range(4):
+        got = ids(await lease(store, 10))
+        assert len(set(got)) == 10 and not (seen & set(got))
+        seen |= set(got)
+    assert seen == {f"x{i}" for i in range(40)}
+
+
+async def test_whole_batches_only_unless_partial(store):
+    await new_run(store)
+    await store.ingest("r", [packed("a"), packed("b")])
+    assert await lease(store, 3) == 2  # not enough: nothing leased, the count comes back
+    got = await lease(store, 3, partial=True)
+    assert sorted(ids(got)) == ["a", "b"]
+    assert await lease(store, 1, partial=True) == 0
+
+
+async def test_reuse_until_max_reuse_then_retire(store):
+    await new_run(store, max_reuse=3)
+    await store.ingest("r", [packed("a")])
+    for use in range(3):
+        got = await lease(store, 1)
+        assert ids(got) == ["a"] and got.rollouts[0].uses == use
+        assert (await ack(store, got))[0] == "ok"
+    assert await lease(store, 1) == 0
+    assert await retired(store) == {"max_reuse": ["a"]}
+    assert (await store.get_run("r")).live == 0
+
+
+async def test_kl_above_kl_max_retires_the_whole_group(store):
+    await new_run(store, max_reuse=5, group_size=2, kl_max=0.05)
+    await store.ingest("r", [packed("a", group="g"), packed("b", group="g"), packed("c", group="h"), packed("d", group="h")])
+    got = await lease(store, 4)
+    outcome, answer = await ack(store, got, kl=[("a", 0.01), ("b", 0.2), ("c", 0.04)])
+    assert outcome == "ok" and answer.startswith("2,0,")  # two retired, none flushed
+    assert await retired(store) == {"kl": ["a", "b"]}
+    again = await lease(store, 2)
+    assert sorted(ids(again)) == ["c", "d"]
+
+
+async def test_kl_flush_retires_older_versions_and_raises_the_floor(store):
+    await new_run(store, max_staleness=10, max_reuse=5, kl_flush=0.1, kl_max=1.0)
+    await store.ingest("r", [packed("old1", 0), packed("old2", 0)])
+    await store.set_policy("r", 2)
+    await store.ingest("r", [packed("new", 2), packed("mid", 1)])
+    got = await lease(store, 1)
+    assert ids(got) == ["new"]
+    outcome, answer = await ack(store, got, kl=[("new", 0.5)], kl_mean=0.5)
+    assert answer.startswith("0,3,")
+    assert sorted((await retired(store))["kl_flush"]) == ["mid", "old1", "old2"]
+    # Below the floor is refused at ingest too, as stale: it is as far off-policy as the flushed.
+    out = await store.ingest("r", [packed("late", 1), packed("ok", 2)])
+    assert out.rejected == [("late", "stale")] and out.accepted == 1
+
+
+async def test_a_lowered_limit_retires_lazily_at_lease(store):
+    await new_run(store, max_reuse=3, max_staleness=5)
+    await store.set_policy("r", 4)
+    await store.ingest("r", [packed("used", 4), packed("old", 0), packed("fresh", 4)])
+    await ack(store, await lease(store, 1))  # 'used' now has one use
+    cfg = (await store.get_run("r")).config_json
+    await store.replace_config("r", cfg, RunConfig(max_reuse=1, max_staleness=1))
+    assert ids(await lease(store, 1)) == ["fresh"]
+    assert await retired(store) == {"max_reuse": ["used"], "stale": ["old"]}
+
+
+async def test_policy_advance_evicts_in_bounded_steps(store):
+    await new_run(store, max_staleness=0)
+    await store.ingest("r", [packed(f"x{i}") for i in range(25)])
+    await store.ingest("r", [packed("g1", group=None)])
+    outcome, version, evicted = await store.set_policy("r", 1)
+    assert (outcome, version, evicted) == ("ok", 1, 26)
+    assert await store.set_policy("r", 1) == ("same", 1, 0)
+    assert (await store.set_policy("r", 0))[0] == "backwards"
+    await store.ingest("r", [packed(f"y{i}", 1) for i in range(25)])
+    await store.redis.hset(store.run_key("r"), "ver", 2)  # move on without the eager eviction
+    steps = []
+    while True:
+        more, n = await store.sweep("r", limit=10)
+        steps.append(n)
+        if not more:
+            break
+    assert steps[:3] == [10, 10, 5] and sum(steps) == 25
+
+
+async def test_incomplete_groups_time_out_and_zero_variance_groups_drop(store):
+    await new_run(store, group_size=2, drop_zero_variance_groups=True, group_timeout_s=0.05)
+    await store.ingest("r", [packed("a", group="same", reward=1.0), packed("b", group="same", reward=1.0)])
+    await store.ingest("r", [packed("c", group="diff", reward=0.0), packed("d", group="diff", reward=1.0)])
+    await store.ingest("r", [packed("e", group="lonely")])
+    assert await retired(store) == {"zero_variance": ["a", "b"]}
+    assert await lease(store, 4) == 2  # the lonely group is never handed out
+    deadline = time.monotonic() + 5
+    while "incomplete_group" not in await retired(store) and time.monotonic() < deadline:
+        await store.sweep("r")
+        await asyncio.sleep(0.02)
+    assert (await retired(store))["incomplete_group"] == ["e"]
+
+
+async def test_rewards_compare_as_exact_doubles(store):
+    await new_run(store, group_size=2, drop_zero_variance_groups=True)
+    # equal to 14 significant digits, different as doubles: not a zero-variance group
+    await store.ingest("r", [packed("a", group="g", reward=0.1), packed("b", group="g", reward=0.1 + 2**-55)])
+    assert await retired(store) == {}
+
+
+async def test_expired_leases_return_unused_and_acks_then_fail(store):
+    await new_run(store, lease_timeout_s=0.05)
+    await store.ingest("r", [packed("a")])
+    got = await lease(store, 1)
+    await asyncio.sleep(0.1)  # the lease's own clock has to pass; nothing races here
+    assert await ack(store, got) == ("expired", None)
+    again = await lease(store, 1)
+    assert ids(again) == ["a"] and again.rollouts[0].uses == 0
+    assert [e for e, _ in await events(store)].count("expired") == 1
+
+
+async def test_nack_returns_unused_and_is_idempotent(store):
+    await new_run(store)
+    await store.ingest("r", [packed("a")])
+    got = await lease(store, 1)
+    assert await store.nack("r", got.batch_id) == ("ok", 1)
+    assert await store.nack("r", got.batch_id) == ("nacked", 1)
+    assert await ack(store, got) == ("nacked", None)
+    again = await lease(store, 1)
+    assert again.rollouts[0].uses == 0
+    assert (await ack(store, again))[0] == "ok"
+    assert await store.nack("r", again.batch_id) == ("acked", 0)
+
+
+async def test_close_retires_buffered_now_and_leased_when_they_return(store):
+    await new_run(store, max_reuse=2)
+    await store.ingest("r", [packed("a"), packed("b")])
+    got = await lease(store, 1)
+    assert await store.close_run("r")
+    assert await retired(store) == {"run_closed": ["b"]}
+    await ack(store, got)
+    assert (await retired(store))["run_closed"] == ["b", "a"]
+    out = await store.ingest("r", [packed("c")])
+    assert out.rejected == [("c", "run_closed")]
+
+
+async def test_lease_above_current_version_is_refused(store):
+    await new_run(store)
+    with pytest.raises(StoreError):
+        await lease(store, 1, version=1)
+
+
+async def test_concurrent_leases_never_share_a_rollout(store, redis):
+    await new_run(store, max_reuse=1)
+    await store.ingest("r", [packed(f"x{i}") for i in range(300)])
+    got = await asyncio.gather(*(lease(store, 7, partial=True) for _ in range(60)))
+    taken = [i for g in got if isinstance(g, Lease) for i in ids(g)]
+    assert len(taken) == len(set(taken)) == 300
+
+
+async def test_event_stream_balances_with_the_live_counts(store):
+    await new_run(store, max_reuse=2, group_size=2, max_staleness=1)
+    await store.ingest("r", [packed(f"x{i}", group=f"g{i // 2}") for i in range(10)])
+    first = await lease(store, 4)
+    await ack(store, first, kl=[(i, 0.5) for i in ids(first)[:1]])
+    second = await lease(store, 2)
+    await store.nack("r", second.batch_id)
+    await lease(store, 2)
+    await store.set_policy("r", 2)
+    run = await store.get_run("r")
+    received = retired_n = leased = 0
+    for e, d in await events(store):
+        if e == "accepted":
+            received += len(d["items"])
+        elif e == "retired":
+            retired_n += len(d["items"])
+        elif e == "leased":
+            leased += len(d["items"])
+        elif e in ("acked", "nacked", "expired"):
+            leased -= len(d["items"]) if "items" in d else 4  # the test's ack event carries no items
+    assert leased == run.leased == 2
+    assert received - retired_n == run.live
