@@ -20,11 +20,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app import __version__
 from app.api import batches, health, rollouts, runs
 from app.api.codec import describe_errors, render
-from app.broker.notify import Waker
-from app.broker.service import Broker
-from app.broker.store import RedisStore
 from app.errors import BrokerError
 from app.settings import Settings
+from workers.runner import broker_for
 
 log = logging.getLogger("rollout_broker")
 
@@ -78,18 +76,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if settings.redis_url is None:
             raise RuntimeError("BROKER_REDIS_URL is not set (use `rollout-broker serve` for embedded)")
         redis = Redis.from_url(settings.redis_url, decode_responses=False)
-        store = RedisStore(redis, settings.redis_prefix)
-        waker = Waker(redis, store.wake_channel, settings.redis_prefix)
+        broker = broker_for(redis, settings)
+        store, waker = broker.store, broker.waker
         await waker.start()
-        broker = Broker(
-            store,
-            waker,
-            max_tokens_per_rollout=settings.max_tokens_per_rollout,
-            max_rollouts_per_request=settings.max_rollouts_per_request,
-            max_batch_size=settings.max_batch_size,
-            max_wait_s=settings.max_wait_s,
-            retry_after_s=settings.retry_after_s,
-        )
         app.state.settings = settings
         app.state.redis = redis
         app.state.store = store
