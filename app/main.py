@@ -40,7 +40,9 @@ _HTTP_NAMES = {
 }
 
 
-def error_body(name: str, detail: str, status: int, headers: dict[str, str] | None = None) -> Response:
+def error_body(
+    name: str, detail: str, status: int, headers: dict[str, str] | None = None
+) -> Response:
     resp = render({"error": name, "detail": detail}, status_code=status)
     resp.headers.update(headers or {})
     return resp
@@ -74,7 +76,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.redis_url is None:
-            raise RuntimeError("BROKER_REDIS_URL is not set (use `rollout-broker serve` for embedded)")
+            raise RuntimeError(
+                "BROKER_REDIS_URL is not set (use `rollout-broker serve` for embedded)"
+            )
         redis = Redis.from_url(settings.redis_url, decode_responses=False)
         broker = broker_for(redis, settings)
         store, waker = broker.store, broker.waker
@@ -88,7 +92,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if settings.workers_in_process:
             from workers.maintenance import run_maintenance
 
-            tasks.append(asyncio.create_task(run_maintenance(broker, settings.sweep_interval_s, stop)))
+            tasks.append(
+                asyncio.create_task(run_maintenance(broker, settings.sweep_interval_s, stop))
+            )
         try:
             yield
         finally:

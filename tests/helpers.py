@@ -14,7 +14,7 @@ def rollout(
     tokens: int = 4,
     group: str | None = None,
     reward: float = 1.0,
-    logprobs: list[float] | None | bool = True,
+    logprobs: list[float] | bool | None = True,
 ) -> dict[str, Any]:
     r: dict[str, Any] = {
         "rollout_id": rid,
@@ -45,7 +45,10 @@ async def post(client: httpx.AsyncClient, run_id: str, *rollouts: dict[str, Any]
 
 
 async def lease(client: httpx.AsyncClient, run_id: str, size: int, **params: Any) -> httpx.Response:
-    q = {"size": size, **{k: (str(v).lower() if isinstance(v, bool) else v) for k, v in params.items()}}
+    q = {
+        "size": size,
+        **{k: (str(v).lower() if isinstance(v, bool) else v) for k, v in params.items()},
+    }
     return await client.get(f"/v1/runs/{run_id}/batch", params=q)
 
 

@@ -49,7 +49,9 @@ def is_msgpack(content_type: str | None) -> bool:
     return (content_type or "").split(";", 1)[0].strip().lower() in MSGPACK_TYPES
 
 
-def parse_body(body: bytes, content_type: str | None, json_model: type[J], msgpack_model: type[M]) -> J | M:
+def parse_body(
+    body: bytes, content_type: str | None, json_model: type[J], msgpack_model: type[M]
+) -> J | M:
     """Validate a body with the model of its format; malformed input is one 422."""
     kind = (content_type or "application/json").split(";", 1)[0].strip().lower()
     try:

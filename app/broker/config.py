@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
-from typing_extensions import Annotated
 
 # Versions and lags are exact doubles inside Redis's Lua: stay within 2**53.
 MAX_VERSION = 2**53 - 1

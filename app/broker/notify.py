@@ -53,9 +53,9 @@ class Waker:
         if ev is not None:
             ev.set()
 
-    async def wait(self, ev: asyncio.Event, timeout: float) -> None:
+    async def wait(self, ev: asyncio.Event, at_most_s: float) -> None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ev.wait(), timeout=min(timeout, FALLBACK_RECHECK_S))
+            await asyncio.wait_for(ev.wait(), timeout=min(at_most_s, FALLBACK_RECHECK_S))
 
     async def _listen(self) -> None:
         backoff = 0.1
@@ -81,4 +81,4 @@ class Waker:
                 backoff = min(backoff * 2, 5.0)
             finally:
                 with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]

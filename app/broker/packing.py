@@ -112,10 +112,14 @@ def pack_rollout(
     if resp.size == 0:
         raise ValidationFailed(f"rollout {rid!r}: response_ids is empty")
     if resp.size > max_tokens:
-        raise ValidationFailed(f"rollout {rid!r}: {resp.size} response tokens, at most {max_tokens}")
+        raise ValidationFailed(
+            f"rollout {rid!r}: {resp.size} response tokens, at most {max_tokens}"
+        )
     prompt = _ids(prompt_ids, "prompt_ids", rid)
     if prompt is not None and prompt.size > max_tokens:
-        raise ValidationFailed(f"rollout {rid!r}: {prompt.size} prompt tokens, at most {max_tokens}")
+        raise ValidationFailed(
+            f"rollout {rid!r}: {prompt.size} prompt tokens, at most {max_tokens}"
+        )
     lp = None
     if logprobs is not None:
         lp = logprob_array(logprobs, f"rollout {rid!r}")
@@ -168,4 +172,3 @@ def unpack_rollout(blob: bytes) -> StoredRollout:
         finish_reason=doc.get("f"),
         metadata=doc.get("m"),
     )
-

@@ -280,12 +280,16 @@ class Broker:
             if not math.isfinite(value):
                 raise ValidationFailed(f"kl of rollout {rid!r} must be finite")
 
-        rows = [_BatchRow.of(rid, blob) for rid, blob in zip(view.rollout_ids, view.blobs, strict=True)]
+        rows = [
+            _BatchRow.of(rid, blob) for rid, blob in zip(view.rollout_ids, view.blobs, strict=True)
+        ]
         items: list[Measured] = []
         for row in rows:
             new = None
             if row.rollout_id in new_lp:
-                new = logprob_array(new_lp[row.rollout_id], f"ack logprobs of rollout {row.rollout_id!r}")
+                new = logprob_array(
+                    new_lp[row.rollout_id], f"ack logprobs of rollout {row.rollout_id!r}"
+                )
                 if new.size != row.tokens:
                     raise ValidationFailed(
                         f"ack logprobs of rollout {row.rollout_id!r}: {new.size} values for "
@@ -405,4 +409,5 @@ def _acked_event(
     }
     if step is not None:
         payload["step"] = step
-    return msgpack.packb(payload, use_bin_type=True)
+    packed: bytes = msgpack.packb(payload, use_bin_type=True)
+    return packed

@@ -7,12 +7,11 @@ arguments and unpacks replies.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Literal
-
-import time
 
 import orjson
 from redis.asyncio import Redis
@@ -142,7 +141,7 @@ class RedisStore:
         return outcome
 
     async def get_run(self, run_id: str) -> RunState | None:
-        f = await self.redis.hmget(
+        f: list[Any] = await self.redis.hmget(
             self.run_key(run_id), "cfg", "ver", "st", "created", "live", "leased", "floor"
         )
         if f[0] is None:
@@ -257,13 +256,16 @@ class RedisStore:
             return int(reply[1])
         rest = reply[5:]
         rollouts = [
-            LeasedRollout(int(rest[i]), int(rest[i + 1]), rest[i + 2]) for i in range(0, len(rest), 3)
+            LeasedRollout(int(rest[i]), int(rest[i + 1]), rest[i + 2])
+            for i in range(0, len(rest), 3)
         ]
         return Lease(_s(reply[1]), int(reply[2]), int(reply[3]), rollouts)
 
     async def batch_view(self, run_id: str, batch_id: str) -> BatchView | None:
         base = self.base(run_id)
-        f = await self.redis.hmget(base + "b:" + batch_id, "st", "v", "n", "ans", "units")
+        f: list[Any] = await self.redis.hmget(
+            base + "b:" + batch_id, "st", "v", "n", "ans", "units"
+        )
         if f[0] is None:
             return None
         state = _s(f[0])

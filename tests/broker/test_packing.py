@@ -7,7 +7,9 @@ from app.broker.packing import pack_ids, pack_rollout, unpack_ids, unpack_rollou
 from app.errors import ValidationFailed
 
 
-@pytest.mark.parametrize(("top", "width"), [(65535, 2), (65536, 3), (2**24 - 1, 3), (2**24, 4), (2**31 - 1, 4)])
+@pytest.mark.parametrize(
+    ("top", "width"), [(65535, 2), (65536, 3), (2**24 - 1, 3), (2**24, 4), (2**31 - 1, 4)]
+)
 def test_ids_use_the_narrowest_width_and_round_trip(top, width):
     arr = np.array([0, 1, top // 2, top], dtype=np.int32)
     data, w = pack_ids(arr)
@@ -50,7 +52,12 @@ def test_rollout_round_trip_with_binary_arrays():
     assert back.response_ids.tolist() == ids.tolist()
     assert back.logprobs.tobytes() == lps.tobytes()
     assert back.prompt_ids.tolist() == [9, 8]
-    assert (back.group_id, back.policy_version, back.reward, back.finish_reason) == ("g", 3, 0.1, "length")
+    assert (back.group_id, back.policy_version, back.reward, back.finish_reason) == (
+        "g",
+        3,
+        0.1,
+        "length",
+    )
     assert back.metadata == {"k": [1, "x"]}
 
 

@@ -62,8 +62,12 @@ def ids(got: Lease) -> list[str]:
 
 async def ack(store, got: Lease, *, kl=(), kl_mean=None, run_id="r"):
     return await store.ack(
-        run_id, got.batch_id, kl_mean=kl_mean, event=msgpack.packb({"batch_id": got.batch_id}),
-        stats_text="{}", kl=list(kl),
+        run_id,
+        got.batch_id,
+        kl_mean=kl_mean,
+        event=msgpack.packb({"batch_id": got.batch_id}),
+        stats_text="{}",
+        kl=list(kl),
     )
 
 
@@ -104,7 +108,9 @@ async def test_a_refused_request_stores_nothing(store, redis, prefix):
     before = sorted([k async for k in redis.scan_iter(match=f"{prefix}:*")])
     n_events = len(await events(store))
     with pytest.raises(StoreError) as err:
-        await store.ingest("r", [packed("a", group="g"), packed("b", group="g"), packed("c", group="g")])
+        await store.ingest(
+            "r", [packed("a", group="g"), packed("b", group="g"), packed("c", group="g")]
+        )
     assert err.value.code == "group_overflow"
     with pytest.raises(StoreError) as err:
         await store.ingest("r", [packed(f"x{i}", group=f"g{i // 2}") for i in range(4)])
@@ -176,7 +182,15 @@ async def test_reuse_until_max_reuse_then_retire(store):
 
 async def test_kl_above_kl_max_retires_the_whole_group(store):
     await new_run(store, max_reuse=5, group_size=2, kl_max=0.05)
-    await store.ingest("r", [packed("a", group="g"), packed("b", group="g"), packed("c", group="h"), packed("d", group="h")])
+    await store.ingest(
+        "r",
+        [
+            packed("a", group="g"),
+            packed("b", group="g"),
+            packed("c", group="h"),
+            packed("d", group="h"),
+        ],
+    )
     got = await lease(store, 4)
     outcome, answer = await ack(store, got, kl=[("a", 0.01), ("b", 0.2), ("c", 0.04)])
     assert outcome == "ok" and answer.startswith("2,0,")  # two retired, none flushed
@@ -193,7 +207,7 @@ async def test_kl_flush_retires_older_versions_and_raises_the_floor(store):
     got = await lease(store, 1)
     assert ids(got) == ["new"]
     outcome, answer = await ack(store, got, kl=[("new", 0.5)], kl_mean=0.5)
-    assert answer.startswith("0,3,")
+    assert outcome == "ok" and answer.startswith("0,3,")
     assert sorted((await retired(store))["kl_flush"]) == ["mid", "old1", "old2"]
     # Below the floor is refused at ingest too, as stale: it is as far off-policy as the flushed.
     out = await store.ingest("r", [packed("late", 1), packed("ok", 2)])
@@ -232,8 +246,12 @@ async def test_policy_advance_evicts_in_bounded_steps(store):
 
 async def test_incomplete_groups_time_out_and_zero_variance_groups_drop(store):
     await new_run(store, group_size=2, drop_zero_variance_groups=True, group_timeout_s=0.05)
-    await store.ingest("r", [packed("a", group="same", reward=1.0), packed("b", group="same", reward=1.0)])
-    await store.ingest("r", [packed("c", group="diff", reward=0.0), packed("d", group="diff", reward=1.0)])
+    await store.ingest(
+        "r", [packed("a", group="same", reward=1.0), packed("b", group="same", reward=1.0)]
+    )
+    await store.ingest(
+        "r", [packed("c", group="diff", reward=0.0), packed("d", group="diff", reward=1.0)]
+    )
     await store.ingest("r", [packed("e", group="lonely")])
     assert await retired(store) == {"zero_variance": ["a", "b"]}
     assert await lease(store, 4) == 2  # the lonely group is never handed out
@@ -247,7 +265,9 @@ async def test_incomplete_groups_time_out_and_zero_variance_groups_drop(store):
 async def test_rewards_compare_as_exact_doubles(store):
     await new_run(store, group_size=2, drop_zero_variance_groups=True)
     # equal to 14 significant digits, different as doubles: not a zero-variance group
-    await store.ingest("r", [packed("a", group="g", reward=0.1), packed("b", group="g", reward=0.1 + 2**-55)])
+    await store.ingest(
+        "r", [packed("a", group="g", reward=0.1), packed("b", group="g", reward=0.1 + 2**-55)]
+    )
     assert await retired(store) == {}
 
 
@@ -320,6 +340,8 @@ async def test_event_stream_balances_with_the_live_counts(store):
         elif e == "leased":
             leased += len(d["items"])
         elif e in ("acked", "nacked", "expired"):
-            leased -= len(d["items"]) if "items" in d else 4  # the test's ack event carries no items
+            leased -= (
+                len(d["items"]) if "items" in d else 4
+            )  # the test's ack event carries no items
     assert leased == run.leased == 2
     assert received - retired_n == run.live
