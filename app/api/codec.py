@@ -59,7 +59,9 @@ def parse_body(
             try:
                 doc = msgpack.unpackb(body, raw=False, strict_map_key=True)
             except Exception as exc:
-                raise ValidationFailed(f"body is not valid msgpack: {exc}") from None
+                raise ValidationFailed(
+                    f"body is not valid msgpack ({type(exc).__name__}: {exc or 'truncated'})"
+                ) from None
             return msgpack_model.model_validate(doc)
         if kind == "application/json" or kind.endswith("+json"):
             return json_model.model_validate_json(body or b"{}")

@@ -21,7 +21,7 @@ Order = Literal["freshest", "fifo", "random"]
 class RunConfig(BaseModel):
     """Rules of one run; every field has the SPEC's default."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     max_staleness: int = Field(1, ge=0, le=MAX_VERSION)
     max_reuse: int = Field(1, ge=1, le=10_000)
@@ -50,7 +50,7 @@ class RunConfig(BaseModel):
 class RunConfigPatch(BaseModel):
     """A partial RunConfig: only the fields present change."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     max_staleness: int | None = Field(None, ge=0, le=MAX_VERSION)
     max_reuse: int | None = Field(None, ge=1, le=10_000)

@@ -6,15 +6,46 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import math
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.broker.config import MAX_VERSION, ItemId, RunConfig, RunConfigPatch, RunId
 
 FinishReason = Literal["stop", "length", "abort"]
 
 
+MAX_METADATA_DEPTH = 16
+
+
+def check_metadata(value: Any, depth: int = 0) -> None:
+    """Metadata must survive JSON and msgpack unchanged: finite numbers, 64-bit integers,
+    strings, booleans, null, lists and string-keyed objects, nested at most 16 deep."""
+    if depth > MAX_METADATA_DEPTH:
+        raise ValueError(f"metadata is nested deeper than {MAX_METADATA_DEPTH} levels")
+    if value is None or isinstance(value, (bool, str)):
+        return
+    if isinstance(value, int):
+        if not -(2**63) <= value < 2**64:
+            raise ValueError("metadata integers must fit in 64 bits")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("metadata numbers must be finite (no NaN or Infinity)")
+    elif isinstance(value, list):
+        for item in value:
+            check_metadata(item, depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError("metadata keys must be strings")
+            check_metadata(item, depth + 1)
+    else:
+        raise ValueError(f"metadata cannot hold {type(value).__name__} values")
+
+
 class RolloutJSON(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: "1.5" is not a reward and true is not a token id
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     rollout_id: ItemId
     group_id: ItemId | None = None
@@ -26,6 +57,13 @@ class RolloutJSON(BaseModel):
     finish_reason: FinishReason | None = None
     metadata: dict[str, Any] | None = None
 
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            check_metadata(v)
+        return v
+
 
 class RolloutMsgpack(RolloutJSON):
     prompt_ids: list[int] | bytes | None = None  # type: ignore[assignment]
@@ -34,12 +72,12 @@ class RolloutMsgpack(RolloutJSON):
 
 
 class IngestJSON(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     rollouts: list[RolloutJSON]
 
 
 class IngestMsgpack(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     rollouts: list[RolloutMsgpack]
 
 
@@ -55,7 +93,7 @@ class IngestResult(BaseModel):
 
 
 class CreateRun(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     run_id: RunId | None = None
     config: RunConfig | None = None
 
@@ -69,7 +107,7 @@ class Run(BaseModel):
 
 
 class PolicyUpdate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     version: int = Field(ge=0, le=MAX_VERSION)
 
 
@@ -79,7 +117,7 @@ class PolicyResult(BaseModel):
 
 
 class AckBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     logprobs: dict[str, list[float]] | None = None
     kl: dict[str, float] | None = None
     step: int | None = Field(None, ge=0, le=MAX_VERSION)

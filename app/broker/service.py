@@ -192,6 +192,11 @@ class Broker:
             return ValidationFailed(
                 f"group {a[0]!r} would have {a[1]} rollouts, more than its group_size {a[2]}"
             )
+        if err.code == "group_done":
+            return ValidationFailed(
+                f"group {a[0]!r} was already complete and handed out or retired; "
+                "it takes no more rollouts"
+            )
         if err.code == "capacity":
             return OverCapacity(
                 f"run {run_id!r} holds {a[0]} rollouts, its capacity is {a[1]}; retry later",

@@ -12,6 +12,7 @@ local OPEN = B .. 'open'     -- zset: incomplete groups by creation ms
 local OV = B .. 'ov'         -- zset: incomplete groups by (oldest) version
 local LEASES = B .. 'leases' -- zset: live batches by expiry ms
 local SEEN = B .. 'seen'     -- set: every rollout_id ever received (idempotency)
+local GDONE = B .. 'gdone'   -- set: groups that were complete or retired: they take no new members
 local WAKE = ARGV[1]         -- pub/sub channel that wakes long-polling trainers
 
 local t = redis.call('TIME')
@@ -99,6 +100,7 @@ local function retire(u, reason)
     redis.call('DEL', rk)
   end
   redis.call('DEL', uk, mkey(u))
+  if string.sub(u, 1, 2) == 'g:' then redis.call('SADD', GDONE, u) end
   redis.call('HINCRBY', RUN, 'live', -#members)
   RETIRED_N = RETIRED_N + #members
   return #members

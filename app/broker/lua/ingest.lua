@@ -37,8 +37,10 @@ for i = 1, n do
         local f = redis.call('HMGET', ukey(u), 'st', 'have', 'need')
         local have, need = 0, gs
         if f[1] then
-          if f[1] ~= 'o' then return { 'err', 'group_overflow', gid, f[3], f[3] } end
+          if f[1] ~= 'o' then return { 'err', 'group_overflow', gid, I(tonumber(f[3]) + 1), f[3] } end
           have, need = tonumber(f[2]), tonumber(f[3])
+        elseif redis.call('SISMEMBER', GDONE, u) == 1 then
+          return { 'err', 'group_done', gid }
         end
         pending[u] = (pending[u] or 0) + 1
         if have + pending[u] > need then

@@ -26,7 +26,7 @@ local function consider(u)
   local reason = permanent_reason(uses, v, tonumber(f[3]))
   if reason then
     retire(u, reason)
-  elseif have <= N - picked_n then
+  elseif v <= V and have <= N - picked_n then  -- a trainer at V gets no rollouts of later policies
     table.insert(picked, { u, v, uses })
     picked_n = picked_n + have
   end
@@ -56,7 +56,7 @@ elseif order == 'random' then
     if full() then break end
   end
 else -- freshest: highest version first, oldest arrival within a version
-  local versions = redis.call('ZREVRANGE', VS, 0, -1)
+  local versions = redis.call('ZREVRANGEBYSCORE', VS, I(V), '-inf')
   for _, v in ipairs(versions) do
     walk(B .. 'qv:' .. v)
     if full() then break end

@@ -1,0 +1,129 @@
+"""Fixtures of the HTTP contract tests.
+
+`api` serves the app in-process (like the shared `client`) but turns unhandled exceptions into
+the 500 response a real server would send, so a test can assert on the status code.
+`api_servers` starts real API processes (uvicorn) against the shared Redis and the test's prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.main import create_app
+from app.settings import Settings
+
+REDIS_URL = os.environ.get("BROKER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+ROOT = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 30.0
+
+
+@pytest.fixture
+async def api(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://broker", timeout=30.0
+        ) as c:
+            yield c
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ApiServer:
+    url: str
+    proc: asyncio.subprocess.Process
+    log: Path
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+async def _start_server(prefix: str, log: Path) -> ApiServer:
+    env = {
+        **os.environ,
+        "BROKER_REDIS_URL": REDIS_URL,
+        "BROKER_REDIS_PREFIX": prefix,
+        "PYTHONPATH": str(ROOT),
+    }
+    for attempt in range(3):
+        port = _free_port()
+        with log.open("ab") as out:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "app.main:create_app",
+                "--factory",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+                cwd=str(ROOT),
+                env=env,
+                stdout=out,
+                stderr=out,
+            )
+        server = ApiServer(f"http://127.0.0.1:{port}", proc, log)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        async with httpx.AsyncClient(timeout=2.0) as c:
+            while time.monotonic() < deadline and proc.returncode is None:
+                with contextlib.suppress(httpx.TransportError):
+                    if (await c.get(server.url + "/healthz")).status_code == 200:
+                        return server
+                await asyncio.sleep(0.05)
+        await _stop_server(server)
+        if attempt == 2 or time.monotonic() >= deadline:
+            break
+    raise RuntimeError(f"API process did not become healthy; log:\n{_read(log)}")
+
+
+async def _stop_server(server: ApiServer) -> None:
+    proc = server.proc
+    if proc.returncode is None:
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), timeout=10)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+
+
+@pytest.fixture
+async def api_servers(prefix: str, tmp_path: Path) -> AsyncIterator[list[str]]:
+    """Two API processes on different ports sharing one Redis and the test's prefix."""
+    servers: list[ApiServer] = []
+    try:
+        started = await asyncio.gather(
+            _start_server(prefix, tmp_path / "api0.log"),
+            _start_server(prefix, tmp_path / "api1.log"),
+            return_exceptions=True,
+        )
+        for s in started:
+            if isinstance(s, ApiServer):
+                servers.append(s)
+        for s in started:
+            if isinstance(s, BaseException):
+                raise s
+        yield [s.url for s in servers]
+    finally:
+        await asyncio.gather(*(_stop_server(s) for s in servers))

@@ -1,0 +1,115 @@
+"""Helpers for the HTTP contract tests: error-body checks, the accounting event stream,
+request builders for raw and msgpack bodies."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import msgpack
+from redis.asyncio import Redis
+
+# The SPEC's RunConfig defaults.
+DEFAULT_CONFIG: dict[str, Any] = {
+    "max_staleness": 1,
+    "max_reuse": 1,
+    "kl_max": 0.05,
+    "kl_flush": 0.1,
+    "kl_estimator": "k3",
+    "clip_epsilon": 0.2,
+    "group_size": 1,
+    "group_timeout_s": 600.0,
+    "drop_zero_variance_groups": False,
+    "order": "freshest",
+    "capacity_rollouts": 100000,
+    "lease_timeout_s": 300.0,
+}
+
+MSGPACK = {"content-type": "application/msgpack"}
+JSON = {"content-type": "application/json"}
+
+
+def _no_constants(name: str) -> Any:
+    raise AssertionError(f"response body is not strict JSON: it contains {name}")
+
+
+def strict_json(resp: httpx.Response) -> Any:
+    """The body parsed as strict JSON (NaN/Infinity are not JSON and fail the test)."""
+    return json.loads(resp.content, parse_constant=_no_constants)
+
+
+def assert_error(resp: httpx.Response, status: int, name: str) -> str:
+    """The response is the SPEC's error body; returns its detail."""
+    assert resp.status_code == status, (resp.status_code, resp.text)
+    assert resp.headers["content-type"].startswith("application/json")
+    body = strict_json(resp)
+    assert set(body) == {"error", "detail"}, body
+    assert body["error"] == name, body
+    assert isinstance(body["detail"], str)
+    assert body["detail"].strip(), body
+    return str(body["detail"])
+
+
+async def events(redis: Redis, prefix: str, run_id: str) -> list[tuple[str, dict[str, Any]]]:
+    """The run's accounting events (docs/events.md), oldest first, `d` decoded."""
+    key = f"{prefix}:{{{run_id}}}:events"
+    out = []
+    for _entry_id, fields in await redis.xrange(key):
+        out.append((fields[b"e"].decode(), msgpack.unpackb(fields[b"d"], raw=False)))
+    return out
+
+
+async def retired(redis: Redis, prefix: str, run_id: str) -> dict[str, list[str]]:
+    """reason -> sorted rollout ids, from the run's `retired` events."""
+    res: dict[str, list[str]] = {}
+    for e, d in await events(redis, prefix, run_id):
+        if e == "retired":
+            res.setdefault(d["reason"], []).extend(item[0] for item in d["items"])
+    return {k: sorted(v) for k, v in res.items()}
+
+
+async def retired_items(redis: Redis, prefix: str, run_id: str) -> dict[str, list[list[Any]]]:
+    """reason -> the raw items [rollout_id, policy_version, tokens, uses] of `retired` events."""
+    res: dict[str, list[list[Any]]] = {}
+    for e, d in await events(redis, prefix, run_id):
+        if e == "retired":
+            res.setdefault(d["reason"], []).extend(d["items"])
+    return res
+
+
+async def post_raw(
+    client: httpx.AsyncClient, run_id: str, body: bytes, content_type: str = "application/json"
+) -> httpx.Response:
+    return await client.post(
+        f"/v1/runs/{run_id}/rollouts", content=body, headers={"content-type": content_type}
+    )
+
+
+async def post_msgpack(
+    client: httpx.AsyncClient, run_id: str, rollouts: list[dict[str, Any]]
+) -> httpx.Response:
+    body = msgpack.packb({"rollouts": rollouts}, use_bin_type=True)
+    return await post_raw(client, run_id, body, "application/msgpack")
+
+
+async def nack(client: httpx.AsyncClient, run_id: str, batch_id: str) -> httpx.Response:
+    return await client.post(f"/v1/runs/{run_id}/batches/{batch_id}/nack")
+
+
+async def set_policy(client: httpx.AsyncClient, run_id: str, version: int) -> dict[str, Any]:
+    resp = await client.post(f"/v1/runs/{run_id}/policy", json={"version": version})
+    assert resp.status_code == 200, resp.text
+    body: dict[str, Any] = resp.json()
+    return body
+
+
+async def patch(client: httpx.AsyncClient, run_id: str, **fields: Any) -> dict[str, Any]:
+    resp = await client.patch(f"/v1/runs/{run_id}/config", json=fields)
+    assert resp.status_code == 200, resp.text
+    body: dict[str, Any] = resp.json()
+    return body
+
+
+def ids(batch: dict[str, Any]) -> list[str]:
+    return [r["rollout_id"] for r in batch["rollouts"]]

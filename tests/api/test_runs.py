@@ -1,0 +1,277 @@
+"""Runs: create (idempotent), list, get, patch config, close."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from tests.api.support import (
+    DEFAULT_CONFIG,
+    assert_error,
+    events,
+    ids,
+    patch,
+    retired,
+    retired_items,
+)
+from tests.helpers import ack, lease, make_run, post, rollout
+
+
+def _assert_created_at_is_now(text: str) -> None:
+    when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    assert when.tzinfo is not None
+    assert abs(datetime.now(UTC) - when) < timedelta(minutes=5)
+
+
+async def test_create_returns_201_and_the_run_with_spec_defaults(api):
+    resp = await api.post("/v1/runs", json={"run_id": "r1"})
+    assert resp.status_code == 201, resp.text
+    body = resp.json()
+    assert set(body) == {"run_id", "config", "policy_version", "status", "created_at"}
+    assert body["run_id"] == "r1"
+    assert body["config"] == DEFAULT_CONFIG
+    assert body["policy_version"] == 0
+    assert body["status"] == "open"
+    _assert_created_at_is_now(body["created_at"])
+
+
+async def test_create_with_a_partial_config_fills_in_defaults(api):
+    resp = await api.post(
+        "/v1/runs", json={"run_id": "r1", "config": {"max_reuse": 4, "order": "fifo"}}
+    )
+    assert resp.status_code == 201, resp.text
+    assert resp.json()["config"] == {**DEFAULT_CONFIG, "max_reuse": 4, "order": "fifo"}
+
+
+async def test_same_config_again_is_200_and_changes_nothing(api):
+    first = await api.post("/v1/runs", json={"run_id": "r1", "config": {"max_reuse": 2}})
+    assert first.status_code == 201, first.text
+    again = await api.post("/v1/runs", json={"run_id": "r1", "config": {"max_reuse": 2}})
+    assert again.status_code == 200, again.text
+    assert again.json() == first.json()
+
+
+async def test_omitted_config_equals_explicit_defaults(api):
+    first = await api.post("/v1/runs", json={"run_id": "r1"})
+    assert first.status_code == 201
+    for config in ({}, {"max_reuse": 1}, DEFAULT_CONFIG):
+        again = await api.post("/v1/runs", json={"run_id": "r1", "config": config})
+        assert again.status_code == 200, (config, again.text)
+        assert again.json() == first.json()
+
+
+async def test_different_config_is_409_run_conflict(api):
+    await make_run(api, "r1", max_reuse=2)
+    resp = await api.post("/v1/runs", json={"run_id": "r1", "config": {"max_reuse": 3}})
+    assert_error(resp, 409, "RunConflict")
+    resp = await api.post("/v1/runs", json={"run_id": "r1"})  # defaults differ too
+    assert_error(resp, 409, "RunConflict")
+    got = await api.get("/v1/runs/r1")
+    assert got.json()["config"]["max_reuse"] == 2
+
+
+async def test_run_id_is_generated_when_absent(api):
+    a = await api.post("/v1/runs", json={})
+    b = await api.post("/v1/runs", content=b"", headers={"content-type": "application/json"})
+    assert a.status_code == 201, a.text
+    assert b.status_code == 201, b.text
+    ra, rb = a.json()["run_id"], b.json()["run_id"]
+    assert ra != rb
+    for rid in (ra, rb):
+        assert re.fullmatch(r"[A-Za-z0-9._:-]{1,128}", rid)
+        got = await api.get(f"/v1/runs/{rid}")
+        assert got.status_code == 200
+        assert got.json()["run_id"] == rid
+        assert got.json()["config"] == DEFAULT_CONFIG
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"run_id": "has space"},
+        {"run_id": ""},
+        {"run_id": "x" * 129},
+        {"run_id": 5},
+        {"run_id": "r1", "config": {"max_reuse": 0}},
+        {"run_id": "r1", "config": {"nope": 1}},
+        {"run_id": "r1", "extra": 1},
+    ],
+)
+async def test_create_with_an_invalid_body_is_422(api, body):
+    resp = await api.post("/v1/runs", json=body)
+    assert_error(resp, 422, "ValidationFailed")
+    assert (await api.get("/v1/runs")).json() == []
+
+
+async def test_list_runs_lists_exactly_the_runs_created(api):
+    created = {}
+    for rid, cfg in (("a", {}), ("b", {"max_reuse": 3}), ("c", {"group_size": 2})):
+        created[rid] = await make_run(api, rid, **cfg)
+    resp = await api.get("/v1/runs")
+    assert resp.status_code == 200
+    listed = {r["run_id"]: r for r in resp.json()}
+    assert listed == created
+
+
+async def test_get_run_and_unknown_run_404(api):
+    run = await make_run(api, "r1", max_staleness=3)
+    got = await api.get("/v1/runs/r1")
+    assert got.status_code == 200
+    assert got.json() == run
+    assert_error(await api.get("/v1/runs/nope"), 404, "RunNotFound")
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("GET", "/v1/runs/nope", None),
+        ("PATCH", "/v1/runs/nope/config", {"max_reuse": 2}),
+        ("POST", "/v1/runs/nope/close", None),
+        ("POST", "/v1/runs/nope/policy", {"version": 1}),
+        ("POST", "/v1/runs/nope/rollouts", {"rollouts": [rollout("a")]}),
+        ("GET", "/v1/runs/nope/batch?size=1", None),
+        ("POST", "/v1/runs/nope/batches/abc/ack", {}),
+        ("POST", "/v1/runs/nope/batches/abc/nack", None),
+    ],
+)
+async def test_every_run_endpoint_answers_404_for_an_unknown_run(api, method, path, body):
+    resp = await api.request(method, path, json=body)
+    assert_error(resp, 404, "RunNotFound")
+
+
+async def test_patch_config_is_partial_and_persists(api):
+    await make_run(api, "r1", max_reuse=2, kl_max=0.5)
+    body = await patch(api, "r1", max_staleness=4, order="fifo")
+    expected = {
+        **DEFAULT_CONFIG,
+        "max_reuse": 2,
+        "kl_max": 0.5,
+        "max_staleness": 4,
+        "order": "fifo",
+    }
+    assert body["config"] == expected
+    assert body["run_id"] == "r1"
+    assert body["status"] == "open"
+    assert (await api.get("/v1/runs/r1")).json()["config"] == expected
+    # The changed config is now the run's: re-creating with the old one conflicts.
+    resp = await api.post(
+        "/v1/runs", json={"run_id": "r1", "config": {"max_reuse": 2, "kl_max": 0.5}}
+    )
+    assert_error(resp, 409, "RunConflict")
+    resp = await api.post("/v1/runs", json={"run_id": "r1", "config": expected})
+    assert resp.status_code == 200
+
+
+async def test_patch_lowering_max_reuse_applies_at_once(api, redis, prefix):
+    await make_run(api, "r1", max_reuse=2)
+    await post(api, "r1", rollout("a"))
+    batch = (await lease(api, "r1", 1)).json()
+    assert (await ack(api, "r1", batch["batch_id"])).json()["retired"] == 0
+    # With max_reuse=2 "a" (uses=1) would be eligible again; lowering to 1 makes it not.
+    await patch(api, "r1", max_reuse=1)
+    resp = await lease(api, "r1", 1)
+    assert resp.status_code == 204
+    assert (await retired(redis, prefix, "r1")) == {"max_reuse": ["a"]}
+
+
+async def test_patch_raising_max_reuse_applies_to_a_live_lease(api, redis, prefix):
+    await make_run(api, "r1", max_reuse=1)
+    await post(api, "r1", rollout("a"))
+    batch = (await lease(api, "r1", 1)).json()
+    await patch(api, "r1", max_reuse=3)
+    res = (await ack(api, "r1", batch["batch_id"])).json()
+    assert res["consumed"] == 1
+    assert res["retired"] == 0
+    again = await lease(api, "r1", 1)
+    assert again.status_code == 200
+    assert [(r["rollout_id"], r["uses"]) for r in again.json()["rollouts"]] == [("a", 1)]
+    assert (await retired(redis, prefix, "r1")) == {}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"max_reuse": 0},
+        {"max_staleness": -1},
+        {"max_staleness": "x"},
+        {"order": "newest"},
+        {"kl_estimator": "k4"},
+        {"clip_epsilon": 1.0},
+        {"kl_max": -0.1},
+        {"lease_timeout_s": 0},
+        {"group_size": 0},
+        {"capacity_rollouts": 0},
+        {"unknown_field": 1},
+    ],
+)
+async def test_invalid_patch_is_422_and_changes_nothing(api, body):
+    run = await make_run(api, "r1", max_reuse=2)
+    resp = await api.patch("/v1/runs/r1/config", json=body)
+    assert_error(resp, 422, "ValidationFailed")
+    assert (await api.get("/v1/runs/r1")).json() == run
+
+
+async def test_patch_with_invalid_json_is_422(api):
+    run = await make_run(api, "r1")
+    resp = await api.patch(
+        "/v1/runs/r1/config", content=b"{max_reuse: 2", headers={"content-type": "application/json"}
+    )
+    assert_error(resp, 422, "ValidationFailed")
+    assert (await api.get("/v1/runs/r1")).json() == run
+
+
+async def test_close_retires_buffered_rollouts_and_rejects_ingest(api, redis, prefix):
+    await make_run(api, "r1", group_size=1)
+    resp = await post(api, "r1", rollout("a", tokens=3), rollout("b", tokens=5))
+    assert resp.json()["accepted"] == 2
+    resp = await api.post("/v1/runs/r1/close")
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["status"] == "closed"
+    assert body["run_id"] == "r1"
+    assert (await api.get("/v1/runs/r1")).json()["status"] == "closed"
+
+    items = await retired_items(redis, prefix, "r1")
+    assert sorted(items) == ["run_closed"]
+    # [rollout_id, policy_version, tokens, uses]: nothing was used, so the tokens are wasted.
+    assert sorted(items["run_closed"]) == [["a", 0, 3, 0], ["b", 0, 5, 0]]
+
+    resp = await post(api, "r1", rollout("c"), rollout("a"))
+    assert resp.status_code == 202, resp.text
+    assert resp.json() == {
+        "accepted": 0,
+        "duplicates": 1,
+        "rejected": [{"rollout_id": "c", "reason": "run_closed"}],
+    }
+    assert (await lease(api, "r1", 1, partial=True)).status_code == 204
+    rejected = [d for e, d in await events(redis, prefix, "r1") if e == "rejected"]
+    assert [item[:2] for d in rejected for item in d["items"]] == [["c", "run_closed"]]
+
+
+async def test_close_is_idempotent_and_leased_rollouts_retire_when_they_return(api, redis, prefix):
+    await make_run(api, "r1", max_reuse=3)
+    await post(api, "r1", rollout("a"), rollout("b"))
+    batch = (await lease(api, "r1", 1)).json()
+    assert ids(batch) == ["a"]
+    assert (await api.post("/v1/runs/r1/close")).status_code == 200
+    again = await api.post("/v1/runs/r1/close")
+    assert again.status_code == 200
+    assert again.json()["status"] == "closed"
+    assert (await retired(redis, prefix, "r1")) == {"run_closed": ["b"]}
+
+    res = await ack(api, "r1", batch["batch_id"])
+    assert res.status_code == 200, res.text
+    assert res.json()["consumed"] == 1
+    assert res.json()["retired"] == 1
+    assert (await retired(redis, prefix, "r1")) == {"run_closed": ["a", "b"]}
+    assert (await lease(api, "r1", 1, partial=True)).status_code == 204
+
+
+async def test_closed_run_keeps_its_config_and_version(api):
+    await make_run(api, "r1", max_reuse=2)
+    await api.post("/v1/runs/r1/policy", json={"version": 3})
+    closed = (await api.post("/v1/runs/r1/close")).json()
+    assert closed["config"] == {**DEFAULT_CONFIG, "max_reuse": 2}
+    assert closed["policy_version"] == 3
