@@ -4,9 +4,8 @@ little-endian bytes."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
-
 import math
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
