@@ -1,22 +1,47 @@
-"""The ``rollout-broker`` command: run the API, the workers, the migrations."""
+"""The ``rollout-broker`` command: run the API, the workers, the migrations, and the operator
+commands (``runs``, ``policy``, ``accounting``, ``watch``), which go through the HTTP client."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import json
 import logging
 import signal
+import time
+from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from app.settings import Settings
+
+if TYPE_CHECKING:
+    from rich.console import Console, RenderableType
+
+    from app.client import Accounting, BrokerClient, Run, VersionAccounting
 
 cli = typer.Typer(
     help="Rollout Broker: versioned rollouts in, leased batches out, exact sample accounting.",
     no_args_is_help=True,
     add_completion=False,
 )
+runs_cli = typer.Typer(help="List, create, show and close runs.", no_args_is_help=True)
+policy_cli = typer.Typer(help="Policy versions of a run.", no_args_is_help=True)
+cli.add_typer(runs_cli, name="runs")
+cli.add_typer(policy_cli, name="policy")
+
+Url = Annotated[
+    str,
+    typer.Option("--url", envvar="BROKER_URL", help="Broker API base URL", show_envvar=True),
+]
+AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for scripts")]
+
+
+# -- services ------------------------------------------------------------------------------------
 
 
 def _embedded_settings(settings: Settings, data_dir: Path | None) -> tuple[Settings, object]:
@@ -38,7 +63,7 @@ def _embedded_settings(settings: Settings, data_dir: Path | None) -> tuple[Setti
 @cli.command()
 def serve(
     host: Annotated[str, typer.Option(help="Address to bind")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to bind")] = 8000,
+    port: Annotated[int, typer.Option(help="Port to bind (0: any free port)")] = 8000,
     data_dir: Annotated[
         Path | None, typer.Option(help="Data folder of the embedded services")
     ] = None,
@@ -69,10 +94,10 @@ def _migrate_if_configured(settings: Settings) -> None:
     if settings.database_url is None:
         return
     try:
-        from app.accounting.db import upgrade_to_head
+        from app.accounting.db import upgrade_to_head_sync
     except ImportError:  # accounting not installed in this build
         return
-    upgrade_to_head(settings.database_url)
+    upgrade_to_head_sync(settings.database_url)
 
 
 @cli.command()
@@ -103,11 +128,447 @@ def migrate() -> None:
     settings = Settings()
     if settings.database_url is None:
         raise typer.BadParameter("set BROKER_DATABASE_URL for `migrate`")
-    from app.accounting.db import upgrade_to_head
+    from app.accounting.db import upgrade_to_head_sync
 
-    upgrade_to_head(settings.database_url)
+    upgrade_to_head_sync(settings.database_url)
     typer.echo("database is at the latest schema")
+
+
+# -- operator commands: plumbing -----------------------------------------------------------------
+
+
+def _console() -> Console:
+    from rich.console import Console
+
+    return Console(highlight=False)  # built per command: it binds the current sys.stdout
+
+
+@contextlib.contextmanager
+def _broker(url: str) -> Iterator[BrokerClient]:
+    """A client for one command; broker errors become one line on stderr and exit status 1."""
+    from app.client import BrokerClient, BrokerHTTPError, BrokerUnreachable
+
+    try:
+        with BrokerClient(url) as broker:
+            yield broker
+    except BrokerHTTPError as err:
+        typer.echo(f"error: {err.error}: {err.detail}", err=True)
+        raise typer.Exit(1) from None
+    except BrokerUnreachable as err:
+        typer.echo(f"error: cannot reach the broker at {url}: {err}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            f.name: _jsonable(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if f.name != "raw"
+        }
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _print_json(value: Any) -> None:
+    typer.echo(json.dumps(_jsonable(value), indent=2, sort_keys=True))
+
+
+def _parse_config(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs; a value is read as JSON when it parses (numbers, true/false), else
+    taken as a string (``order=fifo``)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--config")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
+def _fmt(value: float | int | None, digits: int = 4) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:.{digits}g}"
+
+
+def _reasons(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())) or "–"
+
+
+# -- runs ----------------------------------------------------------------------------------------
+
+
+def _run_table(runs: list[Run]) -> RenderableType:
+    from rich.table import Table
+
+    table = Table(title="Runs")
+    for col in ("run_id", "status", "version", "group_size", "max_staleness", "max_reuse"):
+        table.add_column(col, justify="left" if col in ("run_id", "status") else "right")
+    table.add_column("created_at")
+    for r in runs:
+        c = r.config
+        table.add_row(
+            r.run_id,
+            r.status,
+            str(r.policy_version),
+            str(c.get("group_size", "")),
+            str(c.get("max_staleness", "")),
+            str(c.get("max_reuse", "")),
+            r.created_at.isoformat(timespec="seconds"),
+        )
+    return table
+
+
+def _run_detail(run: Run) -> RenderableType:
+    from rich.table import Table
+
+    table = Table(title=f"Run {run.run_id}", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    table.add_row("status", run.status)
+    table.add_row("policy_version", str(run.policy_version))
+    table.add_row("created_at", run.created_at.isoformat())
+    for key, value in sorted(run.config.items()):
+        table.add_row(key, json.dumps(value))
+    return table
+
+
+@runs_cli.command("list")
+def runs_list(url: Url = "http://127.0.0.1:8000", as_json: AsJson = False) -> None:
+    """Every run, oldest first."""
+    with _broker(url) as broker:
+        runs = broker.list_runs()
+    if as_json:
+        _print_json(runs)
+    else:
+        _console().print(_run_table(runs))
+
+
+@runs_cli.command("create")
+def runs_create(
+    run_id: Annotated[str | None, typer.Argument(help="Run id (default: a new one)")] = None,
+    config: Annotated[
+        list[str] | None,
+        typer.Option("--config", "-c", help="RunConfig field as KEY=VALUE; repeat for more"),
+    ] = None,
+    url: Url = "http://127.0.0.1:8000",
+    as_json: AsJson = False,
+) -> None:
+    """Create a run (the same id and config again is a no-op)."""
+    cfg = _parse_config(config or [])
+    with _broker(url) as broker:
+        run = broker.create_run(run_id, cfg)
+    if as_json:
+        _print_json(run)
+    else:
+        _console().print(_run_detail(run))
+
+
+@runs_cli.command("show")
+def runs_show(
+    run_id: Annotated[str, typer.Argument(help="Run id")],
+    url: Url = "http://127.0.0.1:8000",
+    as_json: AsJson = False,
+) -> None:
+    """A run's status, policy version and config."""
+    with _broker(url) as broker:
+        run = broker.get_run(run_id)
+    if as_json:
+        _print_json(run)
+    else:
+        _console().print(_run_detail(run))
+
+
+@runs_cli.command("close")
+def runs_close(
+    run_id: Annotated[str, typer.Argument(help="Run id")],
+    url: Url = "http://127.0.0.1:8000",
+    as_json: AsJson = False,
+) -> None:
+    """Close a run: its buffered rollouts retire (run_closed); the accounting stays."""
+    with _broker(url) as broker:
+        run = broker.close_run(run_id)
+    if as_json:
+        _print_json(run)
+    else:
+        _console().print(_run_detail(run))
+
+
+# -- policy --------------------------------------------------------------------------------------
+
+
+@policy_cli.command("set")
+def policy_set(
+    run_id: Annotated[str, typer.Argument(help="Run id")],
+    version: Annotated[int, typer.Argument(help="The new policy version", min=0)],
+    url: Url = "http://127.0.0.1:8000",
+    as_json: AsJson = False,
+) -> None:
+    """Announce a new policy version; rollouts now too stale retire."""
+    with _broker(url) as broker:
+        result = broker.set_policy(run_id, version)
+    if as_json:
+        _print_json(result)
+    else:
+        typer.echo(
+            f"run {run_id} is at policy version {result.policy_version}; "
+            f"{result.evicted} rollouts retired as stale"
+        )
+
+
+# -- accounting ----------------------------------------------------------------------------------
+
+
+def _histogram(hist: dict[int, int], width: int = 16) -> str:
+    if not hist:
+        return "–"
+    top = max(hist.values()) or 1
+    lines = []
+    for lag in sorted(hist):
+        n = hist[lag]
+        bar = "█" * max(1 if n else 0, round(width * n / top))
+        lines.append(f"lag {lag:>2} {bar} {n:,}")
+    return "\n".join(lines)
+
+
+def accounting_table(acc: Accounting, run: Run | None = None) -> RenderableType:
+    """The accounting as a readable table: where rollouts went and what became samples."""
+    from rich.table import Table
+
+    name = run.run_id if run is not None else "run"
+    table = Table(title=f"Accounting of {name}", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("count", justify="right")
+    table.add_column("notes")
+
+    def section(title: str) -> None:
+        table.add_row(f"[cyan]{title}[/]", "", "", end_section=False)
+
+    section("rollouts in")
+    table.add_row("rollouts received", _fmt(acc.rollouts_received), "accepted into the buffer")
+    gs = run.config.get("group_size") if run is not None else None
+    table.add_row(
+        "groups received",
+        _fmt(acc.groups_received),
+        f"group_size {gs}" if gs is not None else "",
+    )
+    table.add_row("duplicates", _fmt(acc.duplicates), "repeated rollout_ids, not counted")
+    table.add_row("rejected", _fmt(sum(acc.rejected.values())), _reasons(acc.rejected))
+    table.add_row("tokens generated", _fmt(acc.tokens_generated), "")
+    section("where they are")
+    table.add_row("buffered", _fmt(acc.buffered), "")
+    table.add_row("leased", _fmt(acc.leased), "in live leases")
+    table.add_row("retired", _fmt(acc.retired_total), _reasons(acc.retired))
+    table.add_row("wasted tokens", _fmt(acc.wasted_tokens), "of rollouts retired unused")
+    check = "✓" if acc.unaccounted == 0 else f"✗ off by {acc.unaccounted:,}"
+    table.add_row(
+        "buffered + leased + retired",
+        check,
+        f"{acc.buffered:,} + {acc.leased:,} + {acc.retired_total:,} = {acc.rollouts_received:,}"
+        " received",
+        end_section=True,
+    )
+    section("samples out")
+    max_reuse = run.config.get("max_reuse") if run is not None else None
+    table.add_row("samples consumed", _fmt(acc.samples_consumed), "Σ uses = Σ acked batch sizes")
+    table.add_row("tokens consumed", _fmt(acc.tokens_consumed), "")
+    table.add_row(
+        "reuse factor",
+        _fmt(acc.reuse_factor, 3),
+        "samples / rollouts" + (f" (max_reuse {max_reuse})" if max_reuse is not None else ""),
+    )
+    b = acc.batches
+    table.add_row(
+        "batches",
+        _fmt(b.leased),
+        f"acked {b.acked:,}, nacked {b.nacked:,}, expired {b.expired:,}",
+        end_section=True,
+    )
+    section("off-policy")
+    table.add_row("lag", f"mean {_fmt(acc.lag.mean, 3)}", f"max {_fmt(acc.lag.max)}")
+    table.add_row("lag histogram", "", _histogram(acc.lag.histogram))
+    table.add_row("KL", f"mean {_fmt(acc.kl.mean, 3)}", f"max {_fmt(acc.kl.max, 3)}")
+    table.add_row(
+        "IS ratio",
+        f"mean {_fmt(acc.is_ratio.mean, 4)}",
+        f"clip fraction {_fmt(acc.is_ratio.clip_fraction, 3)}",
+    )
+    if acc.pending_events:
+        table.caption = f"{acc.pending_events} events not yet in the accounting"
+    return table
+
+
+def versions_table(rows: list[VersionAccounting]) -> RenderableType:
+    from rich import box
+    from rich.table import Table
+
+    reasons = sorted({k for v in rows for k in v.retired})
+    table = Table(
+        title="Accounting by policy version",
+        caption="retired, by reason, on the right",
+        box=box.SIMPLE_HEAD,
+    )
+    for col in ("version", "received", "buffered", "leased", "samples", "reuse", "lag", *reasons):
+        table.add_column(col, justify="right")
+    for v in rows:
+        table.add_row(
+            str(v.policy_version),
+            _fmt(v.rollouts_received),
+            _fmt(v.buffered),
+            _fmt(v.leased),
+            _fmt(v.samples_consumed),
+            _fmt(v.reuse_factor, 3),
+            _fmt(v.lag.mean, 3),
+            *(_fmt(v.retired.get(k, 0)) for k in reasons),
+        )
+    return table
+
+
+@cli.command()
+def accounting(
+    run_id: Annotated[str, typer.Argument(help="Run id")],
+    url: Url = "http://127.0.0.1:8000",
+    as_json: AsJson = False,
+    versions: Annotated[bool, typer.Option("--versions", help="Per policy version")] = False,
+) -> None:
+    """A run's sample/rollout accounting (from Postgres; may trail by a second or two)."""
+    with _broker(url) as broker:
+        if versions:
+            rows = broker.accounting_versions(run_id)
+            if as_json:
+                _print_json(rows)
+            else:
+                _console().print(versions_table(rows))
+            return
+        acc = broker.accounting(run_id)
+        run = None if as_json else broker.get_run(run_id)
+    if as_json:
+        typer.echo(json.dumps(acc.raw, indent=2, sort_keys=True, default=str))
+    else:
+        _console().print(accounting_table(acc, run))
+
+
+# -- watch ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Frame:
+    run: Run
+    acc: Accounting | None
+    at: float
+    error: str | None = None
+
+
+def watch_view(now: _Frame, before: _Frame | None) -> RenderableType:
+    """One frame of ``watch``: the buffer, the flow since the last frame, lag, reuse and KL."""
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.table import Table
+
+    run, acc = now.run, now.acc
+    cfg = run.config
+    head = (
+        f"[bold]{run.run_id}[/]  {run.status}  policy v{run.policy_version}  "
+        f"max_staleness {cfg.get('max_staleness')}  max_reuse {cfg.get('max_reuse')}  "
+        f"kl_max {cfg.get('kl_max')}"
+    )
+    if acc is None:
+        return Panel(f"{head}\naccounting unavailable: {now.error}", title="rollout-broker watch")
+
+    def rate(field: str) -> str:
+        if before is None or before.acc is None or now.at <= before.at:
+            return ""
+        d = getattr(acc, field) - getattr(before.acc, field)
+        return f"{d / (now.at - before.at):,.1f}/s"
+
+    flow = Table(show_header=False, box=None, pad_edge=False)
+    flow.add_column("what")
+    flow.add_column("count", justify="right")
+    flow.add_column("notes")
+    cap = cfg.get("capacity_rollouts")
+    flow.add_row("buffered", _fmt(acc.buffered), f"of capacity {cap:,}" if cap else "")
+    flow.add_row("leased", _fmt(acc.leased), "")
+    flow.add_row("rollouts received", _fmt(acc.rollouts_received), rate("rollouts_received"))
+    flow.add_row("samples consumed", _fmt(acc.samples_consumed), rate("samples_consumed"))
+    flow.add_row("reuse factor", _fmt(acc.reuse_factor, 3), "")
+    flow.add_row("retired", _fmt(acc.retired_total), _reasons(acc.retired))
+    flow.add_row("KL", f"mean {_fmt(acc.kl.mean, 3)}", f"max {_fmt(acc.kl.max, 3)}")
+    flow.add_row(
+        "IS ratio",
+        f"mean {_fmt(acc.is_ratio.mean, 4)}",
+        f"clip {_fmt(acc.is_ratio.clip_fraction, 3)}",
+    )
+    lag = f"lag mean {_fmt(acc.lag.mean, 3)}, max {_fmt(acc.lag.max)}\n" + _histogram(
+        acc.lag.histogram
+    )
+    pending = f"  ({acc.pending_events} events pending)" if acc.pending_events else ""
+    return Panel(
+        Group(head + pending, flow, lag),
+        title="rollout-broker watch",
+        subtitle=time.strftime("%H:%M:%S"),
+    )
+
+
+def _frame(broker: BrokerClient, run_id: str) -> _Frame:
+    from app.client import NotFound, RunNotFound
+
+    run = broker.get_run(run_id)
+    try:
+        acc = broker.accounting(run_id)
+    except RunNotFound:
+        raise
+    except NotFound as err:  # a server without the accounting API
+        return _Frame(run, None, time.monotonic(), err.detail)
+    return _Frame(run, acc, time.monotonic())
+
+
+@cli.command()
+def watch(
+    run_id: Annotated[str, typer.Argument(help="Run id")],
+    url: Url = "http://127.0.0.1:8000",
+    interval: Annotated[float, typer.Option(help="Seconds between refreshes", min=0.05)] = 1.0,
+    count: Annotated[
+        int | None, typer.Option(help="Stop after this many refreshes (default: until Ctrl-C)")
+    ] = None,
+) -> None:
+    """A live view of a run: buffered, leased, flow rates, lag histogram, reuse factor, KL."""
+    from rich.live import Live
+
+    console = _console()
+    with _broker(url) as broker:
+        before: _Frame | None = None
+        shown = 0
+        live = Live(console=console, auto_refresh=False) if console.is_terminal else None
+        with live if live is not None else contextlib.nullcontext():
+            try:
+                while count is None or shown < count:
+                    if shown:
+                        time.sleep(interval)
+                    now = _frame(broker, run_id)
+                    view = watch_view(now, before)
+                    if live is not None:
+                        live.update(view, refresh=True)
+                    else:  # not a terminal: one frame after the other
+                        console.print(view)
+                    before, shown = now, shown + 1
+            except KeyboardInterrupt:
+                pass
 
 
 def main() -> None:
     cli()
+
+
+if __name__ == "__main__":
+    main()

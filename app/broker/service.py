@@ -403,7 +403,6 @@ def _acked_event(
         "batch_id": batch_id,
         "policy_version": policy_version,
         "items": items,
-        "stats": {k: v for k, v in stats.model_dump().items() if v is not None},
         "sums": {
             "kl_tokens": fig.kl_tokens,
             "kl_sum": fig.kl_sum,
@@ -414,5 +413,10 @@ def _acked_event(
     }
     if step is not None:
         payload["step"] = step
+    # The ack script re-packs this map to add `t`; Lua tables hold no nil and an empty one
+    # packs as an array, so unmeasured figures are left out, and so is an empty `stats`.
+    measured = {k: v for k, v in stats.model_dump().items() if v is not None}
+    if measured:
+        payload["stats"] = measured
     packed: bytes = msgpack.packb(payload, use_bin_type=True)
     return packed

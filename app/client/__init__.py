@@ -1,0 +1,110 @@
+"""The Python client of Rollout Broker, blocking (:class:`BrokerClient`) and asyncio
+(:class:`AsyncBrokerClient`), over httpx.
+
+Generators post rollouts through a writer that batches them, retries safely and waits out
+``429`` backpressure; trainers lease batches in a context manager that acks on a normal exit
+and nacks on an exception; operators read runs and the accounting::
+
+    from app.client import BrokerClient, Rollout
+
+    with BrokerClient("http://127.0.0.1:8000") as broker:
+        broker.create_run("demo", {"group_size": 4, "max_reuse": 2})
+        with broker.writer("demo") as w:
+            w.add(*[Rollout(f"p0-{k}", 0, tokens[k], rewards[k], logprobs[k], group_id="p0")
+                    for k in range(4)])
+        with broker.lease("demo", size=4, wait_s=5) as batch:
+            if batch is not None:
+                batch.ack_with([policy_logprobs(r) for r in batch])
+        print(broker.wait_for_accounting("demo").samples_consumed)
+"""
+
+from app.client._asgi import SyncASGITransport
+from app.client._async import AsyncBrokerClient, AsyncLease, AsyncRolloutWriter
+from app.client._errors import (
+    BadRequest,
+    BatchNotFound,
+    BatchSettled,
+    BrokerError,
+    BrokerHTTPError,
+    BrokerUnreachable,
+    Conflict,
+    InternalError,
+    LeaseExpired,
+    NotFound,
+    OverCapacity,
+    PayloadTooLarge,
+    RunConflict,
+    RunNotFound,
+    ServerError,
+    Unavailable,
+    UnsupportedMediaType,
+    ValidationFailed,
+    VersionConflict,
+)
+from app.client._models import (
+    Accounting,
+    AckResult,
+    Batch,
+    BatchCounts,
+    BatchStats,
+    IngestResult,
+    IsRatioStats,
+    KlStats,
+    LagStats,
+    LeasedRollout,
+    PolicyResult,
+    Rejection,
+    Rollout,
+    Run,
+    RunConfig,
+    VersionAccounting,
+)
+from app.client._sync import DEFAULT_URL, BrokerClient, Lease, RolloutWriter
+from app.client._wire import Retry
+
+__all__ = [
+    "DEFAULT_URL",
+    "Accounting",
+    "AckResult",
+    "AsyncBrokerClient",
+    "AsyncLease",
+    "AsyncRolloutWriter",
+    "BadRequest",
+    "Batch",
+    "BatchCounts",
+    "BatchNotFound",
+    "BatchSettled",
+    "BatchStats",
+    "BrokerClient",
+    "BrokerError",
+    "BrokerHTTPError",
+    "BrokerUnreachable",
+    "Conflict",
+    "IngestResult",
+    "InternalError",
+    "IsRatioStats",
+    "KlStats",
+    "LagStats",
+    "Lease",
+    "LeaseExpired",
+    "LeasedRollout",
+    "NotFound",
+    "OverCapacity",
+    "PayloadTooLarge",
+    "PolicyResult",
+    "Rejection",
+    "Retry",
+    "Rollout",
+    "RolloutWriter",
+    "Run",
+    "RunConfig",
+    "RunConflict",
+    "RunNotFound",
+    "ServerError",
+    "SyncASGITransport",
+    "Unavailable",
+    "UnsupportedMediaType",
+    "ValidationFailed",
+    "VersionAccounting",
+    "VersionConflict",
+]

@@ -1,0 +1,228 @@
+"""The client's exceptions. Every error status the broker answers becomes the exception named
+by the body's ``error`` field, carrying the body's ``detail``:
+
+    BrokerError                      anything the client raises on purpose
+    ├── BrokerUnreachable            no answer (connection refused, timed out), after retries
+    └── BrokerHTTPError              an error status; .status, .error, .detail, .headers
+        ├── BadRequest (400)
+        ├── NotFound (404)
+        │   ├── RunNotFound
+        │   └── BatchNotFound
+        ├── Conflict (409)
+        │   ├── RunConflict          same run_id, different config
+        │   ├── VersionConflict      policy version moving backwards
+        │   ├── LeaseExpired         ack after the lease ran out
+        │   └── BatchSettled         nack of an acked batch, or the reverse
+        ├── PayloadTooLarge (413)
+        ├── UnsupportedMediaType (415)
+        ├── ValidationFailed (422)
+        ├── OverCapacity (429)       .retry_after_s from the Retry-After header
+        └── ServerError (5xx)
+            ├── InternalError (500)
+            └── Unavailable (503)
+
+An ``error`` name the client does not know falls back to the class of its status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+__all__ = [
+    "BadRequest",
+    "BatchNotFound",
+    "BatchSettled",
+    "BrokerError",
+    "BrokerHTTPError",
+    "BrokerUnreachable",
+    "Conflict",
+    "InternalError",
+    "LeaseExpired",
+    "NotFound",
+    "OverCapacity",
+    "PayloadTooLarge",
+    "RunConflict",
+    "RunNotFound",
+    "ServerError",
+    "Unavailable",
+    "UnsupportedMediaType",
+    "ValidationFailed",
+    "VersionConflict",
+    "error_from_response",
+]
+
+
+class BrokerError(Exception):
+    """Base of every exception the client raises on purpose."""
+
+
+class BrokerUnreachable(BrokerError):
+    """The broker gave no answer: the connection failed or timed out, and retries ran out."""
+
+
+class BrokerHTTPError(BrokerError):
+    """The broker answered with an error status and ``{"error": ..., "detail": ...}``."""
+
+    def __init__(
+        self,
+        error: str,
+        detail: str,
+        *,
+        status: int,
+        headers: Mapping[str, str] | None = None,
+        method: str = "",
+        url: str = "",
+    ) -> None:
+        super().__init__(f"{error}: {detail}")
+        self.error = error
+        self.detail = detail
+        self.status = status
+        self.headers: dict[str, str] = dict(headers or {})
+        self.method = method
+        self.url = url
+
+
+class BadRequest(BrokerHTTPError):
+    pass
+
+
+class NotFound(BrokerHTTPError):
+    pass
+
+
+class RunNotFound(NotFound):
+    pass
+
+
+class BatchNotFound(NotFound):
+    pass
+
+
+class Conflict(BrokerHTTPError):
+    pass
+
+
+class RunConflict(Conflict):
+    pass
+
+
+class VersionConflict(Conflict):
+    pass
+
+
+class LeaseExpired(Conflict):
+    pass
+
+
+class BatchSettled(Conflict):
+    pass
+
+
+class PayloadTooLarge(BrokerHTTPError):
+    pass
+
+
+class UnsupportedMediaType(BrokerHTTPError):
+    pass
+
+
+class ValidationFailed(BrokerHTTPError):
+    pass
+
+
+class OverCapacity(BrokerHTTPError):
+    """The run is full; wait ``retry_after_s`` seconds before sending again (backpressure)."""
+
+    @property
+    def retry_after_s(self) -> float:
+        return _retry_after(self.headers.get("retry-after"))
+
+
+class ServerError(BrokerHTTPError):
+    pass
+
+
+class InternalError(ServerError):
+    pass
+
+
+class Unavailable(ServerError):
+    pass
+
+
+_BY_NAME: dict[str, type[BrokerHTTPError]] = {
+    cls.__name__: cls
+    for cls in (
+        BadRequest,
+        NotFound,
+        RunNotFound,
+        BatchNotFound,
+        Conflict,
+        RunConflict,
+        VersionConflict,
+        LeaseExpired,
+        BatchSettled,
+        PayloadTooLarge,
+        UnsupportedMediaType,
+        ValidationFailed,
+        OverCapacity,
+        InternalError,
+        Unavailable,
+    )
+}
+
+_BY_STATUS: dict[int, type[BrokerHTTPError]] = {
+    400: BadRequest,
+    404: NotFound,
+    409: Conflict,
+    413: PayloadTooLarge,
+    415: UnsupportedMediaType,
+    422: ValidationFailed,
+    429: OverCapacity,
+    500: InternalError,
+    503: Unavailable,
+}
+
+DEFAULT_RETRY_AFTER_S = 1.0
+
+
+def _retry_after(value: str | None) -> float:
+    """Seconds from a Retry-After header (delta-seconds form); 1 s when absent or unreadable."""
+    try:
+        seconds = float(value) if value is not None else DEFAULT_RETRY_AFTER_S
+    except ValueError:
+        return DEFAULT_RETRY_AFTER_S
+    return max(0.0, seconds)
+
+
+def _class_for(name: str, status: int) -> type[BrokerHTTPError]:
+    cls = _BY_NAME.get(name)
+    if cls is not None:
+        return cls
+    if status in _BY_STATUS:
+        return _BY_STATUS[status]
+    if status >= 500:
+        return ServerError
+    return BrokerHTTPError
+
+
+def error_from_response(resp: httpx.Response, body: Any) -> BrokerHTTPError:
+    """The named exception for an error response whose decoded body is ``body``."""
+    if isinstance(body, Mapping) and isinstance(body.get("error"), str):
+        name = str(body["error"])
+        detail = str(body.get("detail", ""))
+    else:  # not the broker's error shape: a proxy's page, say
+        name = f"HTTP{resp.status_code}"
+        detail = (resp.text or resp.reason_phrase)[:500]
+    cls = _class_for(name, resp.status_code)
+    return cls(
+        name,
+        detail,
+        status=resp.status_code,
+        headers=resp.headers,
+        method=resp.request.method,
+        url=str(resp.request.url),
+    )

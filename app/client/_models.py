@@ -1,0 +1,286 @@
+"""What the client sends and receives: rollouts with numpy arrays, runs, batches, accounting."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal, TypedDict
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "Accounting",
+    "AckArgs",
+    "AckResult",
+    "Batch",
+    "BatchCounts",
+    "BatchStats",
+    "IngestResult",
+    "IsRatioStats",
+    "KlStats",
+    "LagStats",
+    "LeasedRollout",
+    "PolicyResult",
+    "Rejection",
+    "Rollout",
+    "Run",
+    "RunConfig",
+    "VersionAccounting",
+]
+
+Int32Array = npt.NDArray[np.int32]
+Float32Array = npt.NDArray[np.float32]
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class RunConfig(TypedDict, total=False):
+    """A run's rules (SPEC's RunConfig); every key is optional and has the broker's default."""
+
+    max_staleness: int
+    max_reuse: int
+    kl_max: float
+    kl_flush: float
+    kl_estimator: Literal["k1", "k2", "k3"]
+    clip_epsilon: float
+    group_size: int
+    group_timeout_s: float
+    drop_zero_variance_groups: bool
+    order: Literal["freshest", "fifo", "random"]
+    capacity_rollouts: int
+    lease_timeout_s: float
+
+
+@dataclass(slots=True)
+class Rollout:
+    """One sampled response, as a generator posts it. Arrays may be numpy arrays or lists;
+    ``logprobs`` are the behaviour policy's, one per response token."""
+
+    rollout_id: str
+    policy_version: int
+    response_ids: npt.ArrayLike
+    reward: float
+    logprobs: npt.ArrayLike | None = None
+    group_id: str | None = None
+    prompt_ids: npt.ArrayLike | None = None
+    finish_reason: FinishReason | None = None
+    metadata: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    run_id: str
+    config: RunConfig
+    policy_version: int
+    status: Literal["open", "closed"]
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    rollout_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class IngestResult:
+    accepted: int
+    duplicates: int
+    rejected: list[Rejection]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyResult:
+    policy_version: int
+    evicted: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeasedRollout:
+    """A rollout handed to a trainer: its arrays as numpy, its ``uses`` so far and its ``lag``."""
+
+    rollout_id: str
+    group_id: str | None
+    policy_version: int
+    prompt_ids: Int32Array | None
+    response_ids: Int32Array
+    logprobs: Float32Array | None
+    reward: float
+    finish_reason: FinishReason | None
+    metadata: dict[str, Any] | None
+    uses: int
+    lag: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStats:
+    kl_mean: float | None
+    kl_max: float | None
+    is_ratio_mean: float | None
+    clip_fraction: float | None
+    ess_fraction: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class AckResult:
+    consumed: int
+    retired: int
+    flushed: int
+    stats: BatchStats
+
+
+LogprobsArg = Mapping[str, npt.ArrayLike] | Sequence[npt.ArrayLike]
+
+
+class AckArgs(TypedDict):
+    logprobs: dict[str, npt.ArrayLike] | None
+    kl: dict[str, float] | None
+    step: int | None
+
+
+@dataclass(slots=True)
+class Batch:
+    """A leased batch. Inside ``with client.lease(...) as batch`` call :meth:`ack_with` to give
+    the current policy's logprobs (or ready-made KL values) that the ack on leaving will carry;
+    after the block, :attr:`ack_result` holds the broker's answer."""
+
+    batch_id: str
+    policy_version: int
+    lease_expires_at: datetime
+    rollouts: list[LeasedRollout]
+    ack_result: AckResult | None = None
+    _ack: AckArgs = field(
+        default_factory=lambda: AckArgs(logprobs=None, kl=None, step=None), repr=False
+    )
+
+    def __len__(self) -> int:
+        return len(self.rollouts)
+
+    def __iter__(self) -> Iterator[LeasedRollout]:
+        return iter(self.rollouts)
+
+    @property
+    def rewards(self) -> npt.NDArray[np.float64]:
+        return np.array([r.reward for r in self.rollouts], dtype=np.float64)
+
+    def groups(self) -> dict[str, list[LeasedRollout]]:
+        """Rollouts by ``group_id`` (a rollout without one is its own group), in batch order."""
+        out: dict[str, list[LeasedRollout]] = {}
+        for r in self.rollouts:
+            out.setdefault(r.group_id or r.rollout_id, []).append(r)
+        return out
+
+    def ack_with(
+        self,
+        logprobs: LogprobsArg | None = None,
+        *,
+        kl: Mapping[str, float] | Sequence[float] | None = None,
+        step: int | None = None,
+    ) -> None:
+        """Set what the ack carries: per-rollout logprobs of the current policy on the same
+        tokens (a mapping by rollout_id, or a sequence in batch order), or per-rollout KL values,
+        and the trainer's step. Call again to replace them."""
+        self._ack = AckArgs(
+            logprobs=self._by_id(logprobs) if logprobs is not None else None,
+            kl={k: float(v) for k, v in self._by_id(kl).items()} if kl is not None else None,
+            step=step,
+        )
+
+    def pending_ack(self) -> AckArgs:
+        """What the ack on leaving the lease will carry."""
+        return self._ack
+
+    def _by_id(self, values: Mapping[str, Any] | Sequence[Any]) -> dict[str, Any]:
+        if isinstance(values, Mapping):
+            return dict(values)
+        if len(values) != len(self.rollouts):
+            raise ValueError(
+                f"{len(values)} values for a batch of {len(self.rollouts)} rollouts; give one "
+                "per rollout, in batch order, or a mapping by rollout_id"
+            )
+        return {r.rollout_id: v for r, v in zip(self.rollouts, values, strict=True)}
+
+
+@dataclass(frozen=True, slots=True)
+class BatchCounts:
+    leased: int
+    acked: int
+    nacked: int
+    expired: int
+
+
+@dataclass(frozen=True, slots=True)
+class LagStats:
+    mean: float | None
+    max: int | None
+    histogram: dict[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class KlStats:
+    mean: float | None
+    max: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class IsRatioStats:
+    mean: float | None
+    clip_fraction: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Accounting:
+    """A run's accounting (SPEC "Accounting"). ``pending_events`` is how many state changes the
+    broker has made that the accounting has not caught up with (None if the server does not say);
+    the invariants hold once it is 0. ``raw`` is the server's body as it came."""
+
+    rollouts_received: int
+    groups_received: int
+    duplicates: int
+    rejected: dict[str, int]
+    tokens_generated: int
+    buffered: int
+    leased: int
+    samples_consumed: int
+    tokens_consumed: int
+    reuse_factor: float
+    retired: dict[str, int]
+    wasted_tokens: int
+    batches: BatchCounts
+    lag: LagStats
+    kl: KlStats
+    is_ratio: IsRatioStats
+    pending_events: int | None = None
+    as_of: datetime | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def retired_total(self) -> int:
+        return sum(self.retired.values())
+
+    @property
+    def unaccounted(self) -> int:
+        """``rollouts_received - buffered - leased - Σ retired``: 0 once caught up."""
+        return self.rollouts_received - self.buffered - self.leased - self.retired_total
+
+
+@dataclass(frozen=True, slots=True)
+class VersionAccounting:
+    """The accounting of the rollouts one policy version generated."""
+
+    policy_version: int
+    rollouts_received: int
+    groups_received: int
+    rejected: dict[str, int]
+    tokens_generated: int
+    buffered: int
+    leased: int
+    samples_consumed: int
+    tokens_consumed: int
+    reuse_factor: float
+    retired: dict[str, int]
+    wasted_tokens: int
+    lag: LagStats
+    kl: KlStats
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)

@@ -1,0 +1,501 @@
+"""The requests of the API as data (method, path, body, how to read the answer), shared by the
+sync and the async client, and the codecs: msgpack with binary arrays, or JSON."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Generic, Literal, TypeVar, cast
+from urllib.parse import quote
+
+import httpx
+import msgpack
+import numpy as np
+import numpy.typing as npt
+import orjson
+
+from app.client._errors import BrokerUnreachable, error_from_response
+from app.client._models import (
+    Accounting,
+    AckResult,
+    Batch,
+    BatchCounts,
+    BatchStats,
+    Float32Array,
+    IngestResult,
+    Int32Array,
+    IsRatioStats,
+    KlStats,
+    LagStats,
+    LeasedRollout,
+    PolicyResult,
+    Rejection,
+    Rollout,
+    Run,
+    RunConfig,
+    VersionAccounting,
+)
+
+T = TypeVar("T")
+Format = Literal["msgpack", "json"]
+
+MSGPACK = "application/msgpack"
+JSON = "application/json"
+MAX_TOKEN_ID = 2**31 - 1
+
+RolloutLike = Rollout | Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[T]):
+    """One request and how to read its answer.
+
+    ``idempotent``: sending it again after it may have reached the broker changes nothing (true
+    of everything but a lease, and of a run creation without a run_id), so it may be retried
+    after a lost answer. ``extra_timeout`` lengthens the read timeout (long polls).
+    """
+
+    method: str
+    path: str
+    read: Callable[[httpx.Response, Any], T]
+    params: dict[str, str] | None = None
+    content: bytes | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    idempotent: bool = True
+    extra_timeout: float = 0.0
+    retry_statuses: tuple[int, ...] = (502, 503, 504)
+
+
+def decode(resp: httpx.Response) -> Any:
+    """The body as Python data, msgpack or JSON by its content type; None when empty."""
+    if not resp.content:
+        return None
+    kind = resp.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if kind in (MSGPACK, "application/x-msgpack", "application/vnd.msgpack"):
+        return msgpack.unpackb(resp.content, raw=False, strict_map_key=False)
+    try:
+        return orjson.loads(resp.content)
+    except orjson.JSONDecodeError:
+        return resp.text
+
+
+def check(resp: httpx.Response) -> Any:
+    """The decoded body of a success, or the named exception of an error."""
+    body = decode(resp)
+    if resp.status_code >= 400:
+        raise error_from_response(resp, body)
+    return body
+
+
+# -- encoding ------------------------------------------------------------------------------------
+
+
+def _ids(value: npt.ArrayLike, what: str, rid: str) -> Int32Array:
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise ValueError(f"rollout {rid!r}: {what} must be one-dimensional, not {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype="<i4")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"rollout {rid!r}: {what} must be integers, not {arr.dtype}")
+    if int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID:
+        raise ValueError(f"rollout {rid!r}: {what} must be between 0 and {MAX_TOKEN_ID}")
+    return arr.astype("<i4", copy=False)
+
+
+def _floats(value: npt.ArrayLike, what: str, rid: str) -> Float32Array:
+    arr = np.asarray(value, dtype="<f4")
+    if arr.ndim != 1:
+        raise ValueError(f"rollout {rid!r}: {what} must be one-dimensional, not {arr.shape}")
+    return arr
+
+
+def rollout_doc(r: RolloutLike, binary: bool) -> dict[str, Any]:
+    """The wire form of one rollout; arrays as little-endian bytes when ``binary``."""
+    src: Mapping[str, Any] = _as_mapping(r)
+    rid = str(src["rollout_id"])
+    doc: dict[str, Any] = {
+        "rollout_id": rid,
+        "policy_version": int(src["policy_version"]),
+        "reward": float(src["reward"]),
+    }
+    resp = _ids(src["response_ids"], "response_ids", rid)
+    doc["response_ids"] = resp.tobytes() if binary else resp.tolist()
+    if src.get("prompt_ids") is not None:
+        prompt = _ids(src["prompt_ids"], "prompt_ids", rid)
+        doc["prompt_ids"] = prompt.tobytes() if binary else prompt.tolist()
+    if src.get("logprobs") is not None:
+        lp = _floats(src["logprobs"], "logprobs", rid)
+        doc["logprobs"] = lp.tobytes() if binary else lp.astype(np.float64).tolist()
+    for key in ("group_id", "finish_reason", "metadata"):
+        if src.get(key) is not None:
+            doc[key] = src[key]
+    return doc
+
+
+def _as_mapping(r: RolloutLike) -> Mapping[str, Any]:
+    if isinstance(r, Rollout):
+        return {
+            "rollout_id": r.rollout_id,
+            "policy_version": r.policy_version,
+            "response_ids": r.response_ids,
+            "reward": r.reward,
+            "logprobs": r.logprobs,
+            "group_id": r.group_id,
+            "prompt_ids": r.prompt_ids,
+            "finish_reason": r.finish_reason,
+            "metadata": r.metadata,
+        }
+    return r
+
+
+def encode(doc: Any, fmt: Format) -> tuple[bytes, dict[str, str]]:
+    if fmt == "msgpack":
+        return msgpack.packb(doc, use_bin_type=True), {"content-type": MSGPACK}
+    return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY), {"content-type": JSON}
+
+
+# -- decoding ------------------------------------------------------------------------------------
+
+
+def _time(value: Any) -> datetime:
+    return datetime.fromisoformat(str(value))
+
+
+def _opt_time(value: Any) -> datetime | None:
+    return None if value is None else _time(value)
+
+
+def _id_array(value: Any) -> Int32Array:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return cast(Int32Array, np.frombuffer(value, dtype="<i4"))
+    return np.asarray(value, dtype=np.int32)
+
+
+def _lp_array(value: Any) -> Float32Array:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return cast(Float32Array, np.frombuffer(value, dtype="<f4"))
+    return np.asarray(value, dtype=np.float32)
+
+
+def parse_run(body: Any) -> Run:
+    return Run(
+        run_id=body["run_id"],
+        config=cast(RunConfig, dict(body["config"])),
+        policy_version=int(body["policy_version"]),
+        status=body["status"],
+        created_at=_time(body["created_at"]),
+    )
+
+
+def parse_ingest(body: Any) -> IngestResult:
+    return IngestResult(
+        accepted=int(body["accepted"]),
+        duplicates=int(body["duplicates"]),
+        rejected=[Rejection(x["rollout_id"], x["reason"]) for x in body.get("rejected", [])],
+    )
+
+
+def parse_leased(doc: Any) -> LeasedRollout:
+    prompt = doc.get("prompt_ids")
+    lp = doc.get("logprobs")
+    return LeasedRollout(
+        rollout_id=doc["rollout_id"],
+        group_id=doc.get("group_id"),
+        policy_version=int(doc["policy_version"]),
+        prompt_ids=None if prompt is None else _id_array(prompt),
+        response_ids=_id_array(doc["response_ids"]),
+        logprobs=None if lp is None else _lp_array(lp),
+        reward=float(doc["reward"]),
+        finish_reason=doc.get("finish_reason"),
+        metadata=doc.get("metadata"),
+        uses=int(doc["uses"]),
+        lag=int(doc["lag"]),
+    )
+
+
+def parse_batch(body: Any) -> Batch:
+    return Batch(
+        batch_id=body["batch_id"],
+        policy_version=int(body["policy_version"]),
+        lease_expires_at=_time(body["lease_expires_at"]),
+        rollouts=[parse_leased(r) for r in body["rollouts"]],
+    )
+
+
+def parse_ack(body: Any) -> AckResult:
+    s = body["stats"]
+    return AckResult(
+        consumed=int(body["consumed"]),
+        retired=int(body["retired"]),
+        flushed=int(body["flushed"]),
+        stats=BatchStats(
+            kl_mean=s.get("kl_mean"),
+            kl_max=s.get("kl_max"),
+            is_ratio_mean=s.get("is_ratio_mean"),
+            clip_fraction=s.get("clip_fraction"),
+            ess_fraction=s.get("ess_fraction"),
+        ),
+    )
+
+
+def _counts(value: Any) -> dict[str, int]:
+    return {str(k): int(v) for k, v in (value or {}).items()}
+
+
+def _lag(value: Any) -> LagStats:
+    v = value or {}
+    hist = {int(k): int(n) for k, n in (v.get("histogram") or {}).items()}
+    top = v.get("max")
+    return LagStats(mean=v.get("mean"), max=None if top is None else int(top), histogram=hist)
+
+
+def _kl(value: Any) -> KlStats:
+    v = value or {}
+    return KlStats(mean=v.get("mean"), max=v.get("max"))
+
+
+def parse_accounting(body: Any) -> Accounting:
+    b = body.get("batches") or {}
+    ir = body.get("is_ratio") or {}
+    pending = body.get("pending_events")
+    return Accounting(
+        rollouts_received=int(body["rollouts_received"]),
+        groups_received=int(body.get("groups_received", 0)),
+        duplicates=int(body.get("duplicates", 0)),
+        rejected=_counts(body.get("rejected")),
+        tokens_generated=int(body.get("tokens_generated", 0)),
+        buffered=int(body["buffered"]),
+        leased=int(body["leased"]),
+        samples_consumed=int(body["samples_consumed"]),
+        tokens_consumed=int(body.get("tokens_consumed", 0)),
+        reuse_factor=float(body.get("reuse_factor", 0.0)),
+        retired=_counts(body.get("retired")),
+        wasted_tokens=int(body.get("wasted_tokens", 0)),
+        batches=BatchCounts(
+            leased=int(b.get("leased", 0)),
+            acked=int(b.get("acked", 0)),
+            nacked=int(b.get("nacked", 0)),
+            expired=int(b.get("expired", 0)),
+        ),
+        lag=_lag(body.get("lag")),
+        kl=_kl(body.get("kl")),
+        is_ratio=IsRatioStats(mean=ir.get("mean"), clip_fraction=ir.get("clip_fraction")),
+        pending_events=None if pending is None else int(pending),
+        as_of=_opt_time(body.get("as_of")),
+        raw=dict(body),
+    )
+
+
+def parse_versions(body: Any) -> list[VersionAccounting]:
+    rows = body.get("versions", []) if isinstance(body, Mapping) else body
+    return [
+        VersionAccounting(
+            policy_version=int(v["policy_version"]),
+            rollouts_received=int(v["rollouts_received"]),
+            groups_received=int(v.get("groups_received", 0)),
+            rejected=_counts(v.get("rejected")),
+            tokens_generated=int(v.get("tokens_generated", 0)),
+            buffered=int(v["buffered"]),
+            leased=int(v["leased"]),
+            samples_consumed=int(v["samples_consumed"]),
+            tokens_consumed=int(v.get("tokens_consumed", 0)),
+            reuse_factor=float(v.get("reuse_factor", 0.0)),
+            retired=_counts(v.get("retired")),
+            wasted_tokens=int(v.get("wasted_tokens", 0)),
+            lag=_lag(v.get("lag")),
+            kl=_kl(v.get("kl")),
+            raw=dict(v),
+        )
+        for v in rows
+    ]
+
+
+def _ignore(resp: httpx.Response, body: Any) -> Any:
+    return body
+
+
+# -- the requests --------------------------------------------------------------------------------
+
+
+def _p(run_id: str) -> str:
+    return "/v1/runs/" + quote(run_id, safe="")
+
+
+@dataclass(frozen=True, slots=True)
+class Api:
+    """Builds the :class:`Call` of each endpoint. ``fmt`` is the body format of ingest and ack
+    and the format asked of batches."""
+
+    fmt: Format = "msgpack"
+    trainer_id: str | None = None
+
+    def _body(self, doc: Any, fmt: Format | None = None) -> tuple[bytes, dict[str, str]]:
+        return encode(doc, fmt or "json")
+
+    # runs
+    def create_run(self, run_id: str | None, config: Mapping[str, Any] | None) -> Call[Run]:
+        # Naming the run here makes a retried creation land on the same run (idempotent).
+        rid = run_id or f"run-{uuid.uuid4().hex[:12]}"
+        content, headers = self._body({"run_id": rid, "config": dict(config or {})})
+        return Call("POST", "/v1/runs", lambda r, b: parse_run(b), None, content, headers)
+
+    def list_runs(self) -> Call[list[Run]]:
+        return Call("GET", "/v1/runs", lambda r, b: [parse_run(x) for x in b])
+
+    def get_run(self, run_id: str) -> Call[Run]:
+        return Call("GET", _p(run_id), lambda r, b: parse_run(b))
+
+    def patch_config(self, run_id: str, changes: Mapping[str, Any]) -> Call[Run]:
+        content, headers = self._body(dict(changes))
+        return Call(
+            "PATCH", _p(run_id) + "/config", lambda r, b: parse_run(b), None, content, headers
+        )
+
+    def close_run(self, run_id: str) -> Call[Run]:
+        return Call("POST", _p(run_id) + "/close", lambda r, b: parse_run(b))
+
+    def set_policy(self, run_id: str, version: int) -> Call[PolicyResult]:
+        content, headers = self._body({"version": int(version)})
+        return Call(
+            "POST",
+            _p(run_id) + "/policy",
+            lambda r, b: PolicyResult(int(b["policy_version"]), int(b["evicted"])),
+            None,
+            content,
+            headers,
+        )
+
+    # generators
+    def post_rollouts(self, run_id: str, rollouts: Sequence[RolloutLike]) -> Call[IngestResult]:
+        binary = self.fmt == "msgpack"
+        doc = {"rollouts": [rollout_doc(r, binary) for r in rollouts]}
+        content, headers = self._body(doc, self.fmt)
+        return Call(
+            "POST",
+            _p(run_id) + "/rollouts",
+            lambda r, b: parse_ingest(b),
+            None,
+            content,
+            headers,
+        )
+
+    # trainers
+    def lease(
+        self,
+        run_id: str,
+        size: int,
+        *,
+        policy_version: int | None,
+        wait_s: float,
+        partial: bool,
+        trainer_id: str | None,
+    ) -> Call[Batch | None]:
+        params = {"size": str(int(size)), "wait_s": repr(float(wait_s))}
+        if partial:
+            params["partial"] = "true"
+        if policy_version is not None:
+            params["policy_version"] = str(int(policy_version))
+        tid = trainer_id or self.trainer_id
+        if tid is not None:
+            params["trainer_id"] = tid
+        headers = {"accept": f"{MSGPACK}, {JSON};q=0.5"} if self.fmt == "msgpack" else {}
+        return Call(
+            "GET",
+            _p(run_id) + "/batch",
+            lambda r, b: None if r.status_code == 204 else parse_batch(b),
+            params,
+            None,
+            headers,
+            idempotent=False,  # a second lease would hold other rollouts until it expired
+            extra_timeout=max(0.0, float(wait_s)),
+        )
+
+    def ack(
+        self,
+        run_id: str,
+        batch_id: str,
+        *,
+        logprobs: Mapping[str, npt.ArrayLike] | None,
+        kl: Mapping[str, float] | None,
+        step: int | None,
+    ) -> Call[AckResult]:
+        doc: dict[str, Any] = {}
+        binary = self.fmt == "msgpack"
+        if logprobs:
+            doc["logprobs"] = {
+                rid: (
+                    np.asarray(v, dtype="<f4").tobytes()
+                    if binary
+                    else np.asarray(v, dtype=np.float64).tolist()
+                )
+                for rid, v in logprobs.items()
+            }
+        if kl:
+            doc["kl"] = {rid: float(v) for rid, v in kl.items()}
+        if step is not None:
+            doc["step"] = int(step)
+        content, headers = self._body(doc, self.fmt)
+        path = f"{_p(run_id)}/batches/{quote(batch_id, safe='')}/ack"
+        return Call("POST", path, lambda r, b: parse_ack(b), None, content, headers)
+
+    def nack(self, run_id: str, batch_id: str) -> Call[int]:
+        path = f"{_p(run_id)}/batches/{quote(batch_id, safe='')}/nack"
+        return Call("POST", path, lambda r, b: int(b["returned"]))
+
+    # operators
+    def accounting(self, run_id: str) -> Call[Accounting]:
+        return Call("GET", _p(run_id) + "/accounting", lambda r, b: parse_accounting(b))
+
+    def accounting_versions(self, run_id: str) -> Call[list[VersionAccounting]]:
+        return Call("GET", _p(run_id) + "/accounting/versions", lambda r, b: parse_versions(b))
+
+    def batches_page(self, run_id: str, cursor: str | None) -> Call[dict[str, Any]]:
+        params = {"cursor": cursor} if cursor else None
+        return Call(
+            "GET",
+            _p(run_id) + "/batches",
+            lambda r, b: b if isinstance(b, dict) else {"batches": b, "next_cursor": None},
+            params,
+        )
+
+    def healthz(self) -> Call[Any]:
+        return Call("GET", "/healthz", _ignore, retry_statuses=())
+
+    def readyz(self) -> Call[Any]:
+        return Call("GET", "/readyz", _ignore, retry_statuses=())
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """When and how long to wait before sending a request again.
+
+    A request that never reached the broker (connection refused, connect timeout) is always
+    retried; one whose answer was lost (read error or timeout) or that met 502/503/504 only when
+    it is idempotent. Waits grow exponentially from ``backoff_s`` to ``max_backoff_s``, jittered.
+    """
+
+    retries: int = 3
+    backoff_s: float = 0.1
+    max_backoff_s: float = 2.0
+
+    def delay(self, attempt: int) -> float:
+        return random.uniform(0.5, 1.0) * min(self.max_backoff_s, self.backoff_s * 2.0**attempt)
+
+    def after_error(self, call: Call[Any], exc: httpx.TransportError, attempt: int) -> bool:
+        if attempt >= self.retries:
+            return False
+        never_sent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
+        return never_sent or call.idempotent
+
+    def after_status(self, call: Call[Any], status: int, attempt: int) -> bool:
+        return attempt < self.retries and call.idempotent and status in call.retry_statuses
+
+
+def unreachable(call: Call[Any], base_url: str, exc: httpx.TransportError) -> BrokerUnreachable:
+    return BrokerUnreachable(
+        f"{call.method} {base_url}{call.path}: {type(exc).__name__}: {exc or 'no answer'}"
+    )

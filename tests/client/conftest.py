@@ -1,0 +1,30 @@
+"""Fixtures of the client tests: the async client over the in-process app (tests/conftest.py's
+``client``), and a live broker subprocess for the blocking client and the CLI."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import pytest
+
+from app.client import AsyncBrokerClient, BrokerClient
+from tests.client.live import LiveServer, broker_env, fresh_database, redis_prefix, serve
+
+
+@pytest.fixture
+async def broker(client: httpx.AsyncClient) -> AsyncIterator[AsyncBrokerClient]:
+    async with AsyncBrokerClient(http=client) as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def live_server() -> Iterator[LiveServer]:
+    with redis_prefix() as prefix, fresh_database() as db, serve(broker_env(prefix, db)) as s:
+        yield s
+
+
+@pytest.fixture
+def sync_broker(live_server: LiveServer) -> Iterator[BrokerClient]:
+    with BrokerClient(live_server.url) as b:
+        yield b

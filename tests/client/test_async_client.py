@@ -1,0 +1,301 @@
+"""The asyncio client against the app in-process (httpx.ASGITransport) on real Redis."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+import httpx
+import msgpack
+import numpy as np
+import pytest
+
+from app.client import (
+    AsyncBrokerClient,
+    BatchSettled,
+    BrokerUnreachable,
+    OverCapacity,
+    Retry,
+    Rollout,
+    RunConflict,
+    RunNotFound,
+    ValidationFailed,
+    VersionConflict,
+)
+
+
+def group(name: str, k: int, version: int = 0, tokens: int = 5) -> list[Rollout]:
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    return [
+        Rollout(
+            rollout_id=f"{name}-{i}",
+            group_id=name,
+            policy_version=version,
+            prompt_ids=np.array([7, 8, 9], dtype=np.int64),
+            response_ids=rng.integers(0, 150_000, size=tokens),  # wider than 16 bits
+            logprobs=-rng.random(tokens).astype(np.float32) - 0.01,
+            reward=float(i),
+            finish_reason="stop",
+            metadata={"i": i},
+        )
+        for i in range(k)
+    ]
+
+
+class Recorder(httpx.AsyncBaseTransport):
+    """Forwards to the app; records each exchange, and can fail or act at chosen moments."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.exchanges: list[tuple[httpx.Request, bytes, httpx.Response]] = []
+        self.lose_answer: set[str] = set()  # "METHOD path-suffix": drop the answer once
+        self.refuse: set[str] = set()  # "METHOD path-suffix": refuse the connection once
+        self.on_429: Callable[[], Awaitable[None]] | None = None
+
+    def _match(self, request: httpx.Request, keys: set[str]) -> bool:
+        for key in list(keys):
+            method, suffix = key.split(" ", 1)
+            if request.method == method and request.url.path.endswith(suffix):
+                keys.discard(key)
+                return True
+        return False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._match(request, self.refuse):
+            raise httpx.ConnectError("connection refused", request=request)
+        body = await request.aread()
+        resp = await self.inner.handle_async_request(request)
+        await resp.aread()
+        self.exchanges.append((request, body, resp))
+        if self._match(request, self.lose_answer):
+            raise httpx.ReadError("connection reset", request=request)
+        if resp.status_code == 429 and self.on_429 is not None:
+            hook, self.on_429 = self.on_429, None
+            await hook()
+        return resp
+
+
+@pytest.fixture
+def recorder(client: httpx.AsyncClient) -> Recorder:
+    return Recorder(client._transport)
+
+
+@pytest.fixture
+async def wired(recorder: Recorder) -> AsyncBrokerClient:
+    http = httpx.AsyncClient(transport=recorder, base_url="http://broker")
+    return AsyncBrokerClient(http=http, retry=Retry(retries=2, backoff_s=0.001))
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+async def test_round_trip_keeps_arrays_exact(client: httpx.AsyncClient, fmt: str) -> None:
+    broker = AsyncBrokerClient(http=client, format=fmt)  # type: ignore[arg-type]
+    run = await broker.create_run("rt", {"group_size": 3, "max_reuse": 2})
+    assert run.config["group_size"] == 3
+    sent = group("a", 3) + group("b", 3)
+    async with broker.writer("rt", batch_size=100) as w:
+        await w.add(*sent[:3])
+        await w.add(*sent[3:])
+        assert w.pending == 6  # nothing sent before the block ends
+    assert (w.accepted, w.duplicates, w.requests, w.rejected) == (6, 0, 1, [])
+
+    async with broker.lease("rt", size=6) as batch:
+        assert batch is not None
+        by_id = {r.rollout_id: r for r in batch}
+        for s in sent:
+            got = by_id[s.rollout_id]
+            assert got.response_ids.dtype == np.int32
+            assert got.logprobs is not None and got.logprobs.dtype == np.float32
+            np.testing.assert_array_equal(got.response_ids, np.asarray(s.response_ids))
+            np.testing.assert_array_equal(got.logprobs, np.asarray(s.logprobs))
+            np.testing.assert_array_equal(got.prompt_ids, [7, 8, 9])
+            assert (got.group_id, got.reward, got.uses, got.lag) == (s.group_id, s.reward, 0, 0)
+            assert got.metadata == s.metadata
+        assert sorted(batch.groups()) == ["a", "b"]
+        new = {r.rollout_id: r.logprobs - np.float32(0.25) for r in batch if r.logprobs is not None}
+        batch.ack_with(new, step=3)
+    assert batch.ack_result is not None
+    # k3 of a constant log-ratio -0.25 on every token: exp(-0.25) - 1 + 0.25.
+    expected_kl = np.exp(-0.25) - 1 + 0.25
+    assert batch.ack_result.consumed == 6
+    assert batch.ack_result.stats.kl_mean == pytest.approx(expected_kl, rel=1e-4)
+    assert batch.ack_result.stats.is_ratio_mean == pytest.approx(np.exp(-0.25), rel=1e-5)
+
+    again = await broker.lease_batch("rt", 6)
+    assert again is not None
+    assert {r.uses for r in again} == {1}
+    assert {r.lag for r in again} == {0}
+    await broker.nack("rt", again.batch_id)
+
+
+async def test_binary_arrays_on_the_wire(wired: AsyncBrokerClient, recorder: Recorder) -> None:
+    await wired.create_run("wire")
+    sent = Rollout("x", 0, np.array([1, 70_000, 3]), 1.0, np.array([-0.5, -1.5, -2.5]))
+    await wired.post_rollouts("wire", [sent])
+    req, body, _ = recorder.exchanges[-1]
+    assert req.headers["content-type"] == "application/msgpack"
+    doc = msgpack.unpackb(body, raw=False)["rollouts"][0]
+    assert doc["response_ids"] == np.array([1, 70_000, 3], dtype="<i4").tobytes()
+    assert doc["logprobs"] == np.array([-0.5, -1.5, -2.5], dtype="<f4").tobytes()
+
+    batch = await wired.lease_batch("wire", 1)
+    req, _, resp = recorder.exchanges[-1]
+    assert "application/msgpack" in req.headers["accept"]
+    assert resp.headers["content-type"] == "application/msgpack"
+    assert isinstance(msgpack.unpackb(resp.content)["rollouts"][0]["response_ids"], bytes)
+    assert batch is not None
+    np.testing.assert_array_equal(batch.rollouts[0].response_ids, [1, 70_000, 3])
+
+    await wired.ack("wire", batch.batch_id, logprobs={"x": [-0.5, -1.5, -2.5]})
+    req, body, resp = recorder.exchanges[-1]
+    assert resp.status_code == 200
+    assert (
+        msgpack.unpackb(body)["logprobs"]["x"]
+        == np.array([-0.5, -1.5, -2.5], dtype="<f4").tobytes()
+    )
+
+
+async def test_lease_nacks_when_the_block_raises(broker: AsyncBrokerClient) -> None:
+    await broker.create_run("nack", {"max_reuse": 1})
+    await broker.post_rollouts("nack", group("n", 2))
+    with pytest.raises(ZeroDivisionError):
+        async with broker.lease("nack", size=2) as batch:
+            assert batch is not None
+            leased_id = batch.batch_id
+            1 / 0  # noqa: B018
+    back = await broker.lease_batch("nack", 2)
+    assert back is not None and back.batch_id != leased_id
+    assert {r.uses for r in back} == {0}  # returned unused
+    with pytest.raises(BatchSettled) as err:  # the nacked batch cannot be acked any more
+        await broker.ack("nack", leased_id)
+    assert err.value.status == 409 and "nacked" in err.value.detail
+
+
+async def test_nothing_to_lease_is_none(broker: AsyncBrokerClient) -> None:
+    await broker.create_run("empty")
+    async with broker.lease("empty", size=4, wait_s=0) as batch:
+        assert batch is None
+    assert await broker.lease_batch("empty", 4, wait_s=0.0) is None
+
+
+async def test_errors_are_named_and_carry_detail(broker: AsyncBrokerClient) -> None:
+    with pytest.raises(RunNotFound) as nf:
+        await broker.get_run("nope")
+    assert (nf.value.status, nf.value.error) == (404, "RunNotFound")
+    assert "nope" in nf.value.detail
+
+    await broker.create_run("e1", {"max_reuse": 1})
+    assert (await broker.create_run("e1", {"max_reuse": 1})).run_id == "e1"  # idempotent
+    with pytest.raises(RunConflict):
+        await broker.create_run("e1", {"max_reuse": 3})
+
+    await broker.set_policy("e1", 2)
+    with pytest.raises(VersionConflict) as vc:
+        await broker.set_policy("e1", 1)
+    assert vc.value.error == "VersionConflict" and "below" in vc.value.detail
+
+    bad = Rollout("bad", 0, [1, 2], 1.0, logprobs=[-0.1, 0.5])  # a positive logprob
+    with pytest.raises(ValidationFailed) as vf:
+        await broker.post_rollouts("e1", [bad])
+    assert vf.value.status == 422 and "≤ 0" in vf.value.detail
+
+    with pytest.raises(ValueError, match="between 0 and"):
+        await broker.post_rollouts("e1", [Rollout("neg", 0, [-1], 1.0)])
+
+
+async def test_writer_records_rejections_and_duplicates(broker: AsyncBrokerClient) -> None:
+    await broker.create_run("rej", {"max_staleness": 1})
+    await broker.set_policy("rej", 3)
+    async with broker.writer("rej", batch_size=3) as w:
+        await w.add(Rollout("old", 1, [1], 0.0), Rollout("new", 3, [1], 0.0))
+        await w.add(Rollout("future", 9, [1], 0.0))  # the third: a request goes out
+        assert w.pending == 0
+        await w.add(Rollout("new", 3, [1], 0.0))
+    assert (w.accepted, w.duplicates, w.requests) == (1, 1, 2)
+    assert sorted((r.rollout_id, r.reason) for r in w.rejected) == [
+        ("future", "future_version"),
+        ("old", "stale"),
+    ]
+
+
+async def test_writer_waits_out_backpressure(
+    wired: AsyncBrokerClient, recorder: Recorder, client: httpx.AsyncClient
+) -> None:
+    await wired.create_run("bp", {"capacity_rollouts": 2, "max_reuse": 1})
+    trainer = AsyncBrokerClient(http=client)
+    freed: list[int] = []
+
+    async def train_one_batch() -> None:  # runs right after the broker answered 429
+        async with trainer.lease("bp", size=2) as batch:
+            assert batch is not None
+            freed.append(len(batch))
+
+    recorder.on_429 = train_one_batch
+    w = wired.writer("bp", batch_size=2)
+    await w.add(*[Rollout(f"a{i}", 0, [1, 2], 1.0) for i in range(2)])
+    t0 = time.monotonic()
+    await w.add(*[Rollout(f"b{i}", 0, [1, 2], 1.0) for i in range(2)])
+    waited = time.monotonic() - t0
+    statuses = [r.status_code for q, _, r in recorder.exchanges if q.url.path.endswith("/rollouts")]
+    assert statuses == [202, 429, 202]
+    assert freed == [2]
+    assert (w.accepted, w.backpressure_waits) == (4, 1)
+    assert waited >= 1.0  # the broker's Retry-After: 1
+
+    stuck = wired.writer("bp", batch_size=10, max_backpressure_s=0)
+    await stuck.add(*[Rollout(f"c{i}", 0, [1], 1.0) for i in range(3)])
+    with pytest.raises(OverCapacity) as oc:
+        await stuck.flush()
+    assert oc.value.retry_after_s == 1.0 and oc.value.status == 429
+    assert stuck.pending == 3  # kept for a later flush
+
+
+async def test_lost_answers_are_retried_only_when_safe(
+    wired: AsyncBrokerClient, recorder: Recorder
+) -> None:
+    await wired.create_run("retry", {"max_reuse": 1})
+    # The first ingest reaches the broker but its answer is lost: resending is a duplicate.
+    recorder.lose_answer.add("POST /rollouts")
+    async with wired.writer("retry") as w:
+        await w.add(*group("r", 3))
+    posts = [r for r, _, _ in recorder.exchanges if r.url.path.endswith("/rollouts")]
+    assert len(posts) == 2
+    assert (w.accepted, w.duplicates) == (0, 3)
+
+    # A lease whose answer is lost is not resent (it would hold a second set of rollouts)...
+    recorder.lose_answer.add("GET /batch")
+    with pytest.raises(BrokerUnreachable):
+        await wired.lease_batch("retry", 3)
+    # ...but one that never reached the broker is.
+    recorder.refuse.add("GET /batch")
+    batch = await wired.lease_batch("retry", 3, partial=True)
+    assert batch is None  # the three are in the first, unanswered lease until it expires
+
+    # An ack is idempotent: a lost answer is resent and gets the same answer.
+    await wired.create_run("retry2", {"max_reuse": 1})
+    await wired.post_rollouts("retry2", group("s", 2))
+    leased = await wired.lease_batch("retry2", 2)
+    assert leased is not None
+    recorder.lose_answer.add("POST /ack")
+    result = await wired.ack("retry2", leased.batch_id, kl={"s-0": 0.0, "s-1": 0.0})
+    assert result.consumed == 2
+    acks = [r for r, _, _ in recorder.exchanges if r.url.path.endswith("/ack")]
+    assert len(acks) == 2
+
+
+async def test_unreachable_broker() -> None:
+    broker = AsyncBrokerClient("http://127.0.0.1:9", retry=Retry(retries=1, backoff_s=0.001))
+    with pytest.raises(BrokerUnreachable, match="ConnectError"):
+        await broker.get_run("x")
+    assert not await broker.healthz()
+    await broker.close()
+
+
+async def test_patch_close_and_list(broker: AsyncBrokerClient) -> None:
+    await broker.create_run("p1")
+    run = await broker.patch_config("p1", max_reuse=4, order="fifo")
+    assert (run.config["max_reuse"], run.config["order"]) == (4, "fifo")
+    await broker.post_rollouts("p1", [Rollout("z", 0, [1], 0.0)])
+    closed = await broker.close_run("p1")
+    assert closed.status == "closed"
+    assert "p1" in [r.run_id for r in await broker.list_runs()]
+    assert await broker.healthz()

@@ -1,0 +1,144 @@
+"""The ``rollout-broker`` operator commands, through typer's CliRunner, against a live broker."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+from typer.testing import CliRunner
+
+from app.cli import cli
+from app.client import BrokerClient, NotFound, Rollout, RunNotFound
+from tests.client.live import LiveServer, fresh_database
+
+runner = CliRunner()
+
+
+def invoke(server: LiveServer | None, *args: str) -> tuple[int, str, str]:
+    env = {"COLUMNS": "160", "NO_COLOR": "1"}
+    if server is not None:
+        env["BROKER_URL"] = server.url
+    result = runner.invoke(cli, list(args), env=env)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def rid() -> str:
+    return f"cli-{uuid.uuid4().hex[:8]}"
+
+
+def test_runs_create_show_list_close(live_server: LiveServer) -> None:
+    run = rid()
+    code, out, err = invoke(
+        live_server, "runs", "create", run, "-c", "group_size=2", "-c", "order=fifo", "--json"
+    )
+    assert code == 0, err
+    created = json.loads(out)
+    assert created["run_id"] == run and created["config"]["group_size"] == 2
+    assert created["config"]["order"] == "fifo" and created["status"] == "open"
+
+    code, out, _ = invoke(live_server, "runs", "show", run)
+    assert code == 0
+    assert f"Run {run}" in out and '"fifo"' in out and "group_size" in out
+
+    code, out, _ = invoke(live_server, "runs", "list", "--json")
+    assert code == 0 and run in [r["run_id"] for r in json.loads(out)]
+    code, out, _ = invoke(live_server, "runs", "list")
+    assert code == 0 and run in out
+
+    code, out, _ = invoke(live_server, "runs", "close", run, "--json")
+    assert code == 0 and json.loads(out)["status"] == "closed"
+
+
+def test_url_option_and_errors(live_server: LiveServer) -> None:
+    code, out, err = invoke(None, "runs", "show", "missing-run", "--url", live_server.url)
+    assert code == 1 and out == ""
+    assert err.startswith("error: RunNotFound: no run 'missing-run'")
+
+    code, _, err = invoke(None, "runs", "list", "--url", "http://127.0.0.1:9")
+    assert code == 1 and "cannot reach the broker at http://127.0.0.1:9" in err
+
+    code, _, err = invoke(live_server, "runs", "create", rid(), "-c", "group_size")
+    assert code == 2 and "is not KEY=VALUE" in err
+    code, _, err = invoke(live_server, "runs", "create", rid(), "-c", "max_reuse=0")
+    assert code == 1 and err.startswith("error: ValidationFailed:")
+
+
+def test_policy_set(live_server: LiveServer) -> None:
+    run = rid()
+    with BrokerClient(live_server.url) as broker:
+        broker.create_run(run, {"max_staleness": 1})
+        broker.post_rollouts(run, [Rollout("a", 0, [1], 0.0)])
+        broker.set_policy(run, 1)
+        broker.post_rollouts(run, [Rollout("b", 1, [1], 0.0)])
+    code, out, _ = invoke(live_server, "policy", "set", run, "1")  # the same: a no-op
+    assert code == 0
+    assert out.strip() == f"run {run} is at policy version 1; 0 rollouts retired as stale"
+    code, out, _ = invoke(live_server, "policy", "set", run, "3", "--json")
+    assert code == 0 and json.loads(out) == {"evicted": 2, "policy_version": 3}
+    code, _, err = invoke(live_server, "policy", "set", run, "2")
+    assert code == 1 and err.startswith("error: VersionConflict:")
+
+
+@pytest.fixture
+def trained_run(live_server: LiveServer) -> str:
+    """A run with 4 rollouts in, 2 of them used once (max_reuse 1) and retired."""
+    run = rid()
+    with BrokerClient(live_server.url) as broker:
+        broker.create_run(run, {"max_reuse": 1})
+        broker.post_rollouts(
+            run, [Rollout(f"r{i}", 0, [1, 2, 3], float(i), [-1.0] * 3) for i in range(4)]
+        )
+        with broker.lease(run, size=2) as batch:
+            assert batch is not None
+            batch.ack_with([[-1.0] * 3] * 2)
+        try:
+            broker.wait_for_accounting(run, timeout_s=20)
+        except RunNotFound:
+            raise
+        except NotFound as err:
+            pytest.skip(f"the server has no accounting endpoint yet ({err.detail})")
+    return run
+
+
+def test_accounting_table_and_json(live_server: LiveServer, trained_run: str) -> None:
+    code, out, _ = invoke(live_server, "accounting", trained_run, "--json")
+    assert code == 0
+    acc = json.loads(out)
+    assert (acc["rollouts_received"], acc["buffered"], acc["samples_consumed"]) == (4, 2, 2)
+    assert acc["retired"] == {"max_reuse": 2}
+
+    code, out, _ = invoke(live_server, "accounting", trained_run)
+    assert code == 0
+    assert f"Accounting of {trained_run}" in out
+    assert "buffered + leased + retired" in out and "2 + 0 + 2 = 4 received" in out
+    assert "max_reuse 2" in out  # retired by reason
+
+    code, out, _ = invoke(live_server, "accounting", trained_run, "--versions", "--json")
+    assert code == 0
+    rows = json.loads(out)
+    assert [(r["policy_version"], r["rollouts_received"]) for r in rows] == [(0, 4)]
+
+
+def test_watch_refreshes(live_server: LiveServer, trained_run: str) -> None:
+    code, out, err = invoke(live_server, "watch", trained_run, "--count", "2", "--interval", "0.05")
+    assert code == 0, err
+    assert out.count("rollout-broker watch") == 2  # two frames, one after the other
+    assert "buffered" in out and "reuse factor" in out and "lag  0" in out and "KL" in out
+
+
+def test_service_commands_are_kept() -> None:
+    code, out, _ = invoke(None, "--help")
+    assert code == 0
+    for name in ("serve", "worker", "migrate", "runs", "policy", "accounting", "watch"):
+        assert name in out
+    code, _, err = invoke(None, "worker")
+    assert code == 2 and "BROKER_REDIS_URL" in err
+
+
+def test_migrate_against_postgres(monkeypatch: pytest.MonkeyPatch) -> None:
+    with fresh_database() as url:
+        monkeypatch.setenv("BROKER_DATABASE_URL", url)
+        result = runner.invoke(cli, ["migrate"])
+        assert result.exit_code == 0, result.output
+        assert "database is at the latest schema" in result.stdout

@@ -1,0 +1,149 @@
+"""The blocking client over the network, against ``rollout-broker serve`` in a subprocess, and
+in-process through SyncASGITransport."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import numpy as np
+import pytest
+
+from app.client import (
+    BrokerClient,
+    BrokerUnreachable,
+    LeaseExpired,
+    NotFound,
+    Retry,
+    Rollout,
+    RunNotFound,
+    SyncASGITransport,
+    ValidationFailed,
+)
+from app.main import create_app
+from app.settings import Settings
+from tests.client.live import LiveServer
+
+
+def rid() -> str:
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+def groups(n: int, k: int, version: int = 0) -> list[list[Rollout]]:
+    rng = np.random.default_rng(n * 100 + k)
+    return [
+        [
+            Rollout(
+                rollout_id=f"g{g}-{i}",
+                group_id=f"g{g}",
+                policy_version=version,
+                prompt_ids=[g],
+                response_ids=rng.integers(0, 50_000, size=4),
+                logprobs=np.full(4, -1.0, dtype=np.float32),
+                reward=float(rng.random()),
+            )
+            for i in range(k)
+        ]
+        for g in range(n)
+    ]
+
+
+def test_generator_and_trainer_over_the_network(sync_broker: BrokerClient) -> None:
+    run = rid()
+    sync_broker.create_run(run, {"group_size": 4, "max_reuse": 2, "kl_max": 0.5})
+    with sync_broker.writer(run, batch_size=8) as w:
+        for g in groups(3, 4):
+            w.add(*g)
+    assert (w.accepted, w.requests) == (12, 2)
+
+    with sync_broker.lease(run, size=8, wait_s=1.0, trainer_id="t0") as batch:
+        assert batch is not None
+        grouped = batch.groups()
+        assert len(grouped) == 2 and all(len(m) == 4 for m in grouped.values())  # whole groups
+        batch.ack_with([np.full(4, -1.1, dtype=np.float32) for _ in batch], step=0)
+    assert batch.ack_result is not None and batch.ack_result.consumed == 8
+    assert batch.ack_result.stats.kl_max == pytest.approx(np.exp(-0.1) - 1 + 0.1, rel=1e-4)
+
+    with pytest.raises(KeyError), sync_broker.lease(run, size=4) as failing:
+        assert failing is not None
+        raise KeyError("the trainer crashed")
+    left = sync_broker.lease_batch(run, size=12, partial=True)
+    assert left is not None and len(left) == 12  # the nacked group went back
+    assert sorted(r.uses for r in left) == [0] * 4 + [1] * 8
+    sync_broker.nack(run, left.batch_id)
+
+
+def test_errors_over_the_network(sync_broker: BrokerClient) -> None:
+    with pytest.raises(RunNotFound) as err:
+        sync_broker.lease_batch("no-such-run", 1)
+    assert err.value.status == 404 and err.value.error == "RunNotFound"
+
+    run = rid()
+    sync_broker.create_run(run, {"group_size": 2})
+    with pytest.raises(ValidationFailed, match="multiple of this run's group_size"):
+        sync_broker.lease_batch(run, 3)
+    with pytest.raises(ValidationFailed, match="group_id"):
+        sync_broker.post_rollouts(run, [Rollout("solo", 0, [1], 0.0)])
+    assert sync_broker.healthz()
+
+
+def test_ack_after_expiry_is_lease_expired(sync_broker: BrokerClient) -> None:
+    run = rid()
+    sync_broker.create_run(run, {"lease_timeout_s": 0.05})
+    sync_broker.post_rollouts(run, [Rollout("x", 0, [1, 2], 1.0)])
+    batch = sync_broker.lease_batch(run, 1)
+    assert batch is not None
+    # The lease is over once the broker says so: lease again until the rollout is back.
+    again = sync_broker.lease_batch(run, 1, wait_s=5.0)
+    assert again is not None and again.rollouts[0].rollout_id == "x"
+    with pytest.raises(LeaseExpired) as err:
+        sync_broker.ack(run, batch.batch_id)
+    assert err.value.status == 409
+
+
+def test_unreachable() -> None:
+    with BrokerClient("http://127.0.0.1:9", retry=Retry(retries=2, backoff_s=0.001)) as b:
+        with pytest.raises(BrokerUnreachable):
+            b.list_runs()
+        assert not b.ready()
+
+
+def test_accounting_over_the_network(sync_broker: BrokerClient) -> None:
+    run = rid()
+    sync_broker.create_run(run, {"group_size": 2, "max_reuse": 1})
+    sync_broker.post_rollouts(run, [r for g in groups(3, 2) for r in g])
+    with sync_broker.lease(run, size=4) as batch:
+        assert batch is not None
+    try:
+        acc = sync_broker.wait_for_accounting(run, timeout_s=20)
+    except RunNotFound:
+        raise
+    except NotFound as err:
+        pytest.skip(f"the server has no accounting endpoint yet ({err.detail})")
+    assert (acc.rollouts_received, acc.groups_received) == (6, 3)
+    assert (acc.buffered, acc.leased, acc.samples_consumed) == (2, 0, 4)
+    assert acc.retired == {"max_reuse": 4}
+    assert acc.unaccounted == 0
+    assert acc.batches.acked == 1 and acc.lag.histogram == {0: 4}
+
+
+def test_sync_client_in_process(settings: Settings) -> None:
+    with (
+        SyncASGITransport(create_app(settings)) as transport,
+        httpx.Client(transport=transport, base_url="http://broker") as http,
+    ):
+        broker = BrokerClient(http=http)
+        assert broker.base_url == "http://broker"
+        broker.create_run("inproc")
+        broker.post_rollouts("inproc", [Rollout("a", 0, np.array([5, 6]), 1.0, [-0.2, -0.3])])
+        with broker.lease("inproc", size=1) as batch:
+            assert batch is not None
+            np.testing.assert_array_equal(batch.rollouts[0].response_ids, [5, 6])
+            batch.ack_with({"a": [-0.2, -0.3]})
+        assert batch.ack_result is not None
+        assert batch.ack_result.stats.kl_mean == pytest.approx(0.0, abs=1e-7)
+
+
+def test_live_server_is_real(live_server: LiveServer) -> None:
+    assert live_server.proc.poll() is None
+    assert "Uvicorn running" in live_server.output()
