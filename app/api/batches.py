@@ -29,6 +29,13 @@ async def lease_batch(
     wait_s: Annotated[float, Query(ge=0, le=3600, allow_inf_nan=False)] = 0.0,
     partial: bool = False,
     trainer_id: Annotated[str | None, Query(max_length=256)] = None,
+    batch_id: Annotated[
+        str | None,
+        Query(
+            pattern=r"^[A-Za-z0-9_-]{8,64}$",
+            description="Client-chosen id: retrying the call returns the same live batch",
+        ),
+    ] = None,
 ) -> Response:
     batch = await broker_of(request).lease(
         run_id,
@@ -37,6 +44,7 @@ async def lease_batch(
         wait_s=wait_s,
         partial=partial,
         trainer_id=trainer_id,
+        batch_id=batch_id,
     )
     if batch is None:
         return Response(status_code=204)

@@ -52,6 +52,8 @@ from app.errors import (
     VersionConflict,
 )
 
+_STATE_WORDS = {"a": "acked", "n": "nacked", "e": "expired", "l": "leased"}
+
 
 def iso_ms(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat().replace("+00:00", "Z")
@@ -214,8 +216,13 @@ class Broker:
         wait_s: float,
         partial: bool,
         trainer_id: str | None,
+        batch_id: str | None = None,
     ) -> LeasedBatch | None:
-        """A leased batch, or None when nothing qualified within ``wait_s``."""
+        """A leased batch, or None when nothing qualified within ``wait_s``.
+
+        A client-chosen ``batch_id`` makes the call safe to retry: while that batch's lease is
+        live, the same call returns the same batch instead of leasing more.
+        """
         state = await self._run(run_id)
         if size > self.max_batch_size:
             raise ValidationFailed(f"size {size} is above the largest batch, {self.max_batch_size}")
@@ -229,6 +236,7 @@ class Broker:
             )
         wait_s = min(max(wait_s, 0.0), self.max_wait_s)
         deadline = time.monotonic() + wait_s
+        bid = batch_id or uuid.uuid4().hex
         while True:
             ev = self.waker.event(run_id)
             remaining = deadline - time.monotonic()
@@ -236,7 +244,7 @@ class Broker:
             try:
                 got = await self.store.lease(
                     run_id,
-                    batch_id=uuid.uuid4().hex,
+                    batch_id=bid,
                     size=size,
                     policy_version=policy_version,
                     # Take a part only once waiting for the whole is over.
@@ -246,6 +254,11 @@ class Broker:
             except StoreError as err:
                 if err.code == "missing":
                     raise RunNotFound(f"no run {run_id!r}") from None
+                if err.code == "settled":
+                    raise BatchSettled(
+                        f"batch {bid!r} was already {_STATE_WORDS.get(err.args_[0], 'settled')}; "
+                        "choose a new batch_id"
+                    ) from None
                 raise ValidationFailed(
                     f"policy_version {policy_version} is above the run's current version "
                     f"{err.args_[0]}"

@@ -402,6 +402,8 @@ class Api:
         tid = trainer_id or self.trainer_id
         if tid is not None:
             params["trainer_id"] = tid
+        # Our own batch id makes a resend safe: while the lease lives, it returns the same batch.
+        params["batch_id"] = uuid.uuid4().hex
         headers = {"accept": f"{MSGPACK}, {JSON};q=0.5"} if self.fmt == "msgpack" else {}
         return Call(
             "GET",
@@ -410,7 +412,6 @@ class Api:
             params,
             None,
             headers,
-            idempotent=False,  # a second lease would hold other rollouts until it expired
             extra_timeout=max(0.0, float(wait_s)),
         )
 

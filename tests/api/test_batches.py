@@ -403,3 +403,21 @@ async def test_lease_at_an_older_version_gets_no_rollouts_from_newer_policies(ap
     if resp.status_code == 200:
         assert [r["lag"] for r in resp.json()["rollouts"]] == [0]  # fails: lag is -1
     assert resp.status_code == 204
+
+
+async def test_a_retried_lease_with_its_batch_id_gets_the_same_batch(api):
+    await make_run(api, "r1")
+    await post(api, "r1", *[rollout(f"x{i}") for i in range(4)])
+    first = await lease(api, "r1", 2, batch_id="trainer-0-step-1")
+    again = await lease(api, "r1", 2, batch_id="trainer-0-step-1")
+    assert first.status_code == again.status_code == 200
+    assert first.json() == again.json()
+    assert first.json()["batch_id"] == "trainer-0-step-1"
+    other = await lease(api, "r1", 2)
+    assert set(ids(other.json())).isdisjoint(ids(first.json()))
+    assert (await ack(api, "r1", "trainer-0-step-1")).status_code == 200
+    settled = await lease(api, "r1", 2, batch_id="trainer-0-step-1")
+    assert settled.status_code == 409
+    assert settled.json()["error"] == "BatchSettled"
+    bad = await lease(api, "r1", 2, batch_id="no spaces")
+    assert bad.status_code == 422

@@ -261,14 +261,16 @@ async def test_lost_answers_are_retried_only_when_safe(
     assert len(posts) == 2
     assert (w.accepted, w.duplicates) == (0, 3)
 
-    # A lease whose answer is lost is not resent (it would hold a second set of rollouts)...
+    # A lease whose answer is lost is resent with the same batch_id and gets the same batch,
+    # instead of holding a second set of rollouts until it expires.
     recorder.lose_answer.add("GET /batch")
-    with pytest.raises(BrokerUnreachable):
-        await wired.lease_batch("retry", 3)
-    # ...but one that never reached the broker is.
-    recorder.refuse.add("GET /batch")
-    batch = await wired.lease_batch("retry", 3, partial=True)
-    assert batch is None  # the three are in the first, unanswered lease until it expires
+    batch = await wired.lease_batch("retry", 3)
+    assert batch is not None and len(batch.rollouts) == 3
+    leases = [r for r, _, _ in recorder.exchanges if r.url.path.endswith("/batch")]
+    assert len(leases) == 2
+    assert leases[0].url.params["batch_id"] == leases[1].url.params["batch_id"] == batch.batch_id
+    assert await wired.lease_batch("retry", 3, partial=True) is None  # nothing was leased twice
+    await wired.ack("retry", batch.batch_id)
 
     # An ack is idempotent: a lost answer is resent and gets the same answer.
     await wired.create_run("retry2", {"max_reuse": 1})
@@ -278,7 +280,7 @@ async def test_lost_answers_are_retried_only_when_safe(
     recorder.lose_answer.add("POST /ack")
     result = await wired.ack("retry2", leased.batch_id, kl={"s-0": 0.0, "s-1": 0.0})
     assert result.consumed == 2
-    acks = [r for r, _, _ in recorder.exchanges if r.url.path.endswith("/ack")]
+    acks = [r for r, _, _ in recorder.exchanges if r.url.path.endswith(f"{leased.batch_id}/ack")]
     assert len(acks) == 2
 
 

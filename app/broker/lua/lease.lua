@@ -2,10 +2,34 @@
 -- can be in two live leases. Units found permanently ineligible on the way are retired.
 -- ARGV: wake, batch_id, size, policy_version ('' = current), partial (0/1), trainer_id,
 --       sweep_limit, scan_limit.
+-- A batch_id that already names a live batch returns that batch again (a retried request).
 -- Returns {'ok', batch_id, V, expires_at, n, uses1, lag1, blob1, ...} | {'none', found}
---       | {'err', 'missing'} | {'err', 'future', current}.
+--       | {'err', 'missing'} | {'err', 'future', current} | {'err', 'settled', state}.
 if not load_run() then return { 'err', 'missing' } end
 local bid, N = ARGV[2], tonumber(ARGV[3])
+
+-- The reply of a live batch: also what a retried lease with the same batch_id gets back.
+local function reply(f)
+  local V, units = tonumber(f[2]), cjson.decode(f[3])
+  local res = { 'ok', bid, f[2], f[4], tonumber(f[5]) }
+  for _, u in ipairs(units) do
+    local uses = tonumber(redis.call('HGET', ukey(u), 'uses'))
+    for _, rid in ipairs(redis.call('LRANGE', mkey(u), 0, -1)) do
+      local rf = redis.call('HMGET', rkey(rid), 'd', 'v')
+      table.insert(res, uses)
+      table.insert(res, I(V - tonumber(rf[2])))
+      table.insert(res, rf[1])
+    end
+  end
+  return res
+end
+
+local known = redis.call('HMGET', bkey(bid), 'st', 'v', 'units', 'exp', 'n')
+if known[1] then
+  if known[1] == 'l' and tonumber(known[4]) > NOW then return reply(known) end
+  return { 'err', 'settled', known[1] }
+end
+
 local V = R.ver
 if ARGV[4] ~= '' then
   V = tonumber(ARGV[4])
@@ -69,7 +93,7 @@ if picked_n == 0 or (picked_n < N and not partial) then
 end
 
 local exp = NOW + CFG.lease_timeout_s * 1000
-local units, items, res = {}, {}, { 'ok', bid, I(V), I(exp), picked_n }
+local units, items = {}, {}
 local tokens = 0
 for _, p in ipairs(picked) do
   local u, v, uses = p[1], p[2], p[3]
@@ -77,16 +101,14 @@ for _, p in ipairs(picked) do
   redis.call('HSET', ukey(u), 'st', 'l', 'b', bid)
   table.insert(units, u)
   for _, rid in ipairs(redis.call('LRANGE', mkey(u), 0, -1)) do
-    local rf = redis.call('HMGET', rkey(rid), 'd', 'v', 'n')
-    local rv, rn = tonumber(rf[2]), tonumber(rf[3])
+    local rf = redis.call('HMGET', rkey(rid), 'v', 'n')
+    local rv, rn = tonumber(rf[1]), tonumber(rf[2])
     tokens = tokens + rn
     table.insert(items, { rid, rv, rn, V - rv, uses })
-    table.insert(res, uses)
-    table.insert(res, I(V - rv))
-    table.insert(res, rf[1])
   end
 end
-redis.call('HSET', bkey(bid), 'st', 'l', 'v', I(V), 'exp', I(exp), 'units', cjson.encode(units),
+local units_json = cjson.encode(units)
+redis.call('HSET', bkey(bid), 'st', 'l', 'v', I(V), 'exp', I(exp), 'units', units_json,
   'n', picked_n, 'tok', I(tokens), 'tr', ARGV[6], 't', I(NOW))
 redis.call('ZADD', LEASES, I(exp), bid)
 redis.call('HINCRBY', RUN, 'leased', picked_n)
@@ -94,4 +116,4 @@ local ev = { batch_id = bid, policy_version = V, expires_at = exp, items = items
 if ARGV[6] ~= '' then ev['trainer_id'] = ARGV[6] end
 emit('leased', ev)
 finish()
-return res
+return reply({ 'l', I(V), units_json, I(exp), picked_n })

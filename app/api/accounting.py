@@ -1,0 +1,74 @@
+"""Operator endpoints of the accounting: totals, per-version rows, batch ledger, dead letters."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Request
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from app.accounting import queries
+from app.accounting.schemas import (
+    BatchPage,
+    DeadLetterPage,
+    RunAccounting,
+    VersionsAccounting,
+)
+from app.accounting.stream import EventStream
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1/runs/{run_id}", tags=["accounting"])
+
+
+async def _session(request: Request) -> AsyncIterator[AsyncSession]:
+    async with request.app.state.db_sessionmaker() as session:
+        yield session
+
+
+def _stream(request: Request) -> EventStream:
+    return EventStream(request.app.state.redis, request.app.state.settings.redis_prefix)
+
+
+Session = Annotated[AsyncSession, Depends(_session)]
+Stream = Annotated[EventStream, Depends(_stream)]
+Limit = Annotated[int, Query(ge=1, le=1000)]
+
+
+@router.get("/accounting", response_model=RunAccounting)
+async def get_accounting(run_id: str, session: Session, stream: Stream) -> RunAccounting:
+    """Exact totals of the run, as of the newest drained event."""
+    return await queries.run_accounting(session, stream, run_id)
+
+
+@router.get("/accounting/versions", response_model=VersionsAccounting)
+async def get_version_accounting(
+    run_id: str, session: Session, stream: Stream
+) -> VersionsAccounting:
+    """The same accounting per policy version of the rollouts."""
+    return await queries.version_accounting(session, stream, run_id)
+
+
+@router.get("/batches", response_model=BatchPage)
+async def list_batches(
+    run_id: str,
+    session: Session,
+    stream: Stream,
+    limit: Limit = 100,
+    cursor: str | None = None,
+) -> BatchPage:
+    """The batch ledger in lease order; follow ``next_cursor`` for more."""
+    return await queries.list_batches(session, stream, run_id, limit=limit, cursor=cursor)
+
+
+@router.get("/accounting/dead-letters", response_model=DeadLetterPage)
+async def list_dead_letters(
+    run_id: str,
+    session: Session,
+    stream: Stream,
+    limit: Limit = 100,
+    cursor: str | None = None,
+) -> DeadLetterPage:
+    """Events the drain could not apply, with their error; they are not in the totals."""
+    return await queries.dead_letters(session, stream, run_id, limit=limit, cursor=cursor)
