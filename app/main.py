@@ -15,14 +15,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from redis.asyncio import Redis
+from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import __version__
-from app.api import batches, health, rollouts, runs
+from app.accounting.db import create_sessionmaker, engine_from_settings, schema_at_head
+from app.api import accounting, batches, health, rollouts, runs
 from app.api.codec import describe_errors, render
 from app.errors import BrokerError
 from app.settings import Settings
-from workers.runner import broker_for
+from workers.runner import broker_for, run_workers
 
 log = logging.getLogger("rollout_broker")
 
@@ -70,6 +72,15 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_body("InternalError", f"internal error ({type(exc).__name__})", 500)
 
 
+async def database_checks(engine: AsyncEngine) -> dict[str, str]:
+    """Readiness of the accounting database: reachable, and migrated to the latest schema."""
+    try:
+        at_head = await schema_at_head(engine)
+    except Exception as exc:  # readiness reports the failure instead of raising it
+        return {"postgres": f"unreachable: {type(exc).__name__}"}
+    return {"postgres": "ok", "migrations": "ok" if at_head else "not at head: run migrate"}
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
 
@@ -77,35 +88,33 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.redis_url is None:
             raise RuntimeError(
-                "BROKER_REDIS_URL is not set (use `rollout-broker serve` for embedded)"
+                "BROKER_REDIS_URL is not set (`rollout-broker serve` starts embedded services)"
             )
         redis = Redis.from_url(settings.redis_url, decode_responses=False)
         broker = broker_for(redis, settings)
-        store, waker = broker.store, broker.waker
-        await waker.start()
+        await broker.waker.start()
         app.state.settings = settings
         app.state.redis = redis
-        app.state.store = store
         app.state.broker = broker
+        engine = engine_from_settings(settings) if settings.database_url else None
+        if engine is not None:
+            app.state.db_engine = engine
+            app.state.db_sessionmaker = create_sessionmaker(engine)
+            app.state.readiness_probe = lambda: database_checks(engine)
         stop = asyncio.Event()
-        tasks: list[asyncio.Task[None]] = []
+        workers = None
         if settings.workers_in_process:
-            from workers.maintenance import run_maintenance
-
-            tasks.append(
-                asyncio.create_task(run_maintenance(broker, settings.sweep_interval_s, stop))
-            )
+            workers = asyncio.create_task(run_workers(settings, stop), name="broker-workers")
         try:
             yield
         finally:
             stop.set()
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
-            await waker.stop()
+            if workers is not None:
+                await workers
+            await broker.waker.stop()
             await redis.aclose()
+            if engine is not None:
+                await engine.dispose()
 
     app = FastAPI(
         title="Rollout Broker",
@@ -119,4 +128,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(runs.router)
     app.include_router(rollouts.router)
     app.include_router(batches.router)
+    app.include_router(accounting.router)
     return app

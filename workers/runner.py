@@ -1,15 +1,20 @@
-"""All background workers of one process, started and stopped together."""
+"""All background workers of one process, started and stopped together: the maintenance sweep
+(lease expiry, group timeouts, eager retirement) and, with a database, the accounting drain."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from redis.asyncio import Redis
 
+from app.accounting.db import create_sessionmaker, engine_from_settings
+from app.accounting.drain import DrainSettings
 from app.broker.notify import Waker
 from app.broker.service import Broker
 from app.broker.store import RedisStore
 from app.settings import Settings
+from workers.drain import DrainContext, run_drain
 from workers.maintenance import run_maintenance
 
 
@@ -27,9 +32,28 @@ def broker_for(redis: Redis, settings: Settings) -> Broker:
 
 
 async def run_workers(settings: Settings, stop: asyncio.Event) -> None:
+    """Run every worker until ``stop`` is set, each on connections of its own."""
     assert settings.redis_url is not None
     redis = Redis.from_url(settings.redis_url, decode_responses=False)
+    # The drain blocks on XREADGROUP: a client of its own keeps that off the sweep's pool.
+    drain_redis = Redis.from_url(settings.redis_url, decode_responses=False)
+    engine = engine_from_settings(settings) if settings.database_url else None
+    loops = [run_maintenance(broker_for(redis, settings), settings.sweep_interval_s, stop)]
+    if engine is not None:
+        drain_settings = DrainSettings()
+        ctx = DrainContext.create(
+            drain_redis,
+            create_sessionmaker(engine),
+            settings.redis_prefix,
+            drain_settings.options(),
+            drain_settings.consumer,
+        )
+        loops.append(run_drain(ctx, stop))
     try:
-        await run_maintenance(broker_for(redis, settings), settings.sweep_interval_s, stop)
+        await asyncio.gather(*loops)
     finally:
-        await redis.aclose()
+        with contextlib.suppress(Exception):
+            await redis.aclose()
+            await drain_redis.aclose()
+        if engine is not None:
+            await engine.dispose()

@@ -16,6 +16,7 @@ from app.accounting.schemas import (
     VersionsAccounting,
 )
 from app.accounting.stream import EventStream
+from app.errors import Unavailable
 
 __all__ = ["router"]
 
@@ -23,7 +24,10 @@ router = APIRouter(prefix="/v1/runs/{run_id}", tags=["accounting"])
 
 
 async def _session(request: Request) -> AsyncIterator[AsyncSession]:
-    async with request.app.state.db_sessionmaker() as session:
+    sessionmaker = getattr(request.app.state, "db_sessionmaker", None)
+    if sessionmaker is None:
+        raise Unavailable("the accounting needs a database: set BROKER_DATABASE_URL")
+    async with sessionmaker() as session:
         yield session
 
 

@@ -13,7 +13,6 @@ from app.client import (
     BrokerClient,
     BrokerUnreachable,
     LeaseExpired,
-    NotFound,
     Retry,
     Rollout,
     RunNotFound,
@@ -114,12 +113,7 @@ def test_accounting_over_the_network(sync_broker: BrokerClient) -> None:
     sync_broker.post_rollouts(run, [r for g in groups(3, 2) for r in g])
     with sync_broker.lease(run, size=4) as batch:
         assert batch is not None
-    try:
-        acc = sync_broker.wait_for_accounting(run, timeout_s=20)
-    except RunNotFound:
-        raise
-    except NotFound as err:
-        pytest.skip(f"the server has no accounting endpoint yet ({err.detail})")
+    acc = sync_broker.wait_for_accounting(run, timeout_s=20)
     assert (acc.rollouts_received, acc.groups_received) == (6, 3)
     assert (acc.buffered, acc.leased, acc.samples_consumed) == (2, 0, 4)
     assert acc.retired == {"max_reuse": 4}

@@ -1,0 +1,342 @@
+"""Draining the run event streams into Postgres: at-least-once from Redis, exactly-once in
+Postgres. A batch of entries is applied in one transaction, committed, and only then
+acknowledged; an entry delivered again is found in ``processed_events`` and skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+from sqlalchemy.exc import DBAPIError, StatementError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from app.accounting import repository
+from app.accounting.events import Event, EventError, decode_entry
+from app.accounting.stream import Entry, EventStream
+
+__all__ = [
+    "CRASH_EXIT_CODE",
+    "DrainCounts",
+    "DrainOptions",
+    "DrainSettings",
+    "Drainer",
+    "consumer_name",
+]
+
+log = logging.getLogger(__name__)
+
+CRASH_EXIT_CODE = 75
+
+
+class DrainSettings(BaseSettings):
+    """``BROKER_DRAIN_*`` settings of the drain worker."""
+
+    model_config = SettingsConfigDict(env_prefix="BROKER_DRAIN_", extra="ignore")
+
+    batch_size: int = Field(default=500, ge=1, le=10_000, description="Entries per transaction")
+    block_ms: int = Field(default=200, ge=1, le=60_000, description="XREADGROUP BLOCK when idle")
+    claim_idle_ms: int = Field(
+        default=30_000, ge=0, description="Idle time after which a consumer's entries are claimed"
+    )
+    max_deliveries: int = Field(
+        default=5, ge=1, le=1000, description="Failed deliveries before an entry is dead-lettered"
+    )
+    trim: bool = Field(default=True, description="XTRIM acknowledged entries")
+    consumer: str | None = Field(default=None, description="Consumer name; default host-pid-rand")
+    crash_after_commits: int | None = Field(
+        default=None,
+        ge=1,
+        description="Fault injection for tests: exit the process after this many commits, "
+        "before their XACK",
+    )
+
+    def options(self) -> DrainOptions:
+        return DrainOptions(
+            batch_size=self.batch_size,
+            block_ms=self.block_ms,
+            claim_idle_ms=self.claim_idle_ms,
+            max_deliveries=self.max_deliveries,
+            trim=self.trim,
+            crash_after_commits=self.crash_after_commits,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class DrainOptions:
+    batch_size: int = 500
+    block_ms: int = 200
+    claim_idle_ms: int = 30_000
+    max_deliveries: int = 5
+    trim: bool = True
+    crash_after_commits: int | None = None
+    # Rounds of new reads in one pass, so one busy run cannot starve trimming and claiming.
+    max_rounds: int = 20
+
+
+@dataclass(slots=True)
+class DrainCounts:
+    """What one pass did."""
+
+    streams: int = 0
+    read: int = 0
+    applied: int = 0
+    already: int = 0
+    acked: int = 0
+    retrying: int = 0
+    dead: int = 0
+    missing: int = 0
+    trimmed: int = 0
+
+    def add(self, other: DrainCounts) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+def consumer_name() -> str:
+    """Unique per process, so entries of a killed process are recognisably someone else's."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def _entry_error(exc: BaseException) -> bool:
+    """True for database errors caused by the data of an event, which fail the same way on
+    every retry: SQLSTATE classes 22 (data exception) and 23 (integrity), or a value the
+    driver refused to bind. Connection and server trouble is not one."""
+    seen: BaseException | None = exc
+    for _ in range(10):
+        if seen is None:
+            break
+        sqlstate = getattr(seen, "sqlstate", None) or getattr(seen, "pgcode", None)
+        if isinstance(sqlstate, str) and sqlstate[:2] in ("22", "23"):
+            return True
+        if seen is not exc and isinstance(seen, TypeError | ValueError | OverflowError):
+            return True
+        seen = getattr(seen, "orig", None) if seen is exc else seen.__cause__
+    return False
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+@dataclass
+class _Failure:
+    entry: Entry
+    error: str
+
+
+@dataclass
+class Drainer:
+    """One consumer of the accounting group, draining every run stream of a prefix."""
+
+    stream: EventStream
+    sessionmaker: async_sessionmaker[AsyncSession]
+    consumer: str
+    options: DrainOptions = field(default_factory=DrainOptions)
+    _grouped: set[str] = field(default_factory=set, init=False)
+    # Runs where this consumer may hold unacknowledged entries (read, then failed or crashed).
+    _dirty: set[str] = field(default_factory=set, init=False)
+    _last_claim: float = field(default=float("-inf"), init=False)
+    _commits: int = field(default=0, init=False)
+
+    @classmethod
+    def create(
+        cls,
+        redis: Redis,
+        sessionmaker: async_sessionmaker[AsyncSession],
+        prefix: str,
+        options: DrainOptions | None = None,
+        consumer: str | None = None,
+    ) -> Drainer:
+        return cls(
+            stream=EventStream(redis, prefix),
+            sessionmaker=sessionmaker,
+            consumer=consumer or consumer_name(),
+            options=options or DrainOptions(),
+        )
+
+    async def streams(self) -> list[str]:
+        """Run ids whose stream exists and has the consumer group."""
+        run_ids = await self.stream.run_ids()
+        for run_id in run_ids:
+            if run_id not in self._grouped and await self.stream.ensure_group(run_id):
+                self._grouped.add(run_id)
+        return [r for r in run_ids if r in self._grouped]
+
+    async def drain_once(
+        self, *, block_ms: int | None = None, claim: bool | None = None
+    ) -> DrainCounts:
+        """One pass: own pending entries, then idle entries of dead consumers (every half
+        ``claim_idle_ms``, or when ``claim`` is true), then new entries; then trim."""
+        counts = DrainCounts()
+        run_ids = await self.streams()
+        counts.streams = len(run_ids)
+        touched: set[str] = set()
+        for run_id in sorted(self._dirty.intersection(run_ids)):
+            got = await self.drain_own_pending(run_id)
+            if got.read:
+                touched.add(run_id)
+            counts.add(got)
+        now = time.monotonic()
+        if claim or (claim is None and now - self._last_claim >= self.options.claim_idle_ms / 2000):
+            self._last_claim = now
+            for run_id in run_ids:
+                got = await self.drain_claimable(run_id)
+                if got.read or got.missing:
+                    touched.add(run_id)
+                counts.add(got)
+        active = list(run_ids)
+        block = block_ms if counts.read == 0 else None
+        for _ in range(self.options.max_rounds):
+            if not active:
+                break
+            try:
+                new = await self.stream.read_new(
+                    active, self.consumer, self.options.batch_size, block
+                )
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                self._grouped.clear()  # a stream was deleted and recreated: re-create groups
+                break
+            block = None
+            for run_id, entries in new.items():
+                touched.add(run_id)
+                counts.add(await self.process(run_id, entries))
+            active = [r for r in active if len(new.get(r, ())) >= self.options.batch_size]
+        if self.options.trim:
+            for run_id in sorted(touched):
+                counts.trimmed += await self.stream.trim_acknowledged(run_id)
+        return counts
+
+    async def drain_own_pending(self, run_id: str) -> DrainCounts:
+        """Re-deliver this consumer's unacknowledged entries (each once per call)."""
+        counts = DrainCounts()
+        after = b"0"
+        while True:
+            entries = await self.stream.read_own_pending(
+                run_id, self.consumer, after, self.options.batch_size
+            )
+            if not entries:
+                break
+            counts.add(await self.process(run_id, entries))
+            after = entries[-1].id
+            if len(entries) < self.options.batch_size:
+                break
+        if counts.read == 0 or counts.retrying == 0:
+            self._dirty.discard(run_id)
+        return counts
+
+    async def drain_claimable(self, run_id: str) -> DrainCounts:
+        """Claim and process entries left idle by other consumers (a crashed worker's)."""
+        counts = DrainCounts()
+        start = b"0-0"
+        # XAUTOCLAIM scans a bounded stretch of the pending list per call; follow its cursor.
+        for _ in range(1000):
+            start, entries, deleted = await self.stream.claim_idle(
+                run_id, self.consumer, self.options.claim_idle_ms, start, self.options.batch_size
+            )
+            counts.missing += len(deleted)
+            if entries:
+                counts.add(await self.process(run_id, entries))
+            if start == b"0-0":
+                break
+        return counts
+
+    async def process(self, run_id: str, entries: Sequence[Entry]) -> DrainCounts:
+        """Apply delivered entries: one transaction, commit, then XACK. Entries that cannot be
+        applied stay pending and are dead-lettered after ``max_deliveries`` deliveries."""
+        was_dirty = run_id in self._dirty
+        self._dirty.add(run_id)  # stays marked if anything below raises
+        counts = DrainCounts(read=len(entries))
+        events: list[tuple[Entry, Event]] = []
+        failures: list[_Failure] = []
+        done: list[bytes] = []
+        for entry in entries:
+            if not entry.fields:
+                # Deleted from the stream while pending: nothing left to apply.
+                counts.missing += 1
+                done.append(entry.id)
+                continue
+            try:
+                events.append((entry, decode_entry(run_id, entry.id, entry.fields)))
+            except EventError as exc:
+                failures.append(_Failure(entry, f"{type(exc).__name__}: {exc}"))
+        if events:
+            try:
+                result = await self._commit(run_id, [e for _, e in events])
+                counts.applied += result.applied
+                counts.already += result.already
+                done.extend(entry.id for entry, _ in events)
+            except (DBAPIError, StatementError) as exc:
+                if not _entry_error(exc):
+                    raise
+                # One of them is bad: apply one by one so the rest are not held back.
+                for entry, event in events:
+                    try:
+                        result = await self._commit(run_id, [event])
+                    except (DBAPIError, StatementError) as one:
+                        if not _entry_error(one):
+                            raise
+                        failures.append(_Failure(entry, f"{type(one).__name__}: {one}"))
+                        continue
+                    counts.applied += result.applied
+                    counts.already += result.already
+                    done.append(entry.id)
+        counts.acked += await self.stream.ack(run_id, done)
+        if failures:
+            await self._settle_failures(run_id, failures, counts)
+        if not was_dirty and counts.retrying == 0:
+            self._dirty.discard(run_id)
+        return counts
+
+    async def _commit(self, run_id: str, events: Sequence[Event]) -> repository.ApplyResult:
+        async with self.sessionmaker() as session, session.begin():
+            result = await repository.apply_events(session, run_id, events)
+        self._commits += 1
+        crash_after = self.options.crash_after_commits
+        if crash_after is not None and self._commits >= crash_after:
+            # Fault injection: die between the Postgres commit and the XACK.
+            log.warning("crash_after_commits reached: exiting before XACK")
+            os._exit(CRASH_EXIT_CODE)
+        return result
+
+    async def _settle_failures(
+        self, run_id: str, failures: Sequence[_Failure], counts: DrainCounts
+    ) -> None:
+        deliveries = await self.stream.delivery_counts(run_id, [f.entry.id for f in failures])
+        for failure in failures:
+            n = deliveries.get(failure.entry.id)
+            if n is None:
+                continue  # no longer pending: another consumer settled it
+            if n < self.options.max_deliveries:
+                counts.retrying += 1
+                log.warning(
+                    "event %s of run %s failed (delivery %d of %d): %s",
+                    _text(failure.entry.id),
+                    run_id,
+                    n,
+                    self.options.max_deliveries,
+                    failure.error,
+                )
+                continue
+            if await self.stream.dead_letter(
+                run_id, failure.entry, error=failure.error, deliveries=n, consumer=self.consumer
+            ):
+                counts.dead += 1
+                log.error(
+                    "event %s of run %s dead-lettered after %d deliveries: %s",
+                    _text(failure.entry.id),
+                    run_id,
+                    n,
+                    failure.error,
+                )

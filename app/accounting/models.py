@@ -1,0 +1,193 @@
+"""SQLAlchemy models of the accounting tables; the Alembic migrations create exactly these."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Double,
+    Index,
+    MetaData,
+    Text,
+    func,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+__all__ = [
+    "Base",
+    "Batch",
+    "LagCount",
+    "ProcessedEvent",
+    "ReasonTotals",
+    "Run",
+    "RunTotals",
+    "VersionTotals",
+]
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+def _count() -> Mapped[int]:
+    return mapped_column(BigInteger, nullable=False, server_default="0")
+
+
+def _sum() -> Mapped[float]:
+    return mapped_column(Double, nullable=False, server_default="0")
+
+
+class Run(Base):
+    """The newest snapshot of each run, from its ``run`` events."""
+
+    __tablename__ = "runs"
+
+    run_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    config: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    policy_version: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    status: Mapped[str] = mapped_column(Text, nullable=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    last_change: Mapped[str] = mapped_column(Text, nullable=False)
+    # Stream id of the snapshot's event: an older event never overwrites a newer one.
+    event_ms: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    event_seq: Mapped[int] = mapped_column(BigInteger, nullable=False)
+
+
+class _Totals:
+    """Counters shared by the per-run and per-version totals (see app.accounting.fold)."""
+
+    rollouts_received: Mapped[int] = _count()
+    groups_received: Mapped[int] = _count()
+    tokens_generated: Mapped[int] = _count()
+    rollouts_rejected: Mapped[int] = _count()
+    rollouts_leased: Mapped[int] = _count()
+    rollouts_acked: Mapped[int] = _count()
+    rollouts_nacked: Mapped[int] = _count()
+    rollouts_expired: Mapped[int] = _count()
+    rollouts_retired: Mapped[int] = _count()
+    tokens_consumed: Mapped[int] = _count()
+    wasted_tokens: Mapped[int] = _count()
+    lag_samples: Mapped[int] = _count()
+    lag_sum: Mapped[int] = _count()
+    lag_max: Mapped[int | None] = mapped_column(BigInteger)
+    kl_tokens: Mapped[int] = _count()
+    kl_sum: Mapped[float] = _sum()
+    kl_max: Mapped[float | None] = mapped_column(Double)
+
+
+class RunTotals(_Totals, Base):
+    """One row per run: every counter of the accounting, summed over the drained events."""
+
+    __tablename__ = "run_totals"
+
+    run_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    duplicates: Mapped[int] = _count()
+    batches_leased: Mapped[int] = _count()
+    batches_acked: Mapped[int] = _count()
+    batches_nacked: Mapped[int] = _count()
+    batches_expired: Mapped[int] = _count()
+    ratio_tokens: Mapped[int] = _count()
+    ratio_sum: Mapped[float] = _sum()
+    ratio_clipped: Mapped[int] = _count()
+    events_applied: Mapped[int] = _count()
+    first_event_ms: Mapped[int | None] = mapped_column(BigInteger)
+    last_event_ms: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class VersionTotals(_Totals, Base):
+    """One row per (run, policy version of the rollouts)."""
+
+    __tablename__ = "version_totals"
+
+    run_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    policy_version: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+
+
+class ReasonTotals(Base):
+    """Rejections and retirements by reason, per (run, policy version)."""
+
+    __tablename__ = "reason_totals"
+    __table_args__ = (CheckConstraint("kind IN ('rejected', 'retired')", name="kind"),)
+
+    run_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    policy_version: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    kind: Mapped[str] = mapped_column(Text, primary_key=True)
+    reason: Mapped[str] = mapped_column(Text, primary_key=True)
+    rollouts: Mapped[int] = _count()
+    tokens: Mapped[int] = _count()
+    unused: Mapped[int] = _count()
+    wasted_tokens: Mapped[int] = _count()
+
+
+class LagCount(Base):
+    """The lag histogram: samples (acknowledged uses) per (run, rollout version, lag)."""
+
+    __tablename__ = "lag_counts"
+
+    run_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    policy_version: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    lag: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    samples: Mapped[int] = _count()
+
+
+class Batch(Base):
+    """The batch ledger: one row per leased batch and its outcome."""
+
+    __tablename__ = "batches"
+    __table_args__ = (
+        CheckConstraint("outcome IN ('leased', 'acked', 'nacked', 'expired')", name="outcome"),
+        Index(None, "run_id", "event_ms", "event_seq", "batch_id"),
+    )
+
+    run_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    batch_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    outcome: Mapped[str] = mapped_column(Text, nullable=False)
+    trainer_id: Mapped[str | None] = mapped_column(Text)
+    policy_version: Mapped[int | None] = mapped_column(BigInteger)
+    leased_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    acked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    nacked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    expired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    size: Mapped[int | None] = mapped_column(BigInteger)
+    tokens: Mapped[int | None] = mapped_column(BigInteger)
+    lag_mean: Mapped[float | None] = mapped_column(Double)
+    lag_max: Mapped[int | None] = mapped_column(BigInteger)
+    samples: Mapped[int | None] = mapped_column(BigInteger)
+    kl_mean: Mapped[float | None] = mapped_column(Double)
+    kl_max: Mapped[float | None] = mapped_column(Double)
+    is_ratio_mean: Mapped[float | None] = mapped_column(Double)
+    clip_fraction: Mapped[float | None] = mapped_column(Double)
+    ess_fraction: Mapped[float | None] = mapped_column(Double)
+    step: Mapped[int | None] = mapped_column(BigInteger)
+    # Stream id of the batch's first event (its lease): the ledger's order and cursor.
+    event_ms: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    event_seq: Mapped[int] = mapped_column(BigInteger, nullable=False)
+
+
+class ProcessedEvent(Base):
+    """Every applied stream entry: the key that makes draining exactly-once."""
+
+    __tablename__ = "processed_events"
+
+    run_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    stream_ms: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    stream_seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    event_type: Mapped[str] = mapped_column(Text, nullable=False)
+    applied_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, server_default=func.now()
+    )

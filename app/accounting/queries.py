@@ -1,0 +1,272 @@
+"""Read side of the accounting, for the operator API: totals, per-version rows, the batch
+ledger and dead letters. Derived figures (buffered, leased, means) are computed here from the
+stored sums, so they are always consistent with one another.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections import defaultdict
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import select, tuple_
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from app.accounting.events import EventError, StreamId
+from app.accounting.models import Batch, LagCount, ReasonTotals, Run, RunTotals, VersionTotals
+from app.accounting.repository import ms_to_datetime
+from app.accounting.schemas import (
+    BatchCounts,
+    BatchPage,
+    BatchRecord,
+    DeadLetter,
+    DeadLetterPage,
+    IsRatioStats,
+    KlStats,
+    LagStats,
+    RunAccounting,
+    VersionAccounting,
+    VersionsAccounting,
+)
+from app.accounting.stream import EventStream
+from app.errors import BadRequest, RunNotFound
+
+__all__ = ["dead_letters", "list_batches", "run_accounting", "version_accounting"]
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator else None
+
+
+async def _require_run(session: AsyncSession, stream: EventStream, run_id: str) -> None:
+    """A run is known once any of its events is drained, or while it exists in Redis only."""
+    if await session.get(RunTotals, run_id) is not None:
+        return
+    if await session.get(Run, run_id) is not None:
+        return
+    if await stream.run_exists(run_id):
+        return
+    raise RunNotFound(f"run {run_id!r} does not exist")
+
+
+async def _reasons(session: AsyncSession, run_id: str) -> dict[int, dict[str, dict[str, int]]]:
+    """policy_version -> kind -> reason -> rollouts."""
+    rows = await session.execute(
+        select(
+            ReasonTotals.policy_version,
+            ReasonTotals.kind,
+            ReasonTotals.reason,
+            ReasonTotals.rollouts,
+        )
+        .where(ReasonTotals.run_id == run_id)
+        .order_by(ReasonTotals.policy_version, ReasonTotals.kind, ReasonTotals.reason)
+    )
+    result: dict[int, dict[str, dict[str, int]]] = defaultdict(lambda: defaultdict(dict))
+    for version, kind, reason, rollouts in rows.all():
+        result[version][kind][reason] = rollouts
+    return result
+
+
+async def _lags(session: AsyncSession, run_id: str) -> dict[int, dict[int, int]]:
+    """policy_version -> lag -> samples."""
+    rows = await session.execute(
+        select(LagCount.policy_version, LagCount.lag, LagCount.samples)
+        .where(LagCount.run_id == run_id)
+        .order_by(LagCount.policy_version, LagCount.lag)
+    )
+    result: dict[int, dict[int, int]] = defaultdict(dict)
+    for version, lag, samples in rows.all():
+        result[version][lag] = samples
+    return result
+
+
+def _sum_by_reason(per_version: dict[int, dict[str, dict[str, int]]], kind: str) -> dict[str, int]:
+    total: dict[str, int] = defaultdict(int)
+    for kinds in per_version.values():
+        for reason, n in kinds.get(kind, {}).items():
+            total[reason] += n
+    return dict(sorted(total.items()))
+
+
+def _common(
+    totals: RunTotals | VersionTotals,
+    rejected: dict[str, int],
+    retired: dict[str, int],
+    histogram: dict[int, int],
+) -> dict[str, Any]:
+    """The fields shared by the run and per-version views, from a totals row (or zeros)."""
+    received = totals.rollouts_received
+    leased = (
+        totals.rollouts_leased
+        - totals.rollouts_acked
+        - totals.rollouts_nacked
+        - totals.rollouts_expired
+    )
+    return {
+        "rollouts_received": received,
+        "groups_received": totals.groups_received,
+        "rejected": rejected,
+        "tokens_generated": totals.tokens_generated,
+        "buffered": received - totals.rollouts_retired - leased,
+        "leased": leased,
+        "samples_consumed": totals.rollouts_acked,
+        "tokens_consumed": totals.tokens_consumed,
+        "reuse_factor": totals.rollouts_acked / received if received else 0.0,
+        "retired": retired,
+        "wasted_tokens": totals.wasted_tokens,
+        "lag": LagStats(
+            mean=_ratio(totals.lag_sum, totals.lag_samples),
+            max=totals.lag_max,
+            histogram=histogram,
+        ),
+        "kl": KlStats(mean=_ratio(totals.kl_sum, totals.kl_tokens), max=totals.kl_max),
+    }
+
+
+def _zero_totals() -> RunTotals:
+    row = RunTotals()
+    for column in RunTotals.__table__.columns:
+        if column.server_default is not None:
+            setattr(row, column.key, 0)
+    return row
+
+
+async def run_accounting(session: AsyncSession, stream: EventStream, run_id: str) -> RunAccounting:
+    totals = await session.get(RunTotals, run_id)
+    if totals is None:
+        await _require_run(session, stream, run_id)
+        totals = _zero_totals()
+    reasons = await _reasons(session, run_id)
+    histogram: dict[int, int] = defaultdict(int)
+    for lags in (await _lags(session, run_id)).values():
+        for lag, samples in lags.items():
+            histogram[lag] += samples
+    return RunAccounting(
+        **_common(
+            totals,
+            _sum_by_reason(reasons, "rejected"),
+            _sum_by_reason(reasons, "retired"),
+            dict(sorted(histogram.items())),
+        ),
+        duplicates=totals.duplicates,
+        batches=BatchCounts(
+            leased=totals.batches_leased,
+            acked=totals.batches_acked,
+            nacked=totals.batches_nacked,
+            expired=totals.batches_expired,
+        ),
+        is_ratio=IsRatioStats(
+            mean=_ratio(totals.ratio_sum, totals.ratio_tokens),
+            clip_fraction=_ratio(totals.ratio_clipped, totals.ratio_tokens),
+        ),
+        as_of=ms_to_datetime(totals.last_event_ms),
+        pending_events=await stream.pending_events(run_id),
+    )
+
+
+async def version_accounting(
+    session: AsyncSession, stream: EventStream, run_id: str
+) -> VersionsAccounting:
+    totals = await session.get(RunTotals, run_id)
+    if totals is None:
+        await _require_run(session, stream, run_id)
+    rows = await session.scalars(
+        select(VersionTotals)
+        .where(VersionTotals.run_id == run_id)
+        .order_by(VersionTotals.policy_version)
+    )
+    reasons = await _reasons(session, run_id)
+    lags = await _lags(session, run_id)
+    versions = [
+        VersionAccounting(
+            policy_version=row.policy_version,
+            **_common(
+                row,
+                dict(reasons.get(row.policy_version, {}).get("rejected", {})),
+                dict(reasons.get(row.policy_version, {}).get("retired", {})),
+                lags.get(row.policy_version, {}),
+            ),
+        )
+        for row in rows.all()
+    ]
+    return VersionsAccounting(
+        versions=versions,
+        as_of=ms_to_datetime(totals.last_event_ms if totals is not None else None),
+        pending_events=await stream.pending_events(run_id),
+    )
+
+
+def _encode_cursor(batch: Batch) -> str:
+    raw = json.dumps([batch.event_ms, batch.event_seq, batch.batch_id]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[int, int, str]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        ms, seq, batch_id = json.loads(raw)
+        if not (isinstance(ms, int) and isinstance(seq, int) and isinstance(batch_id, str)):
+            raise ValueError(cursor)
+    except (binascii.Error, ValueError, TypeError):
+        raise BadRequest("invalid cursor") from None
+    return ms, seq, batch_id
+
+
+async def list_batches(
+    session: AsyncSession, stream: EventStream, run_id: str, *, limit: int, cursor: str | None
+) -> BatchPage:
+    """The batch ledger in lease order, ``limit`` rows after ``cursor``."""
+    await _require_run(session, stream, run_id)
+    query = select(Batch).where(Batch.run_id == run_id)
+    if cursor is not None:
+        query = query.where(
+            tuple_(Batch.event_ms, Batch.event_seq, Batch.batch_id)
+            > tuple_(*_decode_cursor(cursor))
+        )
+    query = query.order_by(Batch.event_ms, Batch.event_seq, Batch.batch_id).limit(limit + 1)
+    rows = list((await session.scalars(query)).all())
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return BatchPage(
+        batches=[BatchRecord.model_validate(row, from_attributes=True) for row in rows],
+        next_cursor=_encode_cursor(rows[-1]) if more else None,
+    )
+
+
+async def dead_letters(
+    session: AsyncSession, stream: EventStream, run_id: str, *, limit: int, cursor: str | None
+) -> DeadLetterPage:
+    """The run's dead-letter stream, oldest first."""
+    await _require_run(session, stream, run_id)
+    if cursor is not None:
+        try:
+            StreamId.parse(cursor)
+        except EventError:
+            raise BadRequest("invalid cursor") from None
+    records = await stream.dead_letters(run_id, after=cursor, count=limit + 1)
+    more = len(records) > limit
+    records = records[:limit]
+    page = []
+    for record in records:
+        event = record.fields.get(b"e")
+        payload = record.fields.get(b"d")
+        page.append(
+            DeadLetter(
+                dead_id=record.dead_id,
+                stream_id=record.stream_id,
+                event=event.decode("utf-8", "replace") if event is not None else None,
+                payload=base64.b64encode(payload).decode() if payload is not None else None,
+                error=record.error,
+                deliveries=record.deliveries,
+                consumer=record.consumer,
+                dead_at=datetime.fromtimestamp(record.dead_at_ms / 1000, tz=UTC),
+            )
+        )
+    return DeadLetterPage(
+        count=await stream.dead_letter_count(run_id),
+        dead_letters=page,
+        next_cursor=records[-1].dead_id if more else None,
+    )

@@ -1,0 +1,271 @@
+"""All writes of the accounting: record events idempotently, then apply only the new ones.
+
+The caller owns the transaction: :func:`apply_events` must run inside one, so that the event
+ids and the totals they produced commit together or not at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from datetime import UTC, datetime
+from typing import Any, cast
+
+from sqlalchemy import ColumnElement, Table, case, func, select, tuple_
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from app.accounting.events import Event, StreamId
+from app.accounting.fold import (
+    BATCH_VALUE_FIELDS,
+    MAX_COLUMNS,
+    MIN_COLUMNS,
+    Fold,
+    TotalsDelta,
+    fold_events,
+)
+from app.accounting.models import (
+    Base,
+    Batch,
+    LagCount,
+    ProcessedEvent,
+    ReasonTotals,
+    Run,
+    RunTotals,
+    VersionTotals,
+)
+
+__all__ = ["ApplyResult", "apply_events", "apply_fold", "processed_ids", "record_events"]
+
+# Keep multi-row statements well below asyncpg's 32767 bind parameters.
+_ROWS_PER_STATEMENT = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyResult:
+    applied: int
+    already: int
+
+
+def ms_to_datetime(ms: int | None) -> datetime | None:
+    return None if ms is None else datetime.fromtimestamp(ms / 1000, tz=UTC)
+
+
+def _chunks(rows: Sequence[dict[str, Any]]) -> Iterable[Sequence[dict[str, Any]]]:
+    for start in range(0, len(rows), _ROWS_PER_STATEMENT):
+        yield rows[start : start + _ROWS_PER_STATEMENT]
+
+
+async def record_events(
+    session: AsyncSession, run_id: str, events: Sequence[Event]
+) -> set[StreamId]:
+    """Insert the events' ids; return those that were not there before."""
+    rows = [
+        {
+            "run_id": run_id,
+            "stream_ms": e.stream_id.ms,
+            "stream_seq": e.stream_id.seq,
+            "event_type": e.type,
+        }
+        for e in sorted({e.stream_id: e for e in events}.values(), key=lambda e: e.stream_id)
+    ]
+    new: set[StreamId] = set()
+    for chunk in _chunks(rows):
+        stmt = (
+            insert(ProcessedEvent)
+            .values(list(chunk))
+            .on_conflict_do_nothing(index_elements=["run_id", "stream_ms", "stream_seq"])
+            .returning(ProcessedEvent.stream_ms, ProcessedEvent.stream_seq)
+        )
+        result = await session.execute(stmt)
+        new.update(StreamId(ms, seq) for ms, seq in result.all())
+    return new
+
+
+async def processed_ids(session: AsyncSession, run_id: str) -> set[StreamId]:
+    """Every applied event id of a run (diagnostics and tests)."""
+    result = await session.execute(
+        select(ProcessedEvent.stream_ms, ProcessedEvent.stream_seq).where(
+            ProcessedEvent.run_id == run_id
+        )
+    )
+    return {StreamId(ms, seq) for ms, seq in result.all()}
+
+
+async def apply_events(session: AsyncSession, run_id: str, events: Sequence[Event]) -> ApplyResult:
+    """Record the events and fold the newly recorded ones into the totals (one transaction)."""
+    new = await record_events(session, run_id, events)
+    fresh = [e for e in events if e.stream_id in new]
+    # An id seen twice in one call is applied once.
+    unique = list({e.stream_id: e for e in fresh}.values())
+    if unique:
+        await apply_fold(session, run_id, fold_events(unique))
+    return ApplyResult(applied=len(unique), already=len(events) - len(unique))
+
+
+def _merge_set(
+    table: Table, excluded: Any, columns: Iterable[str]
+) -> dict[str, ColumnElement[Any]]:
+    merged: dict[str, ColumnElement[Any]] = {}
+    for name in columns:
+        current, incoming = table.c[name], excluded[name]
+        if name in MAX_COLUMNS:
+            # GREATEST/LEAST ignore NULLs in Postgres.
+            merged[name] = func.greatest(current, incoming)
+        elif name in MIN_COLUMNS:
+            merged[name] = func.least(current, incoming)
+        else:
+            merged[name] = current + incoming
+    return merged
+
+
+async def _upsert_add(
+    session: AsyncSession, table: Table, keys: Sequence[str], rows: Sequence[dict[str, Any]]
+) -> None:
+    if not rows:
+        return
+    values = [name for name in rows[0] if name not in keys]
+    for chunk in _chunks(rows):
+        stmt = insert(table).values(list(chunk))
+        stmt = stmt.on_conflict_do_update(
+            index_elements=list(keys), set_=_merge_set(table, stmt.excluded, values)
+        )
+        await session.execute(stmt)
+
+
+def _table(model: type[Base]) -> Table:
+    return cast(Table, model.__table__)
+
+
+def _totals_row(delta: TotalsDelta) -> dict[str, Any]:
+    return {f.name: getattr(delta, f.name) for f in fields(delta)}
+
+
+async def apply_fold(session: AsyncSession, run_id: str, fold: Fold) -> None:
+    """Add one batch's deltas to the tables; rows are touched in key order to avoid deadlocks
+    between workers that apply batches of the same run concurrently."""
+    if fold.snapshot is not None:
+        await _upsert_run(session, run_id, fold)
+    await _upsert_add(
+        session,
+        _table(RunTotals),
+        ["run_id"],
+        [{"run_id": run_id, **_totals_row(fold.run)}],
+    )
+    await _upsert_add(
+        session,
+        _table(VersionTotals),
+        ["run_id", "policy_version"],
+        [
+            {"run_id": run_id, "policy_version": v, **_totals_row(fold.versions[v])}
+            for v in sorted(fold.versions)
+        ],
+    )
+    await _upsert_add(
+        session,
+        _table(ReasonTotals),
+        ["run_id", "policy_version", "kind", "reason"],
+        [
+            {
+                "run_id": run_id,
+                "policy_version": version,
+                "kind": kind,
+                "reason": reason,
+                "rollouts": delta.rollouts,
+                "tokens": delta.tokens,
+                "unused": delta.unused,
+                "wasted_tokens": delta.wasted_tokens,
+            }
+            for (version, kind, reason), delta in sorted(fold.reasons.items())
+        ],
+    )
+    await _upsert_add(
+        session,
+        _table(LagCount),
+        ["run_id", "policy_version", "lag"],
+        [
+            {"run_id": run_id, "policy_version": version, "lag": lag, "samples": samples}
+            for (version, lag), samples in sorted(fold.lags.items())
+        ],
+    )
+    await _upsert_batches(session, run_id, fold)
+
+
+async def _upsert_run(session: AsyncSession, run_id: str, fold: Fold) -> None:
+    snap = fold.snapshot
+    assert snap is not None
+    stmt = insert(Run).values(
+        run_id=run_id,
+        config=snap.config,
+        policy_version=snap.policy_version,
+        status=snap.status,
+        created_at=ms_to_datetime(snap.created_at_ms),
+        updated_at=ms_to_datetime(snap.t_ms),
+        last_change=snap.change,
+        event_ms=snap.stream_id.ms,
+        event_seq=snap.stream_id.seq,
+    )
+    columns = (
+        "config",
+        "policy_version",
+        "status",
+        "created_at",
+        "updated_at",
+        "last_change",
+        "event_ms",
+        "event_seq",
+    )
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["run_id"],
+        set_={name: stmt.excluded[name] for name in columns},
+        # The newest snapshot wins, whatever order batches are applied in.
+        where=tuple_(Run.event_ms, Run.event_seq)
+        < tuple_(stmt.excluded.event_ms, stmt.excluded.event_seq),
+    )
+    await session.execute(stmt)
+
+
+_BATCH_TIMES = {
+    "leased_at_ms": "leased_at",
+    "expires_at_ms": "expires_at",
+    "acked_at_ms": "acked_at",
+    "nacked_at_ms": "nacked_at",
+    "expired_at_ms": "expired_at",
+}
+
+
+async def _upsert_batches(session: AsyncSession, run_id: str, fold: Fold) -> None:
+    if not fold.batches:
+        return
+    rows = []
+    for batch_id in sorted(fold.batches):
+        patch = fold.batches[batch_id]
+        row: dict[str, Any] = {
+            "run_id": run_id,
+            "batch_id": batch_id,
+            "outcome": patch.outcome,
+            "event_ms": patch.first_event.ms,
+            "event_seq": patch.first_event.seq,
+        }
+        for name in BATCH_VALUE_FIELDS:
+            value = getattr(patch, name)
+            if name in _BATCH_TIMES:
+                row[_BATCH_TIMES[name]] = ms_to_datetime(value)
+            else:
+                row[name] = value
+        rows.append(row)
+    table = _table(Batch)
+    value_columns = [_BATCH_TIMES.get(name, name) for name in BATCH_VALUE_FIELDS]
+    for chunk in _chunks(rows):
+        stmt = insert(table).values(list(chunk))
+        ex = stmt.excluded
+        earlier = tuple_(ex.event_ms, ex.event_seq) < tuple_(table.c.event_ms, table.c.event_seq)
+        set_: dict[str, ColumnElement[Any]] = {
+            name: func.coalesce(ex[name], table.c[name]) for name in value_columns
+        }
+        # A terminal outcome (acked/nacked/expired) is never replaced by "leased".
+        set_["outcome"] = case((ex.outcome == "leased", table.c.outcome), else_=ex.outcome)
+        set_["event_ms"] = case((earlier, ex.event_ms), else_=table.c.event_ms)
+        set_["event_seq"] = case((earlier, ex.event_seq), else_=table.c.event_seq)
+        stmt = stmt.on_conflict_do_update(index_elements=["run_id", "batch_id"], set_=set_)
+        await session.execute(stmt)

@@ -1,0 +1,140 @@
+"""Response models of the accounting API (SPEC.md, "Accounting")."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, Field
+
+__all__ = [
+    "BatchCounts",
+    "BatchPage",
+    "BatchRecord",
+    "DeadLetter",
+    "DeadLetterPage",
+    "IsRatioStats",
+    "KlStats",
+    "LagStats",
+    "RunAccounting",
+    "VersionAccounting",
+    "VersionsAccounting",
+]
+
+
+class BatchCounts(BaseModel):
+    leased: int = Field(description="Batches ever leased")
+    acked: int
+    nacked: int
+    expired: int
+
+
+class LagStats(BaseModel):
+    """Lag of the samples (acknowledged uses): trainer version minus rollout version."""
+
+    mean: float | None = Field(description="null when nothing was consumed")
+    max: int | None
+    histogram: dict[int, int] = Field(description="lag -> samples")
+
+
+class KlStats(BaseModel):
+    mean: float | None = Field(description="Token-weighted mean KL; null when none measured")
+    max: float | None = Field(description="Largest per-rollout KL measured")
+
+
+class IsRatioStats(BaseModel):
+    mean: float | None = Field(description="Mean importance ratio over measured tokens")
+    clip_fraction: float | None = Field(description="Share of tokens outside [1-eps, 1+eps]")
+
+
+class RunAccounting(BaseModel):
+    """A run's accounting; once drained, ``rollouts_received == buffered + leased + Σ retired``
+    and ``samples_consumed == Σ sizes of the acknowledged batches``."""
+
+    rollouts_received: int
+    groups_received: int
+    duplicates: int
+    rejected: dict[str, int] = Field(description="reason -> rollouts")
+    tokens_generated: int
+    buffered: int
+    leased: int = Field(description="Rollouts in live leases")
+    samples_consumed: int = Field(description="Σ uses: rollouts in acknowledged batches")
+    tokens_consumed: int
+    reuse_factor: float = Field(description="samples_consumed / rollouts_received (0 if none)")
+    retired: dict[str, int] = Field(description="reason -> rollouts")
+    wasted_tokens: int = Field(description="Tokens of rollouts that retired with no use")
+    batches: BatchCounts
+    lag: LagStats
+    kl: KlStats
+    is_ratio: IsRatioStats
+    as_of: datetime | None = Field(description="Time of the newest drained event")
+    pending_events: int = Field(description="Stream entries not yet drained into Postgres")
+
+
+class VersionAccounting(BaseModel):
+    """The accounting of the rollouts one policy version generated. Duplicates, batches and
+    importance ratios are per run only: their events do not attribute them to a version."""
+
+    policy_version: int
+    rollouts_received: int
+    groups_received: int
+    rejected: dict[str, int]
+    tokens_generated: int
+    buffered: int
+    leased: int
+    samples_consumed: int
+    tokens_consumed: int
+    reuse_factor: float
+    retired: dict[str, int]
+    wasted_tokens: int
+    lag: LagStats
+    kl: KlStats
+
+
+class VersionsAccounting(BaseModel):
+    versions: list[VersionAccounting]
+    as_of: datetime | None
+    pending_events: int
+
+
+class BatchRecord(BaseModel):
+    batch_id: str
+    outcome: str = Field(description="leased, acked, nacked or expired")
+    trainer_id: str | None
+    policy_version: int | None = Field(description="The trainer's version V of the lease")
+    leased_at: datetime | None
+    expires_at: datetime | None
+    acked_at: datetime | None
+    nacked_at: datetime | None
+    expired_at: datetime | None
+    size: int | None = Field(description="Rollouts leased")
+    tokens: int | None
+    lag_mean: float | None
+    lag_max: int | None
+    kl_mean: float | None
+    kl_max: float | None
+    is_ratio_mean: float | None
+    clip_fraction: float | None
+    ess_fraction: float | None
+    step: int | None
+
+
+class BatchPage(BaseModel):
+    batches: list[BatchRecord]
+    next_cursor: str | None = Field(description="Pass as ?cursor= for the next page")
+
+
+class DeadLetter(BaseModel):
+    dead_id: str = Field(description="Id in the dead-letter stream (the listing's cursor)")
+    stream_id: str = Field(description="Id the entry had in the run's event stream")
+    event: str | None = Field(description="The entry's 'e' field")
+    payload: str | None = Field(description="The entry's 'd' field, base64")
+    error: str
+    deliveries: int
+    consumer: str
+    dead_at: datetime
+
+
+class DeadLetterPage(BaseModel):
+    count: int = Field(description="Dead letters of the run in all")
+    dead_letters: list[DeadLetter]
+    next_cursor: str | None

@@ -1,0 +1,171 @@
+"""Decoding of stream entries, and that folding does not depend on the order of batches."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import msgpack
+import pytest
+from accounting_helpers import RunSim, entry, pack
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from app.accounting import repository
+from app.accounting.events import (
+    Accepted,
+    Acked,
+    EventError,
+    Leased,
+    Retired,
+    RunChanged,
+    StreamId,
+    decode_entry,
+)
+from app.accounting.models import Batch, LagCount, ReasonTotals, Run, RunTotals, VersionTotals
+
+
+def _decode(event_type: str, payload: dict[str, Any]) -> Any:
+    return decode_entry("run-1", b"5-1", entry(event_type, {"t": 7, **payload})).body
+
+
+def test_stream_id_order_and_next() -> None:
+    assert StreamId.parse(b"10-2") < StreamId.parse("10-10") < StreamId.parse("11-0")
+    assert StreamId.parse("3-4").next() == StreamId(3, 5)
+    assert str(StreamId(1, 0)) == "1-0"
+    with pytest.raises(EventError):
+        StreamId.parse("12")
+
+
+def test_decodes_what_lua_encoders_write() -> None:
+    acked = _decode(
+        "acked",
+        {
+            "batch_id": "b1",
+            "policy_version": 4,
+            # trailing nil dropped; whole float 0.0 written as integer 0
+            "items": [["r1", 3, 10], ["r2", 4, 5, 0]],
+            "stats": {"kl_max": 0},
+            "sums": {"kl_tokens": 5, "kl_sum": 0},
+        },
+    )
+    assert isinstance(acked, Acked)
+    assert [i.kl for i in acked.items] == [None, 0.0]
+    assert acked.step is None and acked.stats.kl_mean is None and acked.sums.ratio_tokens == 0
+
+    # An array with a hole becomes a map keyed 1..n.
+    leased = _decode(
+        "leased",
+        {
+            "batch_id": "b1",
+            "policy_version": 2,
+            "expires_at": 99,
+            "items": {1: ["r1", 1, 10, 1, 0], 2: ["r2", 2, 3, 0, 1]},
+        },
+    )
+    assert isinstance(leased, Leased)
+    assert leased.trainer_id is None and [i.lag for i in leased.items] == [1, 0]
+
+    # Strings sent as msgpack bin.
+    raw = {b"e": b"accepted", b"d": msgpack.packb({"t": 1, "items": [[b"r", b"u", 0, 3, True]]})}
+    accepted = decode_entry("run-1", b"1-0", raw).body
+    assert isinstance(accepted, Accepted) and accepted.items[0].rollout_id == "r"
+
+    retired = _decode("retired", {"reason": "kl", "items": []})
+    assert isinstance(retired, Retired) and retired.items == ()
+
+    run = _decode(
+        "run",
+        {"run_id": "run-1", "change": "created", "config": {"kl_max": 0.05}, "policy_version": 0,
+         "status": "open", "created_at": 5},
+    )  # fmt: skip
+    assert isinstance(run, RunChanged) and run.config == {"kl_max": 0.05}
+
+
+@pytest.mark.parametrize(
+    ("event_type", "payload"),
+    [
+        ("accepted", {"items": [["r", "u", 0, True, 1]]}),  # bool is not a token count
+        ("accepted", {"items": [["r", "u", 0, -1, 1]]}),  # negative tokens
+        ("accepted", {"items": [["r", "u", 2**63, 1, 1]]}),  # beyond int64
+        ("accepted", {"items": [["r", "u", 0, 1, 2]]}),  # new_unit must be 0/1
+        ("accepted", {"items": [["r\x00", "u", 0, 1, 1]]}),  # NUL cannot be stored
+        ("accepted", {"items": "r"}),
+        ("retired", {"reason": "kl", "items": [["r", 0, 1]]}),  # uses missing
+        ("acked", {"batch_id": "b", "policy_version": 0, "items": [["r", 0, 1, float("inf")]]}),
+        ("acked", {"batch_id": "b", "policy_version": 0, "items": [], "stats": [1]}),
+        ("leased", {"batch_id": 5, "policy_version": 0, "expires_at": 1, "items": []}),
+        ("duplicate", {"n": "3"}),
+        ("run", {"run_id": "other", "change": "created", "config": {}, "policy_version": 0,
+                 "status": "open", "created_at": 1}),
+        ("run", {"run_id": "run-1", "change": "created", "config": {"x": float("nan")},
+                 "policy_version": 0, "status": "open", "created_at": 1}),
+        ("nope", {}),
+    ],
+)  # fmt: skip
+def test_rejects_malformed_payloads(event_type: str, payload: dict[str, Any]) -> None:
+    with pytest.raises(EventError):
+        _decode(event_type, payload)
+
+
+def test_rejects_malformed_entries() -> None:
+    for fields in (
+        {b"e": b"accepted"},
+        {b"d": pack({"t": 1})},
+        {b"e": b"accepted", b"d": b"\x93\x01"},  # truncated msgpack
+        {b"e": b"accepted", b"d": pack({"items": []})},  # no t
+        {b"e": b"accepted", b"d": msgpack.packb([1, 2])},
+        {b"e": b"\xff", b"d": pack({"t": 1})},
+    ):
+        with pytest.raises(EventError):
+            decode_entry("run-1", b"1-0", fields)
+
+
+async def _rows(sm: async_sessionmaker[AsyncSession], run_id: str) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {}
+    async with sm() as s:
+        for model in (Run, RunTotals, VersionTotals, ReasonTotals, LagCount, Batch):
+            rows = (await s.scalars(select(model).where(model.run_id == run_id))).all()
+            out[model.__tablename__] = sorted(
+                (
+                    tuple(
+                        round(v, 9) if isinstance(v, float) else v
+                        for c in model.__table__.columns
+                        if c.key != "run_id"
+                        for v in [getattr(r, c.key)]
+                    )
+                    for r in rows
+                ),
+                key=repr,
+            )
+    return out
+
+
+async def test_batches_applied_in_any_order_give_the_same_tables(
+    sessionmaker: async_sessionmaker[AsyncSession],
+) -> None:
+    """A claimed batch may land after later ones; the result must not change."""
+    tag = random.Random().getrandbits(32)
+    in_order, shuffled = f"in-order-{tag}", f"shuffled-{tag}"
+
+    def events_of(run_id: str) -> list[Any]:
+        sim = RunSim(run_id, seed=9, group_size=2)  # same seed: the same workload
+        sim.workload(30)
+        return [
+            decode_entry(run_id, f"{1000 + i}-0", entry(t, p))
+            for i, (t, p) in enumerate(sim.events)
+        ]
+
+    async with sessionmaker() as s, s.begin():
+        await repository.apply_events(s, in_order, events_of(in_order))
+
+    events = events_of(shuffled)
+    chunks = [events[i : i + 7] for i in range(0, len(events), 7)]
+    random.Random(2).shuffle(chunks)
+    for chunk in chunks:
+        async with sessionmaker() as s, s.begin():
+            await repository.apply_events(s, shuffled, chunk)
+
+    a, b = await _rows(sessionmaker, in_order), await _rows(sessionmaker, shuffled)
+    assert a["runs"] and a["batches"] and a["reason_totals"]
+    assert a == b

@@ -1,0 +1,225 @@
+"""Redis restarted under a running drain (AOF, fsync always): nothing Redis acknowledged to
+the producer may be missing from the accounting afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import httpx
+import pytest
+import pytest_asyncio
+from accounting_helpers import RunSim, assert_matches, build_app, entry, register_run
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from app.accounting import repository
+from app.accounting.drain import DrainOptions
+from app.accounting.events import StreamId
+from app.accounting.stream import EventStream, events_key
+from workers.drain import DrainContext, run_drain
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A redis-server of the test's own, on a free port, persisting to ``data_dir``."""
+
+    def __init__(self, data_dir: Path) -> None:
+        binary = os.environ.get("RB_TEST_REDIS_SERVER") or shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("redis-server is not on PATH (set RB_TEST_REDIS_SERVER)")
+        self.binary = binary
+        self.data_dir = data_dir
+        self.port = _free_port()
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            self.binary,
+            *("--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir)),
+            *("--appendonly", "yes", "--appendfsync", "always", "--save", ""),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        probe = Redis(port=self.port)
+        deadline = time.monotonic() + 10
+        try:
+            while True:
+                try:
+                    if await probe.ping():
+                        # Ready only once the AOF is loaded.
+                        info = await probe.info("persistence")
+                        if not info.get("loading"):
+                            return
+                except (RedisConnectionError, OSError, ResponseError):
+                    pass
+                if time.monotonic() > deadline or self.proc.returncode is not None:
+                    raise AssertionError("redis-server did not start")
+                await asyncio.sleep(0.02)
+        finally:
+            await probe.aclose()
+
+    async def shutdown(self) -> None:
+        """SHUTDOWN: Redis flushes the AOF and exits."""
+        # No client-side retries: a re-sent SHUTDOWN would only wait for the dead server.
+        admin = Redis(port=self.port, retry=Retry(NoBackoff(), 0))
+        try:
+            await admin.shutdown()
+        except RedisConnectionError:
+            pass  # the server closes the connection as it exits
+        finally:
+            await admin.aclose()
+        assert self.proc is not None
+        await asyncio.wait_for(self.proc.wait(), 10)
+
+    async def kill(self) -> None:
+        assert self.proc is not None
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGKILL)
+            await asyncio.wait_for(self.proc.wait(), 10)
+
+
+@pytest_asyncio.fixture
+async def own_redis(tmp_path: Path) -> AsyncIterator[RedisServer]:
+    server = RedisServer(tmp_path)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.kill()
+
+
+async def _wait_for(condition: Callable[[], Awaitable[bool]], within: float, what: str) -> None:
+    """Poll ``condition`` until it holds; fail after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while not await condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.slow
+async def test_redis_restart_loses_nothing_acknowledged(
+    own_redis: RedisServer,
+    prefix: str,
+    run_id: str,
+    sessionmaker: async_sessionmaker[AsyncSession],
+) -> None:
+    sim = RunSim(run_id, seed=31, group_size=2)
+    sim.workload(90)
+    events = list(sim.events)
+    # The producer retries itself (below); redis-py's own retries would hide which attempt
+    # landed.
+    producer_client = Redis(port=own_redis.port, retry=Retry(NoBackoff(), 0))
+    drain_client = Redis(port=own_redis.port, decode_responses=False)
+    await register_run(producer_client, prefix, run_id)
+    key = events_key(prefix, run_id)
+    acknowledged: list[bytes] = []
+    ambiguous = 0
+
+    async def produce(upto: int) -> None:
+        """XADD with explicit ids, retrying through outages: a retry of an XADD whose reply
+        was lost fails with "equal or smaller", which proves the first attempt landed."""
+        nonlocal ambiguous
+        while len(acknowledged) < upto:
+            n = len(acknowledged)
+            entry_id = f"1-{n + 1}"
+            event_type, payload = events[n]
+            retried = False
+            while True:
+                try:
+                    acknowledged.append(
+                        await producer_client.xadd(key, entry(event_type, payload), id=entry_id)
+                    )
+                    break
+                except (RedisConnectionError, OSError):
+                    retried = True
+                    await asyncio.sleep(0.02)  # the server is restarting
+                except ResponseError as exc:
+                    if retried and "equal or smaller" in str(exc):
+                        ambiguous += 1
+                        acknowledged.append(entry_id.encode())
+                        break
+                    raise
+            if n % 4 == 0:
+                await asyncio.sleep(0.002)  # let the drain interleave
+
+    async def applied() -> set[StreamId]:
+        async with sessionmaker() as s:
+            return await repository.processed_ids(s, run_id)
+
+    ctx = DrainContext.create(
+        drain_client,
+        sessionmaker,
+        prefix,
+        DrainOptions(block_ms=50, claim_idle_ms=200, batch_size=16),
+    )
+    stop = asyncio.Event()
+    drain = asyncio.create_task(run_drain(ctx, stop))
+    third = len(events) // 3
+    try:
+        await produce(third)
+        await _wait_for(lambda: _has(applied, 1), 20, "the first events to drain")
+
+        # 1. SHUTDOWN while the producer and the drain are both running.
+        producing = asyncio.create_task(produce(2 * third))
+        await asyncio.sleep(0.1)
+        await own_redis.shutdown()
+        await own_redis.start()
+        await producing
+
+        # 2. SIGKILL: with appendfsync always, every acknowledged write is already on disk.
+        producing = asyncio.create_task(produce(len(events)))
+        await asyncio.sleep(0.1)
+        await own_redis.kill()
+        await own_redis.start()
+        await producing
+
+        want = {StreamId.parse(i) for i in acknowledged}
+
+        async def caught_up() -> bool:
+            return await applied() == want and await ctx.drainer.stream.pending_events(run_id) == 0
+
+        await _wait_for(caught_up, 30, "the drain to catch up after the restarts")
+    finally:
+        stop.set()
+        await asyncio.wait_for(drain, 10)
+
+    assert len(acknowledged) == len(events)
+    # The stream survived both restarts as a whole: each acknowledged entry exactly once.
+    assert await applied() == {StreamId.parse(i) for i in acknowledged}
+    app = build_app(sessionmaker, drain_client, prefix)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test"
+    ) as api:
+        body = (await api.get(f"/v1/runs/{run_id}/accounting")).json()
+    assert_matches(body, sim.expected())
+
+    # pending_events counts entries that no consumer has read yet (Redis 6.2 has no group lag).
+    stream = EventStream(drain_client, prefix)
+    extra = RunSim(run_id, seed=32)
+    extra.ingest(2)
+    for event_type, payload in extra.events:
+        await drain_client.xadd(key, entry(event_type, payload))
+    assert await stream.pending_events(run_id) == len(extra.events)
+    await producer_client.aclose()
+    await drain_client.aclose()
+
+
+async def _has(applied: Callable[[], Awaitable[set[StreamId]]], n: int) -> bool:
+    return len(await applied()) >= n
