@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 MAX_VERSION = 2**53 - 1
 
 # Ids end up in Redis key names and in the batch ledger: printable, no spaces, bounded.
-RunId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._:-]{1,128}$")]
+RunId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,128}$")]
 ItemId = Annotated[str, StringConstraints(pattern=r"^[^\s\x00-\x1f\x7f{}]{1,256}$")]
 
 KlEstimator = Literal["k1", "k2", "k3"]
