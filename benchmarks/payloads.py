@@ -1,0 +1,117 @@
+"""The rollouts every benchmark sends: 1024 response tokens with behaviour logprobs.
+
+Bodies are built from byte templates split around the rollout id, so building a request of 64
+rollouts costs a join rather than a fresh encode of 64 x 2048 numbers: the client stays cheap
+and the figures measure the server. Every rollout of a request still has its own id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+import orjson
+
+TOKENS = 1024
+VOCAB = 151_936  # a current LLM vocabulary size (token ids need 18 bits)
+RAW_BYTES = TOKENS * 4 + TOKENS * 4  # int32 ids + float32 logprobs
+ID_LEN = 32  # the length of a uuid4 hex, a common rollout id
+_PLACEHOLDER = "Q" * ID_LEN
+
+
+def rollout_id(tag: str, worker: int, i: int) -> str:
+    """A unique 32-character id: ``tag`` (a short name of the scenario), worker, sequence."""
+    rid = f"{tag}-{worker:03d}-{i:010d}"
+    if len(rid) > ID_LEN:
+        raise ValueError(f"rollout id {rid!r} is longer than {ID_LEN}")
+    return rid.rjust(ID_LEN, "0")
+
+
+@dataclass(frozen=True)
+class Payload:
+    ids: np.ndarray  # int32
+    logprobs: np.ndarray  # float32
+    ack_logprobs: np.ndarray  # float32: the "current policy" a trainer acks with
+    json_pre: bytes
+    json_post: bytes
+    mp_pre: bytes
+    mp_post: bytes
+    ack_json: bytes  # the ack logprobs as a JSON list
+    ack_raw: bytes  # the ack logprobs as little-endian float32 bytes
+
+    def json_item(self, rid: str) -> bytes:
+        return self.json_pre + orjson.dumps(rid) + self.json_post
+
+    def msgpack_item(self, rid: str) -> bytes:
+        return self.mp_pre + msgpack.packb(rid) + self.mp_post
+
+    def item(self, fmt: str, rid: str) -> bytes:
+        return self.msgpack_item(rid) if fmt == "msgpack" else self.json_item(rid)
+
+
+def _split(blob: bytes, marker: bytes) -> tuple[bytes, bytes]:
+    if blob.count(marker) != 1:
+        raise RuntimeError("the rollout id placeholder is not unique in the template")
+    pre, post = blob.split(marker)
+    return pre, post
+
+
+def make_payload(seed: int = 0) -> Payload:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, VOCAB, TOKENS, dtype=np.int64).astype("<i4")
+    # Sampled-token logprobs: mostly near 0, a tail of unlikely tokens.
+    logprobs = (-rng.exponential(0.7, TOKENS)).astype("<f4")
+    # The current policy after one small step: KL far below kl_max, nothing retires for KL.
+    ack_lp = np.minimum(logprobs + rng.normal(0.0, 0.01, TOKENS), 0.0).astype("<f4")
+    base = {
+        "rollout_id": _PLACEHOLDER,
+        "policy_version": 0,
+        "reward": 1.0,
+        "finish_reason": "stop",
+    }
+    js = orjson.dumps(
+        {
+            **base,
+            "response_ids": ids.tolist(),
+            "logprobs": [float(x) for x in logprobs],  # float32 values as a client has them
+        }
+    )
+    mp = msgpack.packb(
+        {**base, "response_ids": ids.tobytes(), "logprobs": logprobs.tobytes()},
+        use_bin_type=True,
+    )
+    json_pre, json_post = _split(js, orjson.dumps(_PLACEHOLDER))
+    mp_pre, mp_post = _split(mp, msgpack.packb(_PLACEHOLDER))
+    return Payload(
+        ids=ids,
+        logprobs=logprobs,
+        ack_logprobs=ack_lp,
+        json_pre=json_pre,
+        json_post=json_post,
+        mp_pre=mp_pre,
+        mp_post=mp_post,
+        ack_json=orjson.dumps([float(x) for x in ack_lp]),
+        ack_raw=ack_lp.tobytes(),
+    )
+
+
+def ingest_body(fmt: str, items: list[bytes]) -> bytes:
+    """``{"rollouts": [...]}`` around already-encoded items."""
+    if fmt == "msgpack":
+        head = msgpack.Packer().pack_map_header(1) + msgpack.packb("rollouts")
+        return head + msgpack.Packer().pack_array_header(len(items)) + b"".join(items)
+    return b'{"rollouts":[' + b",".join(items) + b"]}"
+
+
+def ack_body(fmt: str, rollout_ids: list[str], payload: Payload) -> bytes:
+    """An ack carrying the current policy's logprobs for every rollout of the batch."""
+    if fmt == "msgpack":
+        return msgpack.packb(
+            {"logprobs": dict.fromkeys(rollout_ids, payload.ack_raw)}, use_bin_type=True
+        )
+    parts = [orjson.dumps(rid) + b":" + payload.ack_json for rid in rollout_ids]
+    return b'{"logprobs":{' + b",".join(parts) + b"}}"
+
+
+CONTENT_TYPE = {"msgpack": "application/msgpack", "json": "application/json"}

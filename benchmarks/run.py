@@ -1,0 +1,826 @@
+"""Rollout Broker benchmarks: one command, one table, every figure beside its baselines.
+
+    python -m benchmarks            # full run (about 3 minutes on 2 cores)
+    python -m benchmarks --quick    # tiny sizes, a smoke test of the harness (about 15 s)
+
+It starts a private redis-server on a free port (``--redis-url`` to use another one, with a key
+prefix of its own that is deleted afterwards), the broker under uvicorn in a subprocess (real
+HTTP over loopback), and the naive baseline (``benchmarks/naive_app.py``) the same way; load
+comes from forked client processes. Baselines measured in the same run:
+
+* raw Redis: redis-py, pipelined, writing and reading the same rollout bytes with no HTTP;
+* naive dict: a minimal FastAPI app holding JSON rollouts in a Python dict, one per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from benchmarks import load
+from benchmarks.load import Group, Http, expect, percentile, run_group
+from benchmarks.payloads import ID_LEN, RAW_BYTES, TOKENS, rollout_id
+from benchmarks.servers import (
+    CpuMeter,
+    RedisTarget,
+    Server,
+    redis_server,
+    rss_bytes,
+    uvicorn_server,
+    uvicorn_stack,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+BIG = 10**9  # "no operation cap": the deadline ends these loops
+
+
+@dataclass(frozen=True)
+class Sizes:
+    repeats: int = 2  # each ingest / lease measurement and its baselines, interleaved; best kept
+    ingest_s: float = 2.0  # seconds per ingest measurement
+    ceiling_s: float = 1.5  # seconds per raw-Redis measurement
+    naive_s: float = 2.0  # seconds per naive-buffer measurement
+    lease_fill: int = 12_288  # rollouts buffered for one lease+ack throughput measurement
+    lease_s: float = 2.5
+    latency_pool: int = 4096  # rollouts cycling through the latency rows (max_reuse high)
+    latency_s: float = 2.0
+    latency_sizes: tuple[int, ...] = (32, 256)
+    batch: int = 256  # lease+ack throughput, buffer-size and trainer scaling
+    levels: tuple[int, ...] = (1_000, 10_000, 100_000)
+    level_s: float = 3.0
+    trainers: tuple[int, ...] = (1, 4, 16)
+    trainer_s: float = 3.0
+    memory_n: int = 10_000  # rollouts measured for Redis memory (broker and raw)
+    naive_memory_n: int = 2_000
+    fill_procs: int = 2
+
+
+FULL = Sizes()
+QUICK = Sizes(
+    repeats=1,
+    ingest_s=0.25,
+    ceiling_s=0.2,
+    naive_s=0.25,
+    lease_fill=1024,
+    lease_s=0.5,
+    latency_pool=512,
+    latency_s=0.3,
+    batch=32,
+    levels=(256, 1024, 2048),
+    level_s=0.3,
+    trainer_s=0.3,
+    memory_n=512,
+    naive_memory_n=200,
+    fill_procs=1,
+)
+
+
+# -- rows -----------------------------------------------------------------------------------
+@dataclass
+class Row:
+    id: str
+    section: str
+    measure: str
+    value: float
+    unit: str  # 'rollouts/s', 'ms' or 'bytes'
+    raw: float | None = None  # the raw-Redis baseline, same unit
+    naive: float | None = None  # the naive-buffer baseline, same unit
+    tokens_per_s: float | None = None
+    targets: list[dict[str, Any]] = field(default_factory=list)  # {name, ratio, need, ok}
+    note: str = ""
+
+    @property
+    def higher_is_better(self) -> bool:
+        return self.unit == "rollouts/s"
+
+    def speed_vs(self, base: float | None) -> float | None:
+        """The broker relative to a baseline: >1 means the broker is better (faster, smaller)."""
+        if base is None or not self.value or math.isnan(self.value) or math.isnan(base):
+            return None
+        return self.value / base if self.higher_is_better else base / self.value
+
+    @property
+    def vs_raw(self) -> float | None:
+        return self.speed_vs(self.raw)
+
+    @property
+    def vs_naive(self) -> float | None:
+        return self.speed_vs(self.naive)
+
+    def target(self, name: str, ratio: float | None, need: float, *, at_most: bool = False) -> None:
+        ok = ratio is not None and (ratio <= need if at_most else ratio >= need)
+        self.targets.append(
+            {"name": name, "ratio": ratio, "need": need, "ok": ok, "at_most": at_most}
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["vs_raw"] = self.vs_raw
+        d["vs_naive"] = self.vs_naive
+        return d
+
+
+# -- the harness ----------------------------------------------------------------------------
+@dataclass
+class Bench:
+    sizes: Sizes
+    redis: RedisTarget
+    broker: Server
+    naive: Server
+    prefix: str
+    rc: redis.Redis
+    redis_pid: int | None = None
+    runs: int = 0
+
+    @property
+    def server_pids(self) -> list[int | None]:
+        return [self.redis_pid, self.broker.pid, self.naive.pid]
+
+    def say(self, msg: str) -> None:
+        print(f"  … {msg}", file=sys.stderr, flush=True)
+
+    # broker runs
+    def new_run(self, name: str, **config: Any) -> str:
+        self.runs += 1
+        run_id = f"b{self.runs:02d}-{name}"
+        cfg = {"capacity_rollouts": 1_000_000, **config}
+        http = Http(self.broker.address)
+        status, data, _ = http.call(
+            "POST",
+            "/v1/runs",
+            json.dumps({"run_id": run_id, "config": cfg}).encode(),
+            "application/json",
+        )
+        http.close()
+        expect(status, data, 201)
+        return run_id
+
+    def run_keys(self, run_id: str) -> list[bytes]:
+        return list(self.rc.scan_iter(match=f"{self.prefix}:{{{run_id}}}:*", count=2000))
+
+    def drop_run(self, run_id: str) -> None:
+        """Delete a finished run's keys (the broker holds no state of its own about it)."""
+        delete_keys(self.rc, self.run_keys(run_id))
+
+    def live(self, run_id: str) -> int:
+        http = Http(self.broker.address)
+        status, data, _ = http.call("GET", f"/v1/runs/{run_id}")
+        http.close()
+        expect(status, data, 200)
+        return int(self.rc.hget(f"{self.prefix}:{{{run_id}}}:run", "live") or 0)
+
+    def fill(self, run_id: str, n: int, tag: str, per_req: int = 256) -> int:
+        """Ingest ``n`` rollouts (msgpack, ``per_req`` per request) from a few processes."""
+        procs = max(1, min(self.sizes.fill_procs, n // per_req))
+        reqs = math.ceil(n / per_req)
+        per_proc = [reqs // procs + (1 if i < reqs % procs else 0) for i in range(procs)]
+        group = run_group(
+            load.http_ingest,
+            [
+                dict(
+                    address=self.broker.address,
+                    path=f"/v1/runs/{run_id}/rollouts",
+                    fmt="msgpack",
+                    per_req=per_req,
+                    tag=tag,
+                    worker=w,
+                    duration=600.0,
+                    max_ops=k,
+                    warmup=0,
+                )
+                for w, k in enumerate(per_proc)
+            ],
+            timeout=660,
+        )
+        return group.rollouts
+
+    # the naive buffer
+    def naive_call(self, method: str, path: str, body: bytes | None = None) -> dict[str, Any]:
+        http = Http(self.naive.address)
+        status, data, _ = http.call(method, path, body, "application/json" if body else None)
+        http.close()
+        expect(status, data, 200, 202)
+        return dict(json.loads(data))
+
+    def naive_fill(self, n: int, tag: str) -> None:
+        self.naive_call("POST", "/_bench/clear")
+        from benchmarks.payloads import make_payload
+
+        self.naive_call("POST", "/rollouts", make_payload().json_item(rollout_id(tag, 0, 0)))
+        self.naive_call("POST", f"/_bench/replicate?n={n}&prefix={tag}-")
+
+    # raw Redis
+    @property
+    def raw_prefix(self) -> str:
+        return f"{self.prefix}:raw"
+
+    def raw_clear(self) -> None:
+        delete_keys(self.rc, list(self.rc.scan_iter(match=f"{self.raw_prefix}:*", count=2000)))
+
+    def raw_write(
+        self, per_pipe: int, procs: int, duration: float, max_ops: int, tag: str
+    ) -> Group:
+        return run_group(
+            load.redis_write,
+            [
+                dict(
+                    url=self.redis.url,
+                    key_prefix=self.raw_prefix,
+                    per_pipe=per_pipe,
+                    tag=tag,
+                    worker=w,
+                    duration=duration,
+                    max_ops=max_ops,
+                )
+                for w in range(procs)
+            ],
+            timeout=duration + 120,
+        )
+
+    def raw_read(self, size: int, procs: int, duration: float) -> Group:
+        return run_group(
+            load.redis_read,
+            [
+                dict(
+                    url=self.redis.url,
+                    queue=f"{self.raw_prefix}:q",
+                    size=size,
+                    duration=duration,
+                    max_ops=BIG,
+                )
+                for _ in range(procs)
+            ],
+            timeout=duration + 120,
+        )
+
+    def lease_ack(
+        self,
+        run_id: str,
+        size: int,
+        procs: int,
+        duration: float,
+        *,
+        fmt: str = "msgpack",
+        stop_on_empty: bool = False,
+    ) -> Group:
+        return run_group(
+            load.http_lease_ack,
+            [
+                dict(
+                    address=self.broker.address,
+                    run_id=run_id,
+                    size=size,
+                    fmt=fmt,
+                    duration=duration,
+                    max_ops=BIG,
+                    stop_on_empty=stop_on_empty,
+                )
+                for _ in range(procs)
+            ],
+            timeout=duration + 300,
+        )
+
+    def used_memory(self) -> int:
+        return int(self.rc.info("memory")["used_memory"])
+
+
+def delete_keys(rc: redis.Redis, keys: list[bytes]) -> None:
+    for i in range(0, len(keys), 1000):
+        rc.unlink(*keys[i : i + 1000])
+
+
+# -- the sections ---------------------------------------------------------------------------
+def memory_rows(b: Bench) -> list[Row]:
+    s = b.sizes
+    b.say(f"memory: {s.memory_n} rollouts into the broker, raw Redis and the naive dict")
+    # Load the scripts and warm the allocator first, so the delta is the rollouts' own.
+    warm = b.new_run("warm")
+    b.fill(warm, 64, "w", per_req=64)
+    b.drop_run(warm)
+    run = b.new_run("memory")
+    before = b.used_memory()
+    n = b.fill(run, s.memory_n, "m", per_req=64)
+    after = b.used_memory()
+    assert b.live(run) == n, "every rollout of the memory run should be buffered"
+    broker_delta = (after - before) / n
+
+    # MEMORY USAGE of every key of the run, grouped by kind (the first segment of its name).
+    keys = b.run_keys(run)
+    base = f"{b.prefix}:{{{run}}}:".encode()
+    pipe = b.rc.pipeline(transaction=False)
+    for k in keys:
+        pipe.memory_usage(k, samples=0)
+    usage = pipe.execute()
+    kinds: dict[str, int] = {}
+    for k, u in zip(keys, usage, strict=True):
+        rest = k[len(base) :].decode()
+        kind = rest.split(":", 1)[0] + ":*" if ":" in rest else rest
+        kinds[kind] = kinds.get(kind, 0) + int(u or 0)
+    summed = sum(kinds.values()) / n
+    breakdown = ", ".join(
+        f"{kind} {v / n:,.0f}" for kind, v in sorted(kinds.items(), key=lambda kv: -kv[1])
+    )
+    b.drop_run(run)
+
+    # Raw Redis: the same rollout bytes under SET, ids in a list.
+    b.raw_clear()
+    before = b.used_memory()
+    g = b.raw_write(64, 1, 600.0, math.ceil(s.memory_n / 64), "rm")
+    raw_delta = (b.used_memory() - before) / g.rollouts
+    b.raw_clear()
+
+    # Naive: the uvicorn process's resident memory, one JSON rollout per request.
+    b.naive_call("POST", "/_bench/clear")
+    before = rss_bytes(b.naive.pid)
+    g = run_group(
+        load.naive_ingest,
+        [
+            dict(
+                address=b.naive.address,
+                tag="nm",
+                worker=0,
+                duration=600.0,
+                max_ops=s.naive_memory_n,
+            )
+        ],
+        timeout=660,
+    )
+    naive_delta = (rss_bytes(b.naive.pid) - before) / (g.rollouts + 2)
+    b.naive_call("POST", "/_bench/clear")
+
+    r1 = Row(
+        "memory.used_memory",
+        "Memory",
+        f"Redis used_memory Δ / buffered rollout (N={n:,})",
+        broker_delta,
+        "bytes",
+        raw=raw_delta,
+        naive=naive_delta,
+        note=f"{broker_delta / RAW_BYTES:.2f}× the {RAW_BYTES:,} raw array bytes; raw Redis "
+        f"{raw_delta / RAW_BYTES:.2f}×; naive = process RSS Δ",
+    )
+    r1.target("≤1.3× raw arrays", broker_delta / RAW_BYTES, 1.3, at_most=True)
+    r2 = Row(
+        "memory.memory_usage",
+        "Memory",
+        "MEMORY USAGE of the run's keys / rollout",
+        summed,
+        "bytes",
+        raw=raw_delta,
+        note=f"{summed / RAW_BYTES:.2f}× raw arrays; by key kind: {breakdown}",
+    )
+    return [r1, r2]
+
+
+def best_rate(groups: list[Group]) -> Group:
+    """The repeat with the highest rate: other load on the machine only ever slows a run."""
+    return max(groups, key=lambda g: g.rate)
+
+
+def best_latency(groups: list[Group]) -> Group:
+    return min(groups, key=lambda g: percentile(g.latencies, 50))
+
+
+def ingest_rows(b: Bench) -> list[Row]:
+    """Per generator count, every case and its baselines back to back, repeated; best of each."""
+    s = b.sizes
+    found: dict[str, Row] = {}
+    for procs in (1, 4):
+        got: dict[str, list[Group]] = {}
+        for rep in range(s.repeats):
+            for per in (1, 64):
+                b.say(f"ingest ceiling: raw Redis, {per}/pipeline, {procs} proc (#{rep + 1})")
+                g = b.raw_write(per, procs, s.ceiling_s, BIG, f"rw{per}")
+                got.setdefault(f"raw{per}", []).append(g)
+                b.raw_clear()
+            b.say(f"ingest: naive dict, {procs} proc (#{rep + 1})")
+            g = run_group(
+                load.naive_ingest,
+                [
+                    dict(
+                        address=b.naive.address,
+                        tag=f"ni{procs}",
+                        worker=w,
+                        duration=s.naive_s,
+                        max_ops=BIG,
+                    )
+                    for w in range(procs)
+                ],
+                timeout=s.naive_s + 120,
+            )
+            got.setdefault("naive", []).append(g)
+            b.naive_call("POST", "/_bench/clear")
+            for fmt in ("json", "msgpack"):
+                for per in (1, 64):
+                    b.say(f"ingest: broker, {fmt}, {per}/request, {procs} proc (#{rep + 1})")
+                    run = b.new_run(f"ingest-{fmt}-{per}-{procs}")
+                    g = run_group(
+                        load.http_ingest,
+                        [
+                            dict(
+                                address=b.broker.address,
+                                path=f"/v1/runs/{run}/rollouts",
+                                fmt=fmt,
+                                per_req=per,
+                                tag=f"i{per}",
+                                worker=w,
+                                duration=s.ingest_s,
+                                max_ops=BIG,
+                            )
+                            for w in range(procs)
+                        ],
+                        timeout=s.ingest_s + 300,
+                    )
+                    b.drop_run(run)
+                    got.setdefault(f"{fmt}{per}", []).append(g)
+        naive = best_rate(got["naive"]).rate
+        for fmt in ("json", "msgpack"):
+            for per in (1, 64):
+                g = best_rate(got[f"{fmt}{per}"])
+                row = Row(
+                    f"ingest.{fmt}.{per}.p{procs}",
+                    "Ingest",
+                    f"{fmt}, {per}/request, {procs} generator{'s' if procs > 1 else ''}",
+                    g.rate,
+                    "rollouts/s",
+                    raw=best_rate(got[f"raw{per}"]).rate,
+                    naive=naive,
+                    tokens_per_s=g.rate * TOKENS,
+                    note=f"{g.ops / g.span:,.0f} requests/s",
+                )
+                if fmt == "msgpack" and per == 64:
+                    row.target("≥0.5× raw", row.vs_raw, 0.5)
+                row.target(">1× naive", row.vs_naive, 1.0)
+                found[row.id] = row
+    return [
+        found[f"ingest.{fmt}.{per}.p{procs}"]
+        for fmt in ("json", "msgpack")
+        for per in (1, 64)
+        for procs in (1, 4)
+    ]
+
+
+def lease_rows(b: Bench) -> list[Row]:
+    s = b.sizes
+    size = s.batch
+    rows = []
+    b.raw_clear()
+    b.raw_write(64, 1, 600.0, math.ceil(s.latency_pool / 64), "rr")
+    got: dict[str, list[Group]] = {}
+    for rep in range(s.repeats):
+        b.say(f"lease ceiling: raw Redis reads of {size} (#{rep + 1})")
+        got.setdefault("raw", []).append(b.raw_read(size, 1, s.ceiling_s))
+        b.say(f"lease: naive dict, batches of {size} pops (#{rep + 1})")
+        b.naive_fill(max(20 * size, int(3000 * s.naive_s)), "nl")
+        got.setdefault("naive", []).append(
+            run_group(
+                load.naive_pop,
+                [dict(address=b.naive.address, size=size, duration=s.naive_s, max_ops=BIG)],
+                timeout=s.naive_s + 120,
+            )
+        )
+        for fmt in ("msgpack", "json"):
+            run = b.new_run(f"lease-{fmt}", max_reuse=1)
+            b.say(f"lease+ack: filling {s.lease_fill:,} rollouts (#{rep + 1})")
+            b.fill(run, s.lease_fill, "l")
+            b.say(f"lease+ack: broker, {fmt}, batches of {size} (#{rep + 1})")
+            got.setdefault(fmt, []).append(
+                b.lease_ack(run, size, 1, s.lease_s, fmt=fmt, stop_on_empty=True)
+            )
+            b.drop_run(run)
+    raw_rate, naive_rate = best_rate(got["raw"]).rate, best_rate(got["naive"]).rate
+    for fmt in ("msgpack", "json"):
+        g = best_rate(got[fmt])
+        row = Row(
+            f"lease_ack.{fmt}.{size}",
+            "Lease + ack",
+            f"{fmt}, batches of {size}, 1 trainer (max_reuse=1: each rollout retires on ack)",
+            g.rate,
+            "rollouts/s",
+            raw=raw_rate,
+            naive=naive_rate,
+            tokens_per_s=g.rate * TOKENS,
+            note=f"{g.ops} batches; lease p50 {percentile(g.latencies, 50) * 1e3:.1f} ms",
+        )
+        if fmt == "msgpack":
+            row.target("≥0.5× raw", row.vs_raw, 0.5)
+        row.target(">1× naive", row.vs_naive, 1.0)
+        rows.append(row)
+
+    run = b.new_run("latency", max_reuse=10_000)
+    b.fill(run, s.latency_pool, "t")
+    for lsize in s.latency_sizes:
+        lat: dict[str, list[Group]] = {}
+        for rep in range(s.repeats):
+            b.say(f"lease latency: batches of {lsize} (#{rep + 1})")
+            lat.setdefault("raw", []).append(b.raw_read(lsize, 1, s.ceiling_s))
+            b.naive_fill(max(20 * lsize, int(3000 * s.naive_s)), f"nq{lsize}")
+            lat.setdefault("naive", []).append(
+                run_group(
+                    load.naive_pop,
+                    [dict(address=b.naive.address, size=lsize, duration=s.naive_s, max_ops=BIG)],
+                    timeout=s.naive_s + 120,
+                )
+            )
+            lat.setdefault("broker", []).append(b.lease_ack(run, lsize, 1, s.latency_s))
+        g, raw_g, naive_g = (best_latency(lat[k]) for k in ("broker", "raw", "naive"))
+        for q in (50, 99):
+            row = Row(
+                f"lease_latency.{lsize}.p{q}",
+                "Lease latency",
+                f"lease of {lsize}, p{q} (msgpack, 1 trainer)",
+                percentile(g.latencies, q) * 1e3,
+                "ms",
+                raw=percentile(raw_g.latencies, q) * 1e3,
+                naive=percentile(naive_g.latencies, q) * 1e3,
+                note=f"{len(g.latencies)} leases",
+            )
+            row.target(">1× naive", row.vs_naive, 1.0)
+            rows.append(row)
+    b.drop_run(run)
+    b.raw_clear()
+    b.naive_call("POST", "/_bench/clear")
+    return rows
+
+
+def scaling_rows(b: Bench) -> list[Row]:
+    s = b.sizes
+    size = s.batch
+    rows: list[Row] = []
+    later: list[Row] = []
+    run = b.new_run("scaling", max_reuse=10_000)
+    have = 0
+    first: dict[int, float] = {}
+    b.raw_clear()
+    b.raw_write(64, 1, 600.0, math.ceil(max(s.trainers) * size * 2 / 64), "rs")
+    for i, level in enumerate(s.levels):
+        b.say(f"scaling: filling to {level:,} buffered")
+        have += b.fill(run, level - have, f"s{i}")
+        g = b.lease_ack(run, size, 1, s.level_s)
+        for q in (50, 99):
+            v = percentile(g.latencies, q) * 1e3
+            first.setdefault(q, v)
+            rows.append(
+                Row(
+                    f"scale.buffered.{level}.p{q}",
+                    "Cost vs buffered",
+                    f"lease of {size}, p{q}, {level:,} buffered",
+                    v,
+                    "ms",
+                    note=f"{v / first[q]:.2f}× the {s.levels[0]:,}-buffered figure",
+                )
+            )
+        if i == len(s.levels) // 2:
+            later = trainer_rows(b, run, size, level)
+    b.drop_run(run)
+    b.raw_clear()
+    return rows + later
+
+
+def trainer_rows(b: Bench, run: str, size: int, level: int) -> list[Row]:
+    s = b.sizes
+    rows = []
+    base: dict[str, float] = {}
+    for n in s.trainers:
+        b.say(f"scaling: {n} concurrent trainers")
+        raw_g = b.raw_read(size, n, s.ceiling_s)
+        g = b.lease_ack(run, size, n, s.trainer_s)
+        lat = g.latencies
+        figs = {
+            "p50": (percentile(lat, 50) * 1e3, percentile(raw_g.latencies, 50) * 1e3, "ms"),
+            "p99": (percentile(lat, 99) * 1e3, percentile(raw_g.latencies, 99) * 1e3, "ms"),
+            "rate": (g.rate, raw_g.rate, "rollouts/s"),
+        }
+        for key, (v, raw, unit) in figs.items():
+            base.setdefault(key, v)
+            what = (
+                "lease+ack rollouts/s, all trainers" if key == "rate" else f"lease of {size}, {key}"
+            )
+            rows.append(
+                Row(
+                    f"scale.trainers.{n}.{key}",
+                    "Cost vs trainers",
+                    f"{what}, {n} trainer{'s' if n > 1 else ''} ({level:,} buffered)",
+                    v,
+                    unit,
+                    raw=raw,
+                    tokens_per_s=v * TOKENS if key == "rate" else None,
+                    note=f"{v / base[key]:.2f}× the 1-trainer figure",
+                )
+            )
+    return rows
+
+
+SECTIONS = {
+    "memory": memory_rows,
+    "ingest": ingest_rows,
+    "lease": lease_rows,
+    "scaling": scaling_rows,
+}
+
+
+# -- output ---------------------------------------------------------------------------------
+def fmt_value(v: float | None, unit: str) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    if unit == "rollouts/s":
+        return f"{v:,.0f} r/s"
+    if unit == "ms":
+        return f"{v:.2f} ms" if v < 100 else f"{v:,.0f} ms"
+    return f"{v:,.0f} B"
+
+
+def fmt_ratio(r: float | None) -> str:
+    return "–" if r is None else f"×{r:.2f}"
+
+
+def fmt_targets(row: Row) -> str:
+    parts = []
+    for t in row.targets:
+        verdict = "PASS" if t["ok"] else "MISS"
+        ratio = "–" if t["ratio"] is None else f"{t['ratio']:.2f}"
+        parts.append(f"{t['name']}: {ratio} {verdict}")
+    return "; ".join(parts)
+
+
+def table(rows: list[Row]) -> str:
+    head = [
+        "measure",
+        "broker",
+        "tokens/s",
+        "raw Redis",
+        "×raw",
+        "naive dict",
+        "×naive",
+        "target",
+        "note",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    section = None
+    for r in rows:
+        if r.section != section:
+            section = r.section
+            lines.append(f"| **{section}** |" + " |" * (len(head) - 1))
+        toks = "–" if r.tokens_per_s is None else f"{r.tokens_per_s / 1e6:.2f} M"
+        cells = [
+            r.measure,
+            fmt_value(r.value, r.unit),
+            toks,
+            fmt_value(r.raw, r.unit),
+            fmt_ratio(r.vs_raw),
+            fmt_value(r.naive, r.unit),
+            fmt_ratio(r.vs_naive),
+            fmt_targets(r),
+            r.note,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def machine(rt: RedisTarget, app_dir: Path) -> dict[str, str]:
+    cpu = "unknown"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    rev = subprocess.run(
+        ["git", "-C", str(app_dir), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", str(app_dir), "status", "--porcelain", "--untracked-files=no", "app"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    return {
+        "nproc": str(os.cpu_count()),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "redis": f"{rt.version} ({'private server' if rt.private else 'shared server: ' + rt.url})",
+        "server": uvicorn_stack(),
+        "app": f"{app_dir} @ {rev or '?'}{' + local changes' if dirty else ''}",
+    }
+
+
+def summary(rows: list[Row]) -> str:
+    checks = [(r, t) for r in rows for t in r.targets]
+    missed = [f"{r.id} ({t['name']})" for r, t in checks if not t["ok"]]
+    line = f"targets: {len(checks) - len(missed)} PASS, {len(missed)} MISS"
+    return line + (": " + ", ".join(missed) if missed else "")
+
+
+# -- main -----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def harness(args: argparse.Namespace, sizes: Sizes) -> Iterator[Bench]:
+    app_dir = Path(args.app_dir).resolve()
+    with tempfile.TemporaryDirectory(prefix="rb-bench-") as tmp:
+        work = Path(tmp)
+        with redis_server(work, args.redis_url) as rt:
+            prefix = f"rbbench{uuid.uuid4().hex[:8]}"
+            rc = rt.client()
+            try:
+                env = {"BROKER_REDIS_URL": rt.url, "BROKER_REDIS_PREFIX": prefix}
+                with (
+                    uvicorn_server(
+                        "broker",
+                        "app.main:create_app",
+                        cwd=app_dir,
+                        workdir=work,
+                        env=env,
+                        factory=True,
+                    ) as broker,
+                    uvicorn_server(
+                        "naive", "benchmarks.naive_app:app", cwd=ROOT, workdir=work
+                    ) as naive,
+                ):
+                    yield Bench(sizes, rt, broker, naive, prefix, rc, rt.pid)
+            finally:
+                delete_keys(rc, list(rc.scan_iter(match=f"{prefix}:*", count=2000)))
+                rc.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test, ~15 s)")
+    p.add_argument("--json", metavar="PATH", help="also write the rows and machine as JSON")
+    p.add_argument("--redis-url", help="use this Redis instead of a private redis-server")
+    p.add_argument("--app-dir", default=str(ROOT), help="the broker source tree to benchmark")
+    p.add_argument("--only", default=",".join(SECTIONS), help="sections: " + ",".join(SECTIONS))
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every duration by this")
+    args = p.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    if args.scale != 1.0:
+        sizes = replace(
+            sizes,
+            **{
+                k: getattr(sizes, k) * args.scale
+                for k in sizes.__dataclass_fields__
+                if k.endswith("_s")
+            },
+        )
+    wanted = [x.strip() for x in args.only.split(",") if x.strip()]
+    unknown = set(wanted) - SECTIONS.keys()
+    if unknown:
+        p.error(f"unknown sections {sorted(unknown)}")
+    started = time.monotonic()
+    rows: list[Row] = []
+    with harness(args, sizes) as bench:
+        info = machine(bench.redis, Path(args.app_dir).resolve())
+        meter = CpuMeter([p for p in bench.server_pids if p])
+        meter.start()
+        for name in SECTIONS:
+            if name in wanted:
+                t = time.monotonic()
+                rows += SECTIONS[name](bench)
+                bench.say(f"{name}: {time.monotonic() - t:.1f} s")
+        info["cpu load"] = meter.report()
+    elapsed = time.monotonic() - started
+    header = [
+        f"Rollout Broker benchmarks ({'quick' if args.quick else 'full'}, {elapsed:.0f} s): "
+        f"{TOKENS}-token rollouts with logprobs ({RAW_BYTES:,} raw array bytes), "
+        f"{ID_LEN}-char ids",
+        *(f"- {k}: {v}" for k, v in info.items()),
+        "- ×raw / ×naive: the broker's speed relative to the baseline (for latency and bytes: "
+        "baseline ÷ broker); above 1 the broker is better",
+        "",
+    ]
+    print("\n".join(header))
+    print(table(rows))
+    print()
+    print(summary(rows))
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "machine": info,
+                    "elapsed_s": elapsed,
+                    "quick": args.quick,
+                    "rows": [r.to_json() for r in rows],
+                },
+                indent=1,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

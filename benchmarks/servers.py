@@ -1,0 +1,251 @@
+"""The processes a benchmark runs against: a private Redis and uvicorn servers, all on 127.0.0.1.
+
+Everything started here is stopped by the context managers, by process id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def _version_of(binary: str) -> tuple[int, ...] | None:
+    try:
+        out = subprocess.run(
+            [binary, "--version"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"v=(\d+)\.(\d+)\.(\d+)", out)
+    return tuple(int(x) for x in m.groups()) if m else None
+
+
+def find_redis_server() -> str | None:
+    """A redis-server binary of version 7 or later: $BENCH_REDIS_SERVER, /usr/bin, then PATH."""
+    candidates = [os.environ.get("BENCH_REDIS_SERVER"), "/usr/bin/redis-server"]
+    candidates.append(shutil.which("redis-server"))
+    for c in candidates:
+        if c and os.path.exists(c):
+            v = _version_of(c)
+            if v and v >= (7, 0, 0):
+                return c
+    return None
+
+
+@dataclass
+class RedisTarget:
+    url: str
+    private: bool  # a server of our own: INFO and MEMORY figures are ours alone
+    version: str
+    pid: int | None = None
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url)
+
+
+@contextlib.contextmanager
+def redis_server(workdir: Path, url: str | None = None) -> Iterator[RedisTarget]:
+    """A private redis-server on a free port, or (``url`` given / no binary) a shared one."""
+    binary = None if url else find_redis_server()
+    if binary is None:
+        shared = url or os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+        r = redis.Redis.from_url(shared)
+        version = str(r.info("server")["redis_version"])
+        r.close()
+        yield RedisTarget(shared, False, version)
+        return
+    port = free_port()
+    log = open(workdir / "redis.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            HOST,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+            "--protected-mode",
+            "yes",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"redis://{HOST}:{port}/0"
+    try:
+        client = redis.Redis.from_url(url)
+        for _ in range(200):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"redis-server exited: see {workdir / 'redis.log'}"
+                    ) from None
+                time.sleep(0.02)
+        version = str(client.info("server")["redis_version"])
+        client.close()
+        yield RedisTarget(url, True, version, proc.pid)
+    finally:
+        _stop(proc)
+        log.close()
+
+
+@dataclass
+class Server:
+    name: str
+    port: int
+    pid: int
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return HOST, self.port
+
+
+@contextlib.contextmanager
+def uvicorn_server(
+    name: str,
+    target: str,
+    *,
+    cwd: Path,
+    workdir: Path,
+    env: dict[str, str] | None = None,
+    factory: bool = False,
+) -> Iterator[Server]:
+    """``python -m uvicorn target`` in a subprocess, ready when ``/healthz`` answers."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "uvicorn", target, "--host", HOST, "--port", str(port)]
+    cmd += ["--log-level", "warning", "--no-access-log"]
+    if factory:
+        cmd.append("--factory")
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(cwd), full_env.get("PYTHONPATH", "")) if p
+    )
+    log_path = workdir / f"{name}.log"
+    log = open(log_path, "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited at start:\n{log_path.read_text()[-3000:]}")
+            try:
+                conn = http.client.HTTPConnection(HOST, port, timeout=2)
+                conn.request("GET", "/healthz")
+                if conn.getresponse().status == 200:
+                    conn.close()
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{name} did not answer /healthz:\n{log_path.read_text()[-3000:]}"
+                )
+            time.sleep(0.05)
+        yield Server(name, port, proc.pid)
+    finally:
+        _stop(proc)
+        log.close()
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def uvicorn_stack() -> str:
+    """Which event loop and HTTP parser uvicorn's ``auto`` settings pick here."""
+    import importlib.util
+
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    http_impl = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    return f"uvicorn (loop={loop}, http={http_impl}), 1 worker process"
+
+
+_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TCK
+
+
+def machine_cpu_s() -> tuple[float, float]:
+    """(busy, steal) CPU seconds of the whole machine since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = v[:8]
+    return (user + nice + system + irq + softirq) / _TCK, steal / _TCK
+
+
+@dataclass
+class CpuMeter:
+    """How much CPU other processes used while we ran: the noise the figures carry."""
+
+    pids: list[int]
+    t0: float = 0.0
+    busy0: float = 0.0
+    steal0: float = 0.0
+    ours0: float = 0.0
+
+    def _ours(self) -> float:
+        t = os.times()
+        own = t.user + t.system + t.children_user + t.children_system
+        return own + sum(proc_cpu_s(p) for p in self.pids)
+
+    def start(self) -> None:
+        self.t0 = time.monotonic()
+        self.busy0, self.steal0 = machine_cpu_s()
+        self.ours0 = self._ours()
+
+    def report(self) -> str:
+        wall = time.monotonic() - self.t0
+        busy, steal = machine_cpu_s()
+        ours = self._ours() - self.ours0
+        other = max(0.0, (busy - self.busy0) - ours)
+        return (
+            f"this run used {ours / wall:.2f} cores on average; other processes "
+            f"{other / wall:.2f} cores, hypervisor steal {(steal - self.steal0) / wall:.2f}"
+        )
