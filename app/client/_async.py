@@ -25,28 +25,32 @@ from app.client._models import (
     RunConfig,
     VersionAccounting,
 )
-from app.client._sync import DEFAULT_URL
 from app.client._wire import Api, Call, Format, Retry, RolloutLike, check, unreachable
 
-__all__ = ["AsyncBrokerClient", "AsyncLease", "AsyncRolloutWriter"]
+__all__ = ["DEFAULT_URL", "AsyncBrokerClient", "AsyncLease", "AsyncRolloutWriter"]
 
 log = logging.getLogger("rollout_broker.client")
 T = TypeVar("T")
+
+DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 class AsyncBrokerClient:
     """An asyncio client of one broker.
 
-    ``AsyncBrokerClient("http://broker:8000")`` talks over the network. To reach an app in the
-    same process, pass an ``httpx.AsyncClient`` over ``httpx.ASGITransport``::
+    ``AsyncBrokerClient("http://broker:8000")`` talks over the network. It also takes any
+    ``httpx.AsyncClient`` as ``http`` (its base URL is used when ``base_url`` is not given), so it
+    can reach an app in this process through ``httpx.ASGITransport``, which runs no lifespan::
 
         app = create_app(settings)
-        async with app.router.lifespan_context(app):       # ASGITransport runs no lifespan
+        async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://broker") as http:
                 broker = AsyncBrokerClient(http=http)
 
-    ``format`` as for :class:`BrokerClient`.
+    ``format="msgpack"`` (the default) sends rollouts and acks as msgpack with token ids and
+    logprobs as little-endian int32/float32 bytes, and asks for batches the same way;
+    ``format="json"`` uses plain JSON lists throughout.
     """
 
     def __init__(
@@ -198,7 +202,7 @@ class AsyncBrokerClient:
         partial: bool = False,
         trainer_id: str | None = None,
     ) -> AsyncLease:
-        """A lease as an async context manager; see :class:`Lease`."""
+        """A lease as an async context manager; see :class:`AsyncLease`."""
         return AsyncLease(
             self,
             run_id,
@@ -267,12 +271,12 @@ class AsyncRolloutWriter:
 
     ``add(*rollouts)`` buffers (the rollouts of one call always travel in one request, so pass a
     whole group at once); a request goes out when ``batch_size`` rollouts are buffered, when the
-    oldest has waited ``linger_s`` (checked on ``add``), on :meth:`flush` and when a ``with``
-    block ends normally. Resending is safe, since ``rollout_id`` makes ingest idempotent, so lost
-    answers are retried. A ``429`` is backpressure: the writer waits the ``Retry-After`` seconds
-    and sends again, for up to ``max_backpressure_s`` in all (None: without limit), then raises
-    :class:`OverCapacity`. Per-rollout rejections (``stale``, ...) are not errors: they are
-    collected in :attr:`rejected`.
+    oldest has waited ``linger_s`` (checked on ``add``), on :meth:`flush` and when its
+    ``async with`` block ends normally. Resending is safe, since ``rollout_id`` makes ingest
+    idempotent, so lost answers are retried. A ``429`` is backpressure: the writer waits the
+    ``Retry-After`` seconds and sends again, for up to ``max_backpressure_s`` in all (None:
+    without limit), then raises :class:`OverCapacity`. Per-rollout rejections (``stale``, ...)
+    are not errors: they are collected in :attr:`rejected`.
 
     If a request fails as a whole (``422``, ``404``...) its rollouts are dropped and the error
     raised; if the broker cannot be reached, or stays full, they stay buffered for the next

@@ -1,3 +1,5 @@
+# Generated from app/client/_async.py by scripts/unasync_client.py. Do not edit by hand:
+# change _async.py and run `python scripts/unasync_client.py`.
 """The blocking client: :class:`BrokerClient`, its :class:`RolloutWriter` and :class:`Lease`."""
 
 from __future__ import annotations
@@ -267,12 +269,12 @@ class RolloutWriter:
 
     ``add(*rollouts)`` buffers (the rollouts of one call always travel in one request, so pass a
     whole group at once); a request goes out when ``batch_size`` rollouts are buffered, when the
-    oldest has waited ``linger_s`` (checked on ``add``), on :meth:`flush` and when a ``with``
-    block ends normally. Resending is safe, since ``rollout_id`` makes ingest idempotent, so lost
-    answers are retried. A ``429`` is backpressure: the writer waits the ``Retry-After`` seconds
-    and sends again, for up to ``max_backpressure_s`` in all (None: without limit), then raises
-    :class:`OverCapacity`. Per-rollout rejections (``stale``, ...) are not errors: they are
-    collected in :attr:`rejected`.
+    oldest has waited ``linger_s`` (checked on ``add``), on :meth:`flush` and when its
+    ``with`` block ends normally. Resending is safe, since ``rollout_id`` makes ingest
+    idempotent, so lost answers are retried. A ``429`` is backpressure: the writer waits the
+    ``Retry-After`` seconds and sends again, for up to ``max_backpressure_s`` in all (None:
+    without limit), then raises :class:`OverCapacity`. Per-rollout rejections (``stale``, ...)
+    are not errors: they are collected in :attr:`rejected`.
 
     If a request fails as a whole (``422``, ``404``...) its rollouts are dropped and the error
     raised; if the broker cannot be reached, or stays full, they stay buffered for the next
