@@ -135,6 +135,11 @@ def _zero_totals() -> RunTotals:
 
 
 async def run_accounting(session: AsyncSession, stream: EventStream, run_id: str) -> RunAccounting:
+    # Count what is still undrained *before* reading Postgres: the drain commits before it
+    # XACKs, so every event this count leaves out is already in the rows read below. Read the
+    # other way round, a drain pass between the two reads would pair stale totals with
+    # "nothing pending", and a caller waiting for pending_events == 0 would take them as final.
+    pending = await stream.pending_events(run_id)
     totals = await session.get(RunTotals, run_id)
     if totals is None:
         await _require_run(session, stream, run_id)
@@ -163,13 +168,14 @@ async def run_accounting(session: AsyncSession, stream: EventStream, run_id: str
             clip_fraction=_ratio(totals.ratio_clipped, totals.ratio_tokens),
         ),
         as_of=ms_to_datetime(totals.last_event_ms),
-        pending_events=await stream.pending_events(run_id),
+        pending_events=pending,
     )
 
 
 async def version_accounting(
     session: AsyncSession, stream: EventStream, run_id: str
 ) -> VersionsAccounting:
+    pending = await stream.pending_events(run_id)  # first, as in run_accounting
     totals = await session.get(RunTotals, run_id)
     if totals is None:
         await _require_run(session, stream, run_id)
@@ -195,7 +201,7 @@ async def version_accounting(
     return VersionsAccounting(
         versions=versions,
         as_of=ms_to_datetime(totals.last_event_ms if totals is not None else None),
-        pending_events=await stream.pending_events(run_id),
+        pending_events=pending,
     )
 
 

@@ -8,8 +8,10 @@ from datetime import UTC, datetime
 import httpx
 from accounting_helpers import RunSim, drain_all, register_run, xadd_events
 from redis.asyncio import Redis
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.accounting.stream import CONSUMER_GROUP, events_key
+from app.accounting import queries
+from app.accounting.stream import CONSUMER_GROUP, EventStream, events_key
 from workers.drain import DrainContext
 
 ENDPOINTS = ("accounting", "accounting/versions", "batches", "accounting/dead-letters")
@@ -144,3 +146,39 @@ async def test_endpoints_after_drain(
     versions = (await api.get(f"/v1/runs/{run_id}/accounting/versions")).json()
     assert [v["policy_version"] for v in versions["versions"]] == sorted(sim.expected_versions())
     assert versions["as_of"] == body["as_of"]
+
+
+async def test_nothing_pending_means_the_totals_are_complete(
+    sessionmaker: async_sessionmaker[AsyncSession],
+    redis: Redis,
+    prefix: str,
+    run_id: str,
+    make_ctx: Callable[..., DrainContext],
+) -> None:
+    """A reader that sees ``pending_events == 0`` takes the totals as final (the client's
+    ``wait_for_accounting`` does), so they must include every event drained by then, even when
+    a drain pass lands in the middle of the read."""
+    sim = RunSim(run_id, seed=5)
+    sim.workload(10)
+    await register_run(redis, prefix, run_id)
+    await xadd_events(redis, prefix, run_id, sim.events)
+    ctx = make_ctx()
+
+    class DrainedMeanwhile(EventStream):
+        async def pending_events(self, run_id: str) -> int:
+            await drain_all(ctx)  # the worker finishes a pass while the request is reading
+            return await super().pending_events(run_id)
+
+    stream = DrainedMeanwhile(redis, prefix)
+    async with sessionmaker() as session:
+        totals = await queries.run_accounting(session, stream, run_id)
+    assert totals.pending_events == 0
+    assert totals.rollouts_received == len(sim.rollouts)
+
+    before = len(sim.events)
+    sim.ingest(3)
+    await xadd_events(redis, prefix, run_id, sim.events[before:])
+    async with sessionmaker() as session:
+        versions = await queries.version_accounting(session, stream, run_id)
+    assert versions.pending_events == 0
+    assert sum(v.rollouts_received for v in versions.versions) == len(sim.rollouts)
