@@ -8,7 +8,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -44,7 +43,6 @@ def test_quick_run_prints_every_row_with_numbers(tmp_path: Path) -> None:
     env = dict(os.environ)
     if "BROKER_TEST_REDIS_URL" in env:  # used only when no redis-server binary is found
         env.setdefault("BENCH_REDIS_URL", env["BROKER_TEST_REDIS_URL"])
-    started = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--quick", "--json", str(out)],
         cwd=ROOT,
@@ -54,9 +52,7 @@ def test_quick_run_prints_every_row_with_numbers(tmp_path: Path) -> None:
         timeout=120,
         check=False,
     )
-    elapsed = time.monotonic() - started
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert elapsed < 30, f"the quick run took {elapsed:.1f} s"
 
     doc = json.loads(out.read_text())
     rows = {r["id"]: r for r in doc["rows"]}

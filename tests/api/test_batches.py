@@ -70,8 +70,7 @@ async def test_empty_run_is_204(api):
 
 async def test_long_poll_returns_promptly_when_rollouts_arrive(api):
     await make_run(api, "r1")
-    started = time.monotonic()
-    waiting = asyncio.create_task(lease(api, "r1", 2, wait_s=5))
+    waiting = asyncio.create_task(lease(api, "r1", 2, wait_s=8))
     # Let the long poll begin; the assertions below hold however long this takes.
     await asyncio.sleep(0.3)
     assert not waiting.done()
@@ -81,8 +80,8 @@ async def test_long_poll_returns_promptly_when_rollouts_arrive(api):
     done = time.monotonic()
     assert resp.status_code == 200, resp.text
     assert sorted(ids(resp.json())) == ["a", "b"]
-    assert done - posted < 2.0
-    assert done - started < 4.0
+    # Well inside wait_s: the long poll answered because rollouts came, not because it ended.
+    assert done - posted < 4.0
 
 
 async def test_long_poll_waits_for_the_whole_batch(api):

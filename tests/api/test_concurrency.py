@@ -107,9 +107,8 @@ async def test_long_poll_on_one_process_wakes_on_ingest_through_another(api_serv
     a, b = api_servers
     async with httpx.AsyncClient(timeout=30) as c:
         assert (await c.post(a + "/v1/runs", json={"run_id": "r1"})).status_code == 201
-        started = time.monotonic()
         waiting = asyncio.create_task(
-            c.get(a + "/v1/runs/r1/batch", params={"size": 3, "wait_s": 8})
+            c.get(a + "/v1/runs/r1/batch", params={"size": 3, "wait_s": 10})
         )
         # Let the long poll begin; the assertions below hold however long this takes.
         await asyncio.sleep(0.3)
@@ -123,8 +122,8 @@ async def test_long_poll_on_one_process_wakes_on_ingest_through_another(api_serv
         done = time.monotonic()
         assert got.status_code == 200, got.text
         assert sorted(ids(got.json())) == ["x0", "x1", "x2"]
-        assert done - posted < 2.5
-        assert done - started < 5.0
+        # Well inside wait_s: answered because rollouts came, not because the wait ended.
+        assert done - posted < 5.0
 
 
 @pytest.mark.slow
@@ -213,8 +212,9 @@ async def test_trainers_on_two_processes_consume_everything_exactly_once(
                     received[rid] += 1
                 n += 1
                 give_back = n % 5 == 0  # every fifth batch goes back unused
-                holding.difference_update(got)
                 if give_back:
+                    # Released from the moment the nack is sent: let go of them first.
+                    holding.difference_update(got)
                     r = await c.post(f"/v1/runs/r1/batches/{batch['batch_id']}/nack")
                     assert r.status_code == 200, r.text
                     assert r.json() == {"returned": len(got)}
@@ -225,6 +225,8 @@ async def test_trainers_on_two_processes_consume_everything_exactly_once(
                     assert r.json()["consumed"] == len(got)
                     assert r.json()["retired"] == len(got)  # max_reuse=1
                     acked.extend(got)
+                    # Held until the ack answered: no other trainer got them meanwhile.
+                    holding.difference_update(got)
 
     await asyncio.gather(*(trainer(k) for k in range(TRAINERS)))
 

@@ -1,5 +1,6 @@
-"""Wake-ups: a script that makes units ready publishes, and a waiter's event is set by it
-(not by the once-a-second fallback: the wait here is far shorter than that would need)."""
+"""Wake-ups: a script that makes units ready publishes, and a waiter's event is set by it.
+Only a pub/sub message sets an event (the once-a-second re-check lives in the lease loop, not
+here), so the generous timeouts below cannot let a missing publish pass."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ async def test_ingest_wakes_the_waiters_of_its_run_only(store, redis):
         await store.create_run("other", RunConfig())
         mine, theirs = waker.event("r"), waker.event("other")
         await store.ingest("r", [packed("a")])
-        await asyncio.wait_for(mine.wait(), timeout=0.5)
+        await asyncio.wait_for(mine.wait(), timeout=5)
         assert not theirs.is_set()
         assert waker.event("r") is not mine  # the next wait needs the next wake-up
     finally:
@@ -36,9 +37,9 @@ async def test_an_open_group_wakes_nobody_until_it_completes(store, redis):
         # was delivered before it.
         marker = waker.event("marker")
         await redis.publish(store.wake_channel, f"{store.prefix}:{{marker}}")
-        await asyncio.wait_for(marker.wait(), timeout=0.5)
+        await asyncio.wait_for(marker.wait(), timeout=5)
         assert not ev.is_set()
         await store.ingest("r", [packed("b", group="g")])
-        await asyncio.wait_for(ev.wait(), timeout=0.5)
+        await asyncio.wait_for(ev.wait(), timeout=5)
     finally:
         await waker.stop()
