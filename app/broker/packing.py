@@ -56,14 +56,17 @@ def _ids(value: list[int] | bytes | None, what: str, rid: str) -> Int32Array | N
     return arr64.astype(np.int32)
 
 
-def logprob_array(value: list[float] | bytes, what: str) -> Float32Array:
-    """Validate per-token logprobs: finite, ≤ 0, representable as float32."""
+def as_logprobs(value: list[float] | bytes) -> npt.NDArray[np.floating[Any]]:
+    """Logprobs as an array, not yet validated (see :func:`check_logprobs`)."""
     if isinstance(value, bytes):
         if len(value) % 4:
-            raise ValidationFailed(f"{what}: logprobs bytes are not a whole number of float32")
-        arr = np.frombuffer(value, dtype="<f4")
-    else:
-        arr = np.asarray(value, dtype=np.float64)
+            raise ValidationFailed("logprobs bytes are not a whole number of float32")
+        return np.frombuffer(value, dtype="<f4")
+    return np.asarray(value, dtype=np.float64)
+
+
+def check_logprobs(arr: npt.NDArray[np.floating[Any]], what: str) -> Float32Array:
+    """Validate per-token logprobs: finite, ≤ 0, representable as float32."""
     if not np.isfinite(arr).all():
         raise ValidationFailed(f"{what}: logprobs must be finite (no NaN or Infinity)")
     if arr.size and float(arr.max()) > 0.0:
@@ -71,6 +74,14 @@ def logprob_array(value: list[float] | bytes, what: str) -> Float32Array:
     if arr.size and float(arr.min()) < _F32_MIN:
         raise ValidationFailed(f"{what}: logprobs are out of float32 range")
     return arr.astype(np.float32, copy=False)
+
+
+def logprob_array(value: list[float] | bytes, what: str) -> Float32Array:
+    try:
+        arr = as_logprobs(value)
+    except ValidationFailed as exc:
+        raise ValidationFailed(f"{what}: {exc.detail}") from None
+    return check_logprobs(arr, what)
 
 
 def pack_ids(arr: Int32Array) -> tuple[bytes, int]:

@@ -24,7 +24,8 @@ from app.broker.notify import Waker
 from app.broker.packing import (
     PackedRollout,
     StoredRollout,
-    logprob_array,
+    as_logprobs,
+    check_logprobs,
     pack_rollout,
     unpack_rollout,
 )
@@ -40,7 +41,7 @@ from app.broker.schemas import (
     Run,
 )
 from app.broker.stats import BatchFigures, Measured, batch_figures
-from app.broker.store import Lease, RedisStore, RunState, StoreError
+from app.broker.store import BatchMember, Lease, RedisStore, RunState, StoreError
 from app.errors import (
     BatchNotFound,
     BatchSettled,
@@ -276,14 +277,15 @@ class Broker:
 
     async def ack(self, run_id: str, batch_id: str, body: AckBody) -> AckResult:
         state = await self._run(run_id)
-        view = await self.store.batch_view(run_id, batch_id)
+        new_lp: dict[str, Any] = body.logprobs or {}
+        ready_kl = body.kl or {}
+        # The behaviour logprobs are only read when there are current ones to compare.
+        view = await self.store.batch_view(run_id, batch_id, blobs=bool(new_lp))
         if view is None:
             raise BatchNotFound(f"no batch {batch_id!r} in run {run_id!r}")
         if view.state != "l":
             return self._settled_ack(view.state, view.answer, view.size, batch_id)
-        new_lp: dict[str, Any] = body.logprobs or {}
-        ready_kl = body.kl or {}
-        unknown = (new_lp.keys() | ready_kl.keys()) - set(view.rollout_ids)
+        unknown = (new_lp.keys() | ready_kl.keys()) - {m.rollout_id for m in view.members}
         if unknown:
             raise ValidationFailed(
                 f"batch {batch_id!r} has no rollout {sorted(unknown)[0]!r} "
@@ -298,22 +300,12 @@ class Broker:
             if not math.isfinite(value):
                 raise ValidationFailed(f"kl of rollout {rid!r} must be finite")
 
-        rows = [
-            _BatchRow.of(rid, blob) for rid, blob in zip(view.rollout_ids, view.blobs, strict=True)
+        rows = [_BatchRow.of(m) for m in view.members]
+        current = _current_logprobs(rows, new_lp)
+        items = [
+            Measured(row.old, current.get(row.rollout_id), ready_kl.get(row.rollout_id), row.tokens)
+            for row in rows
         ]
-        items: list[Measured] = []
-        for row in rows:
-            new = None
-            if row.rollout_id in new_lp:
-                new = logprob_array(
-                    new_lp[row.rollout_id], f"ack logprobs of rollout {row.rollout_id!r}"
-                )
-                if new.size != row.tokens:
-                    raise ValidationFailed(
-                        f"ack logprobs of rollout {row.rollout_id!r}: {new.size} values for "
-                        f"{row.tokens} tokens"
-                    )
-            items.append(Measured(row.old, new, ready_kl.get(row.rollout_id), row.tokens))
         cfg = state.config
         fig = batch_figures(items, cfg.kl_estimator, cfg.clip_epsilon)
         stats = BatchStats(
@@ -387,15 +379,42 @@ class _BatchRow:
     old: npt.NDArray[np.float32] | None
 
     @classmethod
-    def of(cls, rollout_id: str, blob: bytes) -> _BatchRow:
-        doc = msgpack.unpackb(blob, raw=False)
-        lp = doc.get("l")
+    def of(cls, m: BatchMember) -> _BatchRow:
+        lp = msgpack.unpackb(m.blob, raw=False).get("l") if m.blob is not None else None
         return cls(
-            rollout_id,
-            doc["v"],
-            len(doc["r"]) // doc["rw"],
+            m.rollout_id,
+            m.policy_version,
+            m.tokens,
             np.frombuffer(lp, dtype="<f4") if lp is not None else None,
         )
+
+
+def _current_logprobs(
+    rows: Sequence[_BatchRow], given: dict[str, Any]
+) -> dict[str, npt.NDArray[np.floating[Any]]]:
+    """The ack's logprobs by rollout id. They are validated in one pass over all the batch's
+    tokens; only when that fails is each rollout checked, to name the one at fault."""
+    arrays: dict[str, npt.NDArray[np.floating[Any]]] = {}
+    for row in rows:
+        value = given.get(row.rollout_id)
+        if value is None:
+            continue
+        what = f"ack logprobs of rollout {row.rollout_id!r}"
+        try:
+            arr = as_logprobs(value)
+        except ValidationFailed as exc:
+            raise ValidationFailed(f"{what}: {exc.detail}") from None
+        if arr.size != row.tokens:
+            raise ValidationFailed(f"{what}: {arr.size} values for {row.tokens} tokens")
+        arrays[row.rollout_id] = arr
+    if arrays:
+        try:
+            check_logprobs(np.concatenate(list(arrays.values())), "ack logprobs")
+        except ValidationFailed:
+            for rid, arr in arrays.items():
+                check_logprobs(arr, f"ack logprobs of rollout {rid!r}")
+            raise
+    return arrays
 
 
 def _acked_event(

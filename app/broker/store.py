@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Literal
 
-import orjson
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
@@ -29,6 +28,7 @@ _SCRIPTS = (
     "close_run",
     "ingest",
     "lease",
+    "batch_view",
     "ack",
     "nack",
     "sweep",
@@ -86,6 +86,14 @@ class Lease:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchMember:
+    rollout_id: str
+    policy_version: int
+    tokens: int
+    blob: bytes | None  # only when asked for
+
+
+@dataclass(frozen=True, slots=True)
 class BatchView:
     """A batch as the ack needs it before the ack script runs."""
 
@@ -93,8 +101,7 @@ class BatchView:
     policy_version: int
     size: int
     answer: str | None
-    rollout_ids: list[str]
-    blobs: list[bytes]
+    members: list[BatchMember]  # while leased
 
 
 def _s(x: Any) -> str:
@@ -261,33 +268,22 @@ class RedisStore:
         ]
         return Lease(_s(reply[1]), int(reply[2]), int(reply[3]), rollouts)
 
-    async def batch_view(self, run_id: str, batch_id: str) -> BatchView | None:
-        base = self.base(run_id)
-        f: list[Any] = await self.redis.hmget(
-            base + "b:" + batch_id, "st", "v", "n", "ans", "units"
-        )
-        if f[0] is None:
+    async def batch_view(self, run_id: str, batch_id: str, *, blobs: bool) -> BatchView | None:
+        """The batch's state and, while it is leased, its rollouts (with their stored blobs when
+        ``blobs``); None when there is no such batch."""
+        reply = await self._call("batch_view", run_id, batch_id, 1 if blobs else 0)
+        if not reply:
             return None
-        state = _s(f[0])
-        rids: list[str] = []
-        blobs: list[bytes] = []
-        if state == "l":
-            units = orjson.loads(f[4])
-            pipe = self.redis.pipeline(transaction=False)
-            for u in units:
-                pipe.lrange(base + "m:" + u, 0, -1)
-            rids = [_s(r) for members in await pipe.execute() for r in members]
-            pipe = self.redis.pipeline(transaction=False)
-            for r in rids:
-                pipe.hget(base + "r:" + r, "d")
-            blobs = list(await pipe.execute())
+        rest = reply[4:]
         return BatchView(
-            state=state,
-            policy_version=int(f[1]),
-            size=int(f[2]),
-            answer=_s(f[3]) if f[3] is not None else None,
-            rollout_ids=rids,
-            blobs=blobs,
+            state=_s(reply[0]),
+            policy_version=int(reply[1]),
+            size=int(reply[2]),
+            answer=_s(reply[3]) if reply[3] is not None else None,
+            members=[
+                BatchMember(_s(rest[i]), int(rest[i + 1]), int(rest[i + 2]), rest[i + 3])
+                for i in range(0, len(rest), 4)
+            ],
         )
 
     async def ack(
