@@ -93,14 +93,35 @@ def pack_ids(arr: Int32Array) -> tuple[bytes, int]:
     return arr.astype("<i4").tobytes(), 4
 
 
+# A 3-byte little-endian id in the low bytes of a 4-byte record: assigning 'V3' items into it
+# widens a whole array in one copy, with the high byte left zero.
+_U24_IN_I32 = np.dtype({"names": ["x"], "formats": ["V3"], "itemsize": 4})
+
+
 def unpack_ids(data: bytes, width: int) -> Int32Array:
     if width == 2:
         return np.frombuffer(data, dtype="<u2").astype(np.int32)
     if width == 3:
-        wide = np.zeros((len(data) // 3, 4), dtype=np.uint8)
-        wide[:, :3] = np.frombuffer(data, dtype=np.uint8).reshape(-1, 3)
-        return wide.view("<i4").ravel().astype(np.int32, copy=False)
+        wide = np.zeros(len(data) // 3, dtype=_U24_IN_I32)
+        wide["x"] = np.frombuffer(data, dtype="V3")
+        return wide.view("<i4").astype(np.int32, copy=False)
     return np.frombuffer(data, dtype="<i4").astype(np.int32, copy=False)
+
+
+def unpack_many_ids(parts: list[tuple[bytes, int]]) -> list[Int32Array]:
+    """Unpack many (data, width) arrays: one numpy pass per width over their concatenation
+    rather than several calls per array; the results are views into that pass's output."""
+    out: list[Int32Array] = [_EMPTY_IDS] * len(parts)
+    for width in {w for _, w in parts}:
+        idx = [i for i, (_, w) in enumerate(parts) if w == width]
+        flat = unpack_ids(b"".join(parts[i][0] for i in idx), width)
+        bounds = np.cumsum([len(parts[i][0]) // width for i in idx[:-1]], dtype=np.int64)
+        for i, arr in zip(idx, np.split(flat, bounds), strict=True):
+            out[i] = arr
+    return out
+
+
+_EMPTY_IDS: Int32Array = np.zeros(0, dtype=np.int32)
 
 
 def pack_rollout(
@@ -169,17 +190,30 @@ class StoredRollout:
     metadata: dict[str, Any] | None
 
 
+def unpack_rollouts(blobs: list[bytes]) -> list[StoredRollout]:
+    """Rollouts read back from Redis; the id arrays of all of them are unpacked together."""
+    docs = [msgpack.unpackb(blob, raw=False) for blob in blobs]
+    responses = unpack_many_ids([(d["r"], d["rw"]) for d in docs])
+    with_prompt = [i for i, d in enumerate(docs) if "p" in d]
+    prompts: list[Int32Array | None] = [None] * len(docs)
+    unpacked = unpack_many_ids([(docs[i]["p"], docs[i]["pw"]) for i in with_prompt])
+    for i, arr in zip(with_prompt, unpacked, strict=True):
+        prompts[i] = arr
+    return [
+        StoredRollout(
+            rollout_id=doc["i"],
+            group_id=doc.get("g"),
+            policy_version=doc["v"],
+            prompt_ids=prompt,
+            response_ids=response,
+            logprobs=np.frombuffer(doc["l"], dtype="<f4") if "l" in doc else None,
+            reward=doc["w"],
+            finish_reason=doc.get("f"),
+            metadata=doc.get("m"),
+        )
+        for doc, response, prompt in zip(docs, responses, prompts, strict=True)
+    ]
+
+
 def unpack_rollout(blob: bytes) -> StoredRollout:
-    doc = msgpack.unpackb(blob, raw=False)
-    lp = doc.get("l")
-    return StoredRollout(
-        rollout_id=doc["i"],
-        group_id=doc.get("g"),
-        policy_version=doc["v"],
-        prompt_ids=unpack_ids(doc["p"], doc["pw"]) if "p" in doc else None,
-        response_ids=unpack_ids(doc["r"], doc["rw"]),
-        logprobs=np.frombuffer(lp, dtype="<f4") if lp is not None else None,
-        reward=doc["w"],
-        finish_reason=doc.get("f"),
-        metadata=doc.get("m"),
-    )
+    return unpack_rollouts([blob])[0]

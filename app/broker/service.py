@@ -27,7 +27,7 @@ from app.broker.packing import (
     as_logprobs,
     check_logprobs,
     pack_rollout,
-    unpack_rollout,
+    unpack_rollouts,
 )
 from app.broker.schemas import (
     AckBody,
@@ -269,7 +269,14 @@ class Broker:
                     batch_id=got.batch_id,
                     policy_version=got.policy_version,
                     lease_expires_at=iso_ms(got.expires_at_ms),
-                    rollouts=[(unpack_rollout(r.blob), r.uses, r.lag) for r in got.rollouts],
+                    rollouts=list(
+                        zip(
+                            unpack_rollouts([r.blob for r in got.rollouts]),
+                            [r.uses for r in got.rollouts],
+                            [r.lag for r in got.rollouts],
+                            strict=True,
+                        )
+                    ),
                 )
             if last:
                 return None

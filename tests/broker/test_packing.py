@@ -3,7 +3,13 @@
 import numpy as np
 import pytest
 
-from app.broker.packing import pack_ids, pack_rollout, unpack_ids, unpack_rollout
+from app.broker.packing import (
+    pack_ids,
+    pack_rollout,
+    unpack_ids,
+    unpack_rollout,
+    unpack_rollouts,
+)
 from app.errors import ValidationFailed
 
 
@@ -59,6 +65,44 @@ def test_rollout_round_trip_with_binary_arrays():
         "length",
     )
     assert back.metadata == {"k": [1, "x"]}
+
+
+def test_a_batch_unpacks_like_its_rollouts_one_by_one():
+    """Many rollouts unpack together (one pass per id width); each must come back exactly as
+    it went in, whatever mix of widths, lengths, prompts and logprobs the batch holds."""
+    rng = np.random.default_rng(3)
+    sent = []
+    for i in range(30):
+        top = [60_000, 151_935, 2**31 - 1][i % 3]  # widths 2, 3 and 4
+        n = int(rng.integers(1, 40))
+        ids = rng.integers(0, top + 1, size=n).astype(np.int32)
+        prompt = rng.integers(0, top + 1, size=i % 4).astype(np.int32) if i % 2 else None
+        lps = -rng.random(n).astype(np.float32) if i % 5 else None
+        sent.append((ids, prompt, lps))
+    blobs = [
+        _pack(
+            rollout_id=f"r{i}",
+            response_ids=ids.tobytes(),
+            prompt_ids=None if prompt is None else prompt.tolist(),
+            logprobs=None if lps is None else lps.tobytes(),
+            max_tokens=64,
+        ).blob
+        for i, (ids, prompt, lps) in enumerate(sent)
+    ]
+    back = unpack_rollouts(blobs)
+    assert [b.rollout_id for b in back] == [f"r{i}" for i in range(30)]
+    for (ids, prompt, lps), got, one in zip(sent, back, map(unpack_rollout, blobs), strict=True):
+        assert got.response_ids.dtype == np.int32
+        assert got.response_ids.tolist() == ids.tolist() == one.response_ids.tolist()
+        if prompt is None:
+            assert got.prompt_ids is None
+        else:
+            assert got.prompt_ids.tolist() == prompt.tolist()
+        if lps is None:
+            assert got.logprobs is None
+        else:
+            assert got.logprobs.tobytes() == lps.tobytes()
+    assert unpack_rollouts([]) == []
 
 
 def test_packed_1024_token_rollout_stays_under_8_kib():

@@ -18,8 +18,9 @@ if tonumber(f[5]) <= NOW then
   return { 'err', 'expired' }
 end
 
+local acked = cmsgpack.unpack(ARGV[4])  -- before the first write: it may fail
 redis.call('ZREM', LEASES, bid)
-emit('acked', cmsgpack.unpack(ARGV[4]))
+emit('acked', acked)
 
 local kl = {}
 local m = tonumber(ARGV[7])
@@ -28,15 +29,21 @@ for i = 1, m do kl[ARGV[6 + 2 * i]] = ARGV[7 + 2 * i] end
 local units = cjson.decode(f[2])
 for _, u in ipairs(units) do
   local uk = ukey(u)
-  redis.call('HINCRBY', uk, 'uses', 1)
+  local uf = redis.call('HMGET', uk, 'v', 'seq', 'uses')
+  local uses = tonumber(uf[3]) + 1
   -- A group is handed out whole, so its gate is its worst member's KL.
   local worst = nil
-  for _, rid in ipairs(redis.call('LRANGE', mkey(u), 0, -1)) do
+  for _, rid in ipairs(members(u)) do
     local x = kl[rid]
     if x and (not worst or tonumber(x) > tonumber(worst)) then worst = x end
   end
-  if worst then redis.call('HSET', uk, 'kl', worst) else redis.call('HDEL', uk, 'kl') end
-  settle(u)
+  if worst then
+    redis.call('HSET', uk, 'uses', uses, 'kl', worst)
+  else
+    redis.call('HSET', uk, 'uses', uses)
+    redis.call('HDEL', uk, 'kl')
+  end
+  settle(u, { uf[1], uf[2], uses, worst })
 end
 local retired = RETIRED_N
 

@@ -10,7 +10,7 @@ local res = { f[1], f[2], f[3], f[4] or false }
 if f[1] == 'l' then
   local fields = ARGV[3] == '1' and { 'v', 'n', 'd' } or { 'v', 'n' }
   for _, u in ipairs(cjson.decode(f[5])) do
-    for _, rid in ipairs(redis.call('LRANGE', mkey(u), 0, -1)) do
+    for _, rid in ipairs(members(u)) do
       local rf = redis.call('HMGET', rkey(rid), unpack(fields))
       table.insert(res, rid)
       table.insert(res, rf[1])

@@ -25,6 +25,13 @@ local function mkey(u) return B .. 'm:' .. u end
 local function rkey(r) return B .. 'r:' .. r end
 local function bkey(b) return B .. 'b:' .. b end
 
+-- A unit's rollout ids. A single rollout is its own unit, 'r:<rollout_id>', and keeps no
+-- member list; a group 'g:<group_id>' lists its members in arrival order.
+local function members(u)
+  if string.sub(u, 1, 2) == 'r:' then return { string.sub(u, 3) } end
+  return redis.call('LRANGE', mkey(u), 0, -1)
+end
+
 local function emit(e, d)
   d['t'] = NOW
   redis.call('XADD', EV, '*', 'e', e, 'd', cmsgpack.pack(d))
@@ -56,13 +63,26 @@ end
 local RETIRED = {}
 local RETIRED_ORDER = {}
 local RETIRED_N = 0
+local LIVE_DELTA = 0  -- change of the run's 'live' count, written once by finish()
 local WOKE = false
 
-local function unready(u, v)
+-- Take a ready unit out of the ready indexes. A version whose index empties leaves VS; a
+-- caller that unreadies many units passes `emptied` and calls prune_versions once instead.
+local function unready(u, v, emptied)
   redis.call('ZREM', Q, u)
   local k = qv(v)
   redis.call('ZREM', k, u)
-  if redis.call('EXISTS', k) == 0 then redis.call('ZREM', VS, I(v)) end
+  if emptied then
+    emptied[v] = true
+  elseif redis.call('EXISTS', k) == 0 then
+    redis.call('ZREM', VS, I(v))
+  end
+end
+
+local function prune_versions(emptied)
+  for v in pairs(emptied) do
+    if redis.call('EXISTS', qv(v)) == 0 then redis.call('ZREM', VS, I(v)) end
+  end
 end
 
 local function make_ready(u, v, seq)
@@ -74,9 +94,10 @@ local function make_ready(u, v, seq)
 end
 
 -- Remove a unit (ready 'r', open 'o', or just back from a lease 'l') and its rollouts.
-local function retire(u, reason)
+-- `known` = {st, v, uses} when the caller has just read them.
+local function retire(u, reason, known)
   local uk = ukey(u)
-  local f = redis.call('HMGET', uk, 'st', 'v', 'uses')
+  local f = known or redis.call('HMGET', uk, 'st', 'v', 'uses')
   if not f[1] then return 0 end
   local v = tonumber(f[2])
   if f[1] == 'r' then
@@ -92,18 +113,22 @@ local function retire(u, reason)
     table.insert(RETIRED_ORDER, reason)
   end
   local uses = tonumber(f[3])
-  local members = redis.call('LRANGE', mkey(u), 0, -1)
-  for _, rid in ipairs(members) do
+  local ids = members(u)
+  for _, rid in ipairs(ids) do
     local rk = rkey(rid)
     local rf = redis.call('HMGET', rk, 'v', 'n')
     table.insert(items, { rid, tonumber(rf[1]), tonumber(rf[2]), uses })
     redis.call('DEL', rk)
   end
-  redis.call('DEL', uk, mkey(u))
-  if string.sub(u, 1, 2) == 'g:' then redis.call('SADD', GDONE, u) end
-  redis.call('HINCRBY', RUN, 'live', -#members)
-  RETIRED_N = RETIRED_N + #members
-  return #members
+  if string.sub(u, 1, 2) == 'g:' then
+    redis.call('DEL', uk, mkey(u))
+    redis.call('SADD', GDONE, u)
+  else
+    redis.call('DEL', uk)
+  end
+  LIVE_DELTA = LIVE_DELTA - #ids
+  RETIRED_N = RETIRED_N + #ids
+  return #ids
 end
 
 -- Why a complete unit can never be handed out again under the current rules, or nil.
@@ -117,13 +142,14 @@ local function permanent_reason(uses, v, kl)
 end
 
 -- A unit back from a lease (ack, nack, expiry): retire it or make it ready again.
-local function settle(u)
+-- `known` = {v, seq, uses, kl} when the caller has them (the ack, which just changed them).
+local function settle(u, known)
   local uk = ukey(u)
-  local f = redis.call('HMGET', uk, 'v', 'seq', 'uses', 'kl')
+  local f = known or redis.call('HMGET', uk, 'v', 'seq', 'uses', 'kl')
   local v = tonumber(f[1])
   local reason = permanent_reason(tonumber(f[3]), v, tonumber(f[4]))
   if reason then
-    retire(u, reason)
+    retire(u, reason, { 'l', f[1], f[3] })
   else
     redis.call('HDEL', uk, 'b')
     make_ready(u, v, tonumber(f[2]))
@@ -133,7 +159,7 @@ end
 local function batch_items(units)
   local items = {}
   for _, u in ipairs(units) do
-    for _, rid in ipairs(redis.call('LRANGE', mkey(u), 0, -1)) do
+    for _, rid in ipairs(members(u)) do
       local rf = redis.call('HMGET', rkey(rid), 'v', 'n')
       table.insert(items, { rid, tonumber(rf[1]), tonumber(rf[2]) })
     end
@@ -201,6 +227,7 @@ local function sweep(limit)
 end
 
 local function finish()
+  if LIVE_DELTA ~= 0 then redis.call('HINCRBY', RUN, 'live', LIVE_DELTA) end
   for _, reason in ipairs(RETIRED_ORDER) do
     emit('retired', { reason = reason, items = RETIRED[reason] })
   end

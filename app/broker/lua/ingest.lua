@@ -78,8 +78,11 @@ for i = 1, n do
     local u = unit[i]
     local uk = ukey(u)
     redis.call('HSET', rkey(rid), 'd', blob, 'v', vs, 'n', ntok)
-    redis.call('RPUSH', mkey(u), rid)
-    local f = redis.call('HMGET', uk, 'have', 'need', 'v', 'rmin', 'rmax', 'seq')
+    local f = {}  -- a single rollout is a new unit of its own, with no member list
+    if gs > 1 then
+      redis.call('RPUSH', mkey(u), rid)
+      f = redis.call('HMGET', uk, 'have', 'need', 'v', 'rmin', 'rmax', 'seq')
+    end
     local new_unit = 0
     local have, need, uv, seq
     if not f[1] then

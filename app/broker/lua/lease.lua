@@ -14,7 +14,7 @@ local function reply(f)
   local res = { 'ok', bid, f[2], f[4], tonumber(f[5]) }
   for _, u in ipairs(units) do
     local uses = tonumber(redis.call('HGET', ukey(u), 'uses'))
-    for _, rid in ipairs(redis.call('LRANGE', mkey(u), 0, -1)) do
+    for _, rid in ipairs(members(u)) do
       local rf = redis.call('HMGET', rkey(rid), 'd', 'v')
       table.insert(res, uses)
       table.insert(res, I(V - tonumber(rf[2])))
@@ -93,20 +93,25 @@ if picked_n == 0 or (picked_n < N and not partial) then
 end
 
 local exp = NOW + CFG.lease_timeout_s * 1000
-local units, items = {}, {}
+local units, items, emptied = {}, {}, {}
+local res = { 'ok', bid, I(V), I(exp), picked_n }
 local tokens = 0
 for _, p in ipairs(picked) do
   local u, v, uses = p[1], p[2], p[3]
-  unready(u, v)
+  unready(u, v, emptied)
   redis.call('HSET', ukey(u), 'st', 'l', 'b', bid)
   table.insert(units, u)
-  for _, rid in ipairs(redis.call('LRANGE', mkey(u), 0, -1)) do
-    local rf = redis.call('HMGET', rkey(rid), 'v', 'n')
+  for _, rid in ipairs(members(u)) do
+    local rf = redis.call('HMGET', rkey(rid), 'v', 'n', 'd')
     local rv, rn = tonumber(rf[1]), tonumber(rf[2])
     tokens = tokens + rn
     table.insert(items, { rid, rv, rn, V - rv, uses })
+    table.insert(res, uses)
+    table.insert(res, I(V - rv))
+    table.insert(res, rf[3])
   end
 end
+prune_versions(emptied)
 local units_json = cjson.encode(units)
 redis.call('HSET', bkey(bid), 'st', 'l', 'v', I(V), 'exp', I(exp), 'units', units_json,
   'n', picked_n, 'tok', I(tokens), 'tr', ARGV[6], 't', I(NOW))
@@ -116,4 +121,4 @@ local ev = { batch_id = bid, policy_version = V, expires_at = exp, items = items
 if ARGV[6] ~= '' then ev['trainer_id'] = ARGV[6] end
 emit('leased', ev)
 finish()
-return reply({ 'l', I(V), units_json, I(exp), picked_n })
+return res
