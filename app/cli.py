@@ -80,6 +80,12 @@ def serve(
     services = None
     if settings.embedded:
         settings, services = _embedded_settings(settings, data_dir)
+    elif settings.redis_url is None or settings.database_url is None:
+        missing = "BROKER_REDIS_URL" if settings.redis_url is None else "BROKER_DATABASE_URL"
+        raise typer.BadParameter(
+            f"{missing} is not set: set both BROKER_REDIS_URL and BROKER_DATABASE_URL, "
+            "or neither to start embedded ones"
+        )
     if with_workers:
         settings = settings.model_copy(update={"workers_in_process": True})
     _migrate_if_configured(settings)

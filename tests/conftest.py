@@ -22,14 +22,14 @@ from app.main import create_app
 from app.settings import Settings
 
 REDIS_URL = os.environ.get("BROKER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-PG_HOST = os.environ.get("RB_TEST_PG_HOST", "127.0.0.1")
-PG_PORT = int(os.environ.get("RB_TEST_PG_PORT", "5432"))
+PG_HOST = os.environ.get("BROKER_TEST_PG_HOST", "127.0.0.1")
+PG_PORT = int(os.environ.get("BROKER_TEST_PG_PORT", "5432"))
 
 
 async def _admin_user() -> str:
     """The first of the usual superusers that the local (trust) Postgres lets in."""
     errors = []
-    for user in (os.environ.get("RB_TEST_PG_USER"), "postgres", "root"):
+    for user in (os.environ.get("BROKER_TEST_PG_USER"), "postgres", "root"):
         if not user:
             continue
         try:

@@ -52,8 +52,8 @@ async def run_workers(settings: Settings, stop: asyncio.Event) -> None:
     try:
         await asyncio.gather(*loops)
     finally:
-        with contextlib.suppress(Exception):
-            await redis.aclose()
-            await drain_redis.aclose()
+        for client in (redis, drain_redis):
+            with contextlib.suppress(Exception):  # one failing close must not skip the other
+                await client.aclose()
         if engine is not None:
             await engine.dispose()

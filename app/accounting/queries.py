@@ -41,6 +41,12 @@ def _ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator else None
 
 
+async def _one_snapshot(session: AsyncSession) -> None:
+    """Read the totals and the rows beside them (reasons, lags) from one snapshot, so a drain
+    commit between two SELECTs cannot make them disagree within one answer."""
+    await session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
+
+
 async def _require_run(session: AsyncSession, stream: EventStream, run_id: str) -> None:
     """A run is known once any of its events is drained, or while it exists in Redis only."""
     if await session.get(RunTotals, run_id) is not None:
@@ -140,6 +146,7 @@ async def run_accounting(session: AsyncSession, stream: EventStream, run_id: str
     # other way round, a drain pass between the two reads would pair stale totals with
     # "nothing pending", and a caller waiting for pending_events == 0 would take them as final.
     pending = await stream.pending_events(run_id)
+    await _one_snapshot(session)
     totals = await session.get(RunTotals, run_id)
     if totals is None:
         await _require_run(session, stream, run_id)
@@ -176,6 +183,7 @@ async def version_accounting(
     session: AsyncSession, stream: EventStream, run_id: str
 ) -> VersionsAccounting:
     pending = await stream.pending_events(run_id)  # first, as in run_accounting
+    await _one_snapshot(session)
     totals = await session.get(RunTotals, run_id)
     if totals is None:
         await _require_run(session, stream, run_id)

@@ -31,8 +31,5 @@ async def readyz(request: Request) -> Response:
     ready = all(v == "ok" for v in checks.values())
     if not ready:
         failing = ", ".join(f"{k} {v}" for k, v in checks.items() if v != "ok")
-        return render(
-            {"error": "Unavailable", "detail": f"not ready: {failing}", "checks": checks},
-            status_code=503,
-        )
+        return render({"error": "Unavailable", "detail": f"not ready: {failing}"}, status_code=503)
     return render({"status": "ready", "checks": checks})

@@ -27,7 +27,7 @@ from workers.drain import DrainContext, drain_once
 
 Event = tuple[str, dict[str, Any]]
 
-REDIS_URL = os.environ.get("RB_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_URL = os.environ.get("BROKER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 async def delete_keys(client: Redis, root: str) -> None:

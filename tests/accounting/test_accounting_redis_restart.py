@@ -40,9 +40,9 @@ class RedisServer:
     """A redis-server of the test's own, on a free port, persisting to ``data_dir``."""
 
     def __init__(self, data_dir: Path) -> None:
-        binary = os.environ.get("RB_TEST_REDIS_SERVER") or shutil.which("redis-server")
+        binary = os.environ.get("BROKER_TEST_REDIS_SERVER") or shutil.which("redis-server")
         if binary is None:
-            pytest.fail("redis-server is not on PATH (set RB_TEST_REDIS_SERVER)")
+            pytest.fail("redis-server is not on PATH (set BROKER_TEST_REDIS_SERVER)")
         self.binary = binary
         self.data_dir = data_dir
         self.port = _free_port()

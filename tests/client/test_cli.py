@@ -137,3 +137,21 @@ def test_migrate_against_postgres(monkeypatch: pytest.MonkeyPatch) -> None:
         result = runner.invoke(cli, ["migrate"])
         assert result.exit_code == 0, result.output
         assert "database is at the latest schema" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("present", "missing"),
+    [("BROKER_REDIS_URL", "BROKER_DATABASE_URL"), ("BROKER_DATABASE_URL", "BROKER_REDIS_URL")],
+)
+def test_serve_refuses_half_a_configuration(
+    present: str, missing: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both services configured, or neither (embedded): one alone would leave the API without
+    Redis, or without accounting while its event streams grow."""
+    monkeypatch.delenv(missing, raising=False)
+    monkeypatch.setenv(
+        present, "redis://127.0.0.1:1/0" if "REDIS" in present else "postgresql://x@127.0.0.1:1/x"
+    )
+    code, _, err = invoke(None, "serve", "--port", "0")
+    assert code == 2
+    assert f"{missing} is not set" in err
