@@ -27,7 +27,11 @@ from app.accounting import repository
 from app.accounting.drain import DrainOptions
 from app.accounting.events import StreamId
 from app.accounting.stream import EventStream, events_key
+from app.broker.config import RunConfig
+from app.broker.schemas import AckBody, RolloutJSON
+from app.settings import Settings
 from workers.drain import DrainContext, run_drain
+from workers.runner import broker_for
 
 
 def _free_port() -> int:
@@ -223,3 +227,80 @@ async def test_redis_restart_loses_nothing_acknowledged(
 
 async def _has(applied: Callable[[], Awaitable[set[StreamId]]], n: int) -> bool:
     return len(await applied()) >= n
+
+
+@pytest.mark.slow
+async def test_broker_changes_answered_before_a_restart_are_all_accounted(
+    own_redis: RedisServer,
+    prefix: str,
+    run_id: str,
+    sessionmaker: async_sessionmaker[AsyncSession],
+) -> None:
+    """The broker's own scripts against a Redis that is shut down and then killed between its
+    calls: every ingest, lease and ack the clients were answered survives in the AOF, the
+    scripts are loaded again on the new server (EVALSHA → NOSCRIPT → reload), and the drain
+    resumes, so the accounting equals what the clients were told."""
+    settings = Settings(redis_url="redis://unused", redis_prefix=prefix, database_url=None)
+    client = Redis(port=own_redis.port)
+    broker = broker_for(client, settings)
+    ctx = DrainContext.create(
+        Redis(port=own_redis.port),
+        sessionmaker,
+        prefix,
+        DrainOptions(block_ms=50, claim_idle_ms=200, batch_size=16),
+    )
+    stop = asyncio.Event()
+    drain = asyncio.create_task(run_drain(ctx, stop))
+    await broker.create_run(run_id, RunConfig(max_reuse=2, kl_max=10.0, kl_flush=10.0))
+    received = consumed = batches = 0
+    try:
+        for round_, restart in enumerate((own_redis.shutdown, own_redis.kill, None)):
+            posted = await broker.ingest(
+                run_id,
+                [
+                    RolloutJSON(
+                        rollout_id=f"{round_}-{i}",
+                        policy_version=0,
+                        response_ids=[1, 2, 3],
+                        logprobs=[-0.5, -0.6, -0.7],
+                        reward=float(i % 2),
+                    )
+                    for i in range(20)
+                ],
+            )
+            received += posted.accepted
+            batch = await broker.lease(
+                run_id, size=8, policy_version=None, wait_s=0, partial=False, trainer_id="t"
+            )
+            assert batch is not None
+            current = {r.rollout_id: [-0.5, -0.6, -0.8] for r, _, _ in batch.rollouts}
+            answer = await broker.ack(run_id, batch.batch_id, AckBody(logprobs=current))
+            consumed += answer.consumed
+            batches += 1
+            if restart is not None:
+                await restart()
+                await own_redis.start()
+                await ctx.drainer.stream.redis.ping()  # the drain's connection comes back too
+
+        async def caught_up() -> bool:
+            return await ctx.drainer.stream.pending_events(run_id) == 0
+
+        await _wait_for(caught_up, 30, "the drain to catch up after the restarts")
+    finally:
+        stop.set()
+        await asyncio.wait_for(drain, 10)
+
+    app = build_app(sessionmaker, client, prefix)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test"
+    ) as api:
+        body = (await api.get(f"/v1/runs/{run_id}/accounting")).json()
+    assert (received, consumed, batches) == (60, 24, 3)
+    assert body["pending_events"] == 0
+    assert body["rollouts_received"] == received
+    assert body["samples_consumed"] == consumed
+    assert body["batches"]["acked"] == batches
+    assert body["buffered"] + body["leased"] + sum(body["retired"].values()) == received
+    assert body["kl"]["max"] is not None  # the acks' measured KL reached Postgres too
+    await client.aclose()
+    await ctx.drainer.stream.redis.aclose()
