@@ -84,18 +84,18 @@ def logprob_array(value: list[float] | bytes, what: str) -> Float32Array:
     return check_logprobs(arr, what)
 
 
+# A 3-byte little-endian id in the low bytes of a 4-byte record: one copy of the 'x' field
+# narrows a whole int32 array to 3 bytes an id, or widens it back (the high byte zero).
+_U24_IN_I32 = np.dtype({"names": ["x"], "formats": ["V3"], "itemsize": 4})
+
+
 def pack_ids(arr: Int32Array) -> tuple[bytes, int]:
     top = int(arr.max()) if arr.size else 0
     if top < 1 << 16:
         return arr.astype("<u2").tobytes(), 2
     if top < 1 << 24:
-        return arr.astype("<u4").view(np.uint8).reshape(-1, 4)[:, :3].tobytes(), 3
+        return arr.astype("<u4").view(_U24_IN_I32)["x"].tobytes(), 3
     return arr.astype("<i4").tobytes(), 4
-
-
-# A 3-byte little-endian id in the low bytes of a 4-byte record: assigning 'V3' items into it
-# widens a whole array in one copy, with the high byte left zero.
-_U24_IN_I32 = np.dtype({"names": ["x"], "formats": ["V3"], "itemsize": 4})
 
 
 def unpack_ids(data: bytes, width: int) -> Int32Array:
