@@ -39,6 +39,7 @@ def test_redis_keeps_an_append_only_file(compose: dict[str, Any]) -> None:
     cmd = command(redis)
     assert cmd[0] == "redis-server"
     assert cmd[cmd.index("--appendonly") + 1] == "yes"
+    assert cmd[cmd.index("--appendfsync") + 1] == "always"  # nothing acknowledged is lost
     assert any(v.endswith(":/data") for v in redis["volumes"])  # the AOF outlives the container
     assert "redis-cli" in redis["healthcheck"]["test"] and "ping" in redis["healthcheck"]["test"]
 

@@ -170,6 +170,9 @@ class Drainer:
         for run_id in run_ids:
             if run_id not in self._grouped and await self.stream.ensure_group(run_id):
                 self._grouped.add(run_id)
+                # A consumer restarted under the same name (BROKER_DRAIN_CONSUMER) may hold
+                # entries its previous life read but never acknowledged: read those first.
+                self._dirty.add(run_id)
         return [r for r in run_ids if r in self._grouped]
 
     async def drain_once(

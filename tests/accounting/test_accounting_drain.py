@@ -190,6 +190,16 @@ async def test_redelivery_changes_nothing(
     assert await _snapshot(sessionmaker, run_id) == before
     assert (await redis.xpending(key, CONSUMER_GROUP))["pending"] == 0
 
+    # 3b. A consumer restarted under its old name reads its own pending entries first, long
+    #     before they would be idle enough for anyone to claim them.
+    await redis.xgroup_setid(key, CONSUMER_GROUP, "0")
+    await redis.xreadgroup(CONSUMER_GROUP, "fixed-name", {key: ">"}, count=7)
+    reborn = make_ctx(consumer="fixed-name", trim=False, claim_idle_ms=3_600_000)
+    counts = await drain_once(reborn, claim=False)
+    assert counts.read >= 7 and counts.already >= 7
+    assert (await redis.xpending(key, CONSUMER_GROUP))["pending"] == 0
+    assert await _snapshot(sessionmaker, run_id) == before
+
     # 4. The same entries twice in one batch apply once.
     async with sessionmaker() as s, s.begin():
         dup_events = [*events, *events]
