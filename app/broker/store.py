@@ -7,6 +7,7 @@ arguments and unpacks replies.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -255,6 +256,7 @@ class RedisStore:
             trainer_id or "",
             LEASE_SWEEP_LIMIT,
             4 * size + 256,
+            secrets.randbits(31),
         )
         head = _s(reply[0])
         if head == "err":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import Counter
 
 import msgpack
 import pytest
@@ -152,11 +153,30 @@ async def test_random_order_returns_distinct_eligible_rollouts(store):
     await new_run(store, order="random")
     await store.ingest("r", [packed(f"x{i}") for i in range(40)])
     seen: set[str] = set()
+    batches = []
     for _ in range(4):
         got = ids(await lease(store, 10))
         assert len(set(got)) == 10 and not (seen & set(got))
         seen |= set(got)
+        batches.append(got)
     assert seen == {f"x{i}" for i in range(40)}
+    # Neither end of the arrival order: a uniform draw is one of them once in 4e8.
+    assert set(batches[0]) != {f"x{i}" for i in range(10)}
+    assert set(batches[0]) != {f"x{i}" for i in range(30, 40)}
+
+
+async def test_random_order_draws_differently_each_time(store):
+    """The whole buffer fits in one ZRANDMEMBER sample, which Redis returns in index order;
+    the lease must still draw a different rollout from call to call."""
+    await new_run(store, order="random")
+    await store.ingest("r", [packed(f"x{i}") for i in range(20)])
+    drawn = Counter()
+    for _ in range(60):
+        got = await lease(store, 1)
+        drawn[ids(got)[0]] += 1
+        assert (await store.nack("r", got.batch_id))[0] == "ok"
+    # Uniform draws: fewer than 8 distinct of 20 in 60 draws has probability below 1e-12.
+    assert len(drawn) >= 8, drawn
 
 
 async def test_whole_batches_only_unless_partial(store):

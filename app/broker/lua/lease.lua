@@ -1,7 +1,7 @@
 -- Select eligible units in the run's order and lease them as one batch, atomically: no unit
 -- can be in two live leases. Units found permanently ineligible on the way are retired.
 -- ARGV: wake, batch_id, size, policy_version ('' = current), partial (0/1), trainer_id,
---       sweep_limit, scan_limit.
+--       sweep_limit, scan_limit, seed (of the shuffle in 'random' order).
 -- A batch_id that already names a live batch returns that batch again (a retried request).
 -- Returns {'ok', batch_id, V, expires_at, n, uses1, lag1, blob1, ...} | {'none', found}
 --       | {'err', 'missing'} | {'err', 'future', current} | {'err', 'settled', state}.
@@ -75,6 +75,14 @@ if order == 'fifo' then
   walk(Q)
 elseif order == 'random' then
   local sample = redis.call('ZRANDMEMBER', Q, math.min(scan_limit, 2 * N + 32))
+  -- ZRANDMEMBER picks a random subset but returns a small set whole, and often a subset, in
+  -- index order: shuffle it. The caller seeds the PRNG (script PRNGs restart from a fixed
+  -- seed on some Redis versions, which would make every lease draw the same sequence).
+  math.randomseed(tonumber(ARGV[9]))
+  for i = #sample, 2, -1 do
+    local j = math.random(i)
+    sample[i], sample[j] = sample[j], sample[i]
+  end
   for _, u in ipairs(sample) do
     consider(u)
     if full() then break end
