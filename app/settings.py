@@ -35,6 +35,12 @@ class Settings(BaseSettings):
     max_wait_s: float = Field(default=60.0, ge=0, le=3600)
     sweep_interval_s: float = Field(default=1.0, gt=0, le=60)
     retry_after_s: int = Field(default=1, ge=1, le=3600)
+    behaviour_cache_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=0,
+        description="Behaviour logprobs of leased batches kept in this process until their ack "
+        "(0: always read them back from Redis)",
+    )
     workers_in_process: bool = Field(
         default=False, description="Run the background workers inside the API process"
     )

@@ -28,6 +28,7 @@ def broker_for(redis: Redis, settings: Settings) -> Broker:
         max_batch_size=settings.max_batch_size,
         max_wait_s=settings.max_wait_s,
         retry_after_s=settings.retry_after_s,
+        behaviour_cache_bytes=settings.behaviour_cache_bytes,
     )
 
 

@@ -19,6 +19,7 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
+from app.broker.behaviour import BehaviourCache, Logprobs
 from app.broker.config import RunConfig, RunConfigPatch
 from app.broker.notify import Waker
 from app.broker.packing import (
@@ -41,7 +42,7 @@ from app.broker.schemas import (
     Run,
 )
 from app.broker.stats import BatchFigures, Measured, batch_figures
-from app.broker.store import BatchMember, Lease, RedisStore, RunState, StoreError
+from app.broker.store import BatchMember, BatchView, Lease, RedisStore, RunState, StoreError
 from app.errors import (
     BatchNotFound,
     BatchSettled,
@@ -89,6 +90,7 @@ class Broker:
         max_batch_size: int,
         max_wait_s: float,
         retry_after_s: int,
+        behaviour_cache_bytes: int = 0,
     ) -> None:
         self.store = store
         self.waker = waker
@@ -97,6 +99,7 @@ class Broker:
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
         self.retry_after_s = retry_after_s
+        self.behaviour = BehaviourCache(behaviour_cache_bytes)
 
     # -- runs -----------------------------------------------------------------------------
     async def _run(self, run_id: str) -> RunState:
@@ -265,13 +268,17 @@ class Broker:
                     f"{err.args_[0]}"
                 ) from None
             if isinstance(got, Lease):
+                rollouts = unpack_rollouts([r.blob for r in got.rollouts])
+                self.behaviour.put(
+                    run_id, got.batch_id, {r.rollout_id: r.logprobs for r in rollouts}
+                )
                 return LeasedBatch(
                     batch_id=got.batch_id,
                     policy_version=got.policy_version,
                     lease_expires_at=iso_ms(got.expires_at_ms),
                     rollouts=list(
                         zip(
-                            unpack_rollouts([r.blob for r in got.rollouts]),
+                            rollouts,
                             [r.uses for r in got.rollouts],
                             [r.lag for r in got.rollouts],
                             strict=True,
@@ -286,11 +293,9 @@ class Broker:
         state = await self._run(run_id)
         new_lp: dict[str, Any] = body.logprobs or {}
         ready_kl = body.kl or {}
-        # The behaviour logprobs are only read when there are current ones to compare.
-        view = await self.store.batch_view(run_id, batch_id, blobs=bool(new_lp))
-        if view is None:
-            raise BatchNotFound(f"no batch {batch_id!r} in run {run_id!r}")
+        view, behaviour = await self._batch_for_ack(run_id, batch_id, bool(new_lp))
         if view.state != "l":
+            self.behaviour.pop(run_id, batch_id)
             return self._settled_ack(view.state, view.answer, view.size, batch_id)
         unknown = (new_lp.keys() | ready_kl.keys()) - {m.rollout_id for m in view.members}
         if unknown:
@@ -307,7 +312,7 @@ class Broker:
             if not math.isfinite(value):
                 raise ValidationFailed(f"kl of rollout {rid!r} must be finite")
 
-        rows = [_BatchRow.of(m) for m in view.members]
+        rows = [_BatchRow.of(m, behaviour) for m in view.members]
         current = _current_logprobs(rows, new_lp)
         items = [
             Measured(row.old, current.get(row.rollout_id), ready_kl.get(row.rollout_id), row.tokens)
@@ -330,9 +335,30 @@ class Broker:
             stats_text=stats.model_dump_json(),
             kl=[(row.rollout_id, k) for row, k in zip(rows, fig.kl, strict=True) if k is not None],
         )
+        self.behaviour.pop(run_id, batch_id)
         if answer is not None:
             return self._answer(answer, view.size)
         return self._settled_ack(outcome, None, view.size, batch_id)
+
+    async def _batch_for_ack(
+        self, run_id: str, batch_id: str, measure: bool
+    ) -> tuple[BatchView, Logprobs | None]:
+        """The batch and, when the ack brings logprobs to ``measure``, the behaviour logprobs:
+        from this process's lease when it still has them for exactly the batch's rollouts,
+        else read back from Redis with the rollouts."""
+        kept = self.behaviour.get(run_id, batch_id) if measure else None
+        view = await self.store.batch_view(run_id, batch_id, blobs=measure and kept is None)
+        if (
+            view is not None
+            and kept is not None
+            and view.state == "l"
+            and kept.keys() != {m.rollout_id for m in view.members}
+        ):
+            kept = None
+            view = await self.store.batch_view(run_id, batch_id, blobs=True)
+        if view is None:
+            raise BatchNotFound(f"no batch {batch_id!r} in run {run_id!r}")
+        return view, kept
 
     @staticmethod
     def _answer(answer: str, size: int) -> AckResult:
@@ -354,6 +380,7 @@ class Broker:
         raise BatchNotFound(f"no batch {batch_id!r}")
 
     async def nack(self, run_id: str, batch_id: str) -> NackResult:
+        self.behaviour.pop(run_id, batch_id)
         outcome, n = await self.store.nack(run_id, batch_id)
         if outcome == "missing":
             raise RunNotFound(f"no run {run_id!r}")
@@ -386,14 +413,13 @@ class _BatchRow:
     old: npt.NDArray[np.float32] | None
 
     @classmethod
-    def of(cls, m: BatchMember) -> _BatchRow:
-        lp = msgpack.unpackb(m.blob, raw=False).get("l") if m.blob is not None else None
-        return cls(
-            m.rollout_id,
-            m.policy_version,
-            m.tokens,
-            np.frombuffer(lp, dtype="<f4") if lp is not None else None,
-        )
+    def of(cls, m: BatchMember, behaviour: Logprobs | None) -> _BatchRow:
+        if behaviour is not None:
+            old = behaviour[m.rollout_id]
+        else:
+            lp = msgpack.unpackb(m.blob, raw=False).get("l") if m.blob is not None else None
+            old = np.frombuffer(lp, dtype="<f4") if lp is not None else None
+        return cls(m.rollout_id, m.policy_version, m.tokens, old)
 
 
 def _current_logprobs(

@@ -1,0 +1,116 @@
+"""Behaviour logprobs kept from the lease until the ack: bounded, and never a different answer
+from reading them back out of Redis."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from redis.asyncio import Redis
+
+from app.broker.behaviour import BehaviourCache
+from app.broker.schemas import AckBody, RolloutJSON
+from app.broker.service import Broker
+from app.broker.store import RedisStore
+from app.settings import Settings
+from workers.runner import broker_for
+
+
+def lp(n: int) -> np.ndarray:
+    return np.full(n, -1.0, dtype=np.float32)  # n * 4 bytes
+
+
+def test_the_cache_keeps_to_its_byte_budget_dropping_the_oldest() -> None:
+    cache = BehaviourCache(max_bytes=100)
+    cache.put("r", "b1", {"a": lp(10)})  # 40 bytes
+    cache.put("r", "b2", {"b": lp(10), "c": None})  # 40 bytes
+    assert cache.nbytes == 80
+    cache.put("r", "b3", {"d": lp(10)})  # over budget: b1 goes
+    assert cache.get("r", "b1") is None
+    assert set(cache.get("r", "b2") or {}) == {"b", "c"}
+    assert cache.nbytes == 80
+    cache.put("r", "big", {"e": lp(30)})  # larger than the budget: not kept, nothing dropped
+    assert cache.get("r", "big") is None and cache.nbytes == 80
+    cache.put("r", "b2", {"b": lp(5)})  # a new lease under the same id replaces the old one
+    assert cache.nbytes == 60
+    cache.pop("r", "b2")
+    cache.pop("r", "b2")  # idempotent
+    assert cache.nbytes == 40 and cache.get("other-run", "b3") is None
+
+
+def rollouts(n: int) -> list[RolloutJSON]:
+    rng = np.random.default_rng(n)
+    return [
+        RolloutJSON(
+            rollout_id=f"x{i}",
+            policy_version=0,
+            response_ids=list(range(1, 9)),
+            logprobs=(-rng.random(8)).tolist(),
+            reward=1.0,
+        )
+        for i in range(n)
+    ]
+
+
+def current(batch) -> AckBody:  # type: ignore[no-untyped-def]
+    return AckBody(
+        logprobs={
+            r.rollout_id: (r.logprobs.astype(np.float64) - 0.05).tolist()
+            for r, _, _ in batch.rollouts
+        }
+    )
+
+
+@pytest.fixture
+def brokers(redis: Redis, prefix: str) -> tuple[Broker, Broker]:
+    settings = Settings(redis_url="redis://unused", redis_prefix=prefix, database_url=None)
+    return broker_for(redis, settings), broker_for(redis, settings)
+
+
+async def test_an_ack_on_another_replica_measures_the_same(
+    brokers: tuple[Broker, Broker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    leaser, other = brokers
+    await leaser.create_run("r", None)
+    await leaser.ingest("r", rollouts(8))
+    asked: list[bool] = []
+    real = RedisStore.batch_view
+
+    async def spy(self: RedisStore, run_id: str, batch_id: str, *, blobs: bool):  # type: ignore[no-untyped-def]
+        asked.append(blobs)
+        return await real(self, run_id, batch_id, blobs=blobs)
+
+    monkeypatch.setattr(RedisStore, "batch_view", spy)
+
+    a = await leaser.lease(
+        "r", size=4, policy_version=None, wait_s=0, partial=False, trainer_id=None
+    )
+    b = await leaser.lease(
+        "r", size=4, policy_version=None, wait_s=0, partial=False, trainer_id=None
+    )
+    assert a is not None and b is not None
+    # Each answer against the SPEC's figures: new - old is -0.05 on every token.
+    same = await leaser.ack("r", a.batch_id, current(a))  # kept from its lease
+    assert asked == [False]
+    other_answer = await other.ack("r", b.batch_id, current(b))  # read back from Redis
+    assert asked == [False, True]
+    for batch, answer in ((a, same), (b, other_answer)):
+        # The ack's lists are float64; the behaviour logprobs were stored as float32.
+        log_r = np.concatenate([np.full(8, -0.05) for _ in batch.rollouts])
+        k3 = np.expm1(log_r) - log_r
+        assert answer.stats.kl_mean == pytest.approx(k3.mean(), rel=1e-9)
+        assert answer.stats.is_ratio_mean == pytest.approx(np.exp(log_r).mean(), rel=1e-9)
+    # The acked batch is let go; the one acked elsewhere waits for the byte budget to drop it.
+    assert leaser.behaviour.get("r", a.batch_id) is None
+    assert leaser.behaviour.nbytes == 4 * 8 * 4
+
+
+async def test_nack_and_settled_acks_let_the_batch_go(brokers: tuple[Broker, Broker]) -> None:
+    broker, _ = brokers
+    await broker.create_run("r", None)
+    await broker.ingest("r", rollouts(2))
+    got = await broker.lease(
+        "r", size=2, policy_version=None, wait_s=0, partial=False, trainer_id=None
+    )
+    assert got is not None and broker.behaviour.nbytes == 2 * 8 * 4
+    await broker.nack("r", got.batch_id)
+    assert broker.behaviour.nbytes == 0
