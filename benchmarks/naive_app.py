@@ -6,7 +6,7 @@ Run: ``python -m uvicorn benchmarks.naive_app:app``.
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
 from pydantic import BaseModel
 
 
@@ -61,3 +61,51 @@ async def clear() -> dict[str, int]:
     n = len(buffer)
     buffer.clear()
     return {"cleared": n}
+
+
+# -- the HTTP floor: the broker's lease and ack requests, answered from memory ------------------
+# Same paths, bodies and sizes as the broker's msgpack lease and ack, with no work behind them:
+# what one uvicorn process on this machine costs just to move a batch out and its ack back in.
+_canned: dict[int, bytes] = {}
+
+
+def _canned_batch(size: int) -> bytes:
+    if size not in _canned:
+        import msgpack
+
+        from benchmarks.payloads import make_payload
+
+        p = make_payload()
+        item = {
+            "group_id": None,
+            "policy_version": 0,
+            "prompt_ids": None,
+            "response_ids": p.ids.tobytes(),
+            "logprobs": p.logprobs.tobytes(),
+            "reward": 1.0,
+            "finish_reason": "stop",
+            "metadata": None,
+            "uses": 0,
+            "lag": 0,
+        }
+        _canned[size] = msgpack.packb(
+            {
+                "batch_id": "canned",
+                "policy_version": 0,
+                "lease_expires_at": "2026-01-01T00:00:00Z",
+                "rollouts": [{"rollout_id": f"{i:032d}", **item} for i in range(size)],
+            },
+            use_bin_type=True,
+        )
+    return _canned[size]
+
+
+@app.get("/v1/runs/{run_id}/batch")
+async def canned_lease(run_id: str, size: int) -> Response:
+    return Response(_canned_batch(size), media_type="application/msgpack")
+
+
+@app.post("/v1/runs/{run_id}/batches/{batch_id}/ack")
+async def canned_ack(run_id: str, batch_id: str, request: Request) -> Response:
+    body = await request.body()
+    return Response(b'{"consumed":%d}' % len(body), media_type="application/json")

@@ -494,6 +494,24 @@ def lease_rows(b: Bench) -> list[Row]:
                 timeout=s.naive_s + 120,
             )
         )
+        b.say(f"lease+ack floor: canned answers over HTTP, batches of {size} (#{rep + 1})")
+        got.setdefault("floor", []).append(
+            run_group(
+                load.http_lease_ack,
+                [
+                    dict(
+                        address=b.naive.address,
+                        run_id="canned",
+                        size=size,
+                        fmt="msgpack",
+                        duration=s.lease_s,
+                        max_ops=BIG,
+                        stop_on_empty=True,
+                    )
+                ],
+                timeout=s.lease_s + 120,
+            )
+        )
         for fmt in ("msgpack", "json"):
             run = b.new_run(f"lease-{fmt}", max_reuse=1)
             b.say(f"lease+ack: filling {s.lease_fill:,} rollouts (#{rep + 1})")
@@ -504,6 +522,17 @@ def lease_rows(b: Bench) -> list[Row]:
             )
             b.drop_run(run)
     raw_rate, naive_rate = best_rate(got["raw"]).rate, best_rate(got["naive"]).rate
+    floor = best_rate(got["floor"]).rate
+    floor_row = Row(
+        f"http_floor.lease_ack.{size}",
+        "Lease + ack",
+        "HTTP floor: the same msgpack lease and ack, answered canned from memory (no broker)",
+        floor,
+        "rollouts/s",
+        raw=raw_rate,
+        tokens_per_s=floor * TOKENS,
+        note="what one uvicorn process and the trainer's client cost to move the bytes alone",
+    )
     for fmt in ("msgpack", "json"):
         g = best_rate(got[fmt])
         row = Row(
@@ -515,12 +544,14 @@ def lease_rows(b: Bench) -> list[Row]:
             raw=raw_rate,
             naive=naive_rate,
             tokens_per_s=g.rate * TOKENS,
-            note=f"{g.ops} batches; lease p50 {percentile(g.latencies, 50) * 1e3:.1f} ms",
+            note=f"{g.ops} batches; lease p50 {percentile(g.latencies, 50) * 1e3:.1f} ms; "
+            f"{g.rate / floor:.2f}× the HTTP floor",
         )
         if fmt == "msgpack":
             row.target("≥0.5× raw", row.vs_raw, 0.5)
         row.target(">1× naive", row.vs_naive, 1.0)
         rows.append(row)
+    rows.append(floor_row)
 
     run = b.new_run("latency", max_reuse=10_000)
     b.fill(run, s.latency_pool, "t")

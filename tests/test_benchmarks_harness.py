@@ -27,6 +27,7 @@ def expected_rows() -> list[str]:
         for procs in (1, 4)
     ]
     rows += [f"lease_ack.{fmt}.{s.batch}" for fmt in ("msgpack", "json")]
+    rows += [f"http_floor.lease_ack.{s.batch}"]
     rows += [f"lease_latency.{n}.p{q}" for n in s.latency_sizes for q in (50, 99)]
     rows += [f"scale.buffered.{n}.p{q}" for n in s.levels for q in (50, 99)]
     rows += [f"scale.trainers.{n}.{k}" for n in s.trainers for k in ("p50", "p99", "rate")]
