@@ -1,45 +1,58 @@
-"""The behaviour logprobs of the batches this process leased, kept until their ack.
+"""What an ack needs of the batches this process leased, kept from the lease until the ack.
 
-An ack with current logprobs needs the behaviour logprobs stored at ingest. The process that
-leased a batch has just read them, so it keeps them (bounded by bytes, oldest dropped first);
-an ack that reaches another API replica, or comes after its batch was dropped, reads them from
-Redis instead. Rollouts never change once stored, so both sources agree.
+An ack is measured against the behaviour logprobs stored at ingest, rollout by rollout. The
+process that leased a batch has just read them, with each rollout's version and length, so it
+keeps them (bounded by bytes, oldest batch dropped first) and its ack reads only the batch's
+state from Redis. An ack that reaches another API replica, or comes after its batch was
+dropped, reads the rollouts back from Redis instead. A stored rollout never changes and a
+batch's rollouts are fixed when it is leased, so both give the same answer.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["BehaviourCache"]
+__all__ = ["BatchRow", "BehaviourCache"]
 
-Logprobs = dict[str, npt.NDArray[np.float32] | None]  # rollout_id -> behaviour logprobs
+_ROW_BYTES = 128  # what a row costs besides its logprobs, roughly: ids, ints, the object
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRow:
+    """One rollout of a leased batch, as the ack measures it."""
+
+    rollout_id: str
+    policy_version: int
+    tokens: int
+    old: npt.NDArray[np.float32] | None  # behaviour logprobs, None if ingested without
 
 
 class BehaviourCache:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._batches: OrderedDict[tuple[str, str], tuple[Logprobs, int]] = OrderedDict()
+        self._batches: OrderedDict[tuple[str, str], tuple[list[BatchRow], int]] = OrderedDict()
         self._bytes = 0
 
     @property
     def nbytes(self) -> int:
         return self._bytes
 
-    def put(self, run_id: str, batch_id: str, logprobs: Logprobs) -> None:
-        size = sum(a.nbytes for a in logprobs.values() if a is not None)
+    def put(self, run_id: str, batch_id: str, rows: list[BatchRow]) -> None:
+        size = sum(_ROW_BYTES + (r.old.nbytes if r.old is not None else 0) for r in rows)
         self.pop(run_id, batch_id)
         if size > self.max_bytes:
             return
-        self._batches[(run_id, batch_id)] = (logprobs, size)
+        self._batches[(run_id, batch_id)] = (rows, size)
         self._bytes += size
         while self._bytes > self.max_bytes:
             _, (_, dropped) = self._batches.popitem(last=False)
             self._bytes -= dropped
 
-    def get(self, run_id: str, batch_id: str) -> Logprobs | None:
+    def get(self, run_id: str, batch_id: str) -> list[BatchRow] | None:
         got = self._batches.get((run_id, batch_id))
         return None if got is None else got[0]
 

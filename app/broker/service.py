@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from app.broker.behaviour import BehaviourCache, Logprobs
+from app.broker.behaviour import BatchRow, BehaviourCache
 from app.broker.config import RunConfig, RunConfigPatch
 from app.broker.notify import Waker
 from app.broker.packing import (
@@ -270,7 +270,12 @@ class Broker:
             if isinstance(got, Lease):
                 rollouts = unpack_rollouts([r.blob for r in got.rollouts])
                 self.behaviour.put(
-                    run_id, got.batch_id, {r.rollout_id: r.logprobs for r in rollouts}
+                    run_id,
+                    got.batch_id,
+                    [
+                        BatchRow(r.rollout_id, r.policy_version, r.response_ids.size, r.logprobs)
+                        for r in rollouts
+                    ],
                 )
                 return LeasedBatch(
                     batch_id=got.batch_id,
@@ -293,11 +298,11 @@ class Broker:
         state = await self._run(run_id)
         new_lp: dict[str, Any] = body.logprobs or {}
         ready_kl = body.kl or {}
-        view, behaviour = await self._batch_for_ack(run_id, batch_id, bool(new_lp))
+        view, rows = await self._batch_for_ack(run_id, batch_id, bool(new_lp))
         if view.state != "l":
             self.behaviour.pop(run_id, batch_id)
             return self._settled_ack(view.state, view.answer, view.size, batch_id)
-        unknown = (new_lp.keys() | ready_kl.keys()) - {m.rollout_id for m in view.members}
+        unknown = (new_lp.keys() | ready_kl.keys()) - {row.rollout_id for row in rows}
         if unknown:
             raise ValidationFailed(
                 f"batch {batch_id!r} has no rollout {sorted(unknown)[0]!r} "
@@ -312,7 +317,6 @@ class Broker:
             if not math.isfinite(value):
                 raise ValidationFailed(f"kl of rollout {rid!r} must be finite")
 
-        rows = [_BatchRow.of(m, behaviour) for m in view.members]
         current = _current_logprobs(rows, new_lp)
         items = [
             Measured(row.old, current.get(row.rollout_id), ready_kl.get(row.rollout_id), row.tokens)
@@ -342,23 +346,19 @@ class Broker:
 
     async def _batch_for_ack(
         self, run_id: str, batch_id: str, measure: bool
-    ) -> tuple[BatchView, Logprobs | None]:
-        """The batch and, when the ack brings logprobs to ``measure``, the behaviour logprobs:
-        from this process's lease when it still has them for exactly the batch's rollouts,
-        else read back from Redis with the rollouts."""
-        kept = self.behaviour.get(run_id, batch_id) if measure else None
-        view = await self.store.batch_view(run_id, batch_id, blobs=measure and kept is None)
-        if (
-            view is not None
-            and kept is not None
-            and view.state == "l"
-            and kept.keys() != {m.rollout_id for m in view.members}
-        ):
-            kept = None
-            view = await self.store.batch_view(run_id, batch_id, blobs=True)
+    ) -> tuple[BatchView, list[BatchRow]]:
+        """The batch's state and, while it is leased, its rollouts as the ack measures them:
+        kept from this process's lease, else read back from Redis (with the stored blobs
+        when the ack brings logprobs to ``measure``)."""
+        kept = self.behaviour.get(run_id, batch_id)
+        view = await self.store.batch_view(
+            run_id,
+            batch_id,
+            rollouts="none" if kept is not None else "blobs" if measure else "meta",
+        )
         if view is None:
             raise BatchNotFound(f"no batch {batch_id!r} in run {run_id!r}")
-        return view, kept
+        return view, kept if kept is not None else [_row(m) for m in view.members]
 
     @staticmethod
     def _answer(answer: str, size: int) -> AckResult:
@@ -405,25 +405,14 @@ class Broker:
         return total
 
 
-@dataclass(frozen=True, slots=True)
-class _BatchRow:
-    rollout_id: str
-    policy_version: int
-    tokens: int
-    old: npt.NDArray[np.float32] | None
-
-    @classmethod
-    def of(cls, m: BatchMember, behaviour: Logprobs | None) -> _BatchRow:
-        if behaviour is not None:
-            old = behaviour[m.rollout_id]
-        else:
-            lp = msgpack.unpackb(m.blob, raw=False).get("l") if m.blob is not None else None
-            old = np.frombuffer(lp, dtype="<f4") if lp is not None else None
-        return cls(m.rollout_id, m.policy_version, m.tokens, old)
+def _row(m: BatchMember) -> BatchRow:
+    lp = msgpack.unpackb(m.blob, raw=False).get("l") if m.blob is not None else None
+    old = np.frombuffer(lp, dtype="<f4") if lp is not None else None
+    return BatchRow(m.rollout_id, m.policy_version, m.tokens, old)
 
 
 def _current_logprobs(
-    rows: Sequence[_BatchRow], given: dict[str, Any]
+    rows: Sequence[BatchRow], given: dict[str, Any]
 ) -> dict[str, npt.NDArray[np.floating[Any]]]:
     """The ack's logprobs by rollout id. They are validated in one pass over all the batch's
     tokens; only when that fails is each rollout checked, to name the one at fault."""
@@ -454,7 +443,7 @@ def _acked_event(
     batch_id: str,
     step: int | None,
     policy_version: int,
-    rows: Sequence[_BatchRow],
+    rows: Sequence[BatchRow],
     fig: BatchFigures,
     stats: BatchStats,
 ) -> bytes:

@@ -270,10 +270,12 @@ class RedisStore:
         ]
         return Lease(_s(reply[1]), int(reply[2]), int(reply[3]), rollouts)
 
-    async def batch_view(self, run_id: str, batch_id: str, *, blobs: bool) -> BatchView | None:
-        """The batch's state and, while it is leased, its rollouts (with their stored blobs when
-        ``blobs``); None when there is no such batch."""
-        reply = await self._call("batch_view", run_id, batch_id, 1 if blobs else 0)
+    async def batch_view(
+        self, run_id: str, batch_id: str, *, rollouts: Literal["none", "meta", "blobs"]
+    ) -> BatchView | None:
+        """The batch's state and, while it is leased and unless ``rollouts`` is 'none', its
+        rollouts ('blobs': with their stored blobs); None when there is no such batch."""
+        reply = await self._call("batch_view", run_id, batch_id, rollouts)
         if not reply:
             return None
         rest = reply[4:]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from redis.asyncio import Redis
 
-from app.broker.behaviour import BehaviourCache
+from app.broker.behaviour import BatchRow, BehaviourCache
 from app.broker.schemas import AckBody, RolloutJSON
 from app.broker.service import Broker
 from app.broker.store import RedisStore
@@ -15,26 +15,30 @@ from app.settings import Settings
 from workers.runner import broker_for
 
 
-def lp(n: int) -> np.ndarray:
-    return np.full(n, -1.0, dtype=np.float32)  # n * 4 bytes
+def rows(n: int, tokens: int = 10) -> list[BatchRow]:
+    old = np.full(tokens, -1.0, dtype=np.float32)  # tokens * 4 bytes
+    return [BatchRow(f"x{i}", 0, tokens, old) for i in range(n)]
 
 
 def test_the_cache_keeps_to_its_byte_budget_dropping_the_oldest() -> None:
-    cache = BehaviourCache(max_bytes=100)
-    cache.put("r", "b1", {"a": lp(10)})  # 40 bytes
-    cache.put("r", "b2", {"b": lp(10), "c": None})  # 40 bytes
-    assert cache.nbytes == 80
-    cache.put("r", "b3", {"d": lp(10)})  # over budget: b1 goes
+    one = 128 + 40  # a row of 10 tokens: its fixed cost and its logprobs
+    cache = BehaviourCache(max_bytes=5 * one)
+    cache.put("r", "b1", rows(2))
+    cache.put("r", "b2", rows(2))
+    assert cache.nbytes == 4 * one
+    cache.put("r", "b3", rows(1))
+    assert cache.nbytes == 5 * one  # at the budget: nothing dropped yet
+    cache.put("r", "b4", rows(1))  # over it: b1, the oldest, goes
     assert cache.get("r", "b1") is None
-    assert set(cache.get("r", "b2") or {}) == {"b", "c"}
-    assert cache.nbytes == 80
-    cache.put("r", "big", {"e": lp(30)})  # larger than the budget: not kept, nothing dropped
-    assert cache.get("r", "big") is None and cache.nbytes == 80
-    cache.put("r", "b2", {"b": lp(5)})  # a new lease under the same id replaces the old one
-    assert cache.nbytes == 60
+    assert [r.rollout_id for r in cache.get("r", "b2") or []] == ["x0", "x1"]
+    assert cache.nbytes == 4 * one
+    cache.put("r", "big", rows(6))  # larger than the budget: not kept, nothing dropped
+    assert cache.get("r", "big") is None and cache.nbytes == 4 * one
+    cache.put("r", "b2", rows(1))  # a new lease under the same id replaces the old one
+    assert cache.nbytes == 3 * one
     cache.pop("r", "b2")
     cache.pop("r", "b2")  # idempotent
-    assert cache.nbytes == 40 and cache.get("other-run", "b3") is None
+    assert cache.nbytes == 2 * one and cache.get("other-run", "b3") is None
 
 
 def rollouts(n: int) -> list[RolloutJSON]:
@@ -75,9 +79,9 @@ async def test_an_ack_on_another_replica_measures_the_same(
     asked: list[bool] = []
     real = RedisStore.batch_view
 
-    async def spy(self: RedisStore, run_id: str, batch_id: str, *, blobs: bool):  # type: ignore[no-untyped-def]
-        asked.append(blobs)
-        return await real(self, run_id, batch_id, blobs=blobs)
+    async def spy(self: RedisStore, run_id: str, batch_id: str, *, rollouts: str):  # type: ignore[no-untyped-def]
+        asked.append(rollouts)
+        return await real(self, run_id, batch_id, rollouts=rollouts)
 
     monkeypatch.setattr(RedisStore, "batch_view", spy)
 
@@ -90,18 +94,28 @@ async def test_an_ack_on_another_replica_measures_the_same(
     assert a is not None and b is not None
     # Each answer against the SPEC's figures: new - old is -0.05 on every token.
     same = await leaser.ack("r", a.batch_id, current(a))  # kept from its lease
-    assert asked == [False]
+    assert asked == ["none"]
     other_answer = await other.ack("r", b.batch_id, current(b))  # read back from Redis
-    assert asked == [False, True]
+    assert asked == ["none", "blobs"]
     for batch, answer in ((a, same), (b, other_answer)):
         # The ack's lists are float64; the behaviour logprobs were stored as float32.
         log_r = np.concatenate([np.full(8, -0.05) for _ in batch.rollouts])
         k3 = np.expm1(log_r) - log_r
         assert answer.stats.kl_mean == pytest.approx(k3.mean(), rel=1e-9)
         assert answer.stats.is_ratio_mean == pytest.approx(np.exp(log_r).mean(), rel=1e-9)
+    # An ack with ready-made KL elsewhere needs the rollouts' versions and lengths, not blobs.
+    await leaser.ingest("r", rollouts(12)[8:])
+    c = await leaser.lease(
+        "r", size=4, policy_version=None, wait_s=0, partial=False, trainer_id=None
+    )
+    assert c is not None
+    kl = {r.rollout_id: 0.01 for r, _, _ in c.rollouts}
+    assert (await other.ack("r", c.batch_id, AckBody(kl=kl))).stats.kl_mean == pytest.approx(0.01)
+    assert asked == ["none", "blobs", "meta"]
+    leaser.behaviour.pop("r", c.batch_id)
     # The acked batch is let go; the one acked elsewhere waits for the byte budget to drop it.
     assert leaser.behaviour.get("r", a.batch_id) is None
-    assert leaser.behaviour.nbytes == 4 * 8 * 4
+    assert leaser.behaviour.nbytes == 4 * (128 + 8 * 4)
 
 
 async def test_nack_and_settled_acks_let_the_batch_go(brokers: tuple[Broker, Broker]) -> None:
@@ -111,6 +125,6 @@ async def test_nack_and_settled_acks_let_the_batch_go(brokers: tuple[Broker, Bro
     got = await broker.lease(
         "r", size=2, policy_version=None, wait_s=0, partial=False, trainer_id=None
     )
-    assert got is not None and broker.behaviour.nbytes == 2 * 8 * 4
+    assert got is not None and broker.behaviour.nbytes == 2 * (128 + 8 * 4)
     await broker.nack("r", got.batch_id)
     assert broker.behaviour.nbytes == 0
