@@ -258,6 +258,14 @@ class Broker:
             except StoreError as err:
                 if err.code == "missing":
                     raise RunNotFound(f"no run {run_id!r}") from None
+                if err.code == "gone" and batch_id is None:
+                    bid = uuid.uuid4().hex  # ran out before delivery: try afresh
+                    continue
+                if err.code == "gone":
+                    raise LeaseExpired(
+                        f"the lease of batch {bid!r} ran out before it could be delivered; "
+                        "lease again with a new batch_id"
+                    ) from None
                 if err.code == "settled":
                     raise BatchSettled(
                         f"batch {bid!r} was already {_STATE_WORDS.get(err.args_[0], 'settled')}; "

@@ -264,29 +264,48 @@ class RedisStore:
         if head == "none":
             return int(reply[1])
         rest = reply[5:]
-        rollouts = [
-            LeasedRollout(int(rest[i]), int(rest[i + 1]), rest[i + 2])
-            for i in range(0, len(rest), 3)
-        ]
+        rids = [_s(rid) for rid in rest[2::3]]
+        rollouts = []
+        for uses, lag, blob in zip(
+            rest[0::3], rest[1::3], await self.blobs(run_id, rids), strict=True
+        ):
+            if blob is None:
+                # Only a lease that ran out already, and whose rollouts then retired, loses them.
+                raise StoreError("gone", _s(reply[1]))
+            rollouts.append(LeasedRollout(int(uses), int(lag), blob))
         return Lease(_s(reply[1]), int(reply[2]), int(reply[3]), rollouts)
+
+    async def blobs(self, run_id: str, rollout_ids: Sequence[str]) -> list[bytes | None]:
+        """The packed rollouts, in one MGET (None for one that is gone)."""
+        if not rollout_ids:
+            return []
+        base = self.base(run_id)
+        got: list[Any] = await self.redis.mget([f"{base}d:{rid}" for rid in rollout_ids])
+        return got
 
     async def batch_view(
         self, run_id: str, batch_id: str, *, rollouts: Literal["none", "meta", "blobs"]
     ) -> BatchView | None:
         """The batch's state and, while it is leased and unless ``rollouts`` is 'none', its
-        rollouts ('blobs': with their stored blobs); None when there is no such batch."""
-        reply = await self._call("batch_view", run_id, batch_id, rollouts)
+        rollouts ('blobs': with their packed rollouts); None when there is no such batch."""
+        reply = await self._call(
+            "batch_view", run_id, batch_id, "none" if rollouts == "none" else "meta"
+        )
         if not reply:
             return None
         rest = reply[4:]
+        rids = [_s(rid) for rid in rest[0::3]]
+        blobs: list[bytes | None] = [None] * len(rids)
+        if rollouts == "blobs":
+            blobs = await self.blobs(run_id, rids)
         return BatchView(
             state=_s(reply[0]),
             policy_version=int(reply[1]),
             size=int(reply[2]),
             answer=_s(reply[3]) if reply[3] is not None else None,
             members=[
-                BatchMember(_s(rest[i]), int(rest[i + 1]), int(rest[i + 2]), rest[i + 3])
-                for i in range(0, len(rest), 4)
+                BatchMember(rid, int(v), int(n), blob)
+                for rid, v, n, blob in zip(rids, rest[1::3], rest[2::3], blobs, strict=True)
             ],
         )
 

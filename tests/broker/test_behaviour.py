@@ -3,15 +3,20 @@ from reading them back out of Redis."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from redis.asyncio import Redis
 
 from app.broker.behaviour import BatchRow, BehaviourCache
+from app.broker.config import RunConfig
 from app.broker.schemas import AckBody, RolloutJSON
 from app.broker.service import Broker
 from app.broker.store import RedisStore
+from app.errors import LeaseExpired
 from app.settings import Settings
+from tests.broker.test_store import events
 from workers.runner import broker_for
 
 
@@ -128,3 +133,40 @@ async def test_nack_and_settled_acks_let_the_batch_go(brokers: tuple[Broker, Bro
     assert got is not None and broker.behaviour.nbytes == 2 * (128 + 8 * 4)
     await broker.nack("r", got.batch_id)
     assert broker.behaviour.nbytes == 0
+
+
+async def test_a_lease_that_runs_out_before_delivery_is_never_handed_out(
+    brokers: tuple[Broker, Broker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The packed rollouts are read right after the lease script. A lease that runs out in
+    between and whose rollouts then retire (here: the run closes) loses them: the broker leases
+    afresh when it chose the batch id, and tells a trainer that chose one to lease again; it
+    never hands out a batch with holes."""
+    broker, _ = brokers
+    real = RedisStore.blobs
+
+    async def closed_meanwhile(self: RedisStore, run_id: str, rollout_ids):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.05)  # the lease's own clock has to run out
+        assert await self.close_run(run_id)  # its sweep expires the lease, the rollouts retire
+        return await real(self, run_id, rollout_ids)
+
+    monkeypatch.setattr(RedisStore, "blobs", closed_meanwhile)
+    for run, batch_id in (("server-chosen", None), ("client-chosen", "my-batch-0001")):
+        await broker.create_run(run, RunConfig(lease_timeout_s=0.01))
+        await broker.ingest(run, rollouts(2))
+        lease = broker.lease(
+            run,
+            size=2,
+            policy_version=None,
+            wait_s=0,
+            partial=False,
+            trainer_id=None,
+            batch_id=batch_id,
+        )
+        if batch_id is None:
+            assert await lease is None  # leased afresh: nothing left in the closed run
+        else:
+            with pytest.raises(LeaseExpired, match="lease again"):
+                await lease
+        kinds = [e for e, _ in await events(broker.store, run)]
+        assert kinds.count("expired") == 1 and "retired" in kinds

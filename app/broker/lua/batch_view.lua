@@ -1,21 +1,19 @@
 -- Read a batch as the ack needs it before the ack script runs; changes nothing. One call
 -- instead of a command per unit and per rollout.
--- ARGV: wake (unused), batch_id, rollouts: 'none' (the state only), 'meta' (each rollout's
---       id, version and tokens) or 'blobs' (also its stored blob, for the behaviour logprobs).
--- Returns {} for no such batch, else {st, V, n, answer|nil, [rid, version, tokens, blob|nil]...};
+-- ARGV: wake (unused), batch_id, rollouts: 'none' (the state only) or 'meta' (also each
+--       rollout's id, version and tokens; the caller reads the packed rollouts with MGET).
+-- Returns {} for no such batch, else {st, V, n, answer|nil, [rid, version, tokens]...};
 -- the rollouts only while the batch is leased.
 local f = redis.call('HMGET', bkey(ARGV[2]), 'st', 'v', 'n', 'ans', 'units')
 if not f[1] then return {} end
 local res = { f[1], f[2], f[3], f[4] or false }
 if f[1] == 'l' and ARGV[3] ~= 'none' then
-  local fields = ARGV[3] == 'blobs' and { 'v', 'n', 'd' } or { 'v', 'n' }
   for _, u in ipairs(cjson.decode(f[5])) do
     for _, rid in ipairs(members(u)) do
-      local rf = redis.call('HMGET', rkey(rid), unpack(fields))
+      local rf = redis.call('HMGET', rkey(rid), 'v', 'n')
       table.insert(res, rid)
       table.insert(res, rf[1])
       table.insert(res, rf[2])
-      table.insert(res, rf[3] or false)
     end
   end
 end

@@ -22,7 +22,8 @@ local function I(x) return string.format('%d', x) end
 local function qv(v) return B .. 'qv:' .. I(v) end
 local function ukey(u) return B .. 'u:' .. u end
 local function mkey(u) return B .. 'm:' .. u end
-local function rkey(r) return B .. 'r:' .. r end
+local function rkey(r) return B .. 'r:' .. r end  -- hash: v (version), n (tokens)
+local function dkey(r) return B .. 'd:' .. r end  -- string: the packed rollout
 local function bkey(b) return B .. 'b:' .. b end
 
 -- A unit's rollout ids. A single rollout is its own unit, 'r:<rollout_id>', and keeps no
@@ -118,7 +119,7 @@ local function retire(u, reason, known)
     local rk = rkey(rid)
     local rf = redis.call('HMGET', rk, 'v', 'n')
     table.insert(items, { rid, tonumber(rf[1]), tonumber(rf[2]), uses })
-    redis.call('DEL', rk)
+    redis.call('DEL', rk, dkey(rid))
   end
   if string.sub(u, 1, 2) == 'g:' then
     redis.call('DEL', uk, mkey(u))

@@ -77,7 +77,8 @@ for i = 1, n do
     redis.call('SADD', SEEN, rid)
     local u = unit[i]
     local uk = ukey(u)
-    redis.call('HSET', rkey(rid), 'd', blob, 'v', vs, 'n', ntok)
+    redis.call('SET', dkey(rid), blob)
+    redis.call('HSET', rkey(rid), 'v', vs, 'n', ntok)
     local f = {}  -- a single rollout is a new unit of its own, with no member list
     if gs > 1 then
       redis.call('RPUSH', mkey(u), rid)

@@ -3,7 +3,9 @@
 -- ARGV: wake, batch_id, size, policy_version ('' = current), partial (0/1), trainer_id,
 --       sweep_limit, scan_limit, seed (of the shuffle in 'random' order).
 -- A batch_id that already names a live batch returns that batch again (a retried request).
--- Returns {'ok', batch_id, V, expires_at, n, uses1, lag1, blob1, ...} | {'none', found}
+-- The packed rollouts (keys d:<rollout_id>) are read by the caller with one MGET: copying
+-- them through Lua strings would cost the script more than all its other work.
+-- Returns {'ok', batch_id, V, expires_at, n, uses1, lag1, rollout_id1, ...} | {'none', found}
 --       | {'err', 'missing'} | {'err', 'future', current} | {'err', 'settled', state}.
 if not load_run() then return { 'err', 'missing' } end
 local bid, N = ARGV[2], tonumber(ARGV[3])
@@ -15,10 +17,9 @@ local function reply(f)
   for _, u in ipairs(units) do
     local uses = tonumber(redis.call('HGET', ukey(u), 'uses'))
     for _, rid in ipairs(members(u)) do
-      local rf = redis.call('HMGET', rkey(rid), 'd', 'v')
       table.insert(res, uses)
-      table.insert(res, I(V - tonumber(rf[2])))
-      table.insert(res, rf[1])
+      table.insert(res, I(V - tonumber(redis.call('HGET', rkey(rid), 'v'))))
+      table.insert(res, rid)
     end
   end
   return res
@@ -110,13 +111,13 @@ for _, p in ipairs(picked) do
   redis.call('HSET', ukey(u), 'st', 'l', 'b', bid)
   table.insert(units, u)
   for _, rid in ipairs(members(u)) do
-    local rf = redis.call('HMGET', rkey(rid), 'v', 'n', 'd')
+    local rf = redis.call('HMGET', rkey(rid), 'v', 'n')
     local rv, rn = tonumber(rf[1]), tonumber(rf[2])
     tokens = tokens + rn
     table.insert(items, { rid, rv, rn, V - rv, uses })
     table.insert(res, uses)
     table.insert(res, I(V - rv))
-    table.insert(res, rf[3])
+    table.insert(res, rid)
   end
 end
 prune_versions(emptied)
