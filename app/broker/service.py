@@ -345,7 +345,6 @@ class Broker:
             kl_mean=fig.kl_mean,
             event=_acked_event(batch_id, body.step, view.policy_version, rows, fig, stats),
             stats_text=stats.model_dump_json(),
-            kl=[(row.rollout_id, k) for row, k in zip(rows, fig.kl, strict=True) if k is not None],
         )
         self.behaviour.pop(run_id, batch_id)
         if answer is not None:

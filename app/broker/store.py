@@ -317,20 +317,20 @@ class RedisStore:
         kl_mean: float | None,
         event: bytes,
         stats_text: str,
-        kl: Sequence[tuple[str, float]],
     ) -> tuple[str, str | None]:
-        """('ok'|'acked', answer) or ('missing'|'batch_missing'|'nacked'|'expired', None)."""
-        args: list[Any] = [
+        """('ok'|'acked', answer) or ('missing'|'batch_missing'|'nacked'|'expired', None).
+
+        ``event`` is the msgpack payload of the ``acked`` event; its items carry each rollout's
+        measured KL, which the script also gates on."""
+        reply = await self._call(
+            "ack",
+            run_id,
             batch_id,
             "" if kl_mean is None else repr(kl_mean),
             event,
             stats_text,
             SWEEP_LIMIT * 10,
-            len(kl),
-        ]
-        for rid, value in kl:
-            args += [rid, repr(value)]
-        reply = await self._call("ack", run_id, *args)
+        )
         head = _s(reply[0])
         if head == "err":
             return _s(reply[1]), None

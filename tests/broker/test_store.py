@@ -4,6 +4,7 @@ and the accounting event each change leaves behind."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from collections import Counter
@@ -62,13 +63,15 @@ def ids(got: Lease) -> list[str]:
 
 
 async def ack(store, got: Lease, *, kl=(), kl_mean=None, run_id="r"):
+    # The acked event's items carry the measured KL the script gates on (version and tokens
+    # only matter to the accounting).
+    items = [[rid, 0, 1, value] for rid, value in kl]
     return await store.ack(
         run_id,
         got.batch_id,
         kl_mean=kl_mean,
-        event=msgpack.packb({"batch_id": got.batch_id}),
+        event=msgpack.packb({"batch_id": got.batch_id, "items": items}),
         stats_text="{}",
-        kl=list(kl),
     )
 
 
@@ -345,7 +348,7 @@ async def test_event_stream_balances_with_the_live_counts(store):
     await new_run(store, max_reuse=2, group_size=2, max_staleness=1)
     await store.ingest("r", [packed(f"x{i}", group=f"g{i // 2}") for i in range(10)])
     first = await lease(store, 4)
-    await ack(store, first, kl=[(i, 0.5) for i in ids(first)[:1]])
+    await ack(store, first, kl=[(i, 0.5 if n == 0 else 0.0) for n, i in enumerate(ids(first))])
     second = await lease(store, 2)
     await store.nack("r", second.batch_id)
     await lease(store, 2)
@@ -360,8 +363,21 @@ async def test_event_stream_balances_with_the_live_counts(store):
         elif e == "leased":
             leased += len(d["items"])
         elif e in ("acked", "nacked", "expired"):
-            leased -= (
-                len(d["items"]) if "items" in d else 4
-            )  # the test's ack event carries no items
+            leased -= len(d["items"])
     assert leased == run.leased == 2
     assert received - retired_n == run.live
+
+
+async def test_measured_kl_is_kept_exactly_for_the_lease_time_gate(store):
+    """The KL an ack measured is stored per unit and read again when a tightened kl_max is
+    checked at lease time: one ulp above the new bound must still count as above it."""
+    cfg = await new_run(store, max_reuse=3, kl_max=0.06)
+    await store.ingest("r", [packed("a"), packed("b")])
+    got = await lease(store, 2)
+    just_above = math.nextafter(0.05, 1.0)
+    await ack(store, got, kl=[("a", just_above), ("b", 0.05)])
+    assert await retired(store) == {}  # both within 0.06
+    tightened = cfg.model_copy(update={"kl_max": 0.05})
+    assert await store.replace_config("r", cfg.canonical_json(), tightened) == "ok"
+    assert ids(await lease(store, 2, partial=True)) == ["b"]  # 0.05 is not above 0.05
+    assert await retired(store) == {"kl": ["a"]}

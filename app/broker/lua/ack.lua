@@ -2,7 +2,9 @@
 -- retire, and a batch mean KL above kl_flush raises the run's version floor to the batch's
 -- version, flushing every buffered unit below it. A repeat returns the stored answer.
 -- ARGV: wake, batch_id, kl_mean ('' = not measured), acked event payload (msgpack, without t),
---       stats text (stored for repeats), flush_limit, m, then m pairs rollout_id, kl.
+--       stats text (stored for repeats), flush_limit. The event's items [rollout_id, version,
+--       tokens, kl?] are also where each rollout's measured KL comes from, so the KL gate and the
+--       accounting read one record.
 -- Returns {'ok', answer} | {'acked', answer} | {'err', 'missing'|'batch_missing'|'nacked'|'expired'}.
 if not load_run() then return { 'err', 'missing' } end
 local bid = ARGV[2]
@@ -23,8 +25,9 @@ redis.call('ZREM', LEASES, bid)
 emit('acked', acked)
 
 local kl = {}
-local m = tonumber(ARGV[7])
-for i = 1, m do kl[ARGV[6 + 2 * i]] = ARGV[7 + 2 * i] end
+for _, item in ipairs(acked.items or {}) do
+  if item[4] then kl[item[1]] = item[4] end
+end
 
 local units = cjson.decode(f[2])
 for _, u in ipairs(units) do
@@ -35,10 +38,10 @@ for _, u in ipairs(units) do
   local worst = nil
   for _, rid in ipairs(members(u)) do
     local x = kl[rid]
-    if x and (not worst or tonumber(x) > tonumber(worst)) then worst = x end
+    if x and (not worst or x > worst) then worst = x end
   end
   if worst then
-    redis.call('HSET', uk, 'uses', uses, 'kl', worst)
+    redis.call('HSET', uk, 'uses', uses, 'kl', worst)  -- Redis writes a double exactly
   else
     redis.call('HSET', uk, 'uses', uses)
     redis.call('HDEL', uk, 'kl')
