@@ -35,6 +35,11 @@ class Settings(BaseSettings):
     max_wait_s: float = Field(default=60.0, ge=0, le=3600)
     sweep_interval_s: float = Field(default=1.0, gt=0, le=60)
     retry_after_s: int = Field(default=1, ge=1, le=3600)
+    worker_heartbeat_file: Path | None = Field(
+        default=None,
+        description="File the workers touch whenever each of their loops has completed a pass "
+        "(a container health check reads its age)",
+    )
     behaviour_cache_bytes: int = Field(
         default=64 * 1024 * 1024,
         ge=0,

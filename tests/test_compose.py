@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import shlex
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -119,3 +124,22 @@ def test_the_dockerfile_installs_the_package() -> None:
     assert any(ln.startswith("RUN pip install .") for ln in lines)
     assert any(ln.startswith("USER ") and "root" not in ln for ln in lines)
     assert "rollout-broker" in lines[-1] and "serve" in lines[-1]
+
+
+def test_the_worker_is_healthy_while_its_heartbeat_is_fresh(compose: dict[str, Any]) -> None:
+    worker = services(compose)["worker"]
+    beat = worker["environment"]["BROKER_WORKER_HEARTBEAT_FILE"]
+    assert Settings(worker_heartbeat_file=beat).worker_heartbeat_file is not None
+    check = worker["healthcheck"]["test"]
+    assert check[:3] == ["CMD", "python", "-c"] and beat in check[3]
+    # The check itself, run here: fresh file healthy, stale or missing file not.
+    code = check[3].replace(beat, "{path}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "beat"
+        run = lambda: subprocess.run([sys.executable, "-c", code.format(path=path)]).returncode  # noqa: E731
+        assert run() != 0
+        path.touch()
+        assert run() == 0
+        old = time.time() - 120
+        os.utime(path, (old, old))
+        assert run() != 0

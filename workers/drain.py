@@ -11,6 +11,7 @@ import contextlib
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
@@ -59,8 +60,11 @@ async def _pause(stop_event: asyncio.Event, seconds: float) -> None:
         await asyncio.wait_for(stop_event.wait(), timeout=seconds)
 
 
-async def run_drain(ctx: DrainContext, stop_event: asyncio.Event) -> None:
-    """Drain until ``stop_event`` is set; Redis or Postgres outages are waited out."""
+async def run_drain(
+    ctx: DrainContext, stop_event: asyncio.Event, done: Callable[[], None] = lambda: None
+) -> None:
+    """Drain until ``stop_event`` is set; Redis or Postgres outages are waited out. ``done``
+    is called after each pass that succeeded."""
     backoff = 0.0
     while not stop_event.is_set():
         try:
@@ -72,6 +76,7 @@ async def run_drain(ctx: DrainContext, stop_event: asyncio.Event) -> None:
             await _pause(stop_event, backoff)
             continue
         backoff = 0.0
+        done()
         if counts.streams == 0:
             await _pause(stop_event, ctx.options.block_ms / 1000)
 

@@ -15,6 +15,7 @@ from app.broker.service import Broker
 from app.broker.store import RedisStore
 from app.settings import Settings
 from workers.drain import DrainContext, run_drain
+from workers.heartbeat import Heartbeat
 from workers.maintenance import run_maintenance
 
 
@@ -39,7 +40,17 @@ async def run_workers(settings: Settings, stop: asyncio.Event) -> None:
     # The drain blocks on XREADGROUP: a client of its own keeps that off the sweep's pool.
     drain_redis = Redis.from_url(settings.redis_url, decode_responses=False)
     engine = engine_from_settings(settings) if settings.database_url else None
-    loops = [run_maintenance(broker_for(redis, settings), settings.sweep_interval_s, stop)]
+    heartbeat = Heartbeat(
+        settings.worker_heartbeat_file, ["maintenance", "drain"] if engine else ["maintenance"]
+    )
+    loops = [
+        run_maintenance(
+            broker_for(redis, settings),
+            settings.sweep_interval_s,
+            stop,
+            lambda: heartbeat.beat("maintenance"),
+        )
+    ]
     if engine is not None:
         drain_settings = DrainSettings()
         ctx = DrainContext.create(
@@ -49,7 +60,7 @@ async def run_workers(settings: Settings, stop: asyncio.Event) -> None:
             drain_settings.options(),
             drain_settings.consumer,
         )
-        loops.append(run_drain(ctx, stop))
+        loops.append(run_drain(ctx, stop, lambda: heartbeat.beat("drain")))
     try:
         await asyncio.gather(*loops)
     finally:
