@@ -40,13 +40,22 @@ for _, u in ipairs(units) do
     local x = kl[rid]
     if x and (not worst or x > worst) then worst = x end
   end
-  if worst then
-    redis.call('HSET', uk, 'uses', uses, 'kl', worst)  -- Redis writes a double exactly
+  -- As settle() does for a nack or an expiry, with this use and this KL counted: a unit that
+  -- retires is deleted, so only one that stays has them written.
+  local v = tonumber(uf[1])
+  local reason = permanent_reason(uses, v, worst)
+  if reason then
+    retire(u, reason, { 'l', uf[1], uses })
   else
-    redis.call('HSET', uk, 'uses', uses)
-    redis.call('HDEL', uk, 'kl')
+    if worst then
+      redis.call('HSET', uk, 'uses', uses, 'kl', worst)  -- Redis writes a double exactly
+      redis.call('HDEL', uk, 'b')
+    else
+      redis.call('HSET', uk, 'uses', uses)
+      redis.call('HDEL', uk, 'b', 'kl')  -- not measured this time: no KL gate
+    end
+    make_ready(u, v, tonumber(uf[2]))
   end
-  settle(u, { uf[1], uf[2], uses, worst })
 end
 local retired = RETIRED_N
 

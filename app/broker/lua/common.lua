@@ -142,11 +142,11 @@ local function permanent_reason(uses, v, kl)
   return nil
 end
 
--- A unit back from a lease (ack, nack, expiry): retire it or make it ready again.
--- `known` = {v, seq, uses, kl} when the caller has them (the ack, which just changed them).
-local function settle(u, known)
+-- A unit back from a nack or an expiry: retire it or make it ready again (ack.lua does the
+-- same with the use and KL the ack adds).
+local function settle(u)
   local uk = ukey(u)
-  local f = known or redis.call('HMGET', uk, 'v', 'seq', 'uses', 'kl')
+  local f = redis.call('HMGET', uk, 'v', 'seq', 'uses', 'kl')
   local v = tonumber(f[1])
   local reason = permanent_reason(tonumber(f[3]), v, tonumber(f[4]))
   if reason then
