@@ -53,9 +53,14 @@ class Waker:
         if ev is not None:
             ev.set()
 
+    @staticmethod
+    def wait_window(at_most_s: float) -> float:
+        """How long one :meth:`wait` lasts at most."""
+        return min(at_most_s, FALLBACK_RECHECK_S)
+
     async def wait(self, ev: asyncio.Event, at_most_s: float) -> None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ev.wait(), timeout=min(at_most_s, FALLBACK_RECHECK_S))
+            await asyncio.wait_for(ev.wait(), timeout=self.wait_window(at_most_s))
 
     async def _listen(self) -> None:
         backoff = 0.1

@@ -254,6 +254,8 @@ class Broker:
                     # Take a part only once waiting for the whole is over.
                     partial=partial and last,
                     trainer_id=trainer_id,
+                    # Ask for wake-ups for as long as the wait below, with a second to spare.
+                    wait_ms=0 if last else int(self.waker.wait_window(remaining) * 1000) + 1000,
                 )
             except StoreError as err:
                 if err.code == "missing":

@@ -244,8 +244,10 @@ class RedisStore:
         policy_version: int | None,
         partial: bool,
         trainer_id: str | None,
+        wait_ms: int = 0,
     ) -> Lease | int:
-        """A Lease, or the number of eligible rollouts found when that was not enough."""
+        """A Lease, or the number of eligible rollouts found when that was not enough; then, with
+        ``wait_ms``, units that become ready in the run announce it for that long."""
         reply = await self._call(
             "lease",
             run_id,
@@ -257,6 +259,7 @@ class RedisStore:
             LEASE_SWEEP_LIMIT,
             4 * size + 256,
             secrets.randbits(31),
+            wait_ms,
         )
         head = _s(reply[0])
         if head == "err":

@@ -13,6 +13,7 @@ local OV = B .. 'ov'         -- zset: incomplete groups by (oldest) version
 local LEASES = B .. 'leases' -- zset: live batches by expiry ms
 local SEEN = B .. 'seen'     -- set: every rollout_id ever received (idempotency)
 local GDONE = B .. 'gdone'   -- set: groups that were complete or retired: they take no new members
+local WAITING = B .. 'waiting' -- string with a TTL: a trainer is long-polling this run
 local WAKE = ARGV[1]         -- pub/sub channel that wakes long-polling trainers
 
 local t = redis.call('TIME')
@@ -232,7 +233,10 @@ local function finish()
   for _, reason in ipairs(RETIRED_ORDER) do
     emit('retired', { reason = reason, items = RETIRED[reason] })
   end
-  if WOKE then redis.call('PUBLISH', WAKE, string.sub(B, 1, #B - 1)) end
+  -- Every API process receives every wake-up, so none is sent while nobody waits.
+  if WOKE and redis.call('EXISTS', WAITING) == 1 then
+    redis.call('PUBLISH', WAKE, string.sub(B, 1, #B - 1))
+  end
 end
 
 local function run_snapshot(change)

@@ -1,7 +1,8 @@
 -- Select eligible units in the run's order and lease them as one batch, atomically: no unit
 -- can be in two live leases. Units found permanently ineligible on the way are retired.
 -- ARGV: wake, batch_id, size, policy_version ('' = current), partial (0/1), trainer_id,
---       sweep_limit, scan_limit, seed (of the shuffle in 'random' order).
+--       sweep_limit, scan_limit, seed (of the shuffle in 'random' order), wait_ms (how long
+--       the caller will wait for a wake-up if this call finds too little; 0: it will not).
 -- A batch_id that already names a live batch returns that batch again (a retried request).
 -- The packed rollouts (keys d:<rollout_id>) are read by the caller with one MGET: copying
 -- them through Lua strings would cost the script more than all its other work.
@@ -97,6 +98,12 @@ else -- freshest: highest version first, oldest arrival within a version
 end
 
 if picked_n == 0 or (picked_n < N and not partial) then
+  -- The caller is about to wait: from now on, units becoming ready publish a wake-up. Set in
+  -- the same call that found too little, so nothing can become ready unannounced in between.
+  local wait_ms = tonumber(ARGV[10])
+  if wait_ms > 0 and redis.call('PTTL', WAITING) < wait_ms then
+    redis.call('SET', WAITING, '1', 'PX', wait_ms)
+  end
   finish()
   return { 'none', picked_n }
 end
