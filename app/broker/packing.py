@@ -56,11 +56,11 @@ def _ids(value: list[int] | bytes | None, what: str, rid: str) -> Int32Array | N
     return arr64.astype(np.int32)
 
 
-def as_logprobs(value: list[float] | bytes) -> npt.NDArray[np.floating[Any]]:
+def as_logprobs(value: list[float] | bytes, what: str) -> npt.NDArray[np.floating[Any]]:
     """Logprobs as an array, not yet validated (see :func:`check_logprobs`)."""
     if isinstance(value, bytes):
         if len(value) % 4:
-            raise ValidationFailed("logprobs bytes are not a whole number of float32")
+            raise ValidationFailed(f"{what}: logprobs bytes are not a whole number of float32")
         return np.frombuffer(value, dtype="<f4")
     return np.asarray(value, dtype=np.float64)
 
@@ -77,11 +77,7 @@ def check_logprobs(arr: npt.NDArray[np.floating[Any]], what: str) -> Float32Arra
 
 
 def logprob_array(value: list[float] | bytes, what: str) -> Float32Array:
-    try:
-        arr = as_logprobs(value)
-    except ValidationFailed as exc:
-        raise ValidationFailed(f"{what}: {exc.detail}") from None
-    return check_logprobs(arr, what)
+    return check_logprobs(as_logprobs(value, what), what)
 
 
 # A 3-byte little-endian id in the low bytes of a 4-byte record: one copy of the 'x' field

@@ -431,10 +431,7 @@ def _current_logprobs(
         if value is None:
             continue
         what = f"ack logprobs of rollout {row.rollout_id!r}"
-        try:
-            arr = as_logprobs(value)
-        except ValidationFailed as exc:
-            raise ValidationFailed(f"{what}: {exc.detail}") from None
+        arr = as_logprobs(value, what)
         if arr.size != row.tokens:
             raise ValidationFailed(f"{what}: {arr.size} values for {row.tokens} tokens")
         arrays[row.rollout_id] = arr
