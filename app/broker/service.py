@@ -227,17 +227,8 @@ class Broker:
         A client-chosen ``batch_id`` makes the call safe to retry: while that batch's lease is
         live, the same call returns the same batch instead of leasing more.
         """
-        state = await self._run(run_id)
         if size > self.max_batch_size:
             raise ValidationFailed(f"size {size} is above the largest batch, {self.max_batch_size}")
-        gs = state.config.group_size
-        if size % gs:
-            raise ValidationFailed(f"size {size} is not a multiple of this run's group_size {gs}")
-        if policy_version is not None and policy_version > state.policy_version:
-            raise ValidationFailed(
-                f"policy_version {policy_version} is above the run's current version "
-                f"{state.policy_version}"
-            )
         wait_s = min(max(wait_s, 0.0), self.max_wait_s)
         deadline = time.monotonic() + wait_s
         bid = batch_id or uuid.uuid4().hex
@@ -260,6 +251,10 @@ class Broker:
             except StoreError as err:
                 if err.code == "missing":
                     raise RunNotFound(f"no run {run_id!r}") from None
+                if err.code == "size":
+                    raise ValidationFailed(
+                        f"size {size} is not a multiple of this run's group_size {err.args_[0]}"
+                    ) from None
                 if err.code == "gone" and batch_id is None:
                     bid = uuid.uuid4().hex  # ran out before delivery: try afresh
                     continue
@@ -305,7 +300,6 @@ class Broker:
             await self.waker.wait(ev, remaining)
 
     async def ack(self, run_id: str, batch_id: str, body: AckBody) -> AckResult:
-        state = await self._run(run_id)
         new_lp: dict[str, Any] = body.logprobs or {}
         ready_kl = body.kl or {}
         view, rows = await self._batch_for_ack(run_id, batch_id, bool(new_lp))
@@ -332,7 +326,7 @@ class Broker:
             Measured(row.old, current.get(row.rollout_id), ready_kl.get(row.rollout_id), row.tokens)
             for row in rows
         ]
-        cfg = state.config
+        cfg = view.config
         fig = batch_figures(items, cfg.kl_estimator, cfg.clip_epsilon)
         stats = BatchStats(
             kl_mean=fig.kl_mean,
@@ -360,11 +354,14 @@ class Broker:
         kept from this process's lease, else read back from Redis (with the stored blobs
         when the ack brings logprobs to ``measure``)."""
         kept = self.behaviour.get(run_id, batch_id)
-        view = await self.store.batch_view(
-            run_id,
-            batch_id,
-            rollouts="none" if kept is not None else "blobs" if measure else "meta",
-        )
+        try:
+            view = await self.store.batch_view(
+                run_id,
+                batch_id,
+                rollouts="none" if kept is not None else "blobs" if measure else "meta",
+            )
+        except StoreError:
+            raise RunNotFound(f"no run {run_id!r}") from None
         if view is None:
             raise BatchNotFound(f"no batch {batch_id!r} in run {run_id!r}")
         return view, kept if kept is not None else [_row(m) for m in view.members]

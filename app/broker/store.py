@@ -98,6 +98,7 @@ class BatchMember:
 class BatchView:
     """A batch as the ack needs it before the ack script runs."""
 
+    config: RunConfig  # the run's
     state: str  # 'l' leased, 'a' acked, 'n' nacked, 'e' expired
     policy_version: int
     size: int
@@ -290,10 +291,14 @@ class RedisStore:
         self, run_id: str, batch_id: str, *, rollouts: Literal["none", "meta", "blobs"]
     ) -> BatchView | None:
         """The batch's state and, while it is leased and unless ``rollouts`` is 'none', its
-        rollouts ('blobs': with their packed rollouts); None when there is no such batch."""
+        rollouts ('blobs': with their packed rollouts); None when there is no such batch.
+        Raises StoreError('missing') when there is no such run."""
         reply = await self._call(
             "batch_view", run_id, batch_id, "none" if rollouts == "none" else "meta"
         )
+        if not reply:
+            raise StoreError("missing")
+        config, reply = RunConfig.model_validate_json(reply[0]), reply[1:]
         if not reply:
             return None
         rest = reply[4:]
@@ -302,6 +307,7 @@ class RedisStore:
         if rollouts == "blobs":
             blobs = await self.blobs(run_id, rids)
         return BatchView(
+            config=config,
             state=_s(reply[0]),
             policy_version=int(reply[1]),
             size=int(reply[2]),

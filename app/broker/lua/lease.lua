@@ -7,9 +7,11 @@
 -- The packed rollouts (keys d:<rollout_id>) are read by the caller with one MGET: copying
 -- them through Lua strings would cost the script more than all its other work.
 -- Returns {'ok', batch_id, V, expires_at, n, uses1, lag1, rollout_id1, ...} | {'none', found}
---       | {'err', 'missing'} | {'err', 'future', current} | {'err', 'settled', state}.
+--       | {'err', 'missing'} | {'err', 'size', group_size} | {'err', 'future', current}
+--       | {'err', 'settled', state}.
 if not load_run() then return { 'err', 'missing' } end
 local bid, N = ARGV[2], tonumber(ARGV[3])
+if N % CFG.group_size ~= 0 then return { 'err', 'size', I(CFG.group_size) } end  -- whole groups
 
 -- The reply of a live batch: also what a retried lease with the same batch_id gets back.
 local function reply(f)
