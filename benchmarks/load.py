@@ -107,6 +107,22 @@ def expect(status: int, data: bytes, *ok: int) -> None:
 
 
 # -- the workers ----------------------------------------------------------------------------
+def timed_writes(
+    write: Callable[[], int], *, duration: float, max_ops: int, barrier: Any
+) -> Result:
+    """Call ``write`` (which returns the rollouts it wrote) until ``duration`` or ``max_ops``,
+    starting together with the other load processes."""
+    res = Result()
+    barrier.wait()
+    res.t0 = time.perf_counter()
+    deadline = res.t0 + duration
+    while res.ops < max_ops and time.perf_counter() < deadline:
+        res.rollouts += write()
+        res.ops += 1
+    res.t1 = time.perf_counter()
+    return res
+
+
 def http_ingest(
     *,
     address: Address,
@@ -135,17 +151,13 @@ def http_ingest(
     for _ in range(warmup):
         status, data, _ = http.call("POST", path, body(), ctype)
         expect(status, data, 202)
-    res = Result()
-    barrier.wait()
-    res.t0 = time.perf_counter()
-    deadline = res.t0 + duration
-    while res.ops < max_ops and time.perf_counter() < deadline:
-        b = body()
-        status, data, _ = http.call("POST", path, b, ctype)
+
+    def post() -> int:
+        status, data, _ = http.call("POST", path, body(), ctype)
         expect(status, data, 202)
-        res.ops += 1
-        res.rollouts += per_req
-    res.t1 = time.perf_counter()
+        return per_req
+
+    res = timed_writes(post, duration=duration, max_ops=max_ops, barrier=barrier)
     http.close()
     return res
 
@@ -163,18 +175,16 @@ def naive_ingest(
         )
         expect(status, data, 202)
         seq += 1
-    res = Result()
-    barrier.wait()
-    res.t0 = time.perf_counter()
-    deadline = res.t0 + duration
-    while res.ops < max_ops and time.perf_counter() < deadline:
+
+    def post() -> int:
+        nonlocal seq
         b = payload.json_item(rollout_id(tag, worker, seq))
         seq += 1
         status, data, _ = http.call("POST", "/rollouts", b, "application/json")
         expect(status, data, 202)
-        res.ops += 1
-        res.rollouts += 1
-    res.t1 = time.perf_counter()
+        return 1
+
+    res = timed_writes(post, duration=duration, max_ops=max_ops, barrier=barrier)
     http.close()
     return res
 
@@ -197,7 +207,7 @@ def redis_write(
     queue = f"{key_prefix}:q"
     seq = 0
 
-    def one_pipe() -> None:
+    def one_pipe() -> int:
         nonlocal seq
         pipe = r.pipeline(transaction=False)
         for _ in range(per_pipe):
@@ -207,17 +217,10 @@ def redis_write(
             pipe.set(key, payload.msgpack_item(rid))
             pipe.rpush(queue, key)
         pipe.execute()
+        return per_pipe
 
     one_pipe()
-    res = Result()
-    barrier.wait()
-    res.t0 = time.perf_counter()
-    deadline = res.t0 + duration
-    while res.ops < max_ops and time.perf_counter() < deadline:
-        one_pipe()
-        res.ops += 1
-        res.rollouts += per_pipe
-    res.t1 = time.perf_counter()
+    res = timed_writes(one_pipe, duration=duration, max_ops=max_ops, barrier=barrier)
     r.close()
     return res
 

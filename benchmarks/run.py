@@ -277,12 +277,14 @@ class Bench:
         *,
         fmt: str = "msgpack",
         stop_on_empty: bool = False,
+        server: Server | None = None,
     ) -> Group:
+        """Trainers leasing and acking against the broker (or ``server``: the HTTP floor)."""
         return run_group(
             load.http_lease_ack,
             [
                 dict(
-                    address=self.broker.address,
+                    address=(server or self.broker).address,
                     run_id=run_id,
                     size=size,
                     fmt=fmt,
@@ -496,21 +498,7 @@ def lease_rows(b: Bench) -> list[Row]:
         )
         b.say(f"lease+ack floor: canned answers over HTTP, batches of {size} (#{rep + 1})")
         got.setdefault("floor", []).append(
-            run_group(
-                load.http_lease_ack,
-                [
-                    dict(
-                        address=b.naive.address,
-                        run_id="canned",
-                        size=size,
-                        fmt="msgpack",
-                        duration=s.lease_s,
-                        max_ops=BIG,
-                        stop_on_empty=True,
-                    )
-                ],
-                timeout=s.lease_s + 120,
-            )
+            b.lease_ack("canned", size, 1, s.lease_s, stop_on_empty=True, server=b.naive)
         )
         for fmt in ("msgpack", "json"):
             run = b.new_run(f"lease-{fmt}", max_reuse=1)
