@@ -6,10 +6,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /srv/rollout-broker
 
 COPY pyproject.toml README.md ./
+COPY clients ./clients
 COPY app ./app
 COPY workers ./workers
 COPY migrations ./migrations
-RUN pip install . && useradd --system --no-create-home broker
+# No [embedded] extra: the image talks to the Redis and Postgres it is given.
+RUN pip install ./clients/python . && useradd --system --no-create-home broker
 
 USER broker
 EXPOSE 8000

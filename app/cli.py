@@ -22,7 +22,7 @@ from app.settings import Settings
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
 
-    from app.client import Accounting, BrokerClient, Run, VersionAccounting
+    from rollout_broker_client import Accounting, BrokerClient, Run, VersionAccounting
 
 cli = typer.Typer(
     help="Rollout Broker: versioned rollouts in, leased batches out, exact sample accounting.",
@@ -152,7 +152,7 @@ def _console() -> Console:
 @contextlib.contextmanager
 def _broker(url: str) -> Iterator[BrokerClient]:
     """A client for one command; broker errors become one line on stderr and exit status 1."""
-    from app.client import BrokerClient, BrokerHTTPError, BrokerUnreachable
+    from rollout_broker_client import BrokerClient, BrokerHTTPError, BrokerUnreachable
 
     try:
         with BrokerClient(url) as broker:
@@ -527,7 +527,7 @@ def watch_view(now: _Frame, before: _Frame | None) -> RenderableType:
 
 
 def _frame(broker: BrokerClient, run_id: str) -> _Frame:
-    from app.client import NotFound, RunNotFound
+    from rollout_broker_client import NotFound, RunNotFound
 
     run = broker.get_run(run_id)
     try:

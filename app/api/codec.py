@@ -11,12 +11,13 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
+from rollout_broker_client.protocol import MSGPACK, MSGPACK_TYPES
+
 from app.errors import PayloadTooLarge, UnsupportedMediaType, ValidationFailed
 
 M = TypeVar("M", bound=BaseModel)
 J = TypeVar("J", bound=BaseModel)
 
-MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 
 
 def describe_errors(errors: list[Any], limit: int = 5) -> str:
@@ -89,7 +90,7 @@ def render(content: Any, *, status_code: int = 200, as_msgpack: bool = False) ->
         return Response(
             msgpack.packb(content, use_bin_type=True, default=_msgpack_default),
             status_code=status_code,
-            media_type="application/msgpack",
+            media_type=MSGPACK,
         )
     return Response(
         orjson.dumps(content, default=_default, option=orjson.OPT_SERIALIZE_NUMPY),

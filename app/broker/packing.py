@@ -14,12 +14,13 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
+from rollout_broker_client.protocol import MAX_TOKEN_ID
+
 from app.errors import ValidationFailed
 
 Int32Array = npt.NDArray[np.int32]
 Float32Array = npt.NDArray[np.float32]
 
-MAX_TOKEN_ID = 2**31 - 1
 _F32_MIN = float(np.finfo(np.float32).min)
 
 

@@ -19,6 +19,8 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
+from rollout_broker_client.protocol import new_run_id
+
 from app.broker.behaviour import BatchRow, BehaviourCache
 from app.broker.config import RunConfig, RunConfigPatch
 from app.broker.notify import Waker
@@ -110,7 +112,7 @@ class Broker:
 
     async def create_run(self, run_id: str | None, config: RunConfig | None) -> tuple[Run, bool]:
         """The run and whether it was created now (False: it existed with the same config)."""
-        rid = run_id or f"run-{uuid.uuid4().hex[:12]}"
+        rid = run_id or new_run_id()
         cfg = config or RunConfig()
         outcome = await self.store.create_run(rid, cfg)
         if outcome == "conflict":

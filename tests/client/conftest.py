@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 
-from app.client import AsyncBrokerClient, BrokerClient
+from rollout_broker_client import AsyncBrokerClient, BrokerClient
 from tests.client.live import LiveServer, broker_env, fresh_database, redis_prefix, serve
 
 

@@ -10,7 +10,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from app.client import (
+from rollout_broker_client import (
     AsyncBrokerClient,
     BatchSettled,
     BrokerUnreachable,

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from app.cli import cli
-from app.client import BrokerClient, Rollout
+from rollout_broker_client import BrokerClient, Rollout
 from tests.client.live import LiveServer, fresh_database
 
 runner = CliRunner()

@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
-from app.client import (
+from rollout_broker_client import (
     BrokerClient,
     BrokerUnreachable,
     LeaseExpired,

@@ -1,4 +1,5 @@
-"""``app/client/_sync.py`` is exactly what ``scripts/unasync_client.py`` generates from
+"""``clients/python/rollout_broker_client/_sync.py`` is exactly what
+``scripts/unasync_client.py`` generates from
 ``_async.py``, so the blocking and asyncio clients cannot drift apart."""
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ script = load_script()
 def test_sync_client_is_generated_from_async() -> None:
     expected = script.generate(script.ASYNC_PY.read_text(encoding="utf-8"))
     actual = script.SYNC_PY.read_text(encoding="utf-8")
-    assert actual == expected, "app/client/_sync.py is stale: run python scripts/unasync_client.py"
+    assert actual == expected, "the blocking client is stale: run python scripts/unasync_client.py"
 
 
 def test_generated_file_says_so() -> None:

@@ -1,9 +1,9 @@
-# Generated from app/client/_async.py by scripts/unasync_client.py. Do not edit by hand:
-# change _async.py and run `python scripts/unasync_client.py`.
-"""The blocking client: :class:`BrokerClient`, its :class:`RolloutWriter` and :class:`Lease`."""
+"""The asyncio client: :class:`AsyncBrokerClient`, its :class:`AsyncRolloutWriter` and
+:class:`AsyncLease`. Same surface as the blocking client, every call awaited."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -13,8 +13,8 @@ from typing import Any, TypeVar, Unpack
 import httpx
 import numpy.typing as npt
 
-from app.client._errors import BrokerError, BrokerUnreachable, OverCapacity, Unavailable
-from app.client._models import (
+from rollout_broker_client._errors import BrokerError, BrokerUnreachable, OverCapacity, Unavailable
+from rollout_broker_client._models import (
     Accounting,
     AckResult,
     Batch,
@@ -25,9 +25,9 @@ from app.client._models import (
     RunConfig,
     VersionAccounting,
 )
-from app.client._wire import Api, Call, Format, Retry, RolloutLike, check, unreachable
+from rollout_broker_client._wire import Api, Call, Format, Retry, RolloutLike, check, unreachable
 
-__all__ = ["DEFAULT_URL", "BrokerClient", "Lease", "RolloutWriter"]
+__all__ = ["DEFAULT_URL", "AsyncBrokerClient", "AsyncLease", "AsyncRolloutWriter"]
 
 log = logging.getLogger("rollout_broker.client")
 T = TypeVar("T")
@@ -35,16 +35,18 @@ T = TypeVar("T")
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
-class BrokerClient:
-    """A blocking client of one broker.
+class AsyncBrokerClient:
+    """An asyncio client of one broker.
 
-    ``BrokerClient("http://broker:8000")`` talks over the network. It also takes any
-    ``httpx.Client`` as ``http`` (its base URL is used when ``base_url`` is not given), so it can
-    reach an app in this process through :class:`SyncASGITransport`::
+    ``AsyncBrokerClient("http://broker:8000")`` talks over the network. It also takes any
+    ``httpx.AsyncClient`` as ``http`` (its base URL is used when ``base_url`` is not given), so it
+    can reach an app in this process through ``httpx.ASGITransport``, which runs no lifespan::
 
-        with SyncASGITransport(create_app(settings)) as transport:    # runs the lifespan
-            http = httpx.Client(transport=transport, base_url="http://broker")
-            broker = BrokerClient(http=http)
+        app = create_app(settings)
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://broker") as http:
+                broker = AsyncBrokerClient(http=http)
 
     ``format="msgpack"`` (the default) sends rollouts and acks as msgpack with token ids and
     logprobs as little-endian int32/float32 bytes, and asks for batches the same way;
@@ -55,37 +57,37 @@ class BrokerClient:
         self,
         base_url: str | None = None,
         *,
-        http: httpx.Client | None = None,
+        http: httpx.AsyncClient | None = None,
         timeout: float = 10.0,
         retry: Retry | None = None,
         format: Format = "msgpack",
         trainer_id: str | None = None,
     ) -> None:
         self._owns_http = http is None
-        self._http = http if http is not None else httpx.Client()
+        self._http = http if http is not None else httpx.AsyncClient()
         inherited = str(self._http.base_url) if http is not None else ""
         self.base_url = (base_url or inherited or DEFAULT_URL).rstrip("/")
         self.timeout = timeout
         self.retry = retry or Retry()
         self.api = Api(format, trainer_id)
 
-    def __enter__(self) -> BrokerClient:
+    async def __aenter__(self) -> AsyncBrokerClient:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """Close the connection pool (not one passed in as ``http``)."""
         if self._owns_http:
-            self._http.close()
+            await self._http.aclose()
 
-    def send(self, call: Call[T]) -> T:
+    async def send(self, call: Call[T]) -> T:
         """Send one request, retrying as :class:`Retry` allows; returns the parsed answer."""
         attempt = 0
         while True:
             try:
-                resp = self._http.request(
+                resp = await self._http.request(
                     call.method,
                     self.base_url + call.path,
                     params=call.params,
@@ -99,55 +101,55 @@ class BrokerClient:
             else:
                 if not self.retry.after_status(call, resp.status_code, attempt):
                     return call.read(resp, check(resp))
-            time.sleep(self.retry.delay(attempt))
+            await asyncio.sleep(self.retry.delay(attempt))
             attempt += 1
 
     # -- health ---------------------------------------------------------------------------
-    def healthz(self) -> bool:
+    async def healthz(self) -> bool:
         """True when the API process answers."""
         try:
-            self.send(self.api.healthz())
+            await self.send(self.api.healthz())
         except BrokerError:
             return False
         return True
 
-    def ready(self) -> bool:
+    async def ready(self) -> bool:
         """True when the broker's Redis and Postgres are reachable (``GET /readyz``)."""
         try:
-            self.send(self.api.readyz())
+            await self.send(self.api.readyz())
         except (Unavailable, BrokerUnreachable):
             return False
         return True
 
     # -- runs -----------------------------------------------------------------------------
-    def create_run(
+    async def create_run(
         self, run_id: str | None = None, config: RunConfig | Mapping[str, Any] | None = None
     ) -> Run:
         """Create a run (or get it back, if it exists with the same config)."""
-        return self.send(self.api.create_run(run_id, config))
+        return await self.send(self.api.create_run(run_id, config))
 
-    def list_runs(self) -> list[Run]:
-        return self.send(self.api.list_runs())
+    async def list_runs(self) -> list[Run]:
+        return await self.send(self.api.list_runs())
 
-    def get_run(self, run_id: str) -> Run:
-        return self.send(self.api.get_run(run_id))
+    async def get_run(self, run_id: str) -> Run:
+        return await self.send(self.api.get_run(run_id))
 
-    def patch_config(self, run_id: str, **changes: Unpack[RunConfig]) -> Run:
+    async def patch_config(self, run_id: str, **changes: Unpack[RunConfig]) -> Run:
         """Change some of a run's rules; they apply at once."""
-        return self.send(self.api.patch_config(run_id, changes))
+        return await self.send(self.api.patch_config(run_id, changes))
 
-    def close_run(self, run_id: str) -> Run:
-        return self.send(self.api.close_run(run_id))
+    async def close_run(self, run_id: str) -> Run:
+        return await self.send(self.api.close_run(run_id))
 
-    def set_policy(self, run_id: str, version: int) -> PolicyResult:
+    async def set_policy(self, run_id: str, version: int) -> PolicyResult:
         """Announce policy ``version``; rollouts now too stale retire (``evicted``)."""
-        return self.send(self.api.set_policy(run_id, version))
+        return await self.send(self.api.set_policy(run_id, version))
 
     # -- generators -----------------------------------------------------------------------
-    def post_rollouts(self, run_id: str, rollouts: Sequence[RolloutLike]) -> IngestResult:
+    async def post_rollouts(self, run_id: str, rollouts: Sequence[RolloutLike]) -> IngestResult:
         """One ingest request. Raises :class:`OverCapacity` when the run is full; the
         :meth:`writer` waits instead."""
-        return self.send(self.api.post_rollouts(run_id, rollouts))
+        return await self.send(self.api.post_rollouts(run_id, rollouts))
 
     def writer(
         self,
@@ -156,9 +158,9 @@ class BrokerClient:
         batch_size: int = 256,
         linger_s: float | None = None,
         max_backpressure_s: float | None = 600.0,
-    ) -> RolloutWriter:
-        """A writer that batches rollouts into requests; see :class:`RolloutWriter`."""
-        return RolloutWriter(
+    ) -> AsyncRolloutWriter:
+        """A writer that batches rollouts into requests; see :class:`AsyncRolloutWriter`."""
+        return AsyncRolloutWriter(
             self,
             run_id,
             batch_size=batch_size,
@@ -167,7 +169,7 @@ class BrokerClient:
         )
 
     # -- trainers -------------------------------------------------------------------------
-    def lease_batch(
+    async def lease_batch(
         self,
         run_id: str,
         size: int,
@@ -179,7 +181,7 @@ class BrokerClient:
     ) -> Batch | None:
         """Lease a batch of ``size`` rollouts, waiting up to ``wait_s``; None if none qualified.
         You must :meth:`ack` or :meth:`nack` it; :meth:`lease` does that for you."""
-        return self.send(
+        return await self.send(
             self.api.lease(
                 run_id,
                 size,
@@ -199,9 +201,9 @@ class BrokerClient:
         wait_s: float = 0.0,
         partial: bool = False,
         trainer_id: str | None = None,
-    ) -> Lease:
-        """A lease as a context manager; see :class:`Lease`."""
-        return Lease(
+    ) -> AsyncLease:
+        """A lease as an async context manager; see :class:`AsyncLease`."""
+        return AsyncLease(
             self,
             run_id,
             size,
@@ -211,7 +213,7 @@ class BrokerClient:
             trainer_id=trainer_id,
         )
 
-    def ack(
+    async def ack(
         self,
         run_id: str,
         batch_id: str,
@@ -222,24 +224,24 @@ class BrokerClient:
     ) -> AckResult:
         """Acknowledge a batch: every rollout gains a use. ``logprobs`` are the current
         policy's on the same tokens, by rollout_id; a repeated ack returns the same answer."""
-        return self.send(self.api.ack(run_id, batch_id, logprobs=logprobs, kl=kl, step=step))
+        return await self.send(self.api.ack(run_id, batch_id, logprobs=logprobs, kl=kl, step=step))
 
-    def nack(self, run_id: str, batch_id: str) -> int:
+    async def nack(self, run_id: str, batch_id: str) -> int:
         """Give a batch back unused; returns how many rollouts went back."""
-        return self.send(self.api.nack(run_id, batch_id))
+        return await self.send(self.api.nack(run_id, batch_id))
 
     # -- operators ------------------------------------------------------------------------
-    def accounting(self, run_id: str) -> Accounting:
-        return self.send(self.api.accounting(run_id))
+    async def accounting(self, run_id: str) -> Accounting:
+        return await self.send(self.api.accounting(run_id))
 
-    def wait_for_accounting(
+    async def wait_for_accounting(
         self, run_id: str, *, timeout_s: float = 30.0, poll_s: float = 0.1
     ) -> Accounting:
         """The accounting once it has caught up with every change made so far
         (``pending_events == 0``). Raises TimeoutError if it has not within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
-            acc = self.accounting(run_id)
+            acc = await self.accounting(run_id)
             if not acc.pending_events:
                 return acc
             if time.monotonic() >= deadline:
@@ -247,30 +249,30 @@ class BrokerClient:
                     f"accounting of {run_id!r} still {acc.pending_events} events behind "
                     f"after {timeout_s} s"
                 )
-            time.sleep(poll_s)
+            await asyncio.sleep(poll_s)
 
-    def accounting_versions(self, run_id: str) -> list[VersionAccounting]:
-        return self.send(self.api.accounting_versions(run_id))
+    async def accounting_versions(self, run_id: str) -> list[VersionAccounting]:
+        return await self.send(self.api.accounting_versions(run_id))
 
-    def batches(self, run_id: str) -> list[dict[str, Any]]:
+    async def batches(self, run_id: str) -> list[dict[str, Any]]:
         """The batch ledger of a run, every page."""
         out: list[dict[str, Any]] = []
         cursor: str | None = None
         while True:
-            page = self.send(self.api.batches_page(run_id, cursor))
+            page = await self.send(self.api.batches_page(run_id, cursor))
             out.extend(page.get("batches", []))
             cursor = page.get("next_cursor")
             if not cursor:
                 return out
 
 
-class RolloutWriter:
+class AsyncRolloutWriter:
     """Batches a generator's rollouts into ingest requests.
 
     ``add(*rollouts)`` buffers (the rollouts of one call always travel in one request, so pass a
     whole group at once); a request goes out when ``batch_size`` rollouts are buffered, when the
     oldest has waited ``linger_s`` (checked on ``add``), on :meth:`flush` and when its
-    ``with`` block ends normally. Resending is safe, since ``rollout_id`` makes ingest
+    ``async with`` block ends normally. Resending is safe, since ``rollout_id`` makes ingest
     idempotent, so lost answers are retried. A ``429`` is backpressure: the writer waits the
     ``Retry-After`` seconds and sends again, for up to ``max_backpressure_s`` in all (None:
     without limit), then raises :class:`OverCapacity`. Per-rollout rejections (``stale``, ...)
@@ -283,7 +285,7 @@ class RolloutWriter:
 
     def __init__(
         self,
-        client: BrokerClient,
+        client: AsyncBrokerClient,
         run_id: str,
         *,
         batch_size: int = 256,
@@ -306,34 +308,34 @@ class RolloutWriter:
         self.backpressure_waits = 0
         self.backpressure_s = 0.0
 
-    def __enter__(self) -> RolloutWriter:
+    async def __aenter__(self) -> AsyncRolloutWriter:
         return self
 
-    def __exit__(
+    async def __aexit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         if exc_type is None:
-            self.flush()
+            await self.flush()
 
     @property
     def pending(self) -> int:
         """Rollouts buffered, not yet sent."""
         return len(self._buffer)
 
-    def add(self, *rollouts: RolloutLike) -> IngestResult | None:
+    async def add(self, *rollouts: RolloutLike) -> IngestResult | None:
         """Buffer rollouts; returns the ingest answer if this call sent a request."""
         if not self._buffer:
             self._since = time.monotonic()
         self._buffer.extend(rollouts)
         due = self.linger_s is not None and time.monotonic() - self._since >= self.linger_s
         if len(self._buffer) >= self.batch_size or due:
-            return self.flush()
+            return await self.flush()
         return None
 
-    def flush(self) -> IngestResult | None:
+    async def flush(self) -> IngestResult | None:
         """Send everything buffered; None if nothing was."""
         if not self._buffer:
             return None
@@ -341,7 +343,7 @@ class RolloutWriter:
         waited = 0.0
         while True:
             try:
-                result = self.client.send(call)
+                result = await self.client.send(call)
             except OverCapacity as exc:
                 pause = exc.retry_after_s
                 if self.max_backpressure_s is not None and waited + pause > self.max_backpressure_s:
@@ -349,7 +351,7 @@ class RolloutWriter:
                 self.backpressure_waits += 1
                 self.backpressure_s += pause
                 waited += pause
-                time.sleep(pause)
+                await asyncio.sleep(pause)
                 continue
             except BrokerUnreachable:
                 raise
@@ -364,12 +366,12 @@ class RolloutWriter:
         self.rejected.extend(result.rejected)
         return result
 
-    def close(self) -> None:
-        self.flush()
+    async def close(self) -> None:
+        await self.flush()
 
 
-class Lease:
-    """``with client.lease(run_id, size) as batch:`` leases a batch (``batch`` is None when
+class AsyncLease:
+    """``async with client.lease(run_id, size) as batch:`` leases a batch (``batch`` is None when
     nothing qualified within ``wait_s``; leaving the block then does nothing).
 
     Leave the block normally and the batch is acked with what :meth:`Batch.ack_with` set (the
@@ -381,7 +383,7 @@ class Lease:
 
     def __init__(
         self,
-        client: BrokerClient,
+        client: AsyncBrokerClient,
         run_id: str,
         size: int,
         *,
@@ -402,11 +404,11 @@ class Lease:
         )
         self.batch: Batch | None = None
 
-    def __enter__(self) -> Batch | None:
-        self.batch = self.client.send(self._call)
+    async def __aenter__(self) -> Batch | None:
+        self.batch = await self.client.send(self._call)
         return self.batch
 
-    def __exit__(
+    async def __aexit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
@@ -417,9 +419,9 @@ class Lease:
             return
         if exc_type is None:
             args = batch.pending_ack()
-            batch.ack_result = self.client.ack(self.run_id, batch.batch_id, **args)
+            batch.ack_result = await self.client.ack(self.run_id, batch.batch_id, **args)
             return
         try:
-            self.client.nack(self.run_id, batch.batch_id)
+            await self.client.nack(self.run_id, batch.batch_id)
         except BrokerError as err:
             log.warning("nack of batch %s failed (%s); its lease will expire", batch.batch_id, err)

@@ -3,6 +3,7 @@ sync and the async client, and the codecs: msgpack with binary arrays, or JSON."
 
 from __future__ import annotations
 
+import json
 import random
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -15,10 +16,9 @@ import httpx
 import msgpack
 import numpy as np
 import numpy.typing as npt
-import orjson
 
-from app.client._errors import BrokerUnreachable, error_from_response
-from app.client._models import (
+from rollout_broker_client._errors import BrokerUnreachable, error_from_response
+from rollout_broker_client._models import (
     Accounting,
     AckResult,
     Batch,
@@ -39,12 +39,16 @@ from app.client._models import (
     VersionAccounting,
 )
 
+from rollout_broker_client.protocol import JSON, MAX_TOKEN_ID, MSGPACK, MSGPACK_TYPES, new_run_id
+
+try:  # optional: faster JSON (the `fast` extra)
+    import orjson
+except ImportError:  # pragma: no cover - exercised where orjson is absent
+    orjson = None  # type: ignore[assignment]
+
 T = TypeVar("T")
 Format = Literal["msgpack", "json"]
 
-MSGPACK = "application/msgpack"
-JSON = "application/json"
-MAX_TOKEN_ID = 2**31 - 1
 
 RolloutLike = Rollout | Mapping[str, Any]
 
@@ -74,11 +78,11 @@ def decode(resp: httpx.Response) -> Any:
     if not resp.content:
         return None
     kind = resp.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if kind in (MSGPACK, "application/x-msgpack", "application/vnd.msgpack"):
+    if kind in MSGPACK_TYPES:
         return msgpack.unpackb(resp.content, raw=False, strict_map_key=False)
     try:
-        return orjson.loads(resp.content)
-    except orjson.JSONDecodeError:
+        return orjson.loads(resp.content) if orjson is not None else json.loads(resp.content)
+    except ValueError:  # orjson.JSONDecodeError and json.JSONDecodeError both are
         return resp.text
 
 
@@ -155,7 +159,15 @@ def _as_mapping(r: RolloutLike) -> Mapping[str, Any]:
 def encode(doc: Any, fmt: Format) -> tuple[bytes, dict[str, str]]:
     if fmt == "msgpack":
         return msgpack.packb(doc, use_bin_type=True), {"content-type": MSGPACK}
-    return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY), {"content-type": JSON}
+    if orjson is not None:
+        return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY), {"content-type": JSON}
+    return json.dumps(doc, default=_json_default).encode(), {"content-type": JSON}
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.ndarray | np.generic):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
 # -- decoding ------------------------------------------------------------------------------------
@@ -339,7 +351,7 @@ class Api:
     # runs
     def create_run(self, run_id: str | None, config: Mapping[str, Any] | None) -> Call[Run]:
         # Naming the run here makes a retried creation land on the same run (idempotent).
-        rid = run_id or f"run-{uuid.uuid4().hex[:12]}"
+        rid = run_id or new_run_id()
         content, headers = self._body({"run_id": rid, "config": dict(config or {})})
         return Call("POST", "/v1/runs", lambda r, b: parse_run(b), None, content, headers)
 

@@ -1,9 +1,9 @@
-"""The asyncio client: :class:`AsyncBrokerClient`, its :class:`AsyncRolloutWriter` and
-:class:`AsyncLease`. Same surface as the blocking client, every call awaited."""
+# Generated from _async.py by scripts/unasync_client.py. Do not edit by hand:
+# change _async.py and run `python scripts/unasync_client.py`.
+"""The blocking client: :class:`BrokerClient`, its :class:`RolloutWriter` and :class:`Lease`."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -13,8 +13,8 @@ from typing import Any, TypeVar, Unpack
 import httpx
 import numpy.typing as npt
 
-from app.client._errors import BrokerError, BrokerUnreachable, OverCapacity, Unavailable
-from app.client._models import (
+from rollout_broker_client._errors import BrokerError, BrokerUnreachable, OverCapacity, Unavailable
+from rollout_broker_client._models import (
     Accounting,
     AckResult,
     Batch,
@@ -25,9 +25,9 @@ from app.client._models import (
     RunConfig,
     VersionAccounting,
 )
-from app.client._wire import Api, Call, Format, Retry, RolloutLike, check, unreachable
+from rollout_broker_client._wire import Api, Call, Format, Retry, RolloutLike, check, unreachable
 
-__all__ = ["DEFAULT_URL", "AsyncBrokerClient", "AsyncLease", "AsyncRolloutWriter"]
+__all__ = ["DEFAULT_URL", "BrokerClient", "Lease", "RolloutWriter"]
 
 log = logging.getLogger("rollout_broker.client")
 T = TypeVar("T")
@@ -35,18 +35,16 @@ T = TypeVar("T")
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
-class AsyncBrokerClient:
-    """An asyncio client of one broker.
+class BrokerClient:
+    """A blocking client of one broker.
 
-    ``AsyncBrokerClient("http://broker:8000")`` talks over the network. It also takes any
-    ``httpx.AsyncClient`` as ``http`` (its base URL is used when ``base_url`` is not given), so it
-    can reach an app in this process through ``httpx.ASGITransport``, which runs no lifespan::
+    ``BrokerClient("http://broker:8000")`` talks over the network. It also takes any
+    ``httpx.Client`` as ``http`` (its base URL is used when ``base_url`` is not given), so it can
+    reach an app in this process through :class:`SyncASGITransport`::
 
-        app = create_app(settings)
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://broker") as http:
-                broker = AsyncBrokerClient(http=http)
+        with SyncASGITransport(create_app(settings)) as transport:    # runs the lifespan
+            http = httpx.Client(transport=transport, base_url="http://broker")
+            broker = BrokerClient(http=http)
 
     ``format="msgpack"`` (the default) sends rollouts and acks as msgpack with token ids and
     logprobs as little-endian int32/float32 bytes, and asks for batches the same way;
@@ -57,37 +55,37 @@ class AsyncBrokerClient:
         self,
         base_url: str | None = None,
         *,
-        http: httpx.AsyncClient | None = None,
+        http: httpx.Client | None = None,
         timeout: float = 10.0,
         retry: Retry | None = None,
         format: Format = "msgpack",
         trainer_id: str | None = None,
     ) -> None:
         self._owns_http = http is None
-        self._http = http if http is not None else httpx.AsyncClient()
+        self._http = http if http is not None else httpx.Client()
         inherited = str(self._http.base_url) if http is not None else ""
         self.base_url = (base_url or inherited or DEFAULT_URL).rstrip("/")
         self.timeout = timeout
         self.retry = retry or Retry()
         self.api = Api(format, trainer_id)
 
-    async def __aenter__(self) -> AsyncBrokerClient:
+    def __enter__(self) -> BrokerClient:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
-    async def close(self) -> None:
+    def close(self) -> None:
         """Close the connection pool (not one passed in as ``http``)."""
         if self._owns_http:
-            await self._http.aclose()
+            self._http.close()
 
-    async def send(self, call: Call[T]) -> T:
+    def send(self, call: Call[T]) -> T:
         """Send one request, retrying as :class:`Retry` allows; returns the parsed answer."""
         attempt = 0
         while True:
             try:
-                resp = await self._http.request(
+                resp = self._http.request(
                     call.method,
                     self.base_url + call.path,
                     params=call.params,
@@ -101,55 +99,55 @@ class AsyncBrokerClient:
             else:
                 if not self.retry.after_status(call, resp.status_code, attempt):
                     return call.read(resp, check(resp))
-            await asyncio.sleep(self.retry.delay(attempt))
+            time.sleep(self.retry.delay(attempt))
             attempt += 1
 
     # -- health ---------------------------------------------------------------------------
-    async def healthz(self) -> bool:
+    def healthz(self) -> bool:
         """True when the API process answers."""
         try:
-            await self.send(self.api.healthz())
+            self.send(self.api.healthz())
         except BrokerError:
             return False
         return True
 
-    async def ready(self) -> bool:
+    def ready(self) -> bool:
         """True when the broker's Redis and Postgres are reachable (``GET /readyz``)."""
         try:
-            await self.send(self.api.readyz())
+            self.send(self.api.readyz())
         except (Unavailable, BrokerUnreachable):
             return False
         return True
 
     # -- runs -----------------------------------------------------------------------------
-    async def create_run(
+    def create_run(
         self, run_id: str | None = None, config: RunConfig | Mapping[str, Any] | None = None
     ) -> Run:
         """Create a run (or get it back, if it exists with the same config)."""
-        return await self.send(self.api.create_run(run_id, config))
+        return self.send(self.api.create_run(run_id, config))
 
-    async def list_runs(self) -> list[Run]:
-        return await self.send(self.api.list_runs())
+    def list_runs(self) -> list[Run]:
+        return self.send(self.api.list_runs())
 
-    async def get_run(self, run_id: str) -> Run:
-        return await self.send(self.api.get_run(run_id))
+    def get_run(self, run_id: str) -> Run:
+        return self.send(self.api.get_run(run_id))
 
-    async def patch_config(self, run_id: str, **changes: Unpack[RunConfig]) -> Run:
+    def patch_config(self, run_id: str, **changes: Unpack[RunConfig]) -> Run:
         """Change some of a run's rules; they apply at once."""
-        return await self.send(self.api.patch_config(run_id, changes))
+        return self.send(self.api.patch_config(run_id, changes))
 
-    async def close_run(self, run_id: str) -> Run:
-        return await self.send(self.api.close_run(run_id))
+    def close_run(self, run_id: str) -> Run:
+        return self.send(self.api.close_run(run_id))
 
-    async def set_policy(self, run_id: str, version: int) -> PolicyResult:
+    def set_policy(self, run_id: str, version: int) -> PolicyResult:
         """Announce policy ``version``; rollouts now too stale retire (``evicted``)."""
-        return await self.send(self.api.set_policy(run_id, version))
+        return self.send(self.api.set_policy(run_id, version))
 
     # -- generators -----------------------------------------------------------------------
-    async def post_rollouts(self, run_id: str, rollouts: Sequence[RolloutLike]) -> IngestResult:
+    def post_rollouts(self, run_id: str, rollouts: Sequence[RolloutLike]) -> IngestResult:
         """One ingest request. Raises :class:`OverCapacity` when the run is full; the
         :meth:`writer` waits instead."""
-        return await self.send(self.api.post_rollouts(run_id, rollouts))
+        return self.send(self.api.post_rollouts(run_id, rollouts))
 
     def writer(
         self,
@@ -158,9 +156,9 @@ class AsyncBrokerClient:
         batch_size: int = 256,
         linger_s: float | None = None,
         max_backpressure_s: float | None = 600.0,
-    ) -> AsyncRolloutWriter:
-        """A writer that batches rollouts into requests; see :class:`AsyncRolloutWriter`."""
-        return AsyncRolloutWriter(
+    ) -> RolloutWriter:
+        """A writer that batches rollouts into requests; see :class:`RolloutWriter`."""
+        return RolloutWriter(
             self,
             run_id,
             batch_size=batch_size,
@@ -169,7 +167,7 @@ class AsyncBrokerClient:
         )
 
     # -- trainers -------------------------------------------------------------------------
-    async def lease_batch(
+    def lease_batch(
         self,
         run_id: str,
         size: int,
@@ -181,7 +179,7 @@ class AsyncBrokerClient:
     ) -> Batch | None:
         """Lease a batch of ``size`` rollouts, waiting up to ``wait_s``; None if none qualified.
         You must :meth:`ack` or :meth:`nack` it; :meth:`lease` does that for you."""
-        return await self.send(
+        return self.send(
             self.api.lease(
                 run_id,
                 size,
@@ -201,9 +199,9 @@ class AsyncBrokerClient:
         wait_s: float = 0.0,
         partial: bool = False,
         trainer_id: str | None = None,
-    ) -> AsyncLease:
-        """A lease as an async context manager; see :class:`AsyncLease`."""
-        return AsyncLease(
+    ) -> Lease:
+        """A lease as a context manager; see :class:`Lease`."""
+        return Lease(
             self,
             run_id,
             size,
@@ -213,7 +211,7 @@ class AsyncBrokerClient:
             trainer_id=trainer_id,
         )
 
-    async def ack(
+    def ack(
         self,
         run_id: str,
         batch_id: str,
@@ -224,24 +222,24 @@ class AsyncBrokerClient:
     ) -> AckResult:
         """Acknowledge a batch: every rollout gains a use. ``logprobs`` are the current
         policy's on the same tokens, by rollout_id; a repeated ack returns the same answer."""
-        return await self.send(self.api.ack(run_id, batch_id, logprobs=logprobs, kl=kl, step=step))
+        return self.send(self.api.ack(run_id, batch_id, logprobs=logprobs, kl=kl, step=step))
 
-    async def nack(self, run_id: str, batch_id: str) -> int:
+    def nack(self, run_id: str, batch_id: str) -> int:
         """Give a batch back unused; returns how many rollouts went back."""
-        return await self.send(self.api.nack(run_id, batch_id))
+        return self.send(self.api.nack(run_id, batch_id))
 
     # -- operators ------------------------------------------------------------------------
-    async def accounting(self, run_id: str) -> Accounting:
-        return await self.send(self.api.accounting(run_id))
+    def accounting(self, run_id: str) -> Accounting:
+        return self.send(self.api.accounting(run_id))
 
-    async def wait_for_accounting(
+    def wait_for_accounting(
         self, run_id: str, *, timeout_s: float = 30.0, poll_s: float = 0.1
     ) -> Accounting:
         """The accounting once it has caught up with every change made so far
         (``pending_events == 0``). Raises TimeoutError if it has not within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
-            acc = await self.accounting(run_id)
+            acc = self.accounting(run_id)
             if not acc.pending_events:
                 return acc
             if time.monotonic() >= deadline:
@@ -249,30 +247,30 @@ class AsyncBrokerClient:
                     f"accounting of {run_id!r} still {acc.pending_events} events behind "
                     f"after {timeout_s} s"
                 )
-            await asyncio.sleep(poll_s)
+            time.sleep(poll_s)
 
-    async def accounting_versions(self, run_id: str) -> list[VersionAccounting]:
-        return await self.send(self.api.accounting_versions(run_id))
+    def accounting_versions(self, run_id: str) -> list[VersionAccounting]:
+        return self.send(self.api.accounting_versions(run_id))
 
-    async def batches(self, run_id: str) -> list[dict[str, Any]]:
+    def batches(self, run_id: str) -> list[dict[str, Any]]:
         """The batch ledger of a run, every page."""
         out: list[dict[str, Any]] = []
         cursor: str | None = None
         while True:
-            page = await self.send(self.api.batches_page(run_id, cursor))
+            page = self.send(self.api.batches_page(run_id, cursor))
             out.extend(page.get("batches", []))
             cursor = page.get("next_cursor")
             if not cursor:
                 return out
 
 
-class AsyncRolloutWriter:
+class RolloutWriter:
     """Batches a generator's rollouts into ingest requests.
 
     ``add(*rollouts)`` buffers (the rollouts of one call always travel in one request, so pass a
     whole group at once); a request goes out when ``batch_size`` rollouts are buffered, when the
     oldest has waited ``linger_s`` (checked on ``add``), on :meth:`flush` and when its
-    ``async with`` block ends normally. Resending is safe, since ``rollout_id`` makes ingest
+    ``with`` block ends normally. Resending is safe, since ``rollout_id`` makes ingest
     idempotent, so lost answers are retried. A ``429`` is backpressure: the writer waits the
     ``Retry-After`` seconds and sends again, for up to ``max_backpressure_s`` in all (None:
     without limit), then raises :class:`OverCapacity`. Per-rollout rejections (``stale``, ...)
@@ -285,7 +283,7 @@ class AsyncRolloutWriter:
 
     def __init__(
         self,
-        client: AsyncBrokerClient,
+        client: BrokerClient,
         run_id: str,
         *,
         batch_size: int = 256,
@@ -308,34 +306,34 @@ class AsyncRolloutWriter:
         self.backpressure_waits = 0
         self.backpressure_s = 0.0
 
-    async def __aenter__(self) -> AsyncRolloutWriter:
+    def __enter__(self) -> RolloutWriter:
         return self
 
-    async def __aexit__(
+    def __exit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         if exc_type is None:
-            await self.flush()
+            self.flush()
 
     @property
     def pending(self) -> int:
         """Rollouts buffered, not yet sent."""
         return len(self._buffer)
 
-    async def add(self, *rollouts: RolloutLike) -> IngestResult | None:
+    def add(self, *rollouts: RolloutLike) -> IngestResult | None:
         """Buffer rollouts; returns the ingest answer if this call sent a request."""
         if not self._buffer:
             self._since = time.monotonic()
         self._buffer.extend(rollouts)
         due = self.linger_s is not None and time.monotonic() - self._since >= self.linger_s
         if len(self._buffer) >= self.batch_size or due:
-            return await self.flush()
+            return self.flush()
         return None
 
-    async def flush(self) -> IngestResult | None:
+    def flush(self) -> IngestResult | None:
         """Send everything buffered; None if nothing was."""
         if not self._buffer:
             return None
@@ -343,7 +341,7 @@ class AsyncRolloutWriter:
         waited = 0.0
         while True:
             try:
-                result = await self.client.send(call)
+                result = self.client.send(call)
             except OverCapacity as exc:
                 pause = exc.retry_after_s
                 if self.max_backpressure_s is not None and waited + pause > self.max_backpressure_s:
@@ -351,7 +349,7 @@ class AsyncRolloutWriter:
                 self.backpressure_waits += 1
                 self.backpressure_s += pause
                 waited += pause
-                await asyncio.sleep(pause)
+                time.sleep(pause)
                 continue
             except BrokerUnreachable:
                 raise
@@ -366,12 +364,12 @@ class AsyncRolloutWriter:
         self.rejected.extend(result.rejected)
         return result
 
-    async def close(self) -> None:
-        await self.flush()
+    def close(self) -> None:
+        self.flush()
 
 
-class AsyncLease:
-    """``async with client.lease(run_id, size) as batch:`` leases a batch (``batch`` is None when
+class Lease:
+    """``with client.lease(run_id, size) as batch:`` leases a batch (``batch`` is None when
     nothing qualified within ``wait_s``; leaving the block then does nothing).
 
     Leave the block normally and the batch is acked with what :meth:`Batch.ack_with` set (the
@@ -383,7 +381,7 @@ class AsyncLease:
 
     def __init__(
         self,
-        client: AsyncBrokerClient,
+        client: BrokerClient,
         run_id: str,
         size: int,
         *,
@@ -404,11 +402,11 @@ class AsyncLease:
         )
         self.batch: Batch | None = None
 
-    async def __aenter__(self) -> Batch | None:
-        self.batch = await self.client.send(self._call)
+    def __enter__(self) -> Batch | None:
+        self.batch = self.client.send(self._call)
         return self.batch
 
-    async def __aexit__(
+    def __exit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
@@ -419,9 +417,9 @@ class AsyncLease:
             return
         if exc_type is None:
             args = batch.pending_ack()
-            batch.ack_result = await self.client.ack(self.run_id, batch.batch_id, **args)
+            batch.ack_result = self.client.ack(self.run_id, batch.batch_id, **args)
             return
         try:
-            await self.client.nack(self.run_id, batch.batch_id)
+            self.client.nack(self.run_id, batch.batch_id)
         except BrokerError as err:
             log.warning("nack of batch %s failed (%s); its lease will expire", batch.batch_id, err)

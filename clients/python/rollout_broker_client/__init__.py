@@ -5,7 +5,7 @@ Generators post rollouts through a writer that batches them, retries safely and 
 ``429`` backpressure; trainers lease batches in a context manager that acks on a normal exit
 and nacks on an exception; operators read runs and the accounting::
 
-    from app.client import BrokerClient, Rollout
+    from rollout_broker_client import BrokerClient, Rollout
 
     with BrokerClient("http://127.0.0.1:8000") as broker:
         broker.create_run("demo", {"group_size": 4, "max_reuse": 2})
@@ -18,9 +18,9 @@ and nacks on an exception; operators read runs and the accounting::
         print(broker.wait_for_accounting("demo").samples_consumed)
 """
 
-from app.client._asgi import SyncASGITransport
-from app.client._async import AsyncBrokerClient, AsyncLease, AsyncRolloutWriter
-from app.client._errors import (
+from rollout_broker_client._asgi import SyncASGITransport
+from rollout_broker_client._async import AsyncBrokerClient, AsyncLease, AsyncRolloutWriter
+from rollout_broker_client._errors import (
     BadRequest,
     BatchNotFound,
     BatchSettled,
@@ -41,7 +41,7 @@ from app.client._errors import (
     ValidationFailed,
     VersionConflict,
 )
-from app.client._models import (
+from rollout_broker_client._models import (
     Accounting,
     AckResult,
     Batch,
@@ -59,8 +59,8 @@ from app.client._models import (
     RunConfig,
     VersionAccounting,
 )
-from app.client._sync import DEFAULT_URL, BrokerClient, Lease, RolloutWriter
-from app.client._wire import Retry
+from rollout_broker_client._sync import DEFAULT_URL, BrokerClient, Lease, RolloutWriter
+from rollout_broker_client._wire import Retry
 
 __all__ = [
     "DEFAULT_URL",
