@@ -21,7 +21,6 @@ from app.settings import Settings
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
-
     from rollout_broker_client import Accounting, BrokerClient, Run, VersionAccounting
 
 cli = typer.Typer(

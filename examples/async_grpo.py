@@ -45,7 +45,6 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-
 from rollout_broker_client import (
     Accounting,
     Batch,

@@ -10,14 +10,12 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
-
 from rollout_broker_client.protocol import MSGPACK, MSGPACK_TYPES
 
 from app.errors import PayloadTooLarge, UnsupportedMediaType, ValidationFailed
 
 M = TypeVar("M", bound=BaseModel)
 J = TypeVar("J", bound=BaseModel)
-
 
 
 def describe_errors(errors: list[Any], limit: int = 5) -> str:

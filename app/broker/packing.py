@@ -13,7 +13,6 @@ from typing import Any
 import msgpack
 import numpy as np
 import numpy.typing as npt
-
 from rollout_broker_client.protocol import MAX_TOKEN_ID
 
 from app.errors import ValidationFailed

@@ -18,7 +18,6 @@ from typing import Any
 import msgpack
 import numpy as np
 import numpy.typing as npt
-
 from rollout_broker_client.protocol import new_run_id
 
 from app.broker.behaviour import BatchRow, BehaviourCache

@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
-
 from rollout_broker_client import AsyncBrokerClient, BrokerClient
+
 from tests.client.live import LiveServer, broker_env, fresh_database, redis_prefix, serve
 
 

@@ -9,7 +9,6 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
-
 from rollout_broker_client import (
     AsyncBrokerClient,
     BatchSettled,

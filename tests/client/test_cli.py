@@ -6,10 +6,10 @@ import json
 import uuid
 
 import pytest
+from rollout_broker_client import BrokerClient, Rollout
 from typer.testing import CliRunner
 
 from app.cli import cli
-from rollout_broker_client import BrokerClient, Rollout
 from tests.client.live import LiveServer, fresh_database
 
 runner = CliRunner()

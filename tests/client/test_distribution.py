@@ -30,7 +30,9 @@ def test_installing_the_client_pulls_in_no_server_package(tmp_path: Path) -> Non
 def test_the_client_imports_beside_a_project_of_its_own_named_app(tmp_path: Path) -> None:
     (tmp_path / "app").mkdir()
     (tmp_path / "app" / "__init__.py").write_text("MINE = True\n")
-    code = "import app, rollout_broker_client; assert app.MINE; print(rollout_broker_client.__name__)"
+    code = (
+        "import app, rollout_broker_client; assert app.MINE; print(rollout_broker_client.__name__)"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60
     )

@@ -8,7 +8,6 @@ import uuid
 import httpx
 import numpy as np
 import pytest
-
 from rollout_broker_client import (
     BrokerClient,
     BrokerUnreachable,
@@ -19,6 +18,7 @@ from rollout_broker_client import (
     SyncASGITransport,
     ValidationFailed,
 )
+
 from app.main import create_app
 from app.settings import Settings
 from tests.client.live import LiveServer

@@ -38,7 +38,6 @@ from rollout_broker_client._models import (
     RunConfig,
     VersionAccounting,
 )
-
 from rollout_broker_client.protocol import JSON, MAX_TOKEN_ID, MSGPACK, MSGPACK_TYPES, new_run_id
 
 try:  # optional: faster JSON (the `fast` extra)
