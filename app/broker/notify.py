@@ -20,8 +20,11 @@ FALLBACK_RECHECK_S = 1.0
 
 
 class Waker:
-    def __init__(self, redis: Redis, channel: str, prefix: str) -> None:
+    def __init__(
+        self, redis: Redis, channel: str, prefix: str, fallback_s: float = FALLBACK_RECHECK_S
+    ) -> None:
         self._redis = redis
+        self._fallback_s = fallback_s
         self._channel = channel
         self._strip = len(prefix) + 2  # "<prefix>:{" ... "}:" around the run id
         self._events: dict[str, asyncio.Event] = {}
@@ -53,10 +56,9 @@ class Waker:
         if ev is not None:
             ev.set()
 
-    @staticmethod
-    def wait_window(at_most_s: float) -> float:
+    def wait_window(self, at_most_s: float) -> float:
         """How long one :meth:`wait` lasts at most."""
-        return min(at_most_s, FALLBACK_RECHECK_S)
+        return min(at_most_s, self._fallback_s)
 
     async def wait(self, ev: asyncio.Event, at_most_s: float) -> None:
         with contextlib.suppress(TimeoutError):
