@@ -33,6 +33,12 @@ class Settings(BaseSettings):
     max_tokens_per_rollout: int = Field(default=262_144, ge=1, le=16_777_216)
     max_batch_size: int = Field(default=8192, ge=1, le=1_000_000)
     max_wait_s: float = Field(default=60.0, ge=0, le=3600)
+    wake_fallback_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=3600,
+        description="A long poll re-checks for work this often even without a pub/sub wake-up",
+    )
     sweep_interval_s: float = Field(default=1.0, gt=0, le=60)
     retry_after_s: int = Field(default=1, ge=1, le=3600)
     worker_heartbeat_file: Path | None = Field(
