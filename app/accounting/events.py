@@ -1,24 +1,38 @@
-"""Decoding of accounting stream entries (docs/events.md) into typed, validated events.
+"""The accounting event schema (docs/events.md) and its codec: one declaration per event type,
+from which the decoder, the encoder and the table of docs/events.md are all derived.
+
+The payload classes below *are* the declaration. Each attribute's ``wire(...)`` gives its kind,
+its key on the wire, whether it may be absent and its line in the docs; the attributes of an
+item class, in order, are the positions of its fixed-position array. Adding a field is one edit
+here (``python -m app.accounting.events --markdown`` then prints the docs' table; a test checks
+that docs/events.md shows it, and another runs the Lua scripts and checks every entry they write
+against this schema).
 
 Decoding is strict about meaning and lenient about encoding: Redis's Lua msgpack encoder writes
 whole floats as integers, drops trailing nils from arrays and may turn an array with a hole into
 a map keyed 1..n, so all of those are accepted. Anything that cannot be applied safely (a wrong
 type, a non-finite float, an integer outside int64) raises :class:`EventError`, which never
 succeeds on a retry and so leads the entry to the dead-letter stream.
+
+Encoding writes what the Lua scripts write: an absent value is left out (an optional map key,
+a trailing optional item position, a map with nothing in it), flags are 0/1.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import total_ordering
-from typing import Any, TypeAlias
+from typing import Any, Literal, TypeAlias, TypeVar, dataclass_transform
 
 import msgpack
 
 __all__ = [
     "EVENT_TYPES",
+    "SCHEMA",
     "Accepted",
     "AcceptedItem",
     "AckStats",
@@ -28,6 +42,7 @@ __all__ = [
     "Duplicate",
     "Event",
     "EventError",
+    "EventType",
     "Leased",
     "LeasedItem",
     "Payload",
@@ -40,6 +55,12 @@ __all__ = [
     "RunChanged",
     "StreamId",
     "decode_entry",
+    "decode_payload",
+    "encode_entry",
+    "encode_payload",
+    "lag_of",
+    "markdown_table",
+    "pack_payload",
 ]
 
 _INT64_MIN = -(2**63)
@@ -85,131 +106,200 @@ class StreamId:
         return f"{self.ms}-{self.seq}"
 
 
-# --- payload types -------------------------------------------------------------------------
+def lag_of(batch_version: int, rollout_version: int) -> int:
+    """A rollout's lag in a batch: the batch's (trainer's) policy version minus the rollout's.
+
+    lease.lua writes it into each ``leased`` item (and into the lease's reply); an ``acked``
+    item does not carry it, so the fold derives a sample's lag here from the ``acked`` event's
+    own ``policy_version``. It cannot borrow it from the batch's ``leased`` event, which may be
+    applied in another transaction (folding is order-free). tests/accounting/test_event_schema.py
+    checks that every ``leased`` item the scripts write carries exactly this value.
+    """
+    return batch_version - rollout_version
+
+
+# --- the declaration -------------------------------------------------------------------------
+
+Kind: TypeAlias = Literal["text", "int", "float", "flag", "map", "texts", "items", "struct"]
+
+_REQUIRED: Any = dataclasses.MISSING
 
 
 @dataclass(frozen=True, slots=True)
+class Wire:
+    """How one attribute of a payload class is written in the event."""
+
+    kind: Kind
+    key: str | None  # the key in the payload map; None: the attribute's name
+    # May be absent (nil): then it decodes to the attribute's default, or None. A "map" or
+    # "struct" that is absent always reads as empty.
+    optional: bool
+    minimum: int
+    of: type | None  # "items": the item class; "struct": the map's class
+    note: str  # for the docs' table
+
+
+def wire(
+    kind: Kind,
+    *,
+    key: str | None = None,
+    optional: bool = False,
+    minimum: int = _INT64_MIN,
+    of: type | None = None,
+    note: str = "",
+    default: Any = _REQUIRED,
+) -> Any:
+    """A dataclass field that is part of an event payload (see :class:`Wire`)."""
+    metadata = {"wire": Wire(kind, key, optional, minimum, of, note)}
+    if default is _REQUIRED:
+        return dataclasses.field(metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+_T = TypeVar("_T")
+
+
+@dataclass_transform(frozen_default=True, field_specifiers=(wire,))
+def _wire_class(cls: type[_T]) -> type[_T]:
+    """A payload class (or an item or map of one): a frozen dataclass of ``wire`` fields."""
+    return dataclass(frozen=True, slots=True)(cls)
+
+
+# --- payload types ---------------------------------------------------------------------------
+
+
+@_wire_class
 class RunChanged:
-    change: str
-    config: dict[str, Any]
-    policy_version: int
-    status: str
-    created_at_ms: int
+    run_id: str = wire("text")
+    change: str = wire("text", note="`created`, `config`, `policy`, `closed`")
+    config: dict[str, Any] = wire("map", note="map, the full RunConfig")
+    policy_version: int = wire("int")
+    status: str = wire("text", note="`open`/`closed`")
+    created_at_ms: int = wire("int", key="created_at", minimum=0, note="ms")
 
 
-@dataclass(frozen=True, slots=True)
+@_wire_class
 class AcceptedItem:
-    rollout_id: str
-    unit_id: str
-    policy_version: int
-    tokens: int
-    new_unit: bool
+    rollout_id: str = wire("text")
+    unit_id: str = wire("text")
+    policy_version: int = wire("int")
+    tokens: int = wire("int", minimum=0)
+    new_unit: bool = wire("flag")
 
 
-@dataclass(frozen=True, slots=True)
+@_wire_class
 class Accepted:
-    items: tuple[AcceptedItem, ...]
+    items: tuple[AcceptedItem, ...] = wire("items", of=AcceptedItem)
 
 
-@dataclass(frozen=True, slots=True)
+@_wire_class
 class Duplicate:
-    n: int
+    n: int = wire("int", minimum=0, note="the number of `ids`")
+    ids: tuple[str, ...] = wire(
+        "texts", optional=True, default=(), note="the repeated `rollout_id`s"
+    )
 
 
-@dataclass(frozen=True, slots=True)
+@_wire_class
 class RejectedItem:
-    rollout_id: str
-    reason: str
-    policy_version: int
-    tokens: int
+    rollout_id: str = wire("text")
+    reason: str = wire("text")
+    policy_version: int = wire("int")
+    tokens: int = wire("int", minimum=0)
 
 
-@dataclass(frozen=True, slots=True)
+@_wire_class
 class Rejected:
-    items: tuple[RejectedItem, ...]
+    items: tuple[RejectedItem, ...] = wire("items", of=RejectedItem)
 
 
-@dataclass(frozen=True, slots=True)
+@_wire_class
 class LeasedItem:
-    rollout_id: str
-    policy_version: int
-    tokens: int
-    lag: int
-    uses_before: int
+    rollout_id: str = wire("text")
+    policy_version: int = wire("int")
+    tokens: int = wire("int", minimum=0)
+    lag: int = wire("int")  # lag_of(the batch's policy_version, policy_version)
+    uses_before: int = wire("int", minimum=0)
 
 
-@dataclass(frozen=True, slots=True)
+@_wire_class
 class Leased:
-    batch_id: str
-    trainer_id: str | None
-    policy_version: int
-    expires_at_ms: int
-    items: tuple[LeasedItem, ...]
+    batch_id: str = wire("text")
+    trainer_id: str | None = wire("text", optional=True, note="str or nil")
+    policy_version: int = wire("int", note="the batch's V")
+    expires_at_ms: int = wire("int", key="expires_at", minimum=0, note="ms")
+    items: tuple[LeasedItem, ...] = wire("items", of=LeasedItem)
 
 
-@dataclass(frozen=True, slots=True)
+@_wire_class
 class AckedItem:
-    rollout_id: str
-    policy_version: int
-    tokens: int
-    kl: float | None
+    rollout_id: str = wire("text")
+    policy_version: int = wire("int")
+    tokens: int = wire("int", minimum=0)
+    kl: float | None = wire("float", optional=True)
 
 
-@dataclass(frozen=True, slots=True)
+@_wire_class
 class AckStats:
-    kl_mean: float | None = None
-    kl_max: float | None = None
-    is_ratio_mean: float | None = None
-    clip_fraction: float | None = None
-    ess_fraction: float | None = None
+    kl_mean: float | None = wire("float", optional=True, default=None)
+    kl_max: float | None = wire("float", optional=True, default=None)
+    is_ratio_mean: float | None = wire("float", optional=True, default=None)
+    clip_fraction: float | None = wire("float", optional=True, default=None)
+    ess_fraction: float | None = wire("float", optional=True, default=None)
 
 
-@dataclass(frozen=True, slots=True)
+@_wire_class
 class AckSums:
-    kl_tokens: int = 0
-    kl_sum: float = 0.0
-    ratio_tokens: int = 0
-    ratio_sum: float = 0.0
-    clipped: int = 0
+    kl_tokens: int = wire("int", optional=True, minimum=0, default=0)
+    kl_sum: float = wire("float", optional=True, default=0.0)
+    ratio_tokens: int = wire("int", optional=True, minimum=0, default=0)
+    ratio_sum: float = wire("float", optional=True, default=0.0)
+    clipped: int = wire("int", optional=True, minimum=0, default=0)
 
 
-@dataclass(frozen=True, slots=True)
+@_wire_class
 class Acked:
-    batch_id: str
-    step: int | None
-    policy_version: int
-    items: tuple[AckedItem, ...]
-    stats: AckStats
-    sums: AckSums
+    batch_id: str = wire("text")
+    step: int | None = wire("int", optional=True, note="int, absent when not given")
+    policy_version: int = wire("int")
+    items: tuple[AckedItem, ...] = wire(
+        "items", of=AckedItem, note="`kl` absent, a 3-element item, when not measured"
+    )
+    stats: AckStats = wire(
+        "struct",
+        of=AckStats,
+        note="a figure that was not measured is absent; `stats` itself is absent when none was",
+    )
+    sums: AckSums = wire("struct", of=AckSums)
 
 
-@dataclass(frozen=True, slots=True)
+@_wire_class
 class ReturnedItem:
-    rollout_id: str
-    policy_version: int
-    tokens: int
+    rollout_id: str = wire("text")
+    policy_version: int = wire("int")
+    tokens: int = wire("int", minimum=0)
 
 
-@dataclass(frozen=True, slots=True)
+@_wire_class
 class Returned:
     """``nacked`` or ``expired``: leased rollouts back in the buffer without a use."""
 
-    batch_id: str
-    items: tuple[ReturnedItem, ...]
+    batch_id: str = wire("text")
+    items: tuple[ReturnedItem, ...] = wire("items", of=ReturnedItem)
 
 
-@dataclass(frozen=True, slots=True)
+@_wire_class
 class RetiredItem:
-    rollout_id: str
-    policy_version: int
-    tokens: int
-    uses: int
+    rollout_id: str = wire("text")
+    policy_version: int = wire("int")
+    tokens: int = wire("int", minimum=0)
+    uses: int = wire("int", minimum=0)
 
 
-@dataclass(frozen=True, slots=True)
+@_wire_class
 class Retired:
-    reason: str
-    items: tuple[RetiredItem, ...]
+    reason: str = wire("text")
+    items: tuple[RetiredItem, ...] = wire("items", of=RetiredItem)
 
 
 Payload: TypeAlias = (
@@ -228,6 +318,76 @@ class Event:
     body: Payload
 
 
+def _duplicate_n(d: Mapping[str, Any]) -> Mapping[str, Any]:
+    # `n` repeats len(ids); an entry that lacks it is still counted.
+    if d.get("n") is None:
+        return {**d, "n": len(_array(d.get("ids"), "ids"))}
+    return d
+
+
+@dataclass(frozen=True, slots=True)
+class EventType:
+    """One value of the entry field ``e``: its payload class and what the change is."""
+
+    name: str
+    body: type[Payload]
+    change: str  # for the docs' table
+    prepare: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
+
+
+SCHEMA: dict[str, EventType] = {
+    t.name: t
+    for t in (
+        EventType("run", RunChanged, "the run row changed; a snapshot of it after the change"),
+        EventType(
+            "accepted",
+            Accepted,
+            "rollouts stored. `tokens` = response length. `unit_id` is the group id for "
+            "`group_size > 1`, else the rollout id. `new_unit` is 1 when this rollout opened a "
+            "new group (counts `groups_received`)",
+        ),
+        EventType(
+            "duplicate",
+            Duplicate,
+            "repeats of known `rollout_id`s (stored nothing)",
+            prepare=_duplicate_n,
+        ),
+        EventType(
+            "rejected",
+            Rejected,
+            "per-rollout policy rejections (`stale`, `future_version`, `run_closed`); "
+            "nothing stored",
+        ),
+        EventType(
+            "leased",
+            Leased,
+            "buffered → leased. `lag` = the batch's `policy_version` − the rollout's",
+        ),
+        EventType(
+            "acked",
+            Acked,
+            "leased → buffered, each item gains one use (a *sample*). `sums` let totals be "
+            "aggregated exactly: `kl_sum` is Σ per-token KL over `kl_tokens` measured tokens "
+            "(a ready-made per-rollout `kl` counts as `kl × tokens`); `ratio_sum` is Σ r over "
+            "`ratio_tokens` tokens, of which `clipped` were outside `[1-ε, 1+ε]`. The ack "
+            "script gates on the same `kl` values (a unit above `kl_max` retires), so the gate "
+            "and the accounting read one record",
+        ),
+        EventType("nacked", Returned, "leased → buffered, no use"),
+        EventType("expired", Returned, "leased → buffered, no use (lease ran out)"),
+        EventType(
+            "retired",
+            Retired,
+            "buffered → gone. Reasons: `stale`, `max_reuse`, `kl`, `kl_flush`, "
+            "`incomplete_group`, `zero_variance`, `run_closed`. `uses == 0` means the tokens "
+            "were wasted",
+        ),
+    )
+}
+
+EVENT_TYPES = frozenset(SCHEMA)
+
+
 # --- field readers ---------------------------------------------------------------------------
 
 
@@ -244,10 +404,6 @@ def _text(value: Any, what: str) -> str:
     return value
 
 
-def _opt_text(value: Any, what: str) -> str | None:
-    return None if value is None else _text(value, what)
-
-
 def _int(value: Any, what: str, *, minimum: int = _INT64_MIN) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
@@ -258,10 +414,6 @@ def _int(value: Any, what: str, *, minimum: int = _INT64_MIN) -> int:
     return value
 
 
-def _opt_int(value: Any, what: str, *, minimum: int = _INT64_MIN) -> int | None:
-    return None if value is None else _int(value, what, minimum=minimum)
-
-
 def _float(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise EventError(f"{what}: expected a number, got {type(value).__name__}")
@@ -269,10 +421,6 @@ def _float(value: Any, what: str) -> float:
     if not math.isfinite(result):
         raise EventError(f"{what}: not finite")
     return result
-
-
-def _opt_float(value: Any, what: str) -> float | None:
-    return None if value is None else _float(value, what)
 
 
 def _flag(value: Any, what: str) -> bool:
@@ -326,160 +474,109 @@ def _array(value: Any, what: str) -> list[Any]:
     raise EventError(f"{what}: expected an array")
 
 
-def _items(payload: Mapping[str, Any], arity: int, required: int) -> list[list[Any]]:
-    """Fixed-position item arrays, padded with nil where a trailing optional was dropped."""
-    rows = []
-    for i, raw in enumerate(_array(payload.get("items"), "items")):
-        row = _array(raw, f"items[{i}]")
+# --- the codec, derived from the declaration -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Field:
+    attr: str
+    key: str
+    wire: Wire
+    default: Any  # when absent on the wire
+    read: Callable[[Any, str], Any]
+
+
+def _reader(w: Wire) -> Callable[[Any, str], Any]:
+    kind = w.kind
+    if kind == "text":
+        return _text
+    if kind == "int":
+        minimum = w.minimum
+        return lambda value, what: _int(value, what, minimum=minimum)
+    if kind == "float":
+        return _float
+    if kind == "flag":
+        return _flag
+    if kind == "map":
+        return lambda value, what: _json(_opt_map(value, what), what)
+    if kind == "texts":
+        return lambda value, what: tuple(
+            _text(v, f"{what}[{i}]") for i, v in enumerate(_array(value, what))
+        )
+    assert w.of is not None, "items and struct name their class"
+    of = w.of
+    if kind == "items":
+        return lambda value, what: _read_items(of, value, what)
+    return lambda value, what: of(**_read_map(of, _opt_map(value, what), f"{what}."))
+
+
+_FIELDS: dict[type, tuple[_Field, ...]] = {}
+
+
+def _fields(cls: type) -> tuple[_Field, ...]:
+    known = _FIELDS.get(cls)
+    if known is not None:
+        return known
+    out = []
+    for f in dataclasses.fields(cls):
+        w = f.metadata["wire"]
+        default = None if f.default is dataclasses.MISSING else f.default
+        out.append(_Field(f.name, w.key or f.name, w, default, _reader(w)))
+    _FIELDS[cls] = result = tuple(out)
+    return result
+
+
+def _arity(cls: type) -> tuple[int, int]:
+    """Positions of an item array, and how many of them (the leading ones) are required."""
+    fields = _fields(cls)
+    required = next((i for i, f in enumerate(fields) if f.wire.optional), len(fields))
+    if any(not f.wire.optional for f in fields[required:]):
+        raise TypeError(f"{cls.__name__}: only trailing item positions may be optional")
+    return len(fields), required
+
+
+def _read_map(cls: type, d: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    values = {}
+    for f in _fields(cls):
+        raw = d.get(f.key)
+        if raw is None and f.wire.optional:
+            values[f.attr] = f.default
+        else:
+            values[f.attr] = f.read(raw, prefix + f.key)
+    return values
+
+
+def _read_items(cls: type, value: Any, what: str) -> tuple[Any, ...]:
+    """Fixed-position item arrays, where trailing optional positions may have been dropped."""
+    fields = _fields(cls)
+    arity, required = _arity(cls)
+    items = []
+    for i, raw in enumerate(_array(value, what)):
+        row = _array(raw, f"{what}[{i}]")
         if not required <= len(row) <= arity:
-            raise EventError(f"items[{i}]: expected {arity} fields, got {len(row)}")
-        rows.append(row + [None] * (arity - len(row)))
-    return rows
-
-
-# --- per-type decoders -----------------------------------------------------------------------
-
-
-def _run(d: Mapping[str, Any]) -> RunChanged:
-    return RunChanged(
-        change=_text(d.get("change"), "change"),
-        config=_json(_opt_map(d.get("config"), "config"), "config"),
-        policy_version=_int(d.get("policy_version"), "policy_version"),
-        status=_text(d.get("status"), "status"),
-        created_at_ms=_int(d.get("created_at"), "created_at", minimum=0),
-    )
-
-
-def _accepted(d: Mapping[str, Any]) -> Accepted:
-    return Accepted(
-        tuple(
-            AcceptedItem(
-                rollout_id=_text(r[0], "rollout_id"),
-                unit_id=_text(r[1], "unit_id"),
-                policy_version=_int(r[2], "policy_version"),
-                tokens=_int(r[3], "tokens", minimum=0),
-                new_unit=_flag(r[4], "new_unit"),
+            raise EventError(f"{what}[{i}]: expected {arity} fields, got {len(row)}")
+        items.append(
+            cls(
+                *(
+                    f.read(row[p], f"{what}[{i}].{f.key}")
+                    if p < len(row) and (row[p] is not None or not f.wire.optional)
+                    else f.default
+                    for p, f in enumerate(fields)
+                )
             )
-            for r in _items(d, 5, 5)
         )
-    )
+    return tuple(items)
 
 
-def _duplicate(d: Mapping[str, Any]) -> Duplicate:
-    n = d.get("n")
-    if n is None:
-        n = len(_array(d.get("ids"), "ids"))
-    return Duplicate(_int(n, "n", minimum=0))
-
-
-def _rejected(d: Mapping[str, Any]) -> Rejected:
-    return Rejected(
-        tuple(
-            RejectedItem(
-                rollout_id=_text(r[0], "rollout_id"),
-                reason=_text(r[1], "reason"),
-                policy_version=_int(r[2], "policy_version"),
-                tokens=_int(r[3], "tokens", minimum=0),
-            )
-            for r in _items(d, 4, 4)
-        )
-    )
-
-
-def _leased(d: Mapping[str, Any]) -> Leased:
-    return Leased(
-        batch_id=_text(d.get("batch_id"), "batch_id"),
-        trainer_id=_opt_text(d.get("trainer_id"), "trainer_id"),
-        policy_version=_int(d.get("policy_version"), "policy_version"),
-        expires_at_ms=_int(d.get("expires_at"), "expires_at", minimum=0),
-        items=tuple(
-            LeasedItem(
-                rollout_id=_text(r[0], "rollout_id"),
-                policy_version=_int(r[1], "policy_version"),
-                tokens=_int(r[2], "tokens", minimum=0),
-                lag=_int(r[3], "lag"),
-                uses_before=_int(r[4], "uses_before", minimum=0),
-            )
-            for r in _items(d, 5, 5)
-        ),
-    )
-
-
-def _acked(d: Mapping[str, Any]) -> Acked:
-    stats = _opt_map(d.get("stats"), "stats")
-    sums = _opt_map(d.get("sums"), "sums")
-    return Acked(
-        batch_id=_text(d.get("batch_id"), "batch_id"),
-        step=_opt_int(d.get("step"), "step"),
-        policy_version=_int(d.get("policy_version"), "policy_version"),
-        items=tuple(
-            AckedItem(
-                rollout_id=_text(r[0], "rollout_id"),
-                policy_version=_int(r[1], "policy_version"),
-                tokens=_int(r[2], "tokens", minimum=0),
-                kl=_opt_float(r[3], "kl"),
-            )
-            for r in _items(d, 4, 3)
-        ),
-        stats=AckStats(
-            kl_mean=_opt_float(stats.get("kl_mean"), "stats.kl_mean"),
-            kl_max=_opt_float(stats.get("kl_max"), "stats.kl_max"),
-            is_ratio_mean=_opt_float(stats.get("is_ratio_mean"), "stats.is_ratio_mean"),
-            clip_fraction=_opt_float(stats.get("clip_fraction"), "stats.clip_fraction"),
-            ess_fraction=_opt_float(stats.get("ess_fraction"), "stats.ess_fraction"),
-        ),
-        sums=AckSums(
-            kl_tokens=_int(sums.get("kl_tokens", 0), "sums.kl_tokens", minimum=0),
-            kl_sum=_float(sums.get("kl_sum", 0.0), "sums.kl_sum"),
-            ratio_tokens=_int(sums.get("ratio_tokens", 0), "sums.ratio_tokens", minimum=0),
-            ratio_sum=_float(sums.get("ratio_sum", 0.0), "sums.ratio_sum"),
-            clipped=_int(sums.get("clipped", 0), "sums.clipped", minimum=0),
-        ),
-    )
-
-
-def _returned(d: Mapping[str, Any]) -> Returned:
-    return Returned(
-        batch_id=_text(d.get("batch_id"), "batch_id"),
-        items=tuple(
-            ReturnedItem(
-                rollout_id=_text(r[0], "rollout_id"),
-                policy_version=_int(r[1], "policy_version"),
-                tokens=_int(r[2], "tokens", minimum=0),
-            )
-            for r in _items(d, 3, 3)
-        ),
-    )
-
-
-def _retired(d: Mapping[str, Any]) -> Retired:
-    return Retired(
-        reason=_text(d.get("reason"), "reason"),
-        items=tuple(
-            RetiredItem(
-                rollout_id=_text(r[0], "rollout_id"),
-                policy_version=_int(r[1], "policy_version"),
-                tokens=_int(r[2], "tokens", minimum=0),
-                uses=_int(r[3], "uses", minimum=0),
-            )
-            for r in _items(d, 4, 4)
-        ),
-    )
-
-
-_DECODERS: dict[str, Callable[[Mapping[str, Any]], Payload]] = {
-    "run": _run,
-    "accepted": _accepted,
-    "duplicate": _duplicate,
-    "rejected": _rejected,
-    "leased": _leased,
-    "acked": _acked,
-    "nacked": _returned,
-    "expired": _returned,
-    "retired": _retired,
-}
-
-EVENT_TYPES = frozenset(_DECODERS)
+def decode_payload(event_type: str, d: Mapping[str, Any]) -> Payload:
+    """The payload (the unpacked ``d`` of an entry) of an event of type ``event_type``."""
+    spec = SCHEMA.get(event_type)
+    if spec is None:
+        raise EventError(f"unknown event type {event_type!r}")
+    if spec.prepare is not None:
+        d = spec.prepare(d)
+    body: Payload = spec.body(**_read_map(spec.body, d, ""))
+    return body
 
 
 def decode_entry(run_id: str, entry_id: bytes | str, fields: Mapping[bytes, bytes]) -> Event:
@@ -490,17 +587,16 @@ def decode_entry(run_id: str, entry_id: bytes | str, fields: Mapping[bytes, byte
     if raw_type is None or raw_payload is None:
         raise EventError("entry lacks field 'e' or 'd'")
     event_type = _text(raw_type, "e")
-    decoder = _DECODERS.get(event_type)
-    if decoder is None:
+    if event_type not in SCHEMA:
         raise EventError(f"unknown event type {event_type!r}")
     try:
         payload = msgpack.unpackb(raw_payload, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise EventError(f"payload is not msgpack: {exc}") from None
     payload = _map(payload, "d")
-    if event_type == "run" and _text(payload.get("run_id"), "run_id") != run_id:
+    body = decode_payload(event_type, payload)
+    if isinstance(body, RunChanged) and body.run_id != run_id:
         raise EventError("run event of another run")
-    body = decoder(payload)
     return Event(
         run_id=run_id,
         stream_id=stream_id,
@@ -508,3 +604,120 @@ def decode_entry(run_id: str, entry_id: bytes | str, fields: Mapping[bytes, byte
         t_ms=_int(payload.get("t"), "t", minimum=0),
         body=body,
     )
+
+
+def _write(f: _Field, value: Any) -> Any:
+    kind = f.wire.kind
+    if kind == "int":
+        return int(value)
+    if kind == "float":
+        return float(value)
+    if kind == "flag":
+        return 1 if value else 0
+    if kind == "map":
+        return dict(value)
+    if kind == "texts":
+        return list(value)
+    if kind == "items":
+        assert f.wire.of is not None
+        return [_write_item(f.wire.of, item) for item in value]
+    if kind == "struct":
+        return _write_map(value)
+    return value
+
+
+def _write_item(cls: type, item: Any) -> list[Any]:
+    row = [
+        None if v is None else _write(f, v) for f in _fields(cls) for v in [getattr(item, f.attr)]
+    ]
+    while row and row[-1] is None:  # what Lua does with a trailing nil: drops it
+        row.pop()
+    return row
+
+
+def _write_map(obj: Any) -> dict[str, Any]:
+    out = {}
+    for f in _fields(type(obj)):
+        value = getattr(obj, f.attr)
+        if value is None:
+            continue  # a Lua table holds no nil
+        written = _write(f, value)
+        if f.wire.kind == "struct" and not written:
+            continue  # an empty Lua table is packed as an array: leave the map out
+        out[f.key] = written
+    return out
+
+
+def encode_payload(event_type: str, body: Payload, *, t_ms: int | None = None) -> dict[str, Any]:
+    """The payload map of an event, as the Lua scripts write it; ``t`` only when given (the
+    script that records an event built here adds its own)."""
+    spec = SCHEMA.get(event_type)
+    if spec is None or not isinstance(body, spec.body):
+        raise TypeError(f"{type(body).__name__} is not the payload of {event_type!r} events")
+    payload = _write_map(body)
+    if t_ms is not None:
+        payload["t"] = t_ms
+    return payload
+
+
+def pack_payload(event_type: str, body: Payload, *, t_ms: int | None = None) -> bytes:
+    """:func:`encode_payload`, packed as the entry's ``d``."""
+    packed: bytes = msgpack.packb(encode_payload(event_type, body, t_ms=t_ms), use_bin_type=True)
+    return packed
+
+
+def encode_entry(event_type: str, body: Payload, *, t_ms: int) -> dict[bytes, bytes]:
+    """The fields ``e`` and ``d`` of a stream entry."""
+    return {b"e": event_type.encode("ascii"), b"d": pack_payload(event_type, body, t_ms=t_ms)}
+
+
+# --- the docs' table -------------------------------------------------------------------------
+
+
+def _describe(f: _Field) -> str:
+    text = f"`{f.key}`"
+    if f.wire.kind in ("items", "struct"):
+        assert f.wire.of is not None
+        names = [g.key + ("?" if g.wire.optional else "") for g in _fields(f.wire.of)]
+        if f.wire.kind == "items":
+            text += ": `[" + ", ".join(names) + "]`"
+        else:
+            text += ": `{" + ", ".join(g.key for g in _fields(f.wire.of)) + "}`"
+    return text + (f" ({f.wire.note})" if f.wire.note else "")
+
+
+def markdown_table() -> str:
+    """The "Types" table of docs/events.md."""
+    lines = ["| `e` | payload (`d`) | the change |", "|---|---|---|"]
+    for spec in SCHEMA.values():
+        payload = ", ".join(_describe(f) for f in _fields(spec.body))
+        lines.append(f"| `{spec.name}` | {payload} | {spec.change} |")
+    return "\n".join(lines) + "\n"
+
+
+def _main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--markdown", action="store_true", help="print the docs' table")
+    args = parser.parse_args()
+    if args.markdown:
+        print(markdown_table(), end="")
+    else:
+        parser.print_help()
+
+
+def _check(cls: type) -> None:
+    """Every payload field is declared, and only trailing item positions are optional."""
+    for f in _fields(cls):
+        if f.wire.kind in ("items", "struct"):
+            assert f.wire.of is not None
+            _check(f.wire.of)
+            if f.wire.kind == "items":
+                _arity(f.wire.of)
+
+
+for _spec in SCHEMA.values():
+    _check(_spec.body)
+
+
+if __name__ == "__main__":
+    _main()
