@@ -21,6 +21,7 @@ from app.accounting.events import (
     Returned,
     RunChanged,
     StreamId,
+    lag_of,
 )
 
 __all__ = [
@@ -292,8 +293,9 @@ def _fold_acked(fold: Fold, event: Event, body: Acked) -> None:
     run = fold.run
     run.batches_acked += 1
     for item in body.items:
-        # The lag of a sample: the batch's (trainer's) version minus the rollout's.
-        lag = body.policy_version - item.policy_version
+        # Acked items carry no lag, and the batch's leased event (which does) may be folded in
+        # another transaction: derive it by the rule lease.lua applies to that event's items.
+        lag = lag_of(body.policy_version, item.policy_version)
         for totals in (run, fold.version(item.policy_version)):
             totals.rollouts_acked += 1
             totals.tokens_consumed += item.tokens
