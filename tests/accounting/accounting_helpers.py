@@ -1,12 +1,12 @@
-"""Test helpers: a small broker simulator that emits accounting events exactly as
-docs/events.md describes them, and computes the expected accounting from its own rollout
-states (not from the events), so the drain and the queries are checked independently.
+"""Test helpers: a small broker simulator that emits accounting events through the schema's
+encoder (app/accounting/events.py, as docs/events.md describes them), and computes the expected
+accounting from its own rollout states (not from the events), so the drain and the queries are
+checked independently.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import random
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
@@ -19,6 +19,27 @@ from fastapi.responses import JSONResponse
 from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from app.accounting.events import (
+    Accepted,
+    AcceptedItem,
+    Acked,
+    AckedItem,
+    AckStats,
+    AckSums,
+    Duplicate,
+    Leased,
+    LeasedItem,
+    Payload,
+    Rejected,
+    RejectedItem,
+    Retired,
+    RetiredItem,
+    Returned,
+    ReturnedItem,
+    RunChanged,
+    encode_payload,
+    lag_of,
+)
 from app.accounting.stream import events_key, run_key, runs_key
 from app.api.accounting import router
 from app.errors import BrokerError
@@ -26,21 +47,6 @@ from app.settings import Settings
 from workers.drain import DrainContext, drain_once
 
 Event = tuple[str, dict[str, Any]]
-
-REDIS_URL = os.environ.get("BROKER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-
-
-async def delete_keys(client: Redis, root: str) -> None:
-    """Delete the keys of every per-test prefix ``<root>.<n>``."""
-    batch = []
-    async for key in client.scan_iter(match=f"{root}.*", count=1000):
-        batch.append(key)
-        if len(batch) >= 500:
-            await client.delete(*batch)
-            batch.clear()
-    if batch:
-        await client.delete(*batch)
-
 
 async def drain_all(ctx: DrainContext, *, max_passes: int = 50, claim: bool | None = None) -> int:
     """Run passes until one reads nothing; return the number of passes."""
@@ -97,13 +103,16 @@ async def xadd_events(
     return ids
 
 
-def lua_style(item: list[Any]) -> list[Any]:
-    """What Redis's Lua msgpack encoder makes of an item: trailing nils are dropped and whole
-    floats become integers."""
-    out = [int(v) if isinstance(v, float) and v.is_integer() else v for v in item]
-    while out and out[-1] is None:
-        out.pop()
-    return out
+def lua_style(value: Any) -> Any:
+    """What Redis's Lua msgpack encoder makes of an encoded payload: whole floats become
+    integers (the encoder already leaves out nils, as Lua tables hold none)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [lua_style(v) for v in value]
+    if isinstance(value, dict):
+        return {k: lua_style(v) for k, v in value.items()}
+    return value
 
 
 @dataclass
@@ -167,31 +176,28 @@ class RunSim:
         self._n += 1
         return f"{kind}-{self._n}"
 
-    def _emit(self, event_type: str, payload: dict[str, Any]) -> None:
+    def _emit(self, event_type: str, body: Payload) -> None:
         self.t += self.rng.randint(0, 5)
-        payload["t"] = self.t
-        self.events.append((event_type, payload))
-
-    def _item(self, item: list[Any]) -> list[Any]:
-        return lua_style(item) if self.lua else item
+        payload = encode_payload(event_type, body, t_ms=self.t)
+        self.events.append((event_type, lua_style(payload) if self.lua else payload))
 
     def _run_event(self, change: str, status: str = "open") -> None:
         self._emit(
             "run",
-            {
-                "run_id": self.run_id,
-                "change": change,
-                "config": {
+            RunChanged(
+                run_id=self.run_id,
+                change=change,
+                config={
                     "max_staleness": self.max_staleness,
                     "max_reuse": self.max_reuse,
                     "kl_max": self.kl_max,
                     "kl_flush": self.kl_flush,
                     "group_size": self.group_size,
                 },
-                "policy_version": self.policy,
-                "status": status,
-                "created_at": 1_750_000_000_000,
-            },
+                policy_version=self.policy,
+                status=status,
+                created_at_ms=1_750_000_000_000,
+            ),
         )
 
     def create(self) -> None:
@@ -202,7 +208,7 @@ class RunSim:
     def ingest(self, groups: int, version: int | None = None) -> None:
         """Accept ``groups`` new units, plus some duplicates and policy rejections."""
         version = self.policy if version is None else version
-        items = []
+        items: list[AcceptedItem] = []
         for _ in range(groups):
             unit = self._id("g") if self.group_size > 1 else None
             for k in range(self.group_size):
@@ -210,19 +216,19 @@ class RunSim:
                 tokens = self.rng.randint(1, 300)
                 unit_id = unit or rid
                 self.rollouts[rid] = SimRollout(rid, unit_id, version, tokens)
-                items.append(self._item([rid, unit_id, version, tokens, 1 if k == 0 else 0]))
-        self._emit("accepted", {"items": items})
+                items.append(AcceptedItem(rid, unit_id, version, tokens, k == 0))
+        self._emit("accepted", Accepted(tuple(items)))
         if self.rollouts and self.rng.random() < 0.7:
             ids = self.rng.sample(sorted(self.rollouts), k=min(3, len(self.rollouts)))
             self.duplicates += len(ids)
-            self._emit("duplicate", {"n": len(ids), "ids": ids})
+            self._emit("duplicate", Duplicate(n=len(ids), ids=tuple(ids)))
         if self.rng.random() < 0.6:
-            rejected = []
+            rejected: list[RejectedItem] = []
             for reason, v in (("future_version", self.policy + 1), ("stale", self.policy - 9)):
                 tokens = self.rng.randint(1, 50)
                 self.rejections.append((reason, v, tokens))
-                rejected.append(self._item([self._id("x"), reason, v, tokens]))
-            self._emit("rejected", {"items": rejected})
+                rejected.append(RejectedItem(self._id("x"), reason, v, tokens))
+            self._emit("rejected", Rejected(tuple(rejected)))
 
     def eligible(self) -> list[SimRollout]:
         return [
@@ -244,16 +250,18 @@ class RunSim:
             r.state = "leased"
         self._emit(
             "leased",
-            {
-                "batch_id": batch_id,
-                "trainer_id": trainer,
-                "policy_version": self.policy,
-                "expires_at": self.t + 300_000,
-                "items": [
-                    self._item([r.rollout_id, r.version, r.tokens, self.policy - r.version, r.uses])
+            Leased(
+                batch_id=batch_id,
+                trainer_id=trainer,
+                policy_version=self.policy,
+                expires_at_ms=self.t + 300_000,
+                items=tuple(
+                    LeasedItem(
+                        r.rollout_id, r.version, r.tokens, lag_of(self.policy, r.version), r.uses
+                    )
                     for r in chosen
-                ],
-            },
+                ),
+            ),
         )
         return batch_id
 
@@ -267,7 +275,7 @@ class RunSim:
         batch = self.batches[batch_id]
         batch.outcome = "acked"
         rollouts = self._return(batch)
-        items = []
+        items: list[AckedItem] = []
         kl_tokens, kl_sum, kls = 0, 0.0, []
         for r in rollouts:
             r.uses += 1
@@ -281,7 +289,7 @@ class RunSim:
                 kls.append(kl)
                 self.version_kl[r.version].append((kl, r.tokens))
             r.kl = kl
-            items.append(self._item([r.rollout_id, r.version, r.tokens, kl]))
+            items.append(AckedItem(r.rollout_id, r.version, r.tokens, kl))
         tokens = sum(r.tokens for r in rollouts)
         ratio_tokens = tokens if measured else 0
         ratio_sum = ratio_tokens * (1 + self.rng.uniform(-0.1, 0.1))
@@ -293,31 +301,28 @@ class RunSim:
         self.ratio_sum += ratio_sum
         self.clipped += clipped
         kl_mean = kl_sum / kl_tokens if kl_tokens else None
-        stats: dict[str, Any] = {
-            "kl_mean": kl_mean,
-            "kl_max": max(kls) if kls else None,
-            "is_ratio_mean": ratio_sum / ratio_tokens if ratio_tokens else None,
-            "clip_fraction": clipped / ratio_tokens if ratio_tokens else None,
-            "ess_fraction": self.rng.uniform(0.5, 1.0) if measured else None,
-        }
-        if self.lua:
-            stats = {k: v for k, v in stats.items() if v is not None}
         self._emit(
             "acked",
-            {
-                "batch_id": batch_id,
-                "step": self.rng.randint(0, 10_000),
-                "policy_version": batch.version,
-                "items": items,
-                "stats": stats,
-                "sums": {
-                    "kl_tokens": kl_tokens,
-                    "kl_sum": kl_sum,
-                    "ratio_tokens": ratio_tokens,
-                    "ratio_sum": ratio_sum,
-                    "clipped": clipped,
-                },
-            },
+            Acked(
+                batch_id=batch_id,
+                step=self.rng.randint(0, 10_000),
+                policy_version=batch.version,
+                items=tuple(items),
+                stats=AckStats(
+                    kl_mean=kl_mean,
+                    kl_max=max(kls) if kls else None,
+                    is_ratio_mean=ratio_sum / ratio_tokens if ratio_tokens else None,
+                    clip_fraction=clipped / ratio_tokens if ratio_tokens else None,
+                    ess_fraction=self.rng.uniform(0.5, 1.0) if measured else None,
+                ),
+                sums=AckSums(
+                    kl_tokens=kl_tokens,
+                    kl_sum=kl_sum,
+                    ratio_tokens=ratio_tokens,
+                    ratio_sum=ratio_sum,
+                    clipped=clipped,
+                ),
+            ),
         )
         self.retire([r for r in rollouts if r.uses >= self.max_reuse], "max_reuse")
         self.retire(
@@ -350,10 +355,9 @@ class RunSim:
         rollouts = self._return(batch)
         self._emit(
             outcome,
-            {
-                "batch_id": batch_id,
-                "items": [self._item([r.rollout_id, r.version, r.tokens]) for r in rollouts],
-            },
+            Returned(
+                batch_id, tuple(ReturnedItem(r.rollout_id, r.version, r.tokens) for r in rollouts)
+            ),
         )
 
     def retire(self, rollouts: Sequence[SimRollout], reason: str) -> None:
@@ -365,12 +369,10 @@ class RunSim:
             r.retired_reason = reason
         self._emit(
             "retired",
-            {
-                "reason": reason,
-                "items": [
-                    self._item([r.rollout_id, r.version, r.tokens, r.uses]) for r in rollouts
-                ],
-            },
+            Retired(
+                reason,
+                tuple(RetiredItem(r.rollout_id, r.version, r.tokens, r.uses) for r in rollouts),
+            ),
         )
 
     def set_policy(self, version: int) -> None:
