@@ -41,6 +41,17 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for scripts")]
 
 
 # -- services ------------------------------------------------------------------------------------
+# The command line is where the API and the workers meet: the one place under app/ that imports
+# workers/, and only inside the commands that start them.
+
+Migrate = Annotated[
+    bool,
+    typer.Option(
+        "--migrate",
+        help="Upgrade the configured database to the latest schema first (`rollout-broker "
+        "migrate`); the embedded Postgres always is",
+    ),
+]
 
 
 def _embedded_settings(settings: Settings, data_dir: Path | None) -> tuple[Settings, object]:
@@ -59,6 +70,12 @@ def _embedded_settings(settings: Settings, data_dir: Path | None) -> tuple[Setti
     return updated, services
 
 
+def _upgrade(database_url: str) -> None:
+    from app.accounting.db import upgrade_to_head_sync
+
+    upgrade_to_head_sync(database_url)
+
+
 @cli.command()
 def serve(
     host: Annotated[str, typer.Option(help="Address to bind")] = "127.0.0.1",
@@ -69,16 +86,20 @@ def serve(
     with_workers: Annotated[
         bool, typer.Option(help="Also run the background workers in this process")
     ] = False,
+    migrate: Migrate = False,
 ) -> None:
-    """Run the HTTP API. With no BROKER_REDIS_URL / BROKER_DATABASE_URL, start embedded ones."""
+    """Run the HTTP API. With no BROKER_REDIS_URL / BROKER_DATABASE_URL, start embedded ones
+    (and migrate them); against configured ones, /readyz answers 503 until `migrate` ran."""
     import uvicorn
 
     from app.main import create_app
+    from workers.runner import run_workers
 
     settings = Settings()
     services = None
     if settings.embedded:
         settings, services = _embedded_settings(settings, data_dir)
+        migrate = True  # nobody else can reach this Postgres to migrate it
     elif settings.redis_url is None or settings.database_url is None:
         missing = "BROKER_REDIS_URL" if settings.redis_url is None else "BROKER_DATABASE_URL"
         raise typer.BadParameter(
@@ -87,55 +108,86 @@ def serve(
         )
     if with_workers:
         settings = settings.model_copy(update={"workers_in_process": True})
-    _migrate_if_configured(settings)
     try:
-        uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
+        if migrate:
+            assert settings.database_url is not None
+            _upgrade(settings.database_url)
+        app = create_app(settings, background=run_workers if settings.workers_in_process else None)
+        uvicorn.run(app, host=host, port=port, log_level="info")
     finally:
         if services is not None:
             services.stop()  # type: ignore[attr-defined]
 
 
-def _migrate_if_configured(settings: Settings) -> None:
-    if settings.database_url is None:
-        return
+async def _schema_missing(database_url: str) -> bool:
+    """True when Postgres answers and its schema is not at head. An unreachable one is the
+    drain's to wait out, as it waits out any outage."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from app.accounting.db import create_engine, schema_at_head
+
+    engine = create_engine(database_url)
     try:
-        from app.accounting.db import upgrade_to_head_sync
-    except ImportError:  # accounting not installed in this build
-        return
-    upgrade_to_head_sync(settings.database_url)
+        return not await schema_at_head(engine)
+    except (OSError, SQLAlchemyError):
+        return False
+    finally:
+        await engine.dispose()
 
 
 @cli.command()
 def worker(
-    interval: Annotated[float, typer.Option(help="Seconds between maintenance sweeps")] = 1.0,
+    interval: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds between maintenance sweeps  [default: BROKER_SWEEP_INTERVAL_S]",
+            min=0.001,
+            max=60,
+        ),
+    ] = None,
+    migrate: Migrate = False,
 ) -> None:
-    """Run the background workers only (lease expiry, group timeouts, accounting drain)."""
+    """Run the background workers only (lease expiry, group timeouts, accounting drain) until
+    SIGTERM or SIGINT."""
     from workers.runner import run_workers
 
-    logging.basicConfig(level=logging.INFO)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = Settings()
     if settings.redis_url is None:
         raise typer.BadParameter("set BROKER_REDIS_URL (and BROKER_DATABASE_URL) for `worker`")
+    if interval is not None:
+        settings = settings.model_copy(update={"sweep_interval_s": interval})
+    if migrate and settings.database_url is not None:
+        _upgrade(settings.database_url)
 
-    async def main() -> None:
+    async def main() -> int:
+        if settings.database_url is not None and await _schema_missing(settings.database_url):
+            typer.echo(
+                "error: the accounting database is not at the latest schema: run "
+                "`rollout-broker migrate` first (or `worker --migrate`)",
+                err=True,
+            )
+            return 2
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await run_workers(settings.model_copy(update={"sweep_interval_s": interval}), stop)
+        await run_workers(settings, stop)
+        return 0
 
-    asyncio.run(main())
+    code = asyncio.run(main())
+    if code:
+        raise typer.Exit(code)
 
 
 @cli.command()
 def migrate() -> None:
-    """Upgrade the accounting database to the latest schema (Alembic upgrade head)."""
+    """Upgrade the accounting database to the latest schema (Alembic upgrade head); once per
+    release, before the new API and worker processes start."""
     settings = Settings()
     if settings.database_url is None:
         raise typer.BadParameter("set BROKER_DATABASE_URL for `migrate`")
-    from app.accounting.db import upgrade_to_head_sync
-
-    upgrade_to_head_sync(settings.database_url)
+    _upgrade(settings.database_url)
     typer.echo("database is at the latest schema")
 
 

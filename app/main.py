@@ -1,7 +1,8 @@
 """The FastAPI application: ``create_app()`` wires settings, Redis, the broker and the routers.
 
-Connections are built in the lifespan, never at import, so tests and the CLI choose the
-settings first.
+Connections are built in the lifespan (by ``app.wiring``), never at import, so tests and the CLI
+choose the settings first. The API does not know the background workers: whoever runs them in
+the same process (``rollout-broker serve --with-workers``) hands them in as ``background``.
 """
 
 from __future__ import annotations
@@ -9,24 +10,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import __version__
-from app.accounting.db import create_sessionmaker, engine_from_settings, schema_at_head
+from app.accounting.db import create_sessionmaker, schema_at_head
 from app.api import accounting, batches, health, rollouts, runs
 from app.api.codec import describe_errors, render
 from app.errors import BrokerError
 from app.settings import Settings
-from workers.runner import broker_for, run_workers
+from app.wiring import broker_for, database_engine, redis_client
 
 log = logging.getLogger("rollout_broker")
+
+Background = Callable[[Settings, asyncio.Event], Coroutine[Any, Any, None]]
+"""Work run beside the API for the app's lifetime, until the event is set (the workers)."""
 
 _HTTP_NAMES = {
     400: "BadRequest",
@@ -81,30 +85,35 @@ async def database_checks(engine: AsyncEngine) -> dict[str, str]:
     return {"postgres": "ok", "migrations": "ok" if at_head else "not at head: run migrate"}
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, *, background: Background | None = None
+) -> FastAPI:
+    """The API app. ``background`` runs for the app's lifetime; it is required when
+    ``settings.workers_in_process`` asks for the workers in this process."""
     settings = settings or Settings()
+    if settings.workers_in_process and background is None:
+        raise ValueError(
+            "workers_in_process is set but no workers were given: run `rollout-broker serve "
+            "--with-workers`, or pass background=workers.runner.run_workers"
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if settings.redis_url is None:
-            raise RuntimeError(
-                "BROKER_REDIS_URL is not set (`rollout-broker serve` starts embedded services)"
-            )
-        redis = Redis.from_url(settings.redis_url, decode_responses=False)
+        redis = redis_client(settings)
         broker = broker_for(redis, settings)
         await broker.waker.start()
         app.state.settings = settings
         app.state.redis = redis
         app.state.broker = broker
-        engine = engine_from_settings(settings) if settings.database_url else None
+        engine = database_engine(settings)
         if engine is not None:
             app.state.db_engine = engine
             app.state.db_sessionmaker = create_sessionmaker(engine)
             app.state.readiness_probe = lambda: database_checks(engine)
         stop = asyncio.Event()
-        workers = None
-        if settings.workers_in_process:
-            workers = asyncio.create_task(run_workers(settings, stop), name="broker-workers")
+        workers: asyncio.Task[None] | None = None
+        if background is not None:
+            workers = asyncio.create_task(background(settings, stop), name="broker-workers")
         try:
             yield
         finally:

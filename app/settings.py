@@ -56,6 +56,32 @@ class Settings(BaseSettings):
         default=False, description="Run the background workers inside the API process"
     )
 
+    # The accounting drain (``BROKER_DRAIN_*``); see docs/accounting.md.
+    drain_batch_size: int = Field(
+        default=500, ge=1, le=10_000, description="Stream entries per read and per transaction"
+    )
+    drain_block_ms: int = Field(
+        default=200, ge=1, le=60_000, description="How long an idle pass waits (XREADGROUP BLOCK)"
+    )
+    drain_claim_idle_ms: int = Field(
+        default=30_000,
+        ge=0,
+        description="Idle time after which another consumer's pending entries are claimed",
+    )
+    drain_max_deliveries: int = Field(
+        default=5, ge=1, le=1000, description="Failed deliveries before an entry is dead-lettered"
+    )
+    drain_trim: bool = Field(default=True, description="XTRIM acknowledged entries")
+    drain_consumer: str | None = Field(
+        default=None, description="Consumer name, unique per process; unset: host-pid-random"
+    )
+    drain_crash_after_commits: int | None = Field(
+        default=None,
+        ge=1,
+        description="Fault injection for tests: exit the process after this many commits, "
+        "before their XACK",
+    )
+
     @field_validator("redis_prefix")
     @classmethod
     def _safe_prefix(cls, v: str) -> str:

@@ -333,11 +333,12 @@ def explain(acc: Accounting, run: Run, acked_sizes: int) -> None:
 @contextlib.contextmanager
 def own_broker() -> Iterator[str]:
     """``rollout-broker serve`` on a free port: against BROKER_REDIS_URL/BROKER_DATABASE_URL when
-    set (with the workers in process), else embedded in a temporary data folder."""
+    set (with the workers in process, migrating the database first), else embedded in a
+    temporary data folder."""
     cmd = [sys.executable, "-m", "app.cli", "serve", "--port", "0"]
     data = None
     if os.environ.get("BROKER_REDIS_URL") or os.environ.get("BROKER_DATABASE_URL"):
-        cmd.append("--with-workers")
+        cmd += ["--with-workers", "--migrate"]
     else:
         data = tempfile.TemporaryDirectory(prefix="rollout-broker-")
         cmd += ["--data-dir", data.name]

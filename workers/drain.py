@@ -1,27 +1,20 @@
-"""The accounting drain worker: a thin loop around ``app.accounting.drain.Drainer``.
-
-``python -m workers.drain`` runs it on its own (reads ``BROKER_*`` and ``BROKER_DRAIN_*``);
-``rollout-broker serve`` runs :func:`run_drain` in-process.
-"""
+"""The accounting drain worker: a thin loop around ``app.accounting.drain.Drainer``, run by
+``workers.runner.run_workers`` (``rollout-broker worker``, or ``serve --with-workers``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import signal
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.accounting.db import create_sessionmaker, engine_from_settings, schema_at_head
-from app.accounting.drain import DrainCounts, Drainer, DrainOptions, DrainSettings
-from app.settings import Settings
+from app.accounting.drain import DrainCounts, Drainer, DrainOptions
 
-__all__ = ["DrainContext", "drain_once", "main", "run_drain", "serve"]
+__all__ = ["DrainContext", "drain_once", "run_drain"]
 
 log = logging.getLogger("workers.drain")
 
@@ -79,43 +72,3 @@ async def run_drain(
         done()
         if counts.streams == 0:
             await _pause(stop_event, ctx.options.block_ms / 1000)
-
-
-async def serve(settings: Settings, drain_settings: DrainSettings) -> int:
-    """Run the drain on its own connections until SIGTERM/SIGINT; the process exit code."""
-    assert settings.redis_url is not None and settings.database_url is not None
-    redis = Redis.from_url(settings.redis_url, decode_responses=False)
-    engine = engine_from_settings(settings)
-    try:
-        if not await schema_at_head(engine):
-            log.error("accounting schema is not at head: run `rollout-broker migrate` first")
-            return 2
-        ctx = DrainContext.create(
-            redis,
-            create_sessionmaker(engine),
-            settings.redis_prefix,
-            drain_settings.options(),
-            drain_settings.consumer,
-        )
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        log.info("draining %s:* as consumer %s", settings.redis_prefix, ctx.drainer.consumer)
-        await run_drain(ctx, stop)
-        return 0
-    finally:
-        await redis.aclose()
-        await engine.dispose()
-
-
-def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    settings = Settings()
-    if settings.redis_url is None or settings.database_url is None:
-        sys.exit("workers.drain needs BROKER_REDIS_URL and BROKER_DATABASE_URL")
-    sys.exit(asyncio.run(serve(settings, DrainSettings())))
-
-
-if __name__ == "__main__":
-    main()

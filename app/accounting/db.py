@@ -19,15 +19,12 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.pool import NullPool
 
-from app.settings import Settings
-
 __all__ = [
     "MIGRATIONS_DIR",
     "alembic_config",
     "create_engine",
     "create_sessionmaker",
     "downgrade",
-    "engine_from_settings",
     "schema_at_head",
     "upgrade_to_head",
     "upgrade_to_head_sync",
@@ -41,13 +38,6 @@ def create_engine(database_url: str, **kwargs: Any) -> AsyncEngine:
     """An asyncpg engine; ``pool_pre_ping`` so a restarted Postgres costs a retry, not errors."""
     kwargs.setdefault("pool_pre_ping", True)
     return create_async_engine(database_url, **kwargs)
-
-
-def engine_from_settings(settings: Settings) -> AsyncEngine:
-    """The engine for ``BROKER_DATABASE_URL``; embedded mode must have filled it in first."""
-    if settings.database_url is None:
-        raise ValueError("database_url is not set")
-    return create_engine(settings.database_url)
 
 
 def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:

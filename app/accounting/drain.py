@@ -12,9 +12,8 @@ import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from typing import Any
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 from sqlalchemy.exc import DBAPIError, StatementError
@@ -23,12 +22,12 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from app.accounting import repository
 from app.accounting.events import Event, EventError, decode_entry
 from app.accounting.stream import Entry, EventStream
+from app.settings import Settings
 
 __all__ = [
     "CRASH_EXIT_CODE",
     "DrainCounts",
     "DrainOptions",
-    "DrainSettings",
     "Drainer",
     "consumer_name",
 ]
@@ -38,49 +37,35 @@ log = logging.getLogger(__name__)
 CRASH_EXIT_CODE = 75
 
 
-class DrainSettings(BaseSettings):
-    """``BROKER_DRAIN_*`` settings of the drain worker."""
-
-    model_config = SettingsConfigDict(env_prefix="BROKER_DRAIN_", extra="ignore")
-
-    batch_size: int = Field(default=500, ge=1, le=10_000, description="Entries per transaction")
-    block_ms: int = Field(default=200, ge=1, le=60_000, description="XREADGROUP BLOCK when idle")
-    claim_idle_ms: int = Field(
-        default=30_000, ge=0, description="Idle time after which a consumer's entries are claimed"
-    )
-    max_deliveries: int = Field(
-        default=5, ge=1, le=1000, description="Failed deliveries before an entry is dead-lettered"
-    )
-    trim: bool = Field(default=True, description="XTRIM acknowledged entries")
-    consumer: str | None = Field(default=None, description="Consumer name; default host-pid-rand")
-    crash_after_commits: int | None = Field(
-        default=None,
-        ge=1,
-        description="Fault injection for tests: exit the process after this many commits, "
-        "before their XACK",
-    )
-
-    def options(self) -> DrainOptions:
-        return DrainOptions(
-            batch_size=self.batch_size,
-            block_ms=self.block_ms,
-            claim_idle_ms=self.claim_idle_ms,
-            max_deliveries=self.max_deliveries,
-            trim=self.trim,
-            crash_after_commits=self.crash_after_commits,
-        )
+def _default(name: str) -> Any:
+    """The default of setting ``drain_<name>``: Settings keeps the one copy of each."""
+    return Settings.model_fields[f"drain_{name}"].default
 
 
 @dataclass(frozen=True, slots=True)
 class DrainOptions:
-    batch_size: int = 500
-    block_ms: int = 200
-    claim_idle_ms: int = 30_000
-    max_deliveries: int = 5
-    trim: bool = True
-    crash_after_commits: int | None = None
+    """How the drain reads, retries and trims: the ``BROKER_DRAIN_*`` settings
+    (:meth:`from_settings`), or chosen directly by tests."""
+
+    batch_size: int = _default("batch_size")
+    block_ms: int = _default("block_ms")
+    claim_idle_ms: int = _default("claim_idle_ms")
+    max_deliveries: int = _default("max_deliveries")
+    trim: bool = _default("trim")
+    crash_after_commits: int | None = _default("crash_after_commits")
     # Rounds of new reads in one pass, so one busy run cannot starve trimming and claiming.
     max_rounds: int = 20
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> DrainOptions:
+        return cls(
+            batch_size=settings.drain_batch_size,
+            block_ms=settings.drain_block_ms,
+            claim_idle_ms=settings.drain_claim_idle_ms,
+            max_deliveries=settings.drain_max_deliveries,
+            trim=settings.drain_trim,
+            crash_after_commits=settings.drain_crash_after_commits,
+        )
 
 
 @dataclass(slots=True)

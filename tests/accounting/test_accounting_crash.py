@@ -1,4 +1,4 @@
-"""Crash safety: the drain worker as a subprocess, SIGKILLed over and over while a producer
+"""Crash safety: `rollout-broker worker` as a subprocess, SIGKILLed over and over while a producer
 appends events, including between its Postgres commit and its XACK."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from accounting_helpers import REDIS_URL, RunSim, assert_matches, entry, register_run
+from accounting_helpers import RunSim, assert_matches, entry, register_run
 from redis.asyncio import Redis
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -25,6 +25,7 @@ from app.accounting.drain import CRASH_EXIT_CODE
 from app.accounting.events import StreamId
 from app.accounting.models import ProcessedEvent
 from app.accounting.stream import CONSUMER_GROUP, events_key
+from tests.services import REDIS_URL
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -88,7 +89,7 @@ async def test_sigkill_many_times_loses_and_doubles_nothing(
     prefix: str,
     database_url: str,
     sessionmaker: async_sessionmaker[AsyncSession],
-    api: httpx.AsyncClient,
+    accounting_api: httpx.AsyncClient,
     tmp_path: Path,
 ) -> None:
     rng = random.Random(20)
@@ -154,7 +155,7 @@ async def test_sigkill_many_times_loses_and_doubles_nothing(
         # Logs go to a file: a pipe nobody reads could fill up and stall the worker.
         with (tmp_path / f"worker-{len(spawned)}.log").open("wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "workers.drain"],
+                [sys.executable, "-m", "app.cli", "worker"],  # `rollout-broker worker`
                 cwd=REPO,
                 env={**env, "BROKER_DRAIN_BATCH_SIZE": str(rng.randint(3, 40)), **extra},
                 stdout=subprocess.DEVNULL,
@@ -235,6 +236,6 @@ async def test_sigkill_many_times_loses_and_doubles_nothing(
         async with sessionmaker() as s:
             applied = await repository.processed_ids(s, sim.run_id)
         assert applied == {StreamId.parse(i) for i in produced[sim.run_id]}
-        body = (await api.get(f"/v1/runs/{sim.run_id}/accounting")).json()
+        body = (await accounting_api.get(f"/v1/runs/{sim.run_id}/accounting")).json()
         assert_matches(body, sim.expected())
         assert body["pending_events"] == 0

@@ -1,9 +1,9 @@
 """A real broker in a subprocess for tests: ``rollout-broker serve`` on a free port, against the
-test Redis (a key prefix of its own) and a Postgres database of its own."""
+test Redis (a key prefix of its own) and a Postgres database of its own, both made by
+``tests/services.py``."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import re
@@ -11,17 +11,13 @@ import signal
 import subprocess
 import sys
 import threading
-import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import asyncpg
-import redis
+from tests.services import REDIS_URL
 
 REPO = Path(__file__).resolve().parents[2]
-REDIS_URL = os.environ.get("BROKER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-PG_URL = os.environ.get("BROKER_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432")
 _LISTENING = re.compile(r"Uvicorn running on (http://\S+)")
 
 
@@ -33,42 +29,6 @@ class LiveServer:
 
     def output(self) -> str:
         return "".join(self.log)
-
-
-def _admin(sql: str) -> None:
-    async def run() -> None:
-        conn = await asyncpg.connect(f"{PG_URL}/postgres")
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
-
-    asyncio.run(run())
-
-
-@contextlib.contextmanager
-def fresh_database() -> Iterator[str]:
-    """A new, empty Postgres database, dropped afterwards; yields its asyncpg URL."""
-    name = f"rbt_{uuid.uuid4().hex[:12]}"
-    _admin(f"CREATE DATABASE {name}")
-    try:
-        yield f"postgresql+asyncpg://{PG_URL.split('://', 1)[1]}/{name}"
-    finally:
-        _admin(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-
-
-@contextlib.contextmanager
-def redis_prefix() -> Iterator[str]:
-    """A key prefix of its own on the test Redis, its keys deleted afterwards."""
-    prefix = f"rbt{uuid.uuid4().hex[:10]}"
-    try:
-        yield prefix
-    finally:
-        client = redis.Redis.from_url(REDIS_URL)
-        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
-        for i in range(0, len(keys), 500):
-            client.delete(*keys[i : i + 500])
-        client.close()
 
 
 def broker_env(prefix: str, database_url: str, **extra: str) -> dict[str, str]:
@@ -86,10 +46,10 @@ def broker_env(prefix: str, database_url: str, **extra: str) -> dict[str, str]:
 
 @contextlib.contextmanager
 def serve(env: Mapping[str, str], *, timeout_s: float = 60.0) -> Iterator[LiveServer]:
-    """``rollout-broker serve --port 0 --with-workers``; yields once it listens (uvicorn logs
-    the bound address only after the app's start-up has completed)."""
+    """``rollout-broker serve --port 0 --with-workers --migrate``; yields once it listens
+    (uvicorn logs the bound address only after the app's start-up has completed)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--port", "0", "--with-workers"],
+        [sys.executable, "-m", "app.cli", "serve", "--port", "0", "--with-workers", "--migrate"],
         cwd=REPO,
         env=dict(env),
         stdin=subprocess.DEVNULL,

@@ -10,9 +10,9 @@ import msgpack
 from app.broker.config import RunConfig
 from app.broker.store import Lease
 from app.settings import Settings
+from app.wiring import broker_for
 from tests.broker.test_store import packed
 from workers.maintenance import run_maintenance
-from workers.runner import broker_for
 
 
 async def _wait_for_event(store, run_id, kind, timeout_ms=10_000):

@@ -1,0 +1,46 @@
+"""The composition root: the connections and services that the API and the workers share, each
+built here from :class:`~app.settings.Settings`. ``workers/`` imports from here; nothing under
+``app/`` imports ``workers/`` except the command line, which starts them."""
+
+from __future__ import annotations
+
+from redis.asyncio import Redis
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.accounting.db import create_engine
+from app.broker.notify import Waker
+from app.broker.service import Broker
+from app.broker.store import RedisStore
+from app.settings import Settings
+
+__all__ = ["broker_for", "database_engine", "redis_client"]
+
+
+def redis_client(settings: Settings) -> Redis:
+    """A client for ``BROKER_REDIS_URL``; embedded mode must have filled it in first."""
+    if settings.redis_url is None:
+        raise ValueError(
+            "BROKER_REDIS_URL is not set (`rollout-broker serve` starts embedded services)"
+        )
+    # Blobs and Lua replies are bytes; decoding is the store's business.
+    return Redis.from_url(settings.redis_url, decode_responses=False)
+
+
+def broker_for(redis: Redis, settings: Settings) -> Broker:
+    """The broker's rules over ``redis``, with the request limits of ``settings``."""
+    store = RedisStore(redis, settings.redis_prefix)
+    return Broker(
+        store,
+        Waker(redis, store.wake_channel, settings.redis_prefix, settings.wake_fallback_s),
+        max_tokens_per_rollout=settings.max_tokens_per_rollout,
+        max_rollouts_per_request=settings.max_rollouts_per_request,
+        max_batch_size=settings.max_batch_size,
+        max_wait_s=settings.max_wait_s,
+        retry_after_s=settings.retry_after_s,
+        behaviour_cache_bytes=settings.behaviour_cache_bytes,
+    )
+
+
+def database_engine(settings: Settings) -> AsyncEngine | None:
+    """The accounting database's engine, or None when ``BROKER_DATABASE_URL`` is not set."""
+    return create_engine(settings.database_url) if settings.database_url else None
