@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 from rollout_broker_client.protocol import new_run_id
 
+from app.accounting.events import Acked, AckedItem, AckStats, AckSums, pack_payload
 from app.broker.behaviour import BatchRow, BehaviourCache
 from app.broker.config import RunConfig, RunConfigPatch
 from app.broker.notify import Waker
@@ -451,30 +452,30 @@ def _acked_event(
     fig: BatchFigures,
     stats: BatchStats,
 ) -> bytes:
-    items: list[list[Any]] = []
-    for row, k in zip(rows, fig.kl, strict=True):
-        item: list[Any] = [row.rollout_id, row.policy_version, row.tokens]
-        if k is not None:
-            item.append(k)
-        items.append(item)
-    payload: dict[str, Any] = {
-        "batch_id": batch_id,
-        "policy_version": policy_version,
-        "items": items,
-        "sums": {
-            "kl_tokens": fig.kl_tokens,
-            "kl_sum": fig.kl_sum,
-            "ratio_tokens": fig.ratio_tokens,
-            "ratio_sum": fig.ratio_sum,
-            "clipped": fig.clipped,
-        },
-    }
-    if step is not None:
-        payload["step"] = step
-    # The ack script re-packs this map to add `t`; Lua tables hold no nil and an empty one
-    # packs as an array, so unmeasured figures are left out, and so is an empty `stats`.
-    measured = {k: v for k, v in stats.model_dump().items() if v is not None}
-    if measured:
-        payload["stats"] = measured
-    packed: bytes = msgpack.packb(payload, use_bin_type=True)
-    return packed
+    """The ``acked`` event's payload, without ``t``: the ack script adds it when it records it."""
+    return pack_payload(
+        "acked",
+        Acked(
+            batch_id=batch_id,
+            step=step,
+            policy_version=policy_version,
+            items=tuple(
+                AckedItem(row.rollout_id, row.policy_version, row.tokens, k)
+                for row, k in zip(rows, fig.kl, strict=True)
+            ),
+            stats=AckStats(
+                kl_mean=stats.kl_mean,
+                kl_max=stats.kl_max,
+                is_ratio_mean=stats.is_ratio_mean,
+                clip_fraction=stats.clip_fraction,
+                ess_fraction=stats.ess_fraction,
+            ),
+            sums=AckSums(
+                kl_tokens=fig.kl_tokens,
+                kl_sum=fig.kl_sum,
+                ratio_tokens=fig.ratio_tokens,
+                ratio_sum=fig.ratio_sum,
+                clipped=fig.clipped,
+            ),
+        ),
+    )
