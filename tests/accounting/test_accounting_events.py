@@ -1,8 +1,10 @@
-"""Decoding of stream entries, and that folding does not depend on the order of batches."""
+"""The event schema: decoding of stream entries, the encoder against the decoder, the docs'
+table, and that folding does not depend on the order of batches."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -13,20 +15,76 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting import repository
 from app.accounting.events import (
+    EVENT_TYPES,
     Accepted,
+    AcceptedItem,
     Acked,
+    AckedItem,
+    AckStats,
+    AckSums,
     EventError,
     Leased,
     Retired,
     RunChanged,
     StreamId,
     decode_entry,
+    encode_entry,
+    encode_payload,
+    markdown_table,
 )
 from app.accounting.models import Batch, LagCount, ReasonTotals, Run, RunTotals, VersionTotals
 
 
 def _decode(event_type: str, payload: dict[str, Any]) -> Any:
     return decode_entry("run-1", b"5-1", entry(event_type, {"t": 7, **payload})).body
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "events.md"
+
+
+def test_docs_show_the_schema_table() -> None:
+    """docs/events.md's "Types" table is `python -m app.accounting.events --markdown`."""
+    text = DOCS.read_text()
+    section = text[text.index("\n## Types\n") :]
+    lines = section.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
+    assert "\n".join(lines[start:end]) + "\n" == markdown_table()
+
+
+@pytest.mark.parametrize("lua", [True, False])
+def test_encoder_and_decoder_agree_on_every_type(lua: bool) -> None:
+    sim = RunSim("run-1", seed=11, group_size=2, lua=lua)
+    sim.workload(25, close=True)
+    assert {t for t, _ in sim.events} == EVENT_TYPES
+    for i, (event_type, payload) in enumerate(sim.events):
+        event = decode_entry("run-1", f"{i + 1}-0", entry(event_type, payload))
+        again = decode_entry(
+            "run-1", f"{i + 1}-0", encode_entry(event_type, event.body, t_ms=event.t_ms)
+        )
+        assert again == event
+
+
+def test_encoder_writes_what_lua_writes() -> None:
+    """No nil anywhere: an unmeasured kl drops off its item, an empty stats map is left out."""
+    body = Acked(
+        batch_id="b",
+        step=None,
+        policy_version=3,
+        items=(AckedItem("r1", 3, 10, None), AckedItem("r2", 2, 5, 0.25)),
+        stats=AckStats(),
+        sums=AckSums(kl_tokens=5, kl_sum=1.25),
+    )
+    assert encode_payload("acked", body) == {
+        "batch_id": "b",
+        "policy_version": 3,
+        "items": [["r1", 3, 10], ["r2", 2, 5, 0.25]],
+        "sums": {"kl_tokens": 5, "kl_sum": 1.25, "ratio_tokens": 0, "ratio_sum": 0.0, "clipped": 0},
+    }
+    accepted = Accepted((AcceptedItem("r", "u", 0, 3, True),))
+    assert encode_payload("accepted", accepted, t_ms=9) == {"items": [["r", "u", 0, 3, 1]], "t": 9}
+    with pytest.raises(TypeError):
+        encode_payload("nacked", body)
 
 
 def test_stream_id_order_and_next() -> None:
@@ -52,6 +110,14 @@ def test_decodes_what_lua_encoders_write() -> None:
     assert isinstance(acked, Acked)
     assert [i.kl for i in acked.items] == [None, 0.0]
     assert acked.step is None and acked.stats.kl_mean is None and acked.sums.ratio_tokens == 0
+
+    # Explicit nils, as another msgpack writer may send them.
+    explicit = _decode(
+        "acked",
+        {"batch_id": "b1", "step": None, "policy_version": 4, "items": [["r1", 3, 10, None]],
+         "stats": {"kl_mean": None}},
+    )  # fmt: skip
+    assert isinstance(explicit, Acked) and explicit.items[0].kl is None and explicit.step is None
 
     # An array with a hole becomes a map keyed 1..n.
     leased = _decode(

@@ -1,0 +1,292 @@
+"""The Lua scripts against the event schema of app/accounting/events.py: a run is driven through
+every change the broker makes (over HTTP, so the service's own part of the `acked` event is in
+it too), and every entry of its stream must decode strictly, say what was done, and come back
+unchanged from the schema's encoder. A script whose `emit` drifts from the schema fails here."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import msgpack
+from redis.asyncio import Redis
+
+from app.accounting.events import (
+    EVENT_TYPES,
+    Accepted,
+    Acked,
+    Duplicate,
+    Event,
+    Leased,
+    Rejected,
+    Retired,
+    Returned,
+    RunChanged,
+    decode_entry,
+    encode_entry,
+    encode_payload,
+    lag_of,
+)
+from app.accounting.stream import events_key
+from tests.helpers import ack, lease, make_run, post, rollout
+
+RETIRE_REASONS = {
+    "stale",
+    "max_reuse",
+    "kl",
+    "kl_flush",
+    "incomplete_group",
+    "zero_variance",
+    "run_closed",
+}
+
+
+def canonical(value: Any) -> Any:
+    """A value up to what Lua's msgpack encoder does to it (a whole float becomes an integer),
+    with each scalar tagged by its type, as ``True == 1`` would hide a flag written as a bool."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, list):
+        return [canonical(v) for v in value]
+    if isinstance(value, dict):
+        return {k: canonical(v) for k, v in value.items()}
+    return (type(value).__name__, value)
+
+
+class Script:
+    """Drives one run over HTTP and remembers what it did, to check the events against."""
+
+    def __init__(self, client: httpx.AsyncClient, run_id: str) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.rollouts: dict[str, tuple[int, int]] = {}  # rollout_id -> (version, tokens)
+        self.rejected: dict[str, str] = {}  # rollout_id -> reason
+        self.leases: dict[str, dict[str, Any]] = {}  # batch_id -> the lease's reply
+        self.trainers: dict[str, str | None] = {}  # batch_id -> trainer_id asked for
+        self.acks: dict[str, dict[str, Any]] = {}  # batch_id -> the ack's body
+        self.returned: dict[str, str] = {}  # batch_id -> nacked | expired
+
+    async def send(self, *rollouts: dict[str, Any]) -> dict[str, Any]:
+        resp = await post(self.client, self.run_id, *rollouts)
+        assert resp.is_success, resp.text
+        body: dict[str, Any] = resp.json()
+        for r in rollouts:
+            self.rollouts.setdefault(r["rollout_id"], (r["policy_version"], len(r["response_ids"])))
+        for rej in body["rejected"]:
+            self.rejected[rej["rollout_id"]] = rej["reason"]
+        return body
+
+    async def take(self, size: int, **params: Any) -> dict[str, Any]:
+        resp = await lease(self.client, self.run_id, size, **params)
+        assert resp.status_code == 200, resp.text
+        batch: dict[str, Any] = resp.json()
+        self.leases[batch["batch_id"]] = batch
+        self.trainers[batch["batch_id"]] = params.get("trainer_id")
+        return batch
+
+    async def give(self, batch: dict[str, Any], **body: Any) -> httpx.Response:
+        resp = await ack(self.client, self.run_id, batch["batch_id"], **body)
+        if resp.status_code == 200:
+            self.acks[batch["batch_id"]] = body
+        return resp
+
+    async def nack(self, batch: dict[str, Any]) -> None:
+        resp = await self.client.post(f"/v1/runs/{self.run_id}/batches/{batch['batch_id']}/nack")
+        assert resp.status_code == 200, resp.text
+        self.returned[batch["batch_id"]] = "nacked"
+
+    async def patch(self, **fields: Any) -> None:
+        resp = await self.client.patch(f"/v1/runs/{self.run_id}/config", json=fields)
+        assert resp.status_code == 200, resp.text
+
+    async def policy(self, version: int) -> None:
+        resp = await self.client.post(f"/v1/runs/{self.run_id}/policy", json={"version": version})
+        assert resp.status_code == 200, resp.text
+
+    async def close(self) -> None:
+        resp = await self.client.post(f"/v1/runs/{self.run_id}/close")
+        assert resp.status_code == 200, resp.text
+
+
+def group(gid: str, version: int, rewards: tuple[float, ...] = (0.0, 1.0)) -> list[dict[str, Any]]:
+    return [
+        rollout(f"{gid}-{i}", version, group=gid, reward=r, tokens=3 + i)
+        for i, r in enumerate(rewards)
+    ]
+
+
+def shifted(batch: dict[str, Any], by: float) -> dict[str, list[float]]:
+    return {r["rollout_id"]: [x + by for x in r["logprobs"]] for r in batch["rollouts"]}
+
+
+async def grouped_run(client: httpx.AsyncClient, run_id: str) -> Script:
+    """Groups of two: every retirement reason, duplicates, every rejection, ack with logprobs
+    and with ready-made KL, nack, expiry, config and policy changes, close."""
+    s = Script(client, run_id)
+    await make_run(
+        client,
+        run_id,
+        group_size=2,
+        max_reuse=2,
+        max_staleness=1,
+        kl_max=0.3,
+        kl_flush=0.25,
+        drop_zero_variance_groups=True,
+    )
+    for g in range(4):
+        await s.send(*group(f"g{g}", 0))
+    await s.send(*group("same", 0, rewards=(1.0, 1.0)))  # zero_variance
+    assert (await s.send(*group("g0", 0)))["duplicates"] == 2
+    await s.send(rollout("ahead", 5, group="x"))  # future_version
+
+    for step in (1, 2):  # g0 and g1 twice: max_reuse
+        batch = await s.take(4, trainer_id="t0")
+        assert (await s.give(batch, logprobs=shifted(batch, -0.01), step=step)).status_code == 200
+    third = await s.take(2)  # g2: one ready-made KL above kl_max, one not measured at all
+    measured = third["rollouts"][0]["rollout_id"]
+    assert (await s.give(third, kl={measured: 0.5})).status_code == 200
+    await s.nack(await s.take(2))  # g3
+
+    await s.patch(lease_timeout_s=0.05)
+    expiring = await s.take(2)
+    await asyncio.sleep(0.06)  # the lease's own 50 ms must pass
+    assert (await s.give(expiring)).status_code == 409
+    s.returned[expiring["batch_id"]] = "expired"
+    await s.patch(lease_timeout_s=300)
+
+    await s.send(rollout("lonely-0", 0, group="lonely"))  # never completed
+    await s.patch(group_timeout_s=0.05)
+    await asyncio.sleep(0.06)
+    await s.nack(await s.take(2))  # the lease's sweep retires it: incomplete_group
+    await s.patch(group_timeout_s=600)
+
+    await s.policy(1)
+    behind = await s.take(2, trainer_id="t1")  # g3 (v0) at V=1: lag 1
+    assert [r["lag"] for r in behind["rollouts"]] == [1, 1]
+    await s.nack(behind)
+    for g in range(2):
+        await s.send(*group(f"h{g}", 1))
+    await s.policy(2)  # g3 (v0) is now stale
+    await s.send(*group("old", 0))  # stale at ingest
+    await s.send(*group("k0", 2))
+    fresh = await s.take(2)
+    # log_r = -1: k3 = e^-1 - 1 + 1 ≈ 0.37, above kl_max (k0 retires) and kl_flush (h0, h1 go)
+    assert (await s.give(fresh, logprobs=shifted(fresh, -1.0), step=3)).status_code == 200
+
+    await s.send(*group("k1", 2))
+    held = await s.take(2)
+    await s.send(*group("k2", 2))
+    await s.close()  # k2 retires: run_closed
+    await s.send(*group("late", 2))  # run_closed at ingest
+    await s.nack(held)  # k1 comes back to a closed run: run_closed
+    return s
+
+
+async def single_run(client: httpx.AsyncClient, run_id: str) -> Script:
+    """Single rollouts: no trainer id, an ack that measures nothing and gives no step."""
+    s = Script(client, run_id)
+    await make_run(client, run_id)
+    await s.send(*(rollout(f"s{i}", 0, tokens=2 + i, logprobs=False) for i in range(3)))
+    assert (await s.give(await s.take(2))).status_code == 200
+    await s.close()
+    return s
+
+
+async def stream_entries(redis: Redis, prefix: str, run_id: str) -> list[tuple[bytes, Any]]:
+    return list(await redis.xrange(events_key(prefix, run_id)))
+
+
+def check_round_trip(run_id: str, entry_id: bytes, fields: dict[bytes, bytes]) -> Event:
+    event = decode_entry(run_id, entry_id, fields)  # strict: raises on anything off-schema
+    written = msgpack.unpackb(fields[b"d"], raw=False, strict_map_key=False)
+    encoded = encode_payload(event.type, event.body, t_ms=event.t_ms)
+    # Same keys, same positions, same values: nothing the script writes is unknown to the
+    # schema, and nothing the schema writes is missing from the script's event.
+    assert canonical(encoded) == canonical(written), (event.type, written, encoded)
+    again = decode_entry(run_id, entry_id, encode_entry(event.type, event.body, t_ms=event.t_ms))
+    assert again == event
+    return event
+
+
+def check_meaning(s: Script, events: list[Event]) -> None:
+    """The decoded fields say what was done (catches positions swapped in a script)."""
+    seen_units: set[str] = set()
+    for event in events:
+        body = event.body
+        if isinstance(body, RunChanged):
+            assert body.run_id == s.run_id
+            assert body.config["max_reuse"] in (1, 2)
+        elif isinstance(body, Accepted):
+            for a in body.items:
+                assert (a.policy_version, a.tokens) == s.rollouts[a.rollout_id]
+                unit = a.rollout_id.rsplit("-", 1)[0] if "-" in a.rollout_id else a.rollout_id
+                assert a.unit_id == unit
+                assert a.new_unit == (unit not in seen_units)
+                seen_units.add(unit)
+        elif isinstance(body, Duplicate):
+            assert body.n == len(body.ids) > 0
+            assert all(rid in s.rollouts for rid in body.ids)
+        elif isinstance(body, Rejected):
+            for j in body.items:
+                assert j.reason == s.rejected[j.rollout_id]
+                assert (j.policy_version, j.tokens) == s.rollouts[j.rollout_id]
+        elif isinstance(body, Leased):
+            reply = s.leases[body.batch_id]
+            assert body.policy_version == reply["policy_version"]
+            assert body.trainer_id == s.trainers[body.batch_id]
+            by_id = {r["rollout_id"]: r for r in reply["rollouts"]}
+            assert [i.rollout_id for i in body.items] == list(by_id)
+            for i in body.items:
+                assert (i.policy_version, i.tokens) == s.rollouts[i.rollout_id]
+                assert i.lag == lag_of(body.policy_version, i.policy_version)
+                assert i.lag == by_id[i.rollout_id]["lag"]
+                assert i.uses_before == by_id[i.rollout_id]["uses"]
+        elif isinstance(body, Acked):
+            reply = s.leases[body.batch_id]
+            given = s.acks[body.batch_id]
+            assert body.policy_version == reply["policy_version"]
+            assert body.step == given.get("step")
+            assert [i.rollout_id for i in body.items] == [
+                r["rollout_id"] for r in reply["rollouts"]
+            ]
+            for i in body.items:
+                assert (i.policy_version, i.tokens) == s.rollouts[i.rollout_id]
+                ready = given.get("kl") or {}
+                if i.rollout_id in ready:
+                    assert i.kl == ready[i.rollout_id]
+                elif given.get("logprobs"):
+                    assert i.kl is not None and i.kl >= 0
+                else:
+                    assert i.kl is None
+            assert body.sums.kl_tokens == sum(i.tokens for i in body.items if i.kl is not None)
+        elif isinstance(body, Returned):
+            assert s.returned[body.batch_id] == event.type
+            reply = s.leases[body.batch_id]
+            assert [i.rollout_id for i in body.items] == [
+                r["rollout_id"] for r in reply["rollouts"]
+            ]
+            for i in body.items:
+                assert (i.policy_version, i.tokens) == s.rollouts[i.rollout_id]
+        else:
+            assert isinstance(body, Retired)
+            for r in body.items:
+                assert (r.policy_version, r.tokens) == s.rollouts[r.rollout_id]
+
+
+async def test_every_event_the_scripts_write_follows_the_schema(
+    api: httpx.AsyncClient, redis: Redis, prefix: str
+) -> None:
+    scripts = [await grouped_run(api, "schema-groups"), await single_run(api, "schema-one")]
+    types: set[str] = set()
+    reasons: set[str] = set()
+    for s in scripts:
+        entries = await stream_entries(redis, prefix, s.run_id)
+        assert entries
+        events = [check_round_trip(s.run_id, eid, fields) for eid, fields in entries]
+        check_meaning(s, events)
+        types |= {e.type for e in events}
+        reasons |= {e.body.reason for e in events if isinstance(e.body, Retired)}
+        reasons |= {i.reason for e in events if isinstance(e.body, Rejected) for i in e.body.items}
+    assert types == EVENT_TYPES
+    assert reasons >= RETIRE_REASONS | {"future_version"}
