@@ -1,5 +1,5 @@
 """The accounting side of the Redis event streams: the consumer group, reads, acks, dead
-letters and trimming. Key layout per docs/events.md; every key of a run shares its hash tag.
+letters and trimming. Key layout per app/broker/keys.py; every key of a run shares its hash tag.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from app.accounting.events import StreamId
+from app.broker import keys
 
 __all__ = [
     "CONSUMER_GROUP",
@@ -47,20 +48,21 @@ return false
 """
 
 
+# The key layout is app/broker/keys.py's; these names stay for the accounting's callers.
 def runs_key(prefix: str) -> str:
-    return f"{prefix}:runs"
+    return keys.runs_key(prefix)
 
 
 def events_key(prefix: str, run_id: str) -> str:
-    return f"{prefix}:{{{run_id}}}:events"
+    return keys.events_key(prefix, run_id)
 
 
 def dead_key(prefix: str, run_id: str) -> str:
-    return f"{prefix}:{{{run_id}}}:dead"
+    return keys.dead_key(prefix, run_id)
 
 
 def run_key(prefix: str, run_id: str) -> str:
-    return f"{prefix}:{{{run_id}}}:run"
+    return keys.run_key(prefix, run_id)
 
 
 @dataclass(frozen=True, slots=True)

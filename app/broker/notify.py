@@ -1,9 +1,10 @@
 """Wake-ups for long-polling trainers: one Redis pub/sub subscription per process.
 
-The scripts PUBLISH a run's key base on the wake channel whenever units become ready (ingest,
-nack, expiry, an ack that returns units). Waiters take the run's current event *before* they
-try to lease, so a wake-up that lands between the try and the wait is never lost. Pub/sub is
-fire-and-forget, so waiters also re-check at a slow fallback interval (not a tight loop).
+The scripts PUBLISH a run's tag (see app/broker/keys.py) on the wake channel whenever units
+become ready (ingest, nack, expiry, an ack that returns units). Waiters take the run's current
+event *before* they try to lease, so a wake-up that lands between the try and the wait is never
+lost. Pub/sub is fire-and-forget, so waiters also re-check at a slow fallback interval (not a
+tight loop).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import contextlib
 import logging
 
 from redis.asyncio import Redis
+
+from app.broker import keys
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +29,7 @@ class Waker:
         self._redis = redis
         self._fallback_s = fallback_s
         self._channel = channel
-        self._strip = len(prefix) + 2  # "<prefix>:{" ... "}:" around the run id
+        self._prefix = prefix
         self._events: dict[str, asyncio.Event] = {}
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
@@ -78,7 +81,7 @@ class Waker:
                         continue
                     data = msg["data"]
                     base = data.decode() if isinstance(data, bytes) else str(data)
-                    self.wake(base[self._strip : -1])
+                    self.wake(keys.run_of_wake(self._prefix, base))
             except asyncio.CancelledError:
                 raise
             except Exception:  # connection lost: resubscribe; waiters fall back meanwhile
