@@ -72,3 +72,7 @@ async def run_drain(
         done()
         if counts.streams == 0:
             await _pause(stop_event, ctx.options.block_ms / 1000)
+
+
+if __name__ == "__main__":  # the entry point this module used to be
+    raise SystemExit("`python -m workers.drain` is gone: run `rollout-broker worker`")
