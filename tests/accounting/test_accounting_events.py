@@ -71,14 +71,14 @@ def test_encoder_writes_what_lua_writes() -> None:
         batch_id="b",
         step=None,
         policy_version=3,
-        items=(AckedItem("r1", 3, 10, None), AckedItem("r2", 2, 5, 0.25)),
+        items=(AckedItem("r1", 3, 10, None), AckedItem("r2", 2, 5, 0.123456789)),
         stats=AckStats(),
         sums=AckSums(kl_tokens=5, kl_sum=1.25),
     )
     assert encode_payload("acked", body) == {
         "batch_id": "b",
         "policy_version": 3,
-        "items": [["r1", 3, 10], ["r2", 2, 5, 0.25]],
+        "items": [["r1", 3, 10], ["r2", 2, 5, 0.123456789]],
         "sums": {"kl_tokens": 5, "kl_sum": 1.25, "ratio_tokens": 0, "ratio_sum": 0.0, "clipped": 0},
     }
     accepted = Accepted((AcceptedItem("r", "u", 0, 3, True),))

@@ -6,6 +6,7 @@ unchanged from the schema's encoder. A script whose `emit` drifts from the schem
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import httpx
@@ -65,6 +66,7 @@ class Script:
         self.leases: dict[str, dict[str, Any]] = {}  # batch_id -> the lease's reply
         self.trainers: dict[str, str | None] = {}  # batch_id -> trainer_id asked for
         self.acks: dict[str, dict[str, Any]] = {}  # batch_id -> the ack's body
+        self.answers: dict[str, dict[str, Any]] = {}  # batch_id -> the ack's reply
         self.returned: dict[str, str] = {}  # batch_id -> nacked | expired
 
     async def send(self, *rollouts: dict[str, Any]) -> dict[str, Any]:
@@ -89,6 +91,7 @@ class Script:
         resp = await ack(self.client, self.run_id, batch["batch_id"], **body)
         if resp.status_code == 200:
             self.acks[batch["batch_id"]] = body
+            self.answers[batch["batch_id"]] = resp.json()
         return resp
 
     async def nack(self, batch: dict[str, Any]) -> None:
@@ -260,6 +263,8 @@ def check_meaning(s: Script, events: list[Event]) -> None:
                 else:
                     assert i.kl is None
             assert body.sums.kl_tokens == sum(i.tokens for i in body.items if i.kl is not None)
+            # The reply's stats are stored apart from the event (and reach JSON exactly).
+            assert dataclasses.asdict(body.stats) == s.answers[body.batch_id]["stats"]
         elif isinstance(body, Returned):
             assert s.returned[body.batch_id] == event.type
             reply = s.leases[body.batch_id]
