@@ -2,6 +2,8 @@
 ``{"error": <class name>, "detail": <text>}`` with the class's HTTP status.
 
     BrokerError (500)
+    ├── InternalError (500)        a broker bug, e.g. a store error code with no entry in
+    │                              app/broker/replies.py's table (logged where it is raised)
     ├── BadRequest (400)
     ├── NotFound (404)
     │   ├── RunNotFound
@@ -32,6 +34,10 @@ class BrokerError(Exception):
     @property
     def name(self) -> str:
         return type(self).__name__
+
+
+class InternalError(BrokerError):
+    pass
 
 
 class BadRequest(BrokerError):

@@ -7,10 +7,11 @@ themselves live in the Lua scripts (atomic state changes) and in stats.py (numpy
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -32,6 +33,7 @@ from app.broker.packing import (
     pack_rollout,
     unpack_rollouts,
 )
+from app.broker.replies import AckAnswer, ErrorContext, StoreError, error_for
 from app.broker.schemas import (
     AckBody,
     AckResult,
@@ -44,19 +46,8 @@ from app.broker.schemas import (
     Run,
 )
 from app.broker.stats import BatchFigures, Measured, batch_figures
-from app.broker.store import BatchMember, BatchView, Lease, RedisStore, RunState, StoreError
-from app.errors import (
-    BatchNotFound,
-    BatchSettled,
-    LeaseExpired,
-    OverCapacity,
-    RunConflict,
-    RunNotFound,
-    ValidationFailed,
-    VersionConflict,
-)
-
-_STATE_WORDS = {"a": "acked", "n": "nacked", "e": "expired", "l": "leased"}
+from app.broker.store import BatchMember, BatchView, Lease, RedisStore, RunState
+from app.errors import BrokerError, RunNotFound, ValidationFailed
 
 
 def iso_ms(ms: int) -> str:
@@ -103,6 +94,22 @@ class Broker:
         self.retry_after_s = retry_after_s
         self.behaviour = BehaviourCache(behaviour_cache_bytes)
 
+    @contextlib.contextmanager
+    def _refusals(
+        self,
+        run_id: str,
+        *,
+        batch_id: str | None = None,
+        size: int | None = None,
+        version: int | None = None,
+    ) -> Iterator[None]:
+        """Raise a script's refusal as the broker error the table in replies.py gives it."""
+        try:
+            yield
+        except StoreError as err:
+            ctx = ErrorContext(run_id, batch_id, size, version, self.retry_after_s)
+            raise error_for(err, ctx) from None
+
     # -- runs -----------------------------------------------------------------------------
     async def _run(self, run_id: str) -> RunState:
         state = await self.store.get_run(run_id)
@@ -114,9 +121,8 @@ class Broker:
         """The run and whether it was created now (False: it existed with the same config)."""
         rid = run_id or new_run_id()
         cfg = config or RunConfig()
-        outcome = await self.store.create_run(rid, cfg)
-        if outcome == "conflict":
-            raise RunConflict(f"run {rid!r} exists with a different config")
+        with self._refusals(rid):
+            outcome = await self.store.create_run(rid, cfg)
         return run_view(await self._run(rid)), outcome == "created"
 
     async def get_run(self, run_id: str) -> Run:
@@ -132,26 +138,20 @@ class Broker:
                 new = state.config.merged(patch)
             except ValueError as exc:
                 raise ValidationFailed(f"invalid config: {exc}") from None
-            outcome = await self.store.replace_config(run_id, state.config_json, new)
-            if outcome == "missing":
-                raise RunNotFound(f"no run {run_id!r}")
-            if outcome == "ok":
+            with self._refusals(run_id):
+                outcome = await self.store.replace_config(run_id, state.config_json, new)
+            if outcome == "replaced":
                 return run_view(await self._run(run_id))
             # 'changed': another patch landed between our read and write; merge again.
 
     async def close_run(self, run_id: str) -> Run:
-        if not await self.store.close_run(run_id):
-            raise RunNotFound(f"no run {run_id!r}")
+        with self._refusals(run_id):
+            await self.store.close_run(run_id)
         return run_view(await self._run(run_id))
 
     async def set_policy(self, run_id: str, version: int) -> PolicyResult:
-        outcome, current, evicted = await self.store.set_policy(run_id, version)
-        if outcome == "missing":
-            raise RunNotFound(f"no run {run_id!r}")
-        if outcome == "backwards":
-            raise VersionConflict(
-                f"policy version {version} is below the run's current version {current}"
-            )
+        with self._refusals(run_id, version=version):
+            current, evicted = await self.store.set_policy(run_id, version)
         return PolicyResult(policy_version=current, evicted=evicted)
 
     # -- rollouts -------------------------------------------------------------------------
@@ -178,39 +178,13 @@ class Broker:
 
     async def ingest(self, run_id: str, rollouts: Sequence[RolloutJSON]) -> IngestResult:
         packed = self.pack(rollouts)
-        try:
+        with self._refusals(run_id):
             out = await self.store.ingest(run_id, packed)
-        except StoreError as err:
-            raise self._ingest_error(run_id, err) from None
         return IngestResult(
             accepted=out.accepted,
             duplicates=out.duplicates,
             rejected=[Rejection(rollout_id=r, reason=why) for r, why in out.rejected],
         )
-
-    def _ingest_error(self, run_id: str, err: StoreError) -> Exception:
-        a = err.args_
-        if err.code == "missing":
-            return RunNotFound(f"no run {run_id!r}")
-        if err.code == "group_missing":
-            return ValidationFailed(
-                f"rollout {a[0]!r} has no group_id, and this run's group_size is above 1"
-            )
-        if err.code == "group_overflow":
-            return ValidationFailed(
-                f"group {a[0]!r} would have {a[1]} rollouts, more than its group_size {a[2]}"
-            )
-        if err.code == "group_done":
-            return ValidationFailed(
-                f"group {a[0]!r} was already complete and handed out or retired; "
-                "it takes no more rollouts"
-            )
-        if err.code == "capacity":
-            return OverCapacity(
-                f"run {run_id!r} holds {a[0]} rollouts, its capacity is {a[1]}; retry later",
-                retry_after_s=self.retry_after_s,
-            )
-        return RuntimeError(f"ingest failed: {err.code}")
 
     # -- batches --------------------------------------------------------------------------
     async def lease(
@@ -251,29 +225,11 @@ class Broker:
                     wait_ms=0 if last else int(self.waker.wait_window(remaining) * 1000) + 1000,
                 )
             except StoreError as err:
-                if err.code == "missing":
-                    raise RunNotFound(f"no run {run_id!r}") from None
-                if err.code == "size":
-                    raise ValidationFailed(
-                        f"size {size} is not a multiple of this run's group_size {err.args_[0]}"
-                    ) from None
-                if err.code == "gone" and batch_id is None:
+                if err.code == "lease_lost" and batch_id is None:
                     bid = uuid.uuid4().hex  # ran out before delivery: try afresh
                     continue
-                if err.code == "gone":
-                    raise LeaseExpired(
-                        f"the lease of batch {bid!r} ran out before it could be delivered; "
-                        "lease again with a new batch_id"
-                    ) from None
-                if err.code == "settled":
-                    raise BatchSettled(
-                        f"batch {bid!r} was already {_STATE_WORDS.get(err.args_[0], 'settled')}; "
-                        "choose a new batch_id"
-                    ) from None
-                raise ValidationFailed(
-                    f"policy_version {policy_version} is above the run's current version "
-                    f"{err.args_[0]}"
-                ) from None
+                ctx = ErrorContext(run_id, bid, size, policy_version, self.retry_after_s)
+                raise error_for(err, ctx) from None
             if isinstance(got, Lease):
                 rollouts = unpack_rollouts([r.blob for r in got.rollouts])
                 self.behaviour.put(
@@ -305,9 +261,9 @@ class Broker:
         new_lp: dict[str, Any] = body.logprobs or {}
         ready_kl = body.kl or {}
         view, rows = await self._batch_for_ack(run_id, batch_id, bool(new_lp))
-        if view.state != "l":
+        if view.answer is not None:  # acked before: the same answer again
             self.behaviour.pop(run_id, batch_id)
-            return self._settled_ack(view.state, view.answer, view.size, batch_id)
+            return _ack_result(view.answer, view.size)
         unknown = (new_lp.keys() | ready_kl.keys()) - {row.rollout_id for row in rows}
         if unknown:
             raise ValidationFailed(
@@ -337,17 +293,18 @@ class Broker:
             clip_fraction=fig.clip_fraction,
             ess_fraction=fig.ess_fraction,
         )
-        outcome, answer = await self.store.ack(
-            run_id,
-            batch_id,
-            kl_mean=fig.kl_mean,
-            event=_acked_event(batch_id, body.step, view.policy_version, rows, fig, stats),
-            stats_text=stats.model_dump_json(),
-        )
-        self.behaviour.pop(run_id, batch_id)
-        if answer is not None:
-            return self._answer(answer, view.size)
-        return self._settled_ack(outcome, None, view.size, batch_id)
+        try:
+            with self._refusals(run_id, batch_id=batch_id):
+                _, answer = await self.store.ack(
+                    run_id,
+                    batch_id,
+                    kl_mean=fig.kl_mean,
+                    event=_acked_event(batch_id, body.step, view.policy_version, rows, fig, stats),
+                    stats_text=stats.model_dump_json(),
+                )
+        finally:
+            self.behaviour.pop(run_id, batch_id)
+        return _ack_result(answer, view.size)
 
     async def _batch_for_ack(
         self, run_id: str, batch_id: str, measure: bool
@@ -357,47 +314,21 @@ class Broker:
         when the ack brings logprobs to ``measure``)."""
         kept = self.behaviour.get(run_id, batch_id)
         try:
-            view = await self.store.batch_view(
-                run_id,
-                batch_id,
-                rollouts="none" if kept is not None else "blobs" if measure else "meta",
-            )
-        except StoreError:
-            raise RunNotFound(f"no run {run_id!r}") from None
-        if view is None:
-            raise BatchNotFound(f"no batch {batch_id!r} in run {run_id!r}")
+            with self._refusals(run_id, batch_id=batch_id):
+                view = await self.store.batch_view(
+                    run_id,
+                    batch_id,
+                    rollouts="none" if kept is not None else "blobs" if measure else "meta",
+                )
+        except BrokerError:
+            self.behaviour.pop(run_id, batch_id)  # nacked, expired or gone: no ack will come
+            raise
         return view, kept if kept is not None else [_row(m) for m in view.members]
-
-    @staticmethod
-    def _answer(answer: str, size: int) -> AckResult:
-        retired, flushed, stats = answer.split(",", 2)
-        return AckResult(
-            consumed=size,
-            retired=int(retired),
-            flushed=int(flushed),
-            stats=BatchStats.model_validate_json(stats),
-        )
-
-    def _settled_ack(self, state: str, answer: str | None, size: int, batch_id: str) -> AckResult:
-        if state in ("a", "acked") and answer is not None:
-            return self._answer(answer, size)
-        if state in ("e", "expired"):
-            raise LeaseExpired(f"the lease of batch {batch_id!r} expired; its rollouts went back")
-        if state in ("n", "nacked"):
-            raise BatchSettled(f"batch {batch_id!r} was nacked; it cannot be acked")
-        raise BatchNotFound(f"no batch {batch_id!r}")
 
     async def nack(self, run_id: str, batch_id: str) -> NackResult:
         self.behaviour.pop(run_id, batch_id)
-        outcome, n = await self.store.nack(run_id, batch_id)
-        if outcome == "missing":
-            raise RunNotFound(f"no run {run_id!r}")
-        if outcome == "batch_missing":
-            raise BatchNotFound(f"no batch {batch_id!r} in run {run_id!r}")
-        if outcome == "acked":
-            raise BatchSettled(f"batch {batch_id!r} was acked; it cannot be nacked")
-        if outcome == "expired":
-            raise LeaseExpired(f"the lease of batch {batch_id!r} expired; its rollouts went back")
+        with self._refusals(run_id, batch_id=batch_id):
+            _, n = await self.store.nack(run_id, batch_id)
         return NackResult(returned=n)
 
     # -- maintenance ----------------------------------------------------------------------
@@ -405,12 +336,21 @@ class Broker:
         """One clean-up pass over every run; returns rollouts retired."""
         total = 0
         for rid in await self.store.run_ids():
-            more = 1
+            more = True
             while more:
-                more, n = await self.store.sweep(rid)
-                total += n
+                step = await self.store.sweep(rid)
+                more, total = step.more, total + step.total
             await asyncio.sleep(0)
         return total
+
+
+def _ack_result(answer: AckAnswer, size: int) -> AckResult:
+    return AckResult(
+        consumed=size,
+        retired=answer.retired,
+        flushed=answer.flushed,
+        stats=BatchStats.model_validate_json(answer.stats_json),
+    )
 
 
 def _row(m: BatchMember) -> BatchRow:

@@ -1,8 +1,9 @@
-"""The Redis store: key layout and the Lua scripts that change it atomically.
+"""The Redis store: the Lua scripts that change a run's keys atomically, and the reads that
+need no script.
 
-Every key of a run shares the hash tag ``{run_id}``; see docs/design.md for the layout. Each
-method is one script call (or a short loop of bounded calls); the Python side only packs
-arguments and unpacks replies.
+Every key of a run shares the hash tag ``{run_id}``; app/broker/keys.py defines the layout.
+Each method is one script call (or a short loop of bounded calls); replies are decoded by
+app/broker/replies.py, which raises StoreError when a script refuses.
 """
 
 from __future__ import annotations
@@ -17,11 +18,38 @@ from typing import Any, Literal
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
+from app.broker import keys
 from app.broker.config import RunConfig
 from app.broker.packing import PackedRollout
+from app.broker.replies import AckAnswer, StoreError, ack_answer, decode, text
+
+__all__ = [
+    "LEASE_SWEEP_LIMIT",
+    "SWEEP_LIMIT",
+    "AckAnswer",
+    "BatchMember",
+    "BatchView",
+    "IngestOutcome",
+    "Lease",
+    "LeasedRollout",
+    "RedisStore",
+    "RunState",
+    "StoreError",
+    "SweepOutcome",
+    "scan_limit",
+]
 
 SWEEP_LIMIT = 1000  # units retired / leases expired per bounded call
 LEASE_SWEEP_LIMIT = 64  # the lazy clean-up a lease call does first
+ACK_FLUSH_LIMIT = 10 * SWEEP_LIMIT  # units a kl_flush retires within the ack itself
+
+# A lease call looks at no more than SCAN_PER_ROLLOUT units per rollout asked for, plus
+# SCAN_SLACK: enough to step over the units it cannot hand out (retired on the way, of a later
+# version than the trainer's, groups too big for what is left of the batch) without letting
+# one call walk a whole buffer of them while Redis waits.
+SCAN_PER_ROLLOUT = 4
+SCAN_SLACK = 256
+
 _SCRIPTS = (
     "create_run",
     "patch_config",
@@ -36,19 +64,14 @@ _SCRIPTS = (
 )
 
 
+def scan_limit(size: int) -> int:
+    return SCAN_PER_ROLLOUT * size + SCAN_SLACK
+
+
 def _load_scripts() -> dict[str, str]:
     pkg = resources.files("app.broker") / "lua"
-    common = (pkg / "common.lua").read_text()
-    return {name: common + "\n" + (pkg / f"{name}.lua").read_text() for name in _SCRIPTS}
-
-
-class StoreError(Exception):
-    """A script refused the call; ``code`` says why (the service maps it to an HTTP error)."""
-
-    def __init__(self, code: str, *args: str) -> None:
-        super().__init__(code, *args)
-        self.code = code
-        self.args_ = args
+    prologue = keys.lua_prologue() + (pkg / "common.lua").read_text()
+    return {name: prologue + "\n" + (pkg / f"{name}.lua").read_text() for name in _SCRIPTS}
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,58 +119,66 @@ class BatchMember:
 
 @dataclass(frozen=True, slots=True)
 class BatchView:
-    """A batch as the ack needs it before the ack script runs."""
+    """A batch as the ack needs it before the ack script runs: leased, or acked already (a
+    batch that was nacked or expired is refused with a StoreError)."""
 
     config: RunConfig  # the run's
-    state: str  # 'l' leased, 'a' acked, 'n' nacked, 'e' expired
+    state: Literal["leased", "acked"]
     policy_version: int
     size: int
-    answer: str | None
-    members: list[BatchMember]  # while leased
+    answer: AckAnswer | None  # when acked
+    members: list[BatchMember]  # while leased, when asked for
 
 
-def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
+@dataclass(frozen=True, slots=True)
+class SweepOutcome:
+    more: bool  # work was left for another call
+    retired: dict[str, int]  # rollouts retired, by reason
+
+    @property
+    def total(self) -> int:
+        return sum(self.retired.values())
+
+
+def _counts(rows: Sequence[Any]) -> dict[str, int]:
+    """A retired_counts() reply value: {reason: rollouts}."""
+    return {text(reason): int(n) for reason, n in rows}
 
 
 class RedisStore:
     def __init__(self, redis: Redis, prefix: str) -> None:
         self.redis = redis
         self.prefix = prefix
-        self.wake_channel = f"{prefix}:wake"
+        self.wake_channel = keys.wake_channel(prefix)
         self._scripts: dict[str, AsyncScript] = {
             name: redis.register_script(src) for name, src in _load_scripts().items()
         }
 
     # -- keys -----------------------------------------------------------------------------
-    def base(self, run_id: str) -> str:
-        return f"{self.prefix}:{{{run_id}}}:"
-
     def run_key(self, run_id: str) -> str:
-        return self.base(run_id) + "run"
+        return keys.run_key(self.prefix, run_id)
 
     def events_key(self, run_id: str) -> str:
-        return self.base(run_id) + "events"
+        return keys.events_key(self.prefix, run_id)
 
     @property
     def runs_key(self) -> str:
-        return f"{self.prefix}:runs"
+        return keys.runs_key(self.prefix)
 
     async def _call(self, name: str, run_id: str, *args: Any) -> list[Any]:
+        """The body of the script's ok reply; StoreError when it refuses."""
         reply = await self._scripts[name](
             keys=[self.run_key(run_id)], args=[self.wake_channel, *args]
         )
-        return list(reply)
+        return decode(name, reply)
 
     # -- runs -----------------------------------------------------------------------------
-    async def create_run(self, run_id: str, config: RunConfig) -> str:
-        """'created', 'exists' (same config) or 'conflict'."""
-        reply = await self._call("create_run", run_id, run_id, config.canonical_json())
-        outcome = _s(reply[0])
-        if outcome != "conflict":
-            # The index is a separate slot (listing only); adding again on a retry is harmless.
-            await self.redis.zadd(self.runs_key, {run_id: time.time() * 1000}, nx=True)
-        return outcome
+    async def create_run(self, run_id: str, config: RunConfig) -> Literal["created", "exists"]:
+        """'created', or 'exists' with the same config; StoreError('run_conflict')."""
+        (outcome,) = await self._call("create_run", run_id, run_id, config.canonical_json())
+        # The index is a separate slot (listing only); adding again on a retry is harmless.
+        await self.redis.zadd(self.runs_key, {run_id: time.time() * 1000}, nx=True)
+        return "created" if text(outcome) == "created" else "exists"
 
     async def get_run(self, run_id: str) -> RunState | None:
         f: list[Any] = await self.redis.hmget(
@@ -155,13 +186,13 @@ class RedisStore:
         )
         if f[0] is None:
             return None
-        cfg = _s(f[0])
+        cfg = text(f[0])
         return RunState(
             run_id=run_id,
             config=RunConfig.model_validate_json(cfg),
             config_json=cfg,
             policy_version=int(f[1]),
-            status="closed" if _s(f[2]) == "closed" else "open",
+            status="closed" if text(f[2]) == "closed" else "open",
             created_at_ms=int(f[3]),
             live=int(f[4]),
             leased=int(f[5]),
@@ -169,7 +200,7 @@ class RedisStore:
         )
 
     async def run_ids(self) -> list[str]:
-        return [_s(x) for x in await self.redis.zrange(self.runs_key, 0, -1)]
+        return [text(x) for x in await self.redis.zrange(self.runs_key, 0, -1)]
 
     async def list_runs(self) -> list[RunState]:
         runs = []
@@ -179,39 +210,40 @@ class RedisStore:
                 runs.append(state)
         return runs
 
-    async def replace_config(self, run_id: str, expected_json: str, new: RunConfig) -> str:
-        """'ok', 'missing' or 'changed' (someone else patched first: merge again)."""
-        reply = await self._call("patch_config", run_id, expected_json, new.canonical_json())
-        return _s(reply[0])
+    async def replace_config(
+        self, run_id: str, expected_json: str, new: RunConfig
+    ) -> Literal["replaced", "changed"]:
+        """'replaced', or 'changed' (someone else patched first: merge again)."""
+        (outcome,) = await self._call("patch_config", run_id, expected_json, new.canonical_json())
+        return "replaced" if text(outcome) == "replaced" else "changed"
 
-    async def set_policy(self, run_id: str, version: int) -> tuple[str, int, int]:
-        """(outcome, policy_version, evicted); evicts in bounded steps until done."""
-        reply = await self._call("set_policy", run_id, str(version), SWEEP_LIMIT)
-        outcome = _s(reply[0])
-        if outcome != "ok":
-            return outcome, int(reply[1]) if len(reply) > 1 else 0, 0
-        evicted = int(reply[3])
-        more = int(reply[2])
-        while more:
-            more, n = await self.sweep(run_id)
-            evicted += n
-        return outcome, int(reply[1]), evicted
+    async def set_policy(
+        self, run_id: str, version: int, limit: int = SWEEP_LIMIT
+    ) -> tuple[int, int]:
+        """(policy_version, evicted): the rollouts this change retired as stale, in bounded
+        steps of ``limit`` until none is left. Other retirements of the same sweeps (expired
+        leases, timed-out groups) are not evictions by the new version."""
+        _, current, more, retired = await self._call("set_policy", run_id, str(version), limit)
+        evicted = _counts(retired).get("stale", 0)
+        while int(more):
+            step = await self.sweep(run_id, limit)
+            more, evicted = step.more, evicted + step.retired.get("stale", 0)
+        return int(current), evicted
 
-    async def close_run(self, run_id: str) -> bool:
-        reply = await self._call("close_run", run_id, SWEEP_LIMIT)
-        if _s(reply[0]) == "missing":
-            return False
-        more = int(reply[1])
-        while more:
-            more, _ = await self.sweep(run_id)
-        return True
+    async def close_run(self, run_id: str) -> None:
+        (more,) = await self._call("close_run", run_id, SWEEP_LIMIT)
+        while int(more):
+            more = (await self.sweep(run_id)).more
 
-    async def sweep(self, run_id: str, limit: int = SWEEP_LIMIT) -> tuple[int, int]:
-        """One bounded clean-up call: (more work left 0/1, rollouts retired)."""
-        reply = await self._call("sweep", run_id, limit)
-        if _s(reply[0]) == "missing":
-            return 0, 0
-        return int(reply[1]), int(reply[2])
+    async def sweep(self, run_id: str, limit: int = SWEEP_LIMIT) -> SweepOutcome:
+        """One bounded clean-up call."""
+        try:
+            more, retired = await self._call("sweep", run_id, limit)
+        except StoreError as err:
+            if err.code != "run_missing":
+                raise
+            return SweepOutcome(False, {})  # deleted by hand: nothing left to clean
+        return SweepOutcome(bool(int(more)), _counts(retired))
 
     # -- rollouts -------------------------------------------------------------------------
     async def ingest(self, run_id: str, rollouts: Sequence[PackedRollout]) -> IngestOutcome:
@@ -225,14 +257,11 @@ class RedisStore:
                 r.reward_text,
                 r.blob,
             ]
-        reply = await self._call("ingest", run_id, *args)
-        if _s(reply[0]) == "err":
-            raise StoreError(*[_s(x) for x in reply[1:]])
-        rest = [_s(x) for x in reply[3:]]
+        accepted, duplicates, rejected = await self._call("ingest", run_id, *args)
         return IngestOutcome(
-            accepted=int(reply[1]),
-            duplicates=int(reply[2]),
-            rejected=list(zip(rest[0::2], rest[1::2], strict=True)),
+            accepted=int(accepted),
+            duplicates=int(duplicates),
+            rejected=[(text(rid), text(reason)) for rid, reason in rejected],
         )
 
     # -- batches --------------------------------------------------------------------------
@@ -249,7 +278,7 @@ class RedisStore:
     ) -> Lease | int:
         """A Lease, or the number of eligible rollouts found when that was not enough; then, with
         ``wait_ms``, units that become ready in the run announce it for that long."""
-        reply = await self._call(
+        outcome, *body = await self._call(
             "lease",
             run_id,
             batch_id,
@@ -258,65 +287,53 @@ class RedisStore:
             1 if partial else 0,
             trainer_id or "",
             LEASE_SWEEP_LIMIT,
-            4 * size + 256,
+            scan_limit(size),
             secrets.randbits(31),
             wait_ms,
         )
-        head = _s(reply[0])
-        if head == "err":
-            raise StoreError(*[_s(x) for x in reply[1:]])
-        if head == "none":
-            return int(reply[1])
-        rest = reply[5:]
-        rids = [_s(rid) for rid in rest[2::3]]
+        if text(outcome) == "short":
+            (found,) = body
+            return int(found)
+        bid, version, expires_at, rows = body
+        blobs = await self.blobs(run_id, [text(rid) for _, _, rid in rows])
         rollouts = []
-        for uses, lag, blob in zip(
-            rest[0::3], rest[1::3], await self.blobs(run_id, rids), strict=True
-        ):
+        for (uses, lag, _), blob in zip(rows, blobs, strict=True):
             if blob is None:
                 # Only a lease that ran out already, and whose rollouts then retired, loses them.
-                raise StoreError("gone", _s(reply[1]))
+                raise StoreError("lease_lost")
             rollouts.append(LeasedRollout(int(uses), int(lag), blob))
-        return Lease(_s(reply[1]), int(reply[2]), int(reply[3]), rollouts)
+        return Lease(text(bid), int(version), int(expires_at), rollouts)
 
     async def blobs(self, run_id: str, rollout_ids: Sequence[str]) -> list[bytes | None]:
         """The packed rollouts, in one MGET (None for one that is gone)."""
         if not rollout_ids:
             return []
-        base = self.base(run_id)
-        got: list[Any] = await self.redis.mget([f"{base}d:{rid}" for rid in rollout_ids])
+        got: list[Any] = await self.redis.mget(
+            [keys.member_key(self.prefix, run_id, keys.BLOB, rid) for rid in rollout_ids]
+        )
         return got
 
     async def batch_view(
         self, run_id: str, batch_id: str, *, rollouts: Literal["none", "meta", "blobs"]
-    ) -> BatchView | None:
+    ) -> BatchView:
         """The batch's state and, while it is leased and unless ``rollouts`` is 'none', its
-        rollouts ('blobs': with their packed rollouts); None when there is no such batch.
-        Raises StoreError('missing') when there is no such run."""
-        reply = await self._call(
+        rollouts ('blobs': with their packed rollouts). StoreError for no such run or batch,
+        and for a batch that was nacked or expired."""
+        state, cfg, version, size, rest = await self._call(
             "batch_view", run_id, batch_id, "none" if rollouts == "none" else "meta"
         )
-        if not reply:
-            raise StoreError("missing")
-        config, reply = RunConfig.model_validate_json(reply[0]), reply[1:]
-        if not reply:
-            return None
-        rest = reply[4:]
-        rids = [_s(rid) for rid in rest[0::3]]
+        config = RunConfig.model_validate_json(cfg)
+        if text(state) == "acked":
+            return BatchView(config, "acked", int(version), int(size), ack_answer(rest), [])
+        rids = [text(rid) for rid, _, _ in rest]
         blobs: list[bytes | None] = [None] * len(rids)
         if rollouts == "blobs":
             blobs = await self.blobs(run_id, rids)
-        return BatchView(
-            config=config,
-            state=_s(reply[0]),
-            policy_version=int(reply[1]),
-            size=int(reply[2]),
-            answer=_s(reply[3]) if reply[3] is not None else None,
-            members=[
-                BatchMember(rid, int(v), int(n), blob)
-                for rid, v, n, blob in zip(rids, rest[1::3], rest[2::3], blobs, strict=True)
-            ],
-        )
+        members = [
+            BatchMember(rid, int(v), int(n), blob)
+            for rid, (_, v, n), blob in zip(rids, rest, blobs, strict=True)
+        ]
+        return BatchView(config, "leased", int(version), int(size), None, members)
 
     async def ack(
         self,
@@ -326,28 +343,25 @@ class RedisStore:
         kl_mean: float | None,
         event: bytes,
         stats_text: str,
-    ) -> tuple[str, str | None]:
-        """('ok'|'acked', answer) or ('missing'|'batch_missing'|'nacked'|'expired', None).
+    ) -> tuple[Literal["acked", "repeat"], AckAnswer]:
+        """('acked', answer), or ('repeat', the answer stored by the first ack); StoreError
+        for no such run or batch, and for a batch that was nacked or expired.
 
         ``event`` is the msgpack payload of the ``acked`` event; its items carry each rollout's
         measured KL, which the script also gates on."""
-        reply = await self._call(
+        outcome, answer = await self._call(
             "ack",
             run_id,
             batch_id,
             "" if kl_mean is None else repr(kl_mean),
             event,
             stats_text,
-            SWEEP_LIMIT * 10,
+            ACK_FLUSH_LIMIT,
         )
-        head = _s(reply[0])
-        if head == "err":
-            return _s(reply[1]), None
-        return head, _s(reply[1])
+        return ("acked" if text(outcome) == "acked" else "repeat"), ack_answer(answer)
 
-    async def nack(self, run_id: str, batch_id: str) -> tuple[str, int]:
-        reply = await self._call("nack", run_id, batch_id)
-        head = _s(reply[0])
-        if head == "err":
-            return _s(reply[1]), 0
-        return head, int(reply[1])
+    async def nack(self, run_id: str, batch_id: str) -> tuple[Literal["nacked", "repeat"], int]:
+        """('nacked', rollouts returned), or ('repeat', the same count) for a batch nacked
+        before; StoreError for no such run or batch, and for one acked or expired."""
+        outcome, returned = await self._call("nack", run_id, batch_id)
+        return ("nacked" if text(outcome) == "nacked" else "repeat"), int(returned)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tests.api.support import assert_error, ids, nack, retired, retired_items, set_policy
@@ -99,3 +101,22 @@ async def test_a_leased_rollout_that_became_stale_retires_on_ack(api, redis, pre
     assert resp.json()["consumed"] == 1
     assert resp.json()["retired"] == 1
     assert (await retired_items(redis, prefix, "r1")) == {"stale": [["b", 0, 4, 0], ["a", 0, 4, 1]]}
+
+
+async def test_evicted_counts_only_what_the_new_version_made_stale(api, redis, prefix):
+    """The same sweep also times out incomplete groups (and expires leases); those rollouts
+    retire for their own reasons, not because the version moved, so they are not evicted."""
+    await make_run(api, "r1", group_size=2, max_staleness=1, group_timeout_s=0.05)
+    await post(api, "r1", rollout("lonely", group="g0"))  # never completes
+    await asyncio.sleep(0.1)  # past its timeout; no worker sweeps in these tests
+    assert await set_policy(api, "r1", 1) == {"policy_version": 1, "evicted": 0}
+    assert await retired(redis, prefix, "r1") == {"incomplete_group": ["lonely"]}
+
+    await post(api, "r1", rollout("a", 1, group="g1"), rollout("b", 1, group="g1"))
+    await post(api, "r1", rollout("late", 1, group="g2"))
+    await asyncio.sleep(0.1)
+    assert await set_policy(api, "r1", 3) == {"policy_version": 3, "evicted": 2}
+    assert await retired(redis, prefix, "r1") == {
+        "incomplete_group": ["late", "lonely"],
+        "stale": ["a", "b"],
+    }

@@ -84,7 +84,9 @@ async def new_run(store, **cfg) -> RunConfig:
 async def test_create_is_idempotent_and_conflicts_on_another_config(store):
     await new_run(store, max_reuse=2)
     assert await store.create_run("r", RunConfig(max_reuse=2)) == "exists"
-    assert await store.create_run("r", RunConfig(max_reuse=3)) == "conflict"
+    with pytest.raises(StoreError) as err:
+        await store.create_run("r", RunConfig(max_reuse=3))
+    assert err.value.code == "run_conflict"
     assert [e for e, _ in await events(store)] == ["run"]  # only the real change left an event
     assert await store.run_ids() == ["r"]
 
@@ -118,7 +120,7 @@ async def test_a_refused_request_stores_nothing(store, redis, prefix):
     assert err.value.code == "group_overflow"
     with pytest.raises(StoreError) as err:
         await store.ingest("r", [packed(f"x{i}", group=f"g{i // 2}") for i in range(4)])
-    assert err.value.code == "capacity"
+    assert err.value.code == "over_capacity"
     with pytest.raises(StoreError) as err:
         await store.ingest("r", [packed("a", group="g"), packed("nogroup")])
     assert err.value.code == "group_missing"
@@ -177,7 +179,7 @@ async def test_random_order_draws_differently_each_time(store):
     for _ in range(60):
         got = await lease(store, 1)
         drawn[ids(got)[0]] += 1
-        assert (await store.nack("r", got.batch_id))[0] == "ok"
+        assert (await store.nack("r", got.batch_id))[0] == "nacked"
     # Uniform draws: fewer than 8 distinct of 20 in 60 draws has probability below 1e-12.
     assert len(drawn) >= 8, drawn
 
@@ -197,7 +199,7 @@ async def test_reuse_until_max_reuse_then_retire(store):
     for use in range(3):
         got = await lease(store, 1)
         assert ids(got) == ["a"] and got.rollouts[0].uses == use
-        assert (await ack(store, got))[0] == "ok"
+        assert (await ack(store, got))[0] == "acked"
     assert await lease(store, 1) == 0
     assert await retired(store) == {"max_reuse": ["a"]}
     assert (await store.get_run("r")).live == 0
@@ -216,7 +218,7 @@ async def test_kl_above_kl_max_retires_the_whole_group(store):
     )
     got = await lease(store, 4)
     outcome, answer = await ack(store, got, kl=[("a", 0.01), ("b", 0.2), ("c", 0.04)])
-    assert outcome == "ok" and answer.startswith("2,0,")  # two retired, none flushed
+    assert outcome == "acked" and (answer.retired, answer.flushed) == (2, 0)
     assert await retired(store) == {"kl": ["a", "b"]}
     again = await lease(store, 2)
     assert sorted(ids(again)) == ["c", "d"]
@@ -230,7 +232,7 @@ async def test_kl_flush_retires_older_versions_and_raises_the_floor(store):
     got = await lease(store, 1)
     assert ids(got) == ["new"]
     outcome, answer = await ack(store, got, kl=[("new", 0.5)], kl_mean=0.5)
-    assert outcome == "ok" and answer.startswith("0,3,")
+    assert outcome == "acked" and (answer.retired, answer.flushed) == (0, 3)
     assert sorted((await retired(store))["kl_flush"]) == ["mid", "old1", "old2"]
     # Below the floor is refused at ingest too, as stale: it is as far off-policy as the flushed.
     out = await store.ingest("r", [packed("late", 1), packed("ok", 2)])
@@ -252,17 +254,18 @@ async def test_policy_advance_evicts_in_bounded_steps(store):
     await new_run(store, max_staleness=0)
     await store.ingest("r", [packed(f"x{i}") for i in range(25)])
     await store.ingest("r", [packed("g1", group=None)])
-    outcome, version, evicted = await store.set_policy("r", 1)
-    assert (outcome, version, evicted) == ("ok", 1, 26)
-    assert await store.set_policy("r", 1) == ("same", 1, 0)
-    assert (await store.set_policy("r", 0))[0] == "backwards"
+    assert await store.set_policy("r", 1) == (1, 26)
+    assert await store.set_policy("r", 1) == (1, 0)
+    with pytest.raises(StoreError) as err:
+        await store.set_policy("r", 0)
+    assert (err.value.code, err.value.args_) == ("version_backwards", ("1",))
     await store.ingest("r", [packed(f"y{i}", 1) for i in range(25)])
     await store.redis.hset(store.run_key("r"), "ver", 2)  # move on without the eager eviction
     steps = []
     while True:
-        more, n = await store.sweep("r", limit=10)
-        steps.append(n)
-        if not more:
+        step = await store.sweep("r", limit=10)
+        steps.append(step.total)
+        if not step.more:
             break
     assert steps[:3] == [10, 10, 5] and sum(steps) == 25
 
@@ -299,7 +302,9 @@ async def test_expired_leases_return_unused_and_acks_then_fail(store):
     await store.ingest("r", [packed("a")])
     got = await lease(store, 1)
     await asyncio.sleep(0.1)  # the lease's own clock has to pass; nothing races here
-    assert await ack(store, got) == ("expired", None)
+    with pytest.raises(StoreError) as err:
+        await ack(store, got)
+    assert err.value.code == "lease_expired"
     again = await lease(store, 1)
     assert ids(again) == ["a"] and again.rollouts[0].uses == 0
     assert [e for e, _ in await events(store)].count("expired") == 1
@@ -309,20 +314,24 @@ async def test_nack_returns_unused_and_is_idempotent(store):
     await new_run(store)
     await store.ingest("r", [packed("a")])
     got = await lease(store, 1)
-    assert await store.nack("r", got.batch_id) == ("ok", 1)
     assert await store.nack("r", got.batch_id) == ("nacked", 1)
-    assert await ack(store, got) == ("nacked", None)
+    assert await store.nack("r", got.batch_id) == ("repeat", 1)
+    with pytest.raises(StoreError) as err:
+        await ack(store, got)
+    assert err.value.code == "batch_nacked"
     again = await lease(store, 1)
     assert again.rollouts[0].uses == 0
-    assert (await ack(store, again))[0] == "ok"
-    assert await store.nack("r", again.batch_id) == ("acked", 0)
+    assert (await ack(store, again))[0] == "acked"
+    with pytest.raises(StoreError) as err:
+        await store.nack("r", again.batch_id)
+    assert err.value.code == "batch_acked"
 
 
 async def test_close_retires_buffered_now_and_leased_when_they_return(store):
     await new_run(store, max_reuse=2)
     await store.ingest("r", [packed("a"), packed("b")])
     got = await lease(store, 1)
-    assert await store.close_run("r")
+    await store.close_run("r")
     assert await retired(store) == {"run_closed": ["b"]}
     await ack(store, got)
     assert (await retired(store))["run_closed"] == ["b", "a"]
@@ -332,8 +341,9 @@ async def test_close_retires_buffered_now_and_leased_when_they_return(store):
 
 async def test_lease_above_current_version_is_refused(store):
     await new_run(store)
-    with pytest.raises(StoreError):
+    with pytest.raises(StoreError) as err:
         await lease(store, 1, version=1)
+    assert (err.value.code, err.value.args_) == ("version_future", ("0",))
 
 
 async def test_concurrent_leases_never_share_a_rollout(store, redis):
@@ -378,6 +388,17 @@ async def test_measured_kl_is_kept_exactly_for_the_lease_time_gate(store):
     await ack(store, got, kl=[("a", just_above), ("b", 0.05)])
     assert await retired(store) == {}  # both within 0.06
     tightened = cfg.model_copy(update={"kl_max": 0.05})
-    assert await store.replace_config("r", cfg.canonical_json(), tightened) == "ok"
+    assert await store.replace_config("r", cfg.canonical_json(), tightened) == "replaced"
     assert ids(await lease(store, 2, partial=True)) == ["b"]  # 0.05 is not above 0.05
     assert await retired(store) == {"kl": ["a"]}
+
+
+async def test_evicted_is_the_stale_retirements_of_every_bounded_step(store):
+    await new_run(store, max_staleness=0, group_size=2, group_timeout_s=0.05)
+    await store.ingest("r", [packed(f"x{i}", group=f"g{i // 2}") for i in range(50)])
+    await store.ingest("r", [packed("lonely", group="open")])
+    await asyncio.sleep(0.1)  # the open group timed out: its retirement is no eviction
+    # 25 complete groups and 1 timed-out one, at most 10 units a step: three follow-up sweeps.
+    assert await store.set_policy("r", 1, limit=10) == (1, 50)
+    assert sorted(await retired(store)) == ["incomplete_group", "stale"]
+    assert len((await retired(store))["stale"]) == 50

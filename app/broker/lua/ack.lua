@@ -5,19 +5,21 @@
 --       stats text (stored for repeats), flush_limit. The event's items [rollout_id, version,
 --       tokens, kl?] are also where each rollout's measured KL comes from, so the KL gate and the
 --       accounting read one record.
--- Returns {'ok', answer} | {'acked', answer} | {'err', 'missing'|'batch_missing'|'nacked'|'expired'}.
-if not load_run() then return { 'err', 'missing' } end
+-- Returns ok('acked', answer) | ok('repeat', answer) (acked before: the stored answer)
+--       | err('run_missing') | err('batch_missing') | err('batch_nacked') | err('lease_expired').
+-- The answer is a msgpack map {retired, flushed, stats (the stats text)}.
+if not load_run() then return err('run_missing') end
 local bid = ARGV[2]
 local bk = bkey(bid)
 local f = redis.call('HMGET', bk, 'st', 'units', 'n', 'v', 'exp', 'ans')
-if not f[1] then return { 'err', 'batch_missing' } end
-if f[1] == 'a' then return { 'acked', f[6] } end
-if f[1] == 'n' then return { 'err', 'nacked' } end
-if f[1] == 'e' then return { 'err', 'expired' } end
+if not f[1] then return err('batch_missing') end
+if f[1] == 'a' then return ok('repeat', f[6]) end
+if f[1] == 'n' then return err('batch_nacked') end
+if f[1] == 'e' then return err('lease_expired') end
 if tonumber(f[5]) <= NOW then
   expire_batch(bid)
   finish()
-  return { 'err', 'expired' }
+  return err('lease_expired')
 end
 
 local acked = cmsgpack.unpack(ARGV[4])  -- before the first write: it may fail
@@ -71,8 +73,8 @@ if ARGV[3] ~= '' and tonumber(ARGV[3]) > CFG.kl_flush then
 end
 
 redis.call('HINCRBY', RUN, 'leased', -tonumber(f[3]))
-local ans = I(retired) .. ',' .. I(flushed) .. ',' .. ARGV[5]
+local ans = cmsgpack.pack({ retired = retired, flushed = flushed, stats = ARGV[5] })
 redis.call('HSET', bk, 'st', 'a', 'ans', ans, 'end', I(NOW))
 redis.call('PEXPIRE', bk, 86400000)
 finish()
-return { 'ok', ans }
+return ok('acked', ans)

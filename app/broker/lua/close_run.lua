@@ -1,7 +1,7 @@
 -- Close a run: no more ingest; every buffered rollout retires with reason run_closed (bounded;
 -- later sweeps finish), leased ones when they come back.
--- ARGV: wake, limit. Returns {'ok'|'missing', more}.
-if not load_run() then return { 'missing' } end
+-- ARGV: wake, limit. Returns ok(more) | err('run_missing').
+if not load_run() then return err('run_missing') end
 if R.st ~= 'closed' then
   redis.call('HSET', RUN, 'st', 'closed')
   R.st = 'closed'
@@ -9,4 +9,4 @@ if R.st ~= 'closed' then
 end
 local more = sweep(tonumber(ARGV[2]))
 finish()
-return { 'ok', more, RETIRED_N }
+return ok(more)

@@ -1,31 +1,27 @@
 -- Shared prologue of every broker script. KEYS[1] is the run hash "<prefix>:{<run_id>}:run";
 -- every other key of the run is derived from it, so all of them share the {<run_id>} hash tag
--- and the scripts run unchanged on Redis Cluster.
+-- and the scripts run unchanged on Redis Cluster. The key locals (RUN, B, TAG, EV, Q, VS, OPEN,
+-- OV, LEASES, SEEN, GDONE, WAITING) and key functions (qvkey, ukey, mkey, rkey, dkey, bkey) come
+-- before this file, generated from app/broker/keys.py.
+--
+-- Replies: every script returns ok(...) or err(code, ...); app/broker/replies.py decodes them
+-- and maps each code to an HTTP error. Outcomes the caller tells apart ('created' or 'exists')
+-- are the first value of an ok; refusals are err codes listed in that module's table.
 redis.replicate_commands()  -- TIME before writes (a no-op on Redis >= 7)
 
-local RUN = KEYS[1]
-local B = string.sub(RUN, 1, #RUN - 3)
-local EV = B .. 'events'     -- stream: accounting events
-local Q = B .. 'q'           -- zset: ready units by arrival seq
-local VS = B .. 'vs'         -- zset: versions that have ready units, score = version
-local OPEN = B .. 'open'     -- zset: incomplete groups by creation ms
-local OV = B .. 'ov'         -- zset: incomplete groups by (oldest) version
-local LEASES = B .. 'leases' -- zset: live batches by expiry ms
-local SEEN = B .. 'seen'     -- set: every rollout_id ever received (idempotency)
-local GDONE = B .. 'gdone'   -- set: groups that were complete or retired: they take no new members
-local WAITING = B .. 'waiting' -- string with a TTL: a trainer is long-polling this run
 local WAKE = ARGV[1]         -- pub/sub channel that wakes long-polling trainers
+
+local function ok(...) return { 'ok', ... } end
+local function err(code, ...) return { 'err', code, ... } end
+
+-- A batch's state is stored as one letter in its hash ('st'); replies name it in words.
+local BATCH_STATE = { l = 'leased', a = 'acked', n = 'nacked', e = 'expired' }
 
 local t = redis.call('TIME')
 local NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 local function I(x) return string.format('%d', x) end
-local function qv(v) return B .. 'qv:' .. I(v) end
-local function ukey(u) return B .. 'u:' .. u end
-local function mkey(u) return B .. 'm:' .. u end
-local function rkey(r) return B .. 'r:' .. r end  -- hash: v (version), n (tokens)
-local function dkey(r) return B .. 'd:' .. r end  -- string: the packed rollout
-local function bkey(b) return B .. 'b:' .. b end
+local function qv(v) return qvkey(I(v)) end
 
 -- A unit's rollout ids. A single rollout is its own unit, 'r:<rollout_id>', and keeps no
 -- member list; a group 'g:<group_id>' lists its members in arrival order.
@@ -50,15 +46,18 @@ local function load_run()
   return true
 end
 
--- Lowest version still eligible: the staleness bound, raised by the last kl_flush.
+-- The version rule, in one place. Lowest version still eligible: the staleness bound, raised
+-- by the last kl_flush; retire_below() walks the indexes up to it.
 local function min_version()
   return math.max(R.ver - CFG.max_staleness, R.floor)
 end
 
+-- Why a rollout of version v may not be handed out any more ('stale': its lag is above
+-- max_staleness; 'kl_flush': below the floor the last flush raised), or nil.
 local function version_reason(v)
+  if v >= min_version() then return nil end
   if v < R.ver - CFG.max_staleness then return 'stale' end
-  if v < R.floor then return 'kl_flush' end
-  return nil
+  return 'kl_flush'
 end
 
 -- Retirements are collected per reason and written as one event per reason at the end.
@@ -228,6 +227,13 @@ local function sweep(limit)
   return more
 end
 
+-- What this call retired, per reason in first-retired order: { {reason, rollouts}, ... }.
+local function retired_counts()
+  local res = {}
+  for _, reason in ipairs(RETIRED_ORDER) do table.insert(res, { reason, #RETIRED[reason] }) end
+  return res
+end
+
 local function finish()
   if LIVE_DELTA ~= 0 then redis.call('HINCRBY', RUN, 'live', LIVE_DELTA) end
   for _, reason in ipairs(RETIRED_ORDER) do
@@ -235,7 +241,7 @@ local function finish()
   end
   -- Every API process receives every wake-up, so none is sent while nobody waits.
   if WOKE and redis.call('EXISTS', WAITING) == 1 then
-    redis.call('PUBLISH', WAKE, string.sub(B, 1, #B - 1))
+    redis.call('PUBLISH', WAKE, TAG)
   end
 end
 

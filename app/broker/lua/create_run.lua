@@ -1,11 +1,12 @@
 -- Create a run, or confirm it: the same config again is a no-op, another config a conflict.
--- ARGV: wake, run_id, config_json (canonical). Returns {'created'|'exists'|'conflict'}.
+-- ARGV: wake, run_id, config_json (canonical).
+-- Returns ok('created') | ok('exists') | err('run_conflict').
 local existing = redis.call('HGET', RUN, 'cfg')
 if existing then
-  if existing == ARGV[3] then return { 'exists' } end
-  return { 'conflict' }
+  if existing == ARGV[3] then return ok('exists') end
+  return err('run_conflict')
 end
 redis.call('HSET', RUN, 'id', ARGV[2], 'cfg', ARGV[3], 'ver', 0, 'st', 'open', 'created', NOW,
   'floor', 0, 'seq', 0, 'live', 0, 'leased', 0, 'batches', 0)
 run_snapshot('created')
-return { 'created' }
+return ok('created')

@@ -2,11 +2,13 @@
 -- back), then the writes, the accounting events and one wake-up for long-polling trainers.
 -- ARGV: wake, n, then n records of 6: rollout_id, group_id ('' = none), policy_version,
 --       tokens, reward (exact decimal text), blob.
--- Returns {'ok', accepted, duplicates, rid1, reason1, ...} or {'err', code, detail...}.
-if not load_run() then return { 'err', 'missing' } end
+-- Returns ok(accepted, duplicates, { {rollout_id, reason}, ... }) | err('run_missing')
+--       | err('group_missing', rollout_id) | err('group_done', group_id)
+--       | err('group_overflow', group_id, would_have, group_size)
+--       | err('over_capacity', live, capacity_rollouts).
+if not load_run() then return err('run_missing') end
 local n = tonumber(ARGV[2])
 local gs = CFG.group_size
-local minv = min_version()
 
 -- Phase 1: decide every rollout's fate and check the whole request, writing nothing.
 local fate = {}      -- i -> 'ok' | 'dup' | reason
@@ -25,26 +27,27 @@ for i = 1, n do
       fate[i] = 'run_closed'
     elseif v > R.ver then
       fate[i] = 'future_version'
-    elseif v < minv then
+    elseif version_reason(v) then
+      -- Below the kl_flush floor too: as far off-policy as what the flush retired.
       fate[i] = 'stale'
     else
       fate[i] = 'ok'
       accepted = accepted + 1
       local u
       if gs > 1 then
-        if gid == '' then return { 'err', 'group_missing', rid } end
+        if gid == '' then return err('group_missing', rid) end
         u = 'g:' .. gid
         local f = redis.call('HMGET', ukey(u), 'st', 'have', 'need')
         local have, need = 0, gs
         if f[1] then
-          if f[1] ~= 'o' then return { 'err', 'group_overflow', gid, I(tonumber(f[3]) + 1), f[3] } end
+          if f[1] ~= 'o' then return err('group_overflow', gid, I(tonumber(f[3]) + 1), f[3]) end
           have, need = tonumber(f[2]), tonumber(f[3])
         elseif redis.call('SISMEMBER', GDONE, u) == 1 then
-          return { 'err', 'group_done', gid }
+          return err('group_done', gid)
         end
         pending[u] = (pending[u] or 0) + 1
         if have + pending[u] > need then
-          return { 'err', 'group_overflow', gid, I(have + pending[u]), I(need) }
+          return err('group_overflow', gid, I(have + pending[u]), I(need))
         end
       else
         u = 'r:' .. rid
@@ -55,7 +58,7 @@ for i = 1, n do
 end
 local live = tonumber(redis.call('HGET', RUN, 'live'))
 if accepted > 0 and live + accepted > CFG.capacity_rollouts then
-  return { 'err', 'capacity', I(live), I(CFG.capacity_rollouts) }
+  return err('over_capacity', I(live), I(CFG.capacity_rollouts))
 end
 
 -- Phase 2: write.
@@ -71,8 +74,7 @@ for i = 1, n do
   elseif fate[i] ~= 'ok' then
     redis.call('SADD', SEEN, rid)
     table.insert(rej_items, { rid, fate[i], v, tokens })
-    table.insert(out, rid)
-    table.insert(out, fate[i])
+    table.insert(out, { rid, fate[i] })
   else
     redis.call('SADD', SEEN, rid)
     local u = unit[i]
@@ -132,6 +134,4 @@ if #acc_items > 0 then emit('accepted', { items = acc_items }) end
 if #dup_ids > 0 then emit('duplicate', { n = #dup_ids, ids = dup_ids }) end
 if #rej_items > 0 then emit('rejected', { items = rej_items }) end
 finish()
-local res = { 'ok', accepted, #dup_ids }
-for _, x in ipairs(out) do table.insert(res, x) end
-return res
+return ok(accepted, #dup_ids, out)

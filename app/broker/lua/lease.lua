@@ -6,38 +6,37 @@
 -- A batch_id that already names a live batch returns that batch again (a retried request).
 -- The packed rollouts (keys d:<rollout_id>) are read by the caller with one MGET: copying
 -- them through Lua strings would cost the script more than all its other work.
--- Returns {'ok', batch_id, V, expires_at, n, uses1, lag1, rollout_id1, ...} | {'none', found}
---       | {'err', 'missing'} | {'err', 'size', group_size} | {'err', 'future', current}
---       | {'err', 'settled', state}.
-if not load_run() then return { 'err', 'missing' } end
+-- Returns ok('leased', batch_id, V, expires_at, { {uses, lag, rollout_id}, ... })
+--       | ok('short', found): too few eligible rollouts, nothing leased
+--       | err('run_missing') | err('batch_size', group_size) | err('version_future', current)
+--       | err('batch_id_taken', state): the batch_id names a batch that is no longer live.
+if not load_run() then return err('run_missing') end
 local bid, N = ARGV[2], tonumber(ARGV[3])
-if N % CFG.group_size ~= 0 then return { 'err', 'size', I(CFG.group_size) } end  -- whole groups
+if N % CFG.group_size ~= 0 then return err('batch_size', I(CFG.group_size)) end  -- whole groups
 
 -- The reply of a live batch: also what a retried lease with the same batch_id gets back.
 local function reply(f)
   local V, units = tonumber(f[2]), cjson.decode(f[3])
-  local res = { 'ok', bid, f[2], f[4], tonumber(f[5]) }
+  local rows = {}
   for _, u in ipairs(units) do
     local uses = tonumber(redis.call('HGET', ukey(u), 'uses'))
     for _, rid in ipairs(members(u)) do
-      table.insert(res, uses)
-      table.insert(res, I(V - tonumber(redis.call('HGET', rkey(rid), 'v'))))
-      table.insert(res, rid)
+      table.insert(rows, { uses, I(V - tonumber(redis.call('HGET', rkey(rid), 'v'))), rid })
     end
   end
-  return res
+  return ok('leased', bid, f[2], f[4], rows)
 end
 
 local known = redis.call('HMGET', bkey(bid), 'st', 'v', 'units', 'exp', 'n')
 if known[1] then
   if known[1] == 'l' and tonumber(known[4]) > NOW then return reply(known) end
-  return { 'err', 'settled', known[1] }
+  return err('batch_id_taken', BATCH_STATE[known[1]])
 end
 
 local V = R.ver
 if ARGV[4] ~= '' then
   V = tonumber(ARGV[4])
-  if V > R.ver then return { 'err', 'future', I(R.ver) } end
+  if V > R.ver then return err('version_future', I(R.ver)) end
 end
 local partial = ARGV[5] == '1'
 sweep(tonumber(ARGV[7]))
@@ -94,7 +93,7 @@ elseif order == 'random' then
 else -- freshest: highest version first, oldest arrival within a version
   local versions = redis.call('ZREVRANGEBYSCORE', VS, I(V), '-inf')
   for _, v in ipairs(versions) do
-    walk(B .. 'qv:' .. v)
+    walk(qvkey(v))
     if full() then break end
   end
 end
@@ -107,12 +106,12 @@ if picked_n == 0 or (picked_n < N and not partial) then
     redis.call('SET', WAITING, '1', 'PX', wait_ms)
   end
   finish()
-  return { 'none', picked_n }
+  return ok('short', picked_n)
 end
 
 local exp = NOW + CFG.lease_timeout_s * 1000
 local units, items, emptied = {}, {}, {}
-local res = { 'ok', bid, I(V), I(exp), picked_n }
+local rows = {}
 local tokens = 0
 for _, p in ipairs(picked) do
   local u, v, uses = p[1], p[2], p[3]
@@ -124,9 +123,7 @@ for _, p in ipairs(picked) do
     local rv, rn = tonumber(rf[1]), tonumber(rf[2])
     tokens = tokens + rn
     table.insert(items, { rid, rv, rn, V - rv, uses })
-    table.insert(res, uses)
-    table.insert(res, I(V - rv))
-    table.insert(res, rid)
+    table.insert(rows, { uses, I(V - rv), rid })
   end
 end
 prune_versions(emptied)
@@ -139,4 +136,4 @@ local ev = { batch_id = bid, policy_version = V, expires_at = exp, items = items
 if ARGV[6] ~= '' then ev['trainer_id'] = ARGV[6] end
 emit('leased', ev)
 finish()
-return res
+return ok('leased', bid, I(V), I(exp), rows)

@@ -1,17 +1,19 @@
 -- Give a live batch back: its rollouts return to the buffer with no use. A repeat is a no-op.
--- ARGV: wake, batch_id. Returns {'ok', n} | {'nacked', n} | {'err', 'missing'|'batch_missing'|'acked'|'expired'}.
-if not load_run() then return { 'err', 'missing' } end
+-- ARGV: wake, batch_id.
+-- Returns ok('nacked', n) | ok('repeat', n) (nacked before) | err('run_missing')
+--       | err('batch_missing') | err('batch_acked') | err('lease_expired').
+if not load_run() then return err('run_missing') end
 local bid = ARGV[2]
 local bk = bkey(bid)
 local f = redis.call('HMGET', bk, 'st', 'units', 'n', 'exp')
-if not f[1] then return { 'err', 'batch_missing' } end
-if f[1] == 'n' then return { 'nacked', tonumber(f[3]) } end
-if f[1] == 'a' then return { 'err', 'acked' } end
-if f[1] == 'e' then return { 'err', 'expired' } end
+if not f[1] then return err('batch_missing') end
+if f[1] == 'n' then return ok('repeat', tonumber(f[3])) end
+if f[1] == 'a' then return err('batch_acked') end
+if f[1] == 'e' then return err('lease_expired') end
 if tonumber(f[4]) <= NOW then
   expire_batch(bid)
   finish()
-  return { 'err', 'expired' }
+  return err('lease_expired')
 end
 redis.call('ZREM', LEASES, bid)
 local units = cjson.decode(f[2])
@@ -21,4 +23,4 @@ redis.call('HINCRBY', RUN, 'leased', -tonumber(f[3]))
 redis.call('HSET', bk, 'st', 'n', 'end', I(NOW))
 redis.call('PEXPIRE', bk, 86400000)
 finish()
-return { 'ok', tonumber(f[3]) }
+return ok('nacked', tonumber(f[3]))

@@ -1,13 +1,15 @@
 -- Move the run's policy version forward and retire what is now too stale (bounded; the rest
 -- is retired by later sweeps, and never handed out meanwhile: the lease check is the same rule).
--- ARGV: wake, version, limit. Returns {'ok'|'missing'|'backwards'|'same', version, more}.
-if not load_run() then return { 'missing' } end
+-- ARGV: wake, version, limit.
+-- Returns ok('advanced', version, more, retired) | ok('same', version, 0, {})
+--       | err('run_missing') | err('version_backwards', current); `retired` as retired_counts().
+if not load_run() then return err('run_missing') end
 local v = tonumber(ARGV[2])
-if v < R.ver then return { 'backwards', I(R.ver) } end
-if v == R.ver then return { 'same', I(R.ver), 0 } end
+if v < R.ver then return err('version_backwards', I(R.ver)) end
+if v == R.ver then return ok('same', I(R.ver), 0, {}) end
 redis.call('HSET', RUN, 'ver', I(v))
 R.ver = v
 run_snapshot('policy')
 local more = sweep(tonumber(ARGV[3]))
 finish()
-return { 'ok', I(v), more, RETIRED_N }
+return ok('advanced', I(v), more, retired_counts())

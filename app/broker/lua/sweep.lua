@@ -1,6 +1,6 @@
 -- Periodic clean-up of one run (see sweep() in the prologue). ARGV: wake, limit.
--- Returns {'ok'|'missing', more, retired}.
-if not load_run() then return { 'missing' } end
+-- Returns ok(more, retired) | err('run_missing'); `retired` as retired_counts().
+if not load_run() then return err('run_missing') end
 local more = sweep(tonumber(ARGV[2]))
 finish()
-return { 'ok', more, RETIRED_N }
+return ok(more, retired_counts())

@@ -1,0 +1,177 @@
+"""The reply protocol of the Lua scripts, and the one table that turns their refusals into
+the broker's errors.
+
+Every script answers ``{'ok', ...}`` or ``{'err', code, arg...}`` (``ok()`` and ``err()`` in
+lua/common.lua). :func:`decode` is the only reader of that envelope: it returns the body of an
+``ok`` and raises :class:`StoreError` for an ``err``. :data:`REFUSALS` maps every code to its
+error class and message; :func:`error_for` applies it, and turns a code missing from the table
+into a logged :class:`~app.errors.InternalError` (500) naming the code, never a 4xx.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import msgpack
+
+from app.errors import (
+    BatchNotFound,
+    BatchSettled,
+    BrokerError,
+    InternalError,
+    LeaseExpired,
+    OverCapacity,
+    RunConflict,
+    RunNotFound,
+    ValidationFailed,
+    VersionConflict,
+)
+
+__all__ = [
+    "REFUSALS",
+    "AckAnswer",
+    "ErrorContext",
+    "Refusal",
+    "ReplyError",
+    "StoreError",
+    "ack_answer",
+    "decode",
+    "error_for",
+    "text",
+]
+
+log = logging.getLogger(__name__)
+
+OK = b"ok"
+ERR = b"err"
+
+
+class StoreError(Exception):
+    """A script refused the call: ``code`` says why, ``args_`` are the script's details."""
+
+    def __init__(self, code: str, *args: str) -> None:
+        super().__init__(code, *args)
+        self.code = code
+        self.args_ = args
+
+
+class ReplyError(RuntimeError):
+    """A script answered outside the protocol: a bug, rendered as a 500."""
+
+
+def text(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def decode(script: str, reply: Any) -> list[Any]:
+    """The body of a script's ``{'ok', ...}`` reply (everything after 'ok'); raises
+    StoreError for ``{'err', code, ...}``."""
+    if isinstance(reply, list) and reply:
+        if reply[0] == OK:
+            return reply[1:]
+        if reply[0] == ERR and len(reply) >= 2:
+            raise StoreError(text(reply[1]), *[text(a) for a in reply[2:]])
+    raise ReplyError(f"script {script} answered outside the protocol: {reply!r:.200}")
+
+
+@dataclass(frozen=True, slots=True)
+class AckAnswer:
+    """What an ack answered, stored with the batch so that a repeated ack gets it again."""
+
+    retired: int
+    flushed: int
+    stats_json: str  # the BatchStats as the first ack rendered them
+
+
+def ack_answer(raw: bytes) -> AckAnswer:
+    """Read a stored answer: a msgpack map {retired, flushed, stats} written by ack.lua."""
+    try:
+        stored = msgpack.unpackb(raw, raw=False)
+    except ValueError:
+        # Written before answers were msgpack: "retired,flushed,stats_json" (kept 24 h).
+        retired, flushed, stats = raw.decode().split(",", 2)
+        return AckAnswer(int(retired), int(flushed), stats)
+    return AckAnswer(int(stored["retired"]), int(stored["flushed"]), str(stored["stats"]))
+
+
+# -- the error table -------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ErrorContext:
+    """What a refusal's message may name besides the script's own args."""
+
+    run_id: str
+    batch_id: str | None = None
+    size: int | None = None  # the batch size asked for
+    version: int | None = None  # the policy version asked for
+    retry_after_s: int = 1  # the Retry-After of OverCapacity
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    error: type[BrokerError]
+    # str.format template: {0}, {1}... are the script's args, {run_id} etc. the context's.
+    detail: str
+
+
+REFUSALS: dict[str, Refusal] = {
+    "run_missing": Refusal(RunNotFound, "no run {run_id!r}"),
+    "run_conflict": Refusal(RunConflict, "run {run_id!r} exists with a different config"),
+    # arg: the run's current version
+    "version_backwards": Refusal(
+        VersionConflict, "policy version {version} is below the run's current version {0}"
+    ),
+    "version_future": Refusal(
+        ValidationFailed, "policy_version {version} is above the run's current version {0}"
+    ),
+    # arg: the rollout id
+    "group_missing": Refusal(
+        ValidationFailed, "rollout {0!r} has no group_id, and this run's group_size is above 1"
+    ),
+    # args: group id, rollouts it would have, group_size
+    "group_overflow": Refusal(
+        ValidationFailed, "group {0!r} would have {1} rollouts, more than its group_size {2}"
+    ),
+    # arg: the group id
+    "group_done": Refusal(
+        ValidationFailed,
+        "group {0!r} was already complete and handed out or retired; it takes no more rollouts",
+    ),
+    # args: live rollouts, capacity_rollouts
+    "over_capacity": Refusal(
+        OverCapacity, "run {run_id!r} holds {0} rollouts, its capacity is {1}; retry later"
+    ),
+    # arg: the run's group_size
+    "batch_size": Refusal(
+        ValidationFailed, "size {size} is not a multiple of this run's group_size {0}"
+    ),
+    "batch_missing": Refusal(BatchNotFound, "no batch {batch_id!r} in run {run_id!r}"),
+    # arg: the batch's state, 'leased' (its lease ran out), 'acked', 'nacked' or 'expired'
+    "batch_id_taken": Refusal(
+        BatchSettled, "batch {batch_id!r} was already {0}; choose a new batch_id"
+    ),
+    "batch_nacked": Refusal(BatchSettled, "batch {batch_id!r} was nacked; it cannot be acked"),
+    "batch_acked": Refusal(BatchSettled, "batch {batch_id!r} was acked; it cannot be nacked"),
+    "lease_expired": Refusal(
+        LeaseExpired, "the lease of batch {batch_id!r} expired; its rollouts went back"
+    ),
+    # Raised by the store, not a script: the leased rollouts retired before they were read.
+    "lease_lost": Refusal(
+        LeaseExpired,
+        "the lease of batch {batch_id!r} ran out before it could be delivered; "
+        "lease again with a new batch_id",
+    ),
+}
+
+
+def error_for(err: StoreError, ctx: ErrorContext) -> BrokerError:
+    """The broker error of a refusal, by :data:`REFUSALS`."""
+    refusal = REFUSALS.get(err.code)
+    if refusal is None:
+        log.error("unknown store error code %r, args %r, run %r", err.code, err.args_, ctx.run_id)
+        return InternalError(f"internal error: unknown store error code {err.code!r}")
+    detail = refusal.detail.format(*err.args_, **asdict(ctx))
+    if issubclass(refusal.error, OverCapacity):
+        return refusal.error(detail, retry_after_s=ctx.retry_after_s)
+    return refusal.error(detail)
