@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from app.broker import keys
 from benchmarks import load
 from benchmarks.load import run_group
 from benchmarks.run import BIG, ROOT, Bench, Sizes, delete_keys
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                 spy_proc.wait(timeout=args.seconds + 60)
                 entries = rc.slowlog_get(-1)
                 rc.config_set("slowlog-log-slower-than", 10_000)
-                delete_keys(rc, list(rc.scan_iter(match=f"{prefix}:*", count=2000)))
+                delete_keys(rc, list(rc.scan_iter(match=keys.every_key(prefix), count=2000)))
             rc.close()
 
         names = script_names(app_dir)

@@ -32,6 +32,7 @@ from typing import Any
 
 import redis
 
+from app.broker import keys
 from benchmarks import load
 from benchmarks.load import Group, Http, expect, percentile, run_group
 from benchmarks.payloads import ID_LEN, RAW_BYTES, TOKENS, rollout_id
@@ -171,7 +172,7 @@ class Bench:
         return run_id
 
     def run_keys(self, run_id: str) -> list[bytes]:
-        return list(self.rc.scan_iter(match=f"{self.prefix}:{{{run_id}}}:*", count=2000))
+        return list(self.rc.scan_iter(match=keys.run_base(self.prefix, run_id) + "*", count=2000))
 
     def drop_run(self, run_id: str) -> None:
         """Delete a finished run's keys (the broker holds no state of its own about it)."""
@@ -182,7 +183,7 @@ class Bench:
         status, data, _ = http.call("GET", f"/v1/runs/{run_id}")
         http.close()
         expect(status, data, 200)
-        return int(self.rc.hget(f"{self.prefix}:{{{run_id}}}:run", "live") or 0)
+        return int(self.rc.hget(keys.run_key(self.prefix, run_id), "live") or 0)
 
     def fill(self, run_id: str, n: int, tag: str, per_req: int = 256) -> int:
         """Ingest ``n`` rollouts (msgpack, ``per_req`` per request) from a few processes."""
@@ -322,14 +323,14 @@ def memory_rows(b: Bench) -> list[Row]:
     broker_delta = (after - before) / n
 
     # MEMORY USAGE of every key of the run, grouped by kind (the first segment of its name).
-    keys = b.run_keys(run)
-    base = f"{b.prefix}:{{{run}}}:".encode()
+    names = b.run_keys(run)
+    base = keys.run_base(b.prefix, run).encode()
     pipe = b.rc.pipeline(transaction=False)
-    for k in keys:
+    for k in names:
         pipe.memory_usage(k, samples=0)
     usage = pipe.execute()
     kinds: dict[str, int] = {}
-    for k, u in zip(keys, usage, strict=True):
+    for k, u in zip(names, usage, strict=True):
         rest = k[len(base) :].decode()
         kind = rest.split(":", 1)[0] + ":*" if ":" in rest else rest
         kinds[kind] = kinds.get(kind, 0) + int(u or 0)
@@ -773,7 +774,7 @@ def harness(args: argparse.Namespace, sizes: Sizes) -> Iterator[Bench]:
                 ):
                     yield Bench(sizes, rt, broker, naive, prefix, rc, rt.pid)
             finally:
-                delete_keys(rc, list(rc.scan_iter(match=f"{prefix}:*", count=2000)))
+                delete_keys(rc, list(rc.scan_iter(match=keys.every_key(prefix), count=2000)))
                 rc.close()
 
 

@@ -10,6 +10,8 @@ import httpx
 import msgpack
 from redis.asyncio import Redis
 
+from app.broker import keys
+
 # The SPEC's RunConfig defaults.
 DEFAULT_CONFIG: dict[str, Any] = {
     "max_staleness": 1,
@@ -53,9 +55,8 @@ def assert_error(resp: httpx.Response, status: int, name: str) -> str:
 
 async def events(redis: Redis, prefix: str, run_id: str) -> list[tuple[str, dict[str, Any]]]:
     """The run's accounting events (docs/events.md), oldest first, `d` decoded."""
-    key = f"{prefix}:{{{run_id}}}:events"
     out = []
-    for _entry_id, fields in await redis.xrange(key):
+    for _entry_id, fields in await redis.xrange(keys.events_key(prefix, run_id)):
         out.append((fields[b"e"].decode(), msgpack.unpackb(fields[b"d"], raw=False)))
     return out
 

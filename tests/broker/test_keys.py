@@ -1,0 +1,61 @@
+"""The key layout: the strings stay what existing data was written under, the scripts take
+every key name from the generated prologue, and docs/design.md lists every key."""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+from pathlib import Path
+
+from app.broker import keys
+from app.broker.config import RunConfig
+from app.broker.store import RedisStore
+from tests.broker.test_store import packed
+
+LUA = resources.files("app.broker") / "lua"
+DESIGN = Path(__file__).resolve().parents[2] / "docs" / "design.md"
+
+
+def test_key_strings_are_the_ones_existing_data_lives_under():
+    assert keys.run_key("rb", "r1") == "rb:{r1}:run"
+    assert keys.events_key("rb", "r1") == "rb:{r1}:events"
+    assert keys.dead_key("rb", "r1") == "rb:{r1}:dead"
+    assert keys.member_key("rb", "r1", keys.BLOB, "x") == "rb:{r1}:d:x"
+    assert keys.runs_key("rb") == "rb:runs"
+    assert keys.wake_channel("rb") == "rb:wake"
+    assert keys.run_of_wake("rb", "rb:{r1}") == "r1"
+
+
+async def test_a_run_writes_only_keys_of_the_layout(store: RedisStore, redis, prefix):
+    await store.create_run("r", RunConfig(group_size=2))
+    await store.ingest(
+        "r", [packed("a", group="g"), packed("b", group="g"), packed("c", group="h")]
+    )
+    got = await store.lease(
+        "r", batch_id="b1", size=2, policy_version=None, partial=False, trainer_id=None
+    )
+    assert not isinstance(got, int)
+    names = {k.decode() async for k in redis.scan_iter(match=keys.every_key(prefix))}
+    base = keys.run_base(prefix, "r")
+    fixed = {base + suffix for suffix in keys.LUA_KEYS.values()} | {keys.runs_key(prefix)}
+    families = tuple(base + family for family in keys.LUA_FAMILIES.values())
+    assert {n for n in names if n not in fixed and not n.startswith(families)} == set()
+    assert keys.member_key(prefix, "r", keys.BLOB, "a") in names
+    assert keys.member_key(prefix, "r", keys.BATCH, "b1") in names
+
+
+def test_the_scripts_spell_no_key_name_of_their_own():
+    prologue = keys.lua_prologue()
+    for name in [*keys.LUA_KEYS, *keys.LUA_FAMILIES]:
+        assert re.search(rf"local (function )?{name}\b", prologue), name
+    for path in LUA.iterdir():
+        if path.name.endswith(".lua"):
+            src = path.read_text()
+            assert not re.search(r"\bB \.\.", src), path.name  # only the prologue builds keys
+
+
+def test_the_design_notes_list_every_key():
+    section = DESIGN.read_text().split("## Redis keys", 1)[1].split("\n## ", 1)[0]
+    for suffix in [*keys.LUA_KEYS.values(), *keys.LUA_FAMILIES.values()]:
+        assert f"`P:{{R}}:{suffix}" in section, suffix
+    assert f"`P:{keys.RUNS}`" in section and f"`P:{keys.WAKE}`" in section
