@@ -22,6 +22,7 @@ __all__ = [
     "run_base",
     "run_key",
     "run_of_wake",
+    "run_tag",
     "runs_key",
     "wake_channel",
 ]
@@ -112,9 +113,13 @@ def every_key(prefix: str) -> str:
     return f"{prefix}:*"
 
 
+def run_tag(prefix: str, run_id: str) -> str:
+    """``<prefix>:{<run_id>}``: what the scripts publish on the wake channel (``TAG``)."""
+    return run_base(prefix, run_id)[:-1]
+
+
 def run_of_wake(prefix: str, message: str) -> str:
-    """The run id of a wake-up: the scripts publish the run's base without its last ':',
-    ``<prefix>:{<run_id>}``."""
+    """The run id of a wake-up message, the inverse of :func:`run_tag`."""
     return message[len(prefix) + 2 : -1]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+from app.broker import keys
 from app.broker.config import RunConfig
 from app.broker.notify import Waker
 from app.broker.store import RedisStore
@@ -32,7 +33,7 @@ async def start_waiting(store: RedisStore, run_id: str, size: int = 1) -> None:
 
 async def nothing_published_before(waker: Waker, redis, store: RedisStore) -> None:  # type: ignore[no-untyped-def]
     marker = waker.event("marker")
-    await redis.publish(store.wake_channel, f"{store.prefix}:{{marker}}")
+    await redis.publish(store.wake_channel, keys.run_tag(store.prefix, "marker"))
     await asyncio.wait_for(marker.wait(), timeout=5)
 
 
