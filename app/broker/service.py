@@ -47,7 +47,7 @@ from app.broker.schemas import (
 )
 from app.broker.stats import BatchFigures, Measured, batch_figures
 from app.broker.store import BatchMember, BatchView, Lease, RedisStore, RunState
-from app.errors import BrokerError, RunNotFound, ValidationFailed
+from app.errors import BrokerError, ValidationFailed
 
 
 def iso_ms(ms: int) -> str:
@@ -113,8 +113,8 @@ class Broker:
     # -- runs -----------------------------------------------------------------------------
     async def _run(self, run_id: str) -> RunState:
         state = await self.store.get_run(run_id)
-        if state is None:
-            raise RunNotFound(f"no run {run_id!r}")
+        if state is None:  # a plain read, no script: the same refusal as a script's
+            raise error_for(StoreError("run_missing"), ErrorContext(run_id))
         return state
 
     async def create_run(self, run_id: str | None, config: RunConfig | None) -> tuple[Run, bool]:
