@@ -1,87 +1,77 @@
-"""Shared fixtures on real services: Redis (127.0.0.1:6379 unless BROKER_TEST_REDIS_URL says
-otherwise) with a key prefix of each test's own that is deleted afterwards; Postgres
-(127.0.0.1:5432, trust auth) with a database of the session's own, built by Alembic and dropped
-at the end; and the app served in-process."""
+"""The one set of fixtures on real services (see ``tests/services.py`` for which ones and how to
+point the tests elsewhere): a Redis key prefix of each test's own, deleted afterwards; a Postgres
+database migrated by Alembic, the test's alone while it runs and emptied after it; and the app
+served in-process on both."""
 
 from __future__ import annotations
 
-import os
-import secrets
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import asyncpg
 import httpx
 import pytest
 import pytest_asyncio
 from redis.asyncio import Redis
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from app.accounting.db import upgrade_to_head
+from app.accounting.db import create_engine, create_sessionmaker, upgrade_to_head
 from app.broker.store import RedisStore
 from app.main import create_app
 from app.settings import Settings
-
-REDIS_URL = os.environ.get("BROKER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-PG_HOST = os.environ.get("BROKER_TEST_PG_HOST", "127.0.0.1")
-PG_PORT = int(os.environ.get("BROKER_TEST_PG_PORT", "5432"))
-
-
-async def _admin_user() -> str:
-    """The first of the usual superusers that the local (trust) Postgres lets in."""
-    errors = []
-    for user in (os.environ.get("BROKER_TEST_PG_USER"), "postgres", "root"):
-        if not user:
-            continue
-        try:
-            conn = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user=user, database="postgres")
-        except Exception as exc:
-            errors.append(f"{user}: {exc}")
-            continue
-        await conn.close()
-        return user
-    raise RuntimeError(f"no Postgres superuser at {PG_HOST}:{PG_PORT}: {errors}")
+from tests.services import (
+    REDIS_URL,
+    WAKE_FALLBACK_S,
+    create_database,
+    delete_prefix,
+    drop_database,
+    empty_database,
+    new_prefix,
+    url_of_database,
+)
 
 
 @pytest_asyncio.fixture(scope="session")
-async def pg_user() -> str:
-    return await _admin_user()
+async def migrated_database() -> AsyncIterator[str]:
+    """The name of a database at the latest schema, built once by Alembic; dropped at the end."""
+    name = await create_database()
+    try:
+        await upgrade_to_head(url_of_database(name))
+        yield name
+    finally:
+        await drop_database(name)
 
 
-@pytest_asyncio.fixture(scope="session")
-async def database_factory(pg_user: str) -> AsyncIterator[Callable[[], Awaitable[str]]]:
-    """Creates empty databases (``rb_test_<hex>``) and drops them all at the end."""
-    created: list[str] = []
+@pytest.fixture
+async def database_url(migrated_database: str) -> AsyncIterator[str]:
+    """The migrated database (SQLAlchemy async URL), the test's alone while it runs and emptied
+    after it, so no test sees another's rows."""
+    yield url_of_database(migrated_database)
+    await empty_database(migrated_database)
+
+
+@pytest.fixture
+async def database_factory() -> AsyncIterator[Callable[[], Awaitable[str]]]:
+    """Makes empty databases (no schema) for the test; all dropped after it."""
+    names: list[str] = []
 
     async def create() -> str:
-        name = f"rb_test_{secrets.token_hex(6)}"
-        conn = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user=pg_user, database="postgres")
-        try:
-            await conn.execute(f'CREATE DATABASE "{name}"')
-        finally:
-            await conn.close()
-        created.append(name)
-        return f"postgresql+asyncpg://{pg_user}@{PG_HOST}:{PG_PORT}/{name}"
+        names.append(await create_database())
+        return url_of_database(names[-1])
 
     yield create
-    conn = await asyncpg.connect(host=PG_HOST, port=PG_PORT, user=pg_user, database="postgres")
-    try:
-        for name in created:
-            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await conn.close()
+    for name in names:
+        await drop_database(name)
 
 
-@pytest_asyncio.fixture(scope="session")
-async def database_url(database_factory: Callable[[], Awaitable[str]]) -> str:
-    url = await database_factory()
-    await upgrade_to_head(url)
-    return url
+@pytest.fixture
+async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
+    engine = create_engine(database_url)
+    yield engine
+    await engine.dispose()
 
 
-async def delete_prefix(redis: Redis, prefix: str) -> None:
-    keys = [k async for k in redis.scan_iter(match=f"{prefix}:*", count=1000)]
-    for i in range(0, len(keys), 500):
-        await redis.delete(*keys[i : i + 500])
+@pytest.fixture
+def sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
+    return create_sessionmaker(engine)
 
 
 @pytest.fixture
@@ -93,7 +83,8 @@ async def redis() -> AsyncIterator[Redis]:
 
 @pytest.fixture
 async def prefix(redis: Redis) -> AsyncIterator[str]:
-    p = f"rbt{uuid.uuid4().hex[:10]}"
+    """The test's key prefix; every key under it is deleted after the test."""
+    p = new_prefix()
     yield p
     await delete_prefix(redis, p)
 
@@ -104,19 +95,27 @@ def store(redis: Redis, prefix: str) -> RedisStore:
 
 
 @pytest.fixture
-def settings(prefix: str, database_url: str) -> Settings:
+def settings(request: pytest.FixtureRequest, prefix: str, database_url: str) -> Settings:
+    """The app's settings on the test's services. A long poll re-checks only when woken, unless
+    the test is marked ``wake_fallback_s(seconds)``: one that counts on the re-check."""
+    marker = request.node.get_closest_marker("wake_fallback_s")
     return Settings(
         redis_url=REDIS_URL,
         database_url=database_url,
         redis_prefix=prefix,
         max_body_bytes=1 << 20,
+        wake_fallback_s=marker.args[0] if marker else WAKE_FALLBACK_S,
     )
 
 
 @pytest.fixture
-async def client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+async def api(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    """The app in-process, with its lifespan; an unhandled exception becomes the 500 response a
+    real server would send, so a test can assert on it."""
     app = create_app(settings)
     async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://broker") as c:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://broker", timeout=30.0
+        ) as c:
             yield c

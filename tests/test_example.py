@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from tests.client.live import REPO, broker_env, fresh_database, redis_prefix
+from tests.client.live import REPO, broker_env
+from tests.services import fresh_database, redis_prefix
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ checked independently.
 from __future__ import annotations
 
 import math
-import os
 import random
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
@@ -48,21 +47,6 @@ from app.settings import Settings
 from workers.drain import DrainContext, drain_once
 
 Event = tuple[str, dict[str, Any]]
-
-REDIS_URL = os.environ.get("BROKER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-
-
-async def delete_keys(client: Redis, root: str) -> None:
-    """Delete the keys of every per-test prefix ``<root>.<n>``."""
-    batch = []
-    async for key in client.scan_iter(match=f"{root}.*", count=1000):
-        batch.append(key)
-        if len(batch) >= 500:
-            await client.delete(*batch)
-            batch.clear()
-    if batch:
-        await client.delete(*batch)
-
 
 async def drain_all(ctx: DrainContext, *, max_passes: int = 50, claim: bool | None = None) -> int:
     """Run passes until one reads nothing; return the number of passes."""

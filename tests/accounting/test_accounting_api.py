@@ -17,9 +17,9 @@ from workers.drain import DrainContext
 ENDPOINTS = ("accounting", "accounting/versions", "batches", "accounting/dead-letters")
 
 
-async def test_unknown_run_is_404(api: httpx.AsyncClient) -> None:
+async def test_unknown_run_is_404(accounting_api: httpx.AsyncClient) -> None:
     for path in ENDPOINTS:
-        resp = await api.get(f"/v1/runs/no-such-run/{path}")
+        resp = await accounting_api.get(f"/v1/runs/no-such-run/{path}")
         assert resp.status_code == 404, path
         body = resp.json()
         assert body["error"] == "RunNotFound"
@@ -27,7 +27,7 @@ async def test_unknown_run_is_404(api: httpx.AsyncClient) -> None:
 
 
 async def test_run_known_only_to_redis_reads_as_zeros(
-    api: httpx.AsyncClient, redis: Redis, prefix: str, run_id: str
+    accounting_api: httpx.AsyncClient, redis: Redis, prefix: str, run_id: str
 ) -> None:
     await register_run(redis, prefix, run_id)
     sim = RunSim(run_id)
@@ -35,7 +35,7 @@ async def test_run_known_only_to_redis_reads_as_zeros(
     sim.ingest(2)
     await xadd_events(redis, prefix, run_id, sim.events)
 
-    resp = await api.get(f"/v1/runs/{run_id}/accounting")
+    resp = await accounting_api.get(f"/v1/runs/{run_id}/accounting")
     assert resp.status_code == 200
     body = resp.json()
     assert body == {
@@ -59,18 +59,18 @@ async def test_run_known_only_to_redis_reads_as_zeros(
         # No consumer group yet: every entry of the stream is pending.
         "pending_events": len(sim.events),
     }
-    versions = (await api.get(f"/v1/runs/{run_id}/accounting/versions")).json()
+    versions = (await accounting_api.get(f"/v1/runs/{run_id}/accounting/versions")).json()
     assert versions == {"versions": [], "as_of": None, "pending_events": len(sim.events)}
-    assert (await api.get(f"/v1/runs/{run_id}/batches")).json() == {
+    assert (await accounting_api.get(f"/v1/runs/{run_id}/batches")).json() == {
         "batches": [],
         "next_cursor": None,
     }
-    dead = (await api.get(f"/v1/runs/{run_id}/accounting/dead-letters")).json()
+    dead = (await accounting_api.get(f"/v1/runs/{run_id}/accounting/dead-letters")).json()
     assert dead == {"count": 0, "dead_letters": [], "next_cursor": None}
 
 
 async def test_endpoints_after_drain(
-    api: httpx.AsyncClient,
+    accounting_api: httpx.AsyncClient,
     redis: Redis,
     prefix: str,
     run_id: str,
@@ -83,7 +83,7 @@ async def test_endpoints_after_drain(
     ctx = make_ctx()
     await drain_all(ctx)
 
-    body = (await api.get(f"/v1/runs/{run_id}/accounting")).json()
+    body = (await accounting_api.get(f"/v1/runs/{run_id}/accounting")).json()
     assert body["rollouts_received"] == len(sim.rollouts)
     assert datetime.fromisoformat(body["as_of"]) == datetime.fromtimestamp(sim.t / 1000, tz=UTC)
     assert body["pending_events"] == 0
@@ -101,7 +101,7 @@ async def test_endpoints_after_drain(
     more.ingest(1)
     await xadd_events(redis, prefix, run_id, more.events)
     await redis.xreadgroup(CONSUMER_GROUP, "slow", {key: ">"}, count=2)
-    body = (await api.get(f"/v1/runs/{run_id}/accounting")).json()
+    body = (await accounting_api.get(f"/v1/runs/{run_id}/accounting")).json()
     assert body["pending_events"] == len(more.events)
     # The count Redis 6.2 falls back to agrees with Redis 7's group lag.
     group = (await redis.xinfo_groups(key))[0]
@@ -117,7 +117,7 @@ async def test_endpoints_after_drain(
         params: dict[str, str | int] = {"limit": 3}
         if cursor is not None:
             params["cursor"] = cursor
-        resp = await api.get(f"/v1/runs/{run_id}/batches", params=params)
+        resp = await accounting_api.get(f"/v1/runs/{run_id}/batches", params=params)
         assert resp.status_code == 200
         page = resp.json()
         assert len(page["batches"]) <= 3
@@ -137,13 +137,17 @@ async def test_endpoints_after_drain(
     expired = next(b for b in seen if b["outcome"] == "expired")
     assert expired["expired_at"] is not None and expired["acked_at"] is None
 
-    bad = await api.get(f"/v1/runs/{run_id}/batches", params={"cursor": "%%%"})
+    bad = await accounting_api.get(f"/v1/runs/{run_id}/batches", params={"cursor": "%%%"})
     assert bad.status_code == 400 and bad.json()["error"] == "BadRequest"
-    assert (await api.get(f"/v1/runs/{run_id}/batches", params={"limit": 0})).status_code == 422
-    bad = await api.get(f"/v1/runs/{run_id}/accounting/dead-letters", params={"cursor": "x"})
+    assert (
+        await accounting_api.get(f"/v1/runs/{run_id}/batches", params={"limit": 0})
+    ).status_code == 422
+    bad = await accounting_api.get(
+        f"/v1/runs/{run_id}/accounting/dead-letters", params={"cursor": "x"}
+    )
     assert bad.status_code == 400
 
-    versions = (await api.get(f"/v1/runs/{run_id}/accounting/versions")).json()
+    versions = (await accounting_api.get(f"/v1/runs/{run_id}/accounting/versions")).json()
     assert [v["policy_version"] for v in versions["versions"]] == sorted(sim.expected_versions())
     assert versions["as_of"] == body["as_of"]
 

@@ -59,7 +59,7 @@ async def test_invariants_after_mixed_workload(
     redis: Redis,
     prefix: str,
     make_ctx: Callable[..., DrainContext],
-    api: httpx.AsyncClient,
+    accounting_api: httpx.AsyncClient,
     sessionmaker: async_sessionmaker[AsyncSession],
 ) -> None:
     sims = [
@@ -82,7 +82,7 @@ async def test_invariants_after_mixed_workload(
         assert {"kl", "kl_flush", "max_reuse", "stale"} <= set(exp["retired"])
         assert exp["wasted_tokens"] > 0
 
-        resp = await api.get(f"/v1/runs/{sim.run_id}/accounting")
+        resp = await accounting_api.get(f"/v1/runs/{sim.run_id}/accounting")
         assert resp.status_code == 200, resp.text
         got = resp.json()
         assert_matches(got, exp)
@@ -100,7 +100,9 @@ async def test_invariants_after_mixed_workload(
             params: dict[str, Any] = {"limit": 25}
             if cursor:
                 params["cursor"] = cursor
-            page = (await api.get(f"/v1/runs/{sim.run_id}/batches", params=params)).json()
+            page = (
+                await accounting_api.get(f"/v1/runs/{sim.run_id}/batches", params=params)
+            ).json()
             ledger.extend(page["batches"])
             cursor = page["next_cursor"]
             if cursor is None:
@@ -112,7 +114,7 @@ async def test_invariants_after_mixed_workload(
             assert b["outcome"] == sim.batches[b["batch_id"]].outcome
             assert b["size"] == len(sim.batches[b["batch_id"]].rollout_ids)
 
-        versions = (await api.get(f"/v1/runs/{sim.run_id}/accounting/versions")).json()
+        versions = (await accounting_api.get(f"/v1/runs/{sim.run_id}/accounting/versions")).json()
         rows = {v["policy_version"]: v for v in versions["versions"]}
         expected_versions = sim.expected_versions()
         assert set(rows) == set(expected_versions)
@@ -213,7 +215,7 @@ async def test_poison_entry_is_dead_lettered_and_does_not_block(
     prefix: str,
     run_id: str,
     make_ctx: Callable[..., DrainContext],
-    api: httpx.AsyncClient,
+    accounting_api: httpx.AsyncClient,
     sessionmaker: async_sessionmaker[AsyncSession],
 ) -> None:
     sim = RunSim(run_id, seed=4)
@@ -270,7 +272,9 @@ async def test_poison_entry_is_dead_lettered_and_does_not_block(
     assert dead_entries[0][1][b"d"] == b"\xc1not msgpack"
     assert all(f[b"dead.deliveries"] == b"3" for _, f in dead_entries)
 
-    resp = await api.get(f"/v1/runs/{run_id}/accounting/dead-letters", params={"limit": 4})
+    resp = await accounting_api.get(
+        f"/v1/runs/{run_id}/accounting/dead-letters", params={"limit": 4}
+    )
     assert resp.status_code == 200
     page = resp.json()
     assert page["count"] == len(bad)
@@ -278,7 +282,7 @@ async def test_poison_entry_is_dead_lettered_and_does_not_block(
     assert "not msgpack" in page["dead_letters"][0]["error"]
     assert page["dead_letters"][3]["event"] == "teleported"
     rest = (
-        await api.get(
+        await accounting_api.get(
             f"/v1/runs/{run_id}/accounting/dead-letters", params={"cursor": page["next_cursor"]}
         )
     ).json()
@@ -286,7 +290,7 @@ async def test_poison_entry_is_dead_lettered_and_does_not_block(
     assert rest["dead_letters"][-1]["event"] is None and rest["next_cursor"] is None
 
     # The dead letters are not in the totals; the rest is.
-    acct = (await api.get(f"/v1/runs/{run_id}/accounting")).json()
+    acct = (await accounting_api.get(f"/v1/runs/{run_id}/accounting")).json()
     assert acct["rollouts_received"] == len(sim.rollouts) + len(later.rollouts)
     assert acct["pending_events"] == 0
 

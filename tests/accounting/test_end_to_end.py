@@ -19,10 +19,10 @@ def group(gid: str, version: int, rewards=(0.0, 1.0)) -> list[dict]:
     ]
 
 
-async def test_a_mixed_workload_adds_up(client: httpx.AsyncClient, make_ctx, prefix, redis):
+async def test_a_mixed_workload_adds_up(api: httpx.AsyncClient, make_ctx, prefix, redis):
     run = "e2e"
     await make_run(
-        client,
+        api,
         run,
         group_size=2,
         max_reuse=2,
@@ -34,13 +34,13 @@ async def test_a_mixed_workload_adds_up(client: httpx.AsyncClient, make_ctx, pre
     said = {"accepted": 0, "duplicates": 0, "consumed": 0, "acked_sizes": 0}
 
     async def send(*rollouts) -> dict:
-        body = (await post(client, run, *rollouts)).json()
+        body = (await post(api, run, *rollouts)).json()
         said["accepted"] += body["accepted"]
         said["duplicates"] += body["duplicates"]
         return body
 
     async def take(size: int, **kw) -> dict:
-        resp = await lease(client, run, size, **kw)
+        resp = await lease(api, run, size, **kw)
         assert resp.status_code == 200, resp.text
         return resp.json()
 
@@ -49,7 +49,7 @@ async def test_a_mixed_workload_adds_up(client: httpx.AsyncClient, make_ctx, pre
             r["rollout_id"]: [x + (lp_shift or {}).get(r["rollout_id"], 0.0) for x in r["logprobs"]]
             for r in batch["rollouts"]
         }
-        body = (await ack(client, run, batch["batch_id"], logprobs=lp)).json()
+        body = (await ack(api, run, batch["batch_id"], logprobs=lp)).json()
         said["consumed"] += body["consumed"]
         said["acked_sizes"] += len(batch["rollouts"])
         return body
@@ -67,19 +67,17 @@ async def test_a_mixed_workload_adds_up(client: httpx.AsyncClient, make_ctx, pre
     assert {r["group_id"] for r in third["rollouts"]} == {"g2", "g3"}
     assert (await give(third, lp_shift={"g2-0": -2.0}))["retired"] == 2  # g2 far off-policy: kl
     nacked = await take(2)
-    assert (
-        await client.post(f"/v1/runs/{run}/batches/{nacked['batch_id']}/nack")
-    ).status_code == 200
-    await client.patch(f"/v1/runs/{run}/config", json={"lease_timeout_s": 0.05})
+    assert (await api.post(f"/v1/runs/{run}/batches/{nacked['batch_id']}/nack")).status_code == 200
+    await api.patch(f"/v1/runs/{run}/config", json={"lease_timeout_s": 0.05})
     expiring = await take(2)
     await asyncio.sleep(0.06)  # not a race: the lease's own 50 ms must pass for it to expire
-    assert (await ack(client, run, expiring["batch_id"])).status_code == 409
-    await client.patch(f"/v1/runs/{run}/config", json={"lease_timeout_s": 300})
+    assert (await ack(api, run, expiring["batch_id"])).status_code == 409
+    await api.patch(f"/v1/runs/{run}/config", json={"lease_timeout_s": 300})
 
-    await client.post(f"/v1/runs/{run}/policy", json={"version": 1})
+    await api.post(f"/v1/runs/{run}/policy", json={"version": 1})
     for g in range(3):
         await send(*group(f"h{g}", 1))
-    await client.post(f"/v1/runs/{run}/policy", json={"version": 2})  # v0 is now stale
+    await api.post(f"/v1/runs/{run}/policy", json={"version": 2})  # v0 is now stale
     await send(*group("k0", 2))
     assert (await send(rollout("old", 0, group="y")))["rejected"][0]["reason"] == "stale"
     fresh = await take(2)
@@ -91,7 +89,7 @@ async def test_a_mixed_workload_adds_up(client: httpx.AsyncClient, make_ctx, pre
     held = await take(2)  # one lease left open at the end
 
     await drain_all(make_ctx())
-    acc = (await client.get(f"/v1/runs/{run}/accounting")).json()
+    acc = (await api.get(f"/v1/runs/{run}/accounting")).json()
     live = await RedisStore(redis, prefix).get_run(run)
 
     assert acc["pending_events"] == 0
@@ -111,7 +109,7 @@ async def test_a_mixed_workload_adds_up(client: httpx.AsyncClient, make_ctx, pre
     # g3 was used once), h0..h2 (flushed)
     assert acc["wasted_tokens"] == (1 + 2 + 3) * 7
 
-    rows = (await client.get(f"/v1/runs/{run}/accounting/versions")).json()
+    rows = (await api.get(f"/v1/runs/{run}/accounting/versions")).json()
     per_version = rows["versions"] if isinstance(rows, dict) else rows
     for key in ("rollouts_received", "samples_consumed", "tokens_generated", "buffered", "leased"):
         assert sum(r[key] for r in per_version) == acc[key], key

@@ -1,9 +1,5 @@
-"""Fixtures of the HTTP contract tests.
-
-`api` serves the app in-process (like the shared `client`) but turns unhandled exceptions into
-the 500 response a real server would send, so a test can assert on the status code.
-`api_servers` starts real API processes (uvicorn) against the shared Redis and the test's prefix.
-"""
+"""Fixtures of the HTTP contract tests: `api_servers` starts real API processes (uvicorn)
+against the test's Redis prefix and database (the in-process `api` is in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -20,23 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.main import create_app
-from app.settings import Settings
+from tests.services import REDIS_URL, WAKE_FALLBACK_S
 
-REDIS_URL = os.environ.get("BROKER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 30.0
-
-
-@pytest.fixture
-async def api(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(
-            transport=transport, base_url="http://broker", timeout=30.0
-        ) as c:
-            yield c
 
 
 def _free_port() -> int:
@@ -56,11 +39,13 @@ def _read(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
-async def _start_server(prefix: str, log: Path) -> ApiServer:
+async def _start_server(prefix: str, database_url: str, log: Path) -> ApiServer:
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if not k.startswith("BROKER_")},
         "BROKER_REDIS_URL": REDIS_URL,
+        "BROKER_DATABASE_URL": database_url,
         "BROKER_REDIS_PREFIX": prefix,
+        "BROKER_WAKE_FALLBACK_S": str(WAKE_FALLBACK_S),
         "PYTHONPATH": str(ROOT),
     }
     for attempt in range(3):
@@ -109,13 +94,13 @@ async def _stop_server(server: ApiServer) -> None:
 
 
 @pytest.fixture
-async def api_servers(prefix: str, tmp_path: Path) -> AsyncIterator[list[str]]:
-    """Two API processes on different ports sharing one Redis and the test's prefix."""
+async def api_servers(prefix: str, database_url: str, tmp_path: Path) -> AsyncIterator[list[str]]:
+    """Two API processes on different ports sharing the test's Redis prefix and database."""
     servers: list[ApiServer] = []
     try:
         started = await asyncio.gather(
-            _start_server(prefix, tmp_path / "api0.log"),
-            _start_server(prefix, tmp_path / "api1.log"),
+            _start_server(prefix, database_url, tmp_path / "api0.log"),
+            _start_server(prefix, database_url, tmp_path / "api1.log"),
             return_exceptions=True,
         )
         for s in started:

@@ -304,6 +304,8 @@ async def test_ack_after_lease_expiry_is_409_and_rollouts_return_unused(api, red
     assert "acked" not in kinds
 
 
+# No worker sweeps here, so no wake-up announces the expiry: the long poll's own re-check finds it.
+@pytest.mark.wake_fallback_s(1.0)
 async def test_an_expired_lease_is_released_for_other_trainers(api):
     await make_run(api, "r1", lease_timeout_s=2)
     await post(api, "r1", rollout("a"))

@@ -9,12 +9,12 @@ import httpx
 from app.accounting.db import upgrade_to_head
 from app.main import create_app
 from app.settings import Settings
-from tests.conftest import REDIS_URL
+from tests.services import REDIS_URL
 
 
-async def test_ready_with_redis_and_a_migrated_database(client: httpx.AsyncClient) -> None:
-    assert (await client.get("/healthz")).json() == {"status": "ok"}
-    resp = await client.get("/readyz")
+async def test_ready_with_redis_and_a_migrated_database(api: httpx.AsyncClient) -> None:
+    assert (await api.get("/healthz")).json() == {"status": "ok"}
+    resp = await api.get("/readyz")
     assert resp.status_code == 200
     assert resp.json() == {
         "status": "ready",

@@ -1,5 +1,5 @@
 """Fixtures of the client tests: the async client over the in-process app (tests/conftest.py's
-``client``), and a live broker subprocess for the blocking client and the CLI."""
+``api``), and a live broker subprocess for the blocking client and the CLI."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import httpx
 import pytest
 from rollout_broker_client import AsyncBrokerClient, BrokerClient
 
-from tests.client.live import LiveServer, broker_env, fresh_database, redis_prefix, serve
+from tests.client.live import LiveServer, broker_env, serve
+from tests.services import fresh_database, redis_prefix
 
 
 @pytest.fixture
-async def broker(client: httpx.AsyncClient) -> AsyncIterator[AsyncBrokerClient]:
-    async with AsyncBrokerClient(http=client) as b:
+async def broker(api: httpx.AsyncClient) -> AsyncIterator[AsyncBrokerClient]:
+    async with AsyncBrokerClient(http=api) as b:
         yield b
 
 

@@ -75,8 +75,8 @@ class Recorder(httpx.AsyncBaseTransport):
 
 
 @pytest.fixture
-def recorder(client: httpx.AsyncClient) -> Recorder:
-    return Recorder(client._transport)
+def recorder(api: httpx.AsyncClient) -> Recorder:
+    return Recorder(api._transport)
 
 
 @pytest.fixture
@@ -86,8 +86,8 @@ async def wired(recorder: Recorder) -> AsyncBrokerClient:
 
 
 @pytest.mark.parametrize("fmt", ["msgpack", "json"])
-async def test_round_trip_keeps_arrays_exact(client: httpx.AsyncClient, fmt: str) -> None:
-    broker = AsyncBrokerClient(http=client, format=fmt)  # type: ignore[arg-type]
+async def test_round_trip_keeps_arrays_exact(api: httpx.AsyncClient, fmt: str) -> None:
+    broker = AsyncBrokerClient(http=api, format=fmt)  # type: ignore[arg-type]
     run = await broker.create_run("rt", {"group_size": 3, "max_reuse": 2})
     assert run.config["group_size"] == 3
     sent = group("a", 3) + group("b", 3)
@@ -217,10 +217,10 @@ async def test_writer_records_rejections_and_duplicates(broker: AsyncBrokerClien
 
 
 async def test_writer_waits_out_backpressure(
-    wired: AsyncBrokerClient, recorder: Recorder, client: httpx.AsyncClient
+    wired: AsyncBrokerClient, recorder: Recorder, api: httpx.AsyncClient
 ) -> None:
     await wired.create_run("bp", {"capacity_rollouts": 2, "max_reuse": 1})
-    trainer = AsyncBrokerClient(http=client)
+    trainer = AsyncBrokerClient(http=api)
     freed: list[int] = []
 
     async def train_one_batch() -> None:  # runs right after the broker answered 429

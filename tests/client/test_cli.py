@@ -10,7 +10,8 @@ from rollout_broker_client import BrokerClient, Rollout
 from typer.testing import CliRunner
 
 from app.cli import cli
-from tests.client.live import LiveServer, fresh_database
+from tests.client.live import LiveServer
+from tests.services import fresh_database
 
 runner = CliRunner()
 
