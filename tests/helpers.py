@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 import httpx
+from redis.asyncio import Redis
+
+from app.broker.keys import WAITING, run_key
 
 
 def rollout(
@@ -54,3 +59,29 @@ async def lease(client: httpx.AsyncClient, run_id: str, size: int, **params: Any
 
 async def ack(client: httpx.AsyncClient, run_id: str, batch_id: str, **body: Any) -> httpx.Response:
     return await client.post(f"/v1/runs/{run_id}/batches/{batch_id}/ack", json=body)
+
+
+async def until_long_polling(redis: Redis, prefix: str, run_id: str) -> None:
+    """Returns once a lease on the run waits for a wake-up: its script marks the run as waited
+    on just before the caller starts waiting, so a rollout posted after this must wake it."""
+    # Another task or process sets the mark, and Redis has no way to push it to us: look again.
+    while True:
+        if await redis.exists(run_key(prefix, run_id, WAITING)):
+            return
+        await asyncio.sleep(0.01)
+
+
+async def answered_before(
+    answer: asyncio.Task[httpx.Response], idle: asyncio.Task[httpx.Response]
+) -> httpx.Response:
+    """``answer``'s response, which must come while ``idle`` (a long poll on a run that gets no
+    rollouts, with a shorter ``wait_s``) still waits. A long poll makes one last try at its
+    deadline, so a batch alone does not show that a wake-up answered it; this order does."""
+    done, _ = await asyncio.wait({answer, idle}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (idle, answer):
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    assert answer in done, "no wake-up: a long poll that nothing wakes ended first"
+    return answer.result()

@@ -19,7 +19,15 @@ from tests.api.support import (
     retired_items,
     set_policy,
 )
-from tests.helpers import ack, lease, make_run, post, rollout
+from tests.helpers import (
+    ack,
+    answered_before,
+    lease,
+    make_run,
+    post,
+    rollout,
+    until_long_polling,
+)
 
 
 async def test_lease_exact_size_and_batch_shape(api):
@@ -68,28 +76,33 @@ async def test_empty_run_is_204(api):
     assert (await lease(api, "r1", 1, partial=True, wait_s=0)).status_code == 204
 
 
-async def test_long_poll_returns_promptly_when_rollouts_arrive(api):
+# The app's long polls re-check only when woken (tests/conftest.py). Each test's long poll must
+# answer before a second one, on a run that gets nothing and with half the wait, ends: it was
+# woken by the ingest's pub/sub message, not answered by its last try at the deadline.
+LONG_POLL_S = 20
+
+
+async def test_long_poll_returns_when_rollouts_arrive(api, redis, prefix):
     await make_run(api, "r1")
-    waiting = asyncio.create_task(lease(api, "r1", 2, wait_s=8))
-    # Let the long poll begin; the assertions below hold however long this takes.
-    await asyncio.sleep(0.3)
-    assert not waiting.done()
-    posted = time.monotonic()
+    await make_run(api, "idle")
+    waiting = asyncio.create_task(lease(api, "r1", 2, wait_s=LONG_POLL_S))
+    await until_long_polling(redis, prefix, "r1")
+    idle = asyncio.create_task(lease(api, "idle", 1, wait_s=LONG_POLL_S / 2))
     assert (await post(api, "r1", rollout("a"), rollout("b"))).json()["accepted"] == 2
-    resp = await asyncio.wait_for(waiting, timeout=10)
-    done = time.monotonic()
+    resp = await answered_before(waiting, idle)
     assert resp.status_code == 200, resp.text
     assert sorted(ids(resp.json())) == ["a", "b"]
-    # Well inside wait_s: the long poll answered because rollouts came, not because it ended.
-    assert done - posted < 4.0
 
 
-async def test_long_poll_waits_for_the_whole_batch(api):
+async def test_long_poll_waits_for_the_whole_batch(api, redis, prefix):
     await make_run(api, "r1")
-    waiting = asyncio.create_task(lease(api, "r1", 2, wait_s=5))
+    await make_run(api, "idle")
+    waiting = asyncio.create_task(lease(api, "r1", 2, wait_s=LONG_POLL_S))
+    await until_long_polling(redis, prefix, "r1")
+    idle = asyncio.create_task(lease(api, "idle", 1, wait_s=LONG_POLL_S / 2))
     await post(api, "r1", rollout("a"))
     await post(api, "r1", rollout("b"))
-    resp = await asyncio.wait_for(waiting, timeout=10)
+    resp = await answered_before(waiting, idle)
     assert resp.status_code == 200
     assert sorted(ids(resp.json())) == ["a", "b"]
 
