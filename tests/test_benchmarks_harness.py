@@ -1,5 +1,6 @@
 """The benchmark harness end to end at its tiny size: real Redis, the broker and the naive
-baseline under uvicorn, forked load processes; every row of the table is there with numbers."""
+baseline under uvicorn, forked load processes; every row is there with a positive figure, its
+ratios are the broker against its baselines, and each target's verdict follows from its ratio."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from benchmarks.payloads import RAW_BYTES
 from benchmarks.run import QUICK
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,8 +41,33 @@ def _number(x: object) -> bool:
     return isinstance(x, int | float) and math.isfinite(x) and x > 0
 
 
+def _vs(row: dict[str, Any], base: float) -> float:
+    """The broker against a baseline as benchmarks/README.md defines it: above 1 is better, so
+    rates are broker ÷ baseline and latencies and bytes baseline ÷ broker."""
+    value = row["value"]
+    return value / base if row["unit"] == "rollouts/s" else base / value
+
+
+def _shown(value: float, unit: str) -> str:
+    if unit == "rollouts/s":
+        return f"{value:,.0f} r/s"
+    if unit == "ms":
+        return f"{value:.2f} ms" if value < 100 else f"{value:,.0f} ms"
+    return f"{value:,.0f} B"
+
+
+def _cells(stdout: str) -> dict[str, list[str]]:
+    """The printed table's cells by measure (the column heads are in benchmarks/run.py)."""
+    out = {}
+    for line in stdout.splitlines():
+        if line.startswith("| ") and not line.startswith(("| **", "| measure |")):
+            cells = line[2:-2].split(" | ", 8)
+            out[cells[0]] = cells
+    return out
+
+
 @pytest.mark.slow
-def test_quick_run_prints_every_row_with_numbers(tmp_path: Path) -> None:
+def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     env = dict(os.environ)
     if "BROKER_TEST_REDIS_URL" in env:  # used only when no redis-server binary is found
@@ -57,32 +85,53 @@ def test_quick_run_prints_every_row_with_numbers(tmp_path: Path) -> None:
 
     doc = json.loads(out.read_text())
     rows = {r["id"]: r for r in doc["rows"]}
-    assert list(rows) == expected_rows()
+    assert list(rows) == expected_rows()  # every section, every row, in order
     for rid, r in rows.items():
         assert _number(r["value"]), (rid, r["value"])
-    # Every comparable row carries its baselines, measured in the same run.
-    for rid, r in rows.items():
-        if rid.startswith(("ingest.", "lease_ack.", "lease_latency.")):
-            assert _number(r["raw"]) and _number(r["naive"]), rid
-            assert _number(r["vs_raw"]) and _number(r["vs_naive"]), rid
-        if rid.startswith("scale.trainers."):
-            assert _number(r["raw"]), rid
-    assert _number(rows["memory.used_memory"]["raw"])
-    assert _number(rows["memory.used_memory"]["naive"])
+        assert r["unit"] in ("rollouts/s", "ms", "bytes"), rid
 
-    # The targets are evaluated: ingest and lease against raw Redis, everything comparable
-    # against the naive buffer, memory against the raw array bytes.
-    targets = {(rid, t["name"]) for rid, r in rows.items() for t in r["targets"]}
+    # Every comparable row carries its baselines, measured in the same run, and its ratios are
+    # the broker against them.
+    for rid, r in rows.items():
+        if rid.startswith(("ingest.", "lease_ack.", "lease_latency.", "memory.used_memory")):
+            assert _number(r["raw"]) and _number(r["naive"]), rid
+        if rid.startswith(("scale.trainers.", "http_floor.", "memory.memory_usage")):
+            assert _number(r["raw"]), rid
+        for base, ratio in (("raw", "vs_raw"), ("naive", "vs_naive")):
+            if r[base] is None:
+                assert r[ratio] is None, (rid, ratio)
+            else:
+                assert r[ratio] == pytest.approx(_vs(r, r[base]), rel=1e-12), (rid, ratio)
+
+    # The targets are evaluated on the right ratio, and each verdict agrees with it: ingest and
+    # lease against raw Redis, everything comparable against the naive buffer, memory against
+    # the raw array bytes.
+    targets = {(rid, t["name"]): (r, t) for rid, r in rows.items() for t in r["targets"]}
     for procs in (1, 4):
         assert (f"ingest.msgpack.64.p{procs}", "≥0.5× raw") in targets
     assert (f"lease_ack.msgpack.{QUICK.batch}", "≥0.5× raw") in targets
     assert ("memory.used_memory", "≤1.3× raw arrays") in targets
-    assert all(isinstance(t["ok"], bool) for r in rows.values() for t in r["targets"])
+    for (rid, name), (r, t) in targets.items():
+        want = {
+            "≥0.5× raw": (r["vs_raw"], 0.5, False),
+            ">1× naive": (r["vs_naive"], 1.0, False),
+            "≤1.3× raw arrays": (r["value"] / RAW_BYTES, 1.3, True),
+        }[name]
+        ratio, need, at_most = want
+        assert t["ratio"] == pytest.approx(ratio, rel=1e-12), (rid, name)
+        assert (t["need"], t["at_most"]) == (need, at_most), (rid, name)
+        assert t["ok"] is (ratio <= need if at_most else ratio >= need), (rid, name, t)
 
-    # The printed table has one line per row, and the verdicts.
-    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-    measures = [r["measure"] for r in doc["rows"]]
-    for m in measures:
-        assert any(line.startswith(f"| {m} |") for line in table), m
-    assert "PASS" in proc.stdout or "MISS" in proc.stdout
-    assert "targets:" in proc.stdout
+    # The printed table shows each row's figures, ratios and verdicts as the JSON has them.
+    printed = _cells(proc.stdout)
+    for rid, r in rows.items():
+        cells = printed[r["measure"]]
+        assert cells[1] == _shown(r["value"], r["unit"]), (rid, cells)
+        for col, ratio in ((4, r["vs_raw"]), (6, r["vs_naive"])):
+            assert cells[col] == ("–" if ratio is None else f"×{ratio:.2f}"), (rid, cells)
+        verdicts = [
+            f"{t['name']}: {t['ratio']:.2f} {'PASS' if t['ok'] else 'MISS'}" for t in r["targets"]
+        ]
+        assert cells[7] == "; ".join(verdicts), (rid, cells)
+    passed = sum(t["ok"] for _, t in targets.values())
+    assert f"targets: {passed} PASS, {len(targets) - passed} MISS" in proc.stdout
