@@ -100,6 +100,7 @@ async def _roundtrip(services: EmbeddedServices, *, first: bool) -> None:
         await engine.dispose()
 
 
+@pytest.mark.slow
 async def test_start_talk_stop_and_restart_keeps_data(data_dir: Path) -> None:
     services = start_embedded(data_dir)
     try:
@@ -131,6 +132,7 @@ def _python(code: str) -> subprocess.Popen[str]:
     )
 
 
+@pytest.mark.slow
 async def test_second_owner_is_refused(data_dir: Path) -> None:
     with start_embedded(data_dir) as services:
         with pytest.raises(DataDirInUseError, match=f"pid {os.getpid()}"):
@@ -150,6 +152,7 @@ async def test_second_owner_is_refused(data_dir: Path) -> None:
     _assert_gone(services.redis_pid, services.postgres_pid)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux")
 async def test_servers_stop_when_the_owner_is_killed(data_dir: Path) -> None:
     owner = _python(

@@ -14,6 +14,8 @@ import pytest
 from tests.client.live import REPO, broker_env
 from tests.services import fresh_database, redis_prefix
 
+pytestmark = pytest.mark.slow  # the example trains for 60 policy versions in subprocesses
+
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Awaitable, Callable
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
@@ -78,6 +79,7 @@ async def test_upgrade_downgrade_upgrade(database_factory: Callable[[], Awaitabl
         await engine.dispose()
 
 
+@pytest.mark.slow
 async def test_alembic_command_line_from_any_directory(
     database_factory: Callable[[], Awaitable[str]], tmp_path: object
 ) -> None:

@@ -28,6 +28,7 @@ def rid() -> str:
     return f"cli-{uuid.uuid4().hex[:8]}"
 
 
+@pytest.mark.slow
 def test_runs_create_show_list_close(live_server: LiveServer) -> None:
     run = rid()
     code, out, err = invoke(
@@ -51,6 +52,7 @@ def test_runs_create_show_list_close(live_server: LiveServer) -> None:
     assert code == 0 and json.loads(out)["status"] == "closed"
 
 
+@pytest.mark.slow
 def test_url_option_and_errors(live_server: LiveServer) -> None:
     code, out, err = invoke(None, "runs", "show", "missing-run", "--url", live_server.url)
     assert code == 1 and out == ""
@@ -65,6 +67,7 @@ def test_url_option_and_errors(live_server: LiveServer) -> None:
     assert code == 1 and err.startswith("error: ValidationFailed:")
 
 
+@pytest.mark.slow
 def test_policy_set(live_server: LiveServer) -> None:
     run = rid()
     with BrokerClient(live_server.url) as broker:
@@ -97,6 +100,7 @@ def trained_run(live_server: LiveServer) -> str:
     return run
 
 
+@pytest.mark.slow
 def test_accounting_table_and_json(live_server: LiveServer, trained_run: str) -> None:
     code, out, _ = invoke(live_server, "accounting", trained_run, "--json")
     assert code == 0
@@ -116,6 +120,7 @@ def test_accounting_table_and_json(live_server: LiveServer, trained_run: str) ->
     assert [(r["policy_version"], r["rollouts_received"]) for r in rows] == [(0, 4)]
 
 
+@pytest.mark.slow
 def test_watch_refreshes(live_server: LiveServer, trained_run: str) -> None:
     code, out, err = invoke(live_server, "watch", trained_run, "--count", "2", "--interval", "0.05")
     assert code == 0, err

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # pip installs into fresh virtual environments
+
 REPO = Path(__file__).resolve().parents[2]
 SERVER_ONLY = {
     "fastapi", "starlette", "uvicorn", "sqlalchemy", "asyncpg", "alembic", "redis",

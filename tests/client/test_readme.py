@@ -5,7 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.client.live import REPO, LiveServer
+
+pytestmark = pytest.mark.slow  # the tour runs in a subprocess against a live broker
 
 
 def blocks(kind: str) -> list[str]:

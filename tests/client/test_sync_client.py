@@ -47,6 +47,7 @@ def groups(n: int, k: int, version: int = 0) -> list[list[Rollout]]:
     ]
 
 
+@pytest.mark.slow
 def test_generator_and_trainer_over_the_network(sync_broker: BrokerClient) -> None:
     run = rid()
     sync_broker.create_run(run, {"group_size": 4, "max_reuse": 2, "kl_max": 0.5})
@@ -72,6 +73,7 @@ def test_generator_and_trainer_over_the_network(sync_broker: BrokerClient) -> No
     sync_broker.nack(run, left.batch_id)
 
 
+@pytest.mark.slow
 def test_errors_over_the_network(sync_broker: BrokerClient) -> None:
     with pytest.raises(RunNotFound) as err:
         sync_broker.lease_batch("no-such-run", 1)
@@ -86,6 +88,7 @@ def test_errors_over_the_network(sync_broker: BrokerClient) -> None:
     assert sync_broker.healthz()
 
 
+@pytest.mark.slow
 def test_ack_after_expiry_is_lease_expired(sync_broker: BrokerClient) -> None:
     run = rid()
     sync_broker.create_run(run, {"lease_timeout_s": 0.05})
@@ -107,6 +110,7 @@ def test_unreachable() -> None:
         assert not b.ready()
 
 
+@pytest.mark.slow
 def test_accounting_over_the_network(sync_broker: BrokerClient) -> None:
     run = rid()
     sync_broker.create_run(run, {"group_size": 2, "max_reuse": 1})
@@ -138,6 +142,7 @@ def test_sync_client_in_process(settings: Settings) -> None:
         assert batch.ack_result.stats.kl_mean == pytest.approx(0.0, abs=1e-7)
 
 
+@pytest.mark.slow
 def test_live_server_is_real(live_server: LiveServer) -> None:
     assert live_server.proc.poll() is None
     assert "Uvicorn running" in live_server.output()
