@@ -25,6 +25,7 @@ from tests.services import (
     drop_database,
     empty_database,
     new_prefix,
+    rows_left,
     url_of_database,
 )
 
@@ -44,6 +45,8 @@ async def migrated_database() -> AsyncIterator[str]:
 async def database_url(migrated_database: str) -> AsyncIterator[str]:
     """The migrated database (SQLAlchemy async URL), the test's alone while it runs and emptied
     after it, so no test sees another's rows."""
+    left = await rows_left(migrated_database)
+    assert not left, f"an earlier test left rows behind: {left}"
     yield url_of_database(migrated_database)
     await empty_database(migrated_database)
 

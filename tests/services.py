@@ -61,20 +61,34 @@ async def drop_database(name: str) -> None:
         await conn.close()
 
 
+_TABLES = (
+    "SELECT tablename FROM pg_tables WHERE schemaname = 'public' AND tablename <> 'alembic_version'"
+)
+
+
 async def empty_database(name: str) -> None:
     """Delete every row of every table but Alembic's (the schema has no foreign keys, so the
     order does not matter): much quicker than a new database, and as clean for the next test."""
     conn = await asyncpg.connect(f"{PG_URL}/{name}")
     try:
-        tables = await conn.fetch(
-            "SELECT tablename FROM pg_tables WHERE schemaname = 'public'"
-            " AND tablename <> 'alembic_version'"
-        )
         async with conn.transaction():
-            for (table,) in tables:
+            for (table,) in await conn.fetch(_TABLES):
                 await conn.execute(f'DELETE FROM "{table}"')
     finally:
         await conn.close()
+
+
+async def rows_left(name: str) -> dict[str, int]:
+    """The tables of the database that hold rows, with their counts."""
+    conn = await asyncpg.connect(f"{PG_URL}/{name}")
+    try:
+        counts = {
+            t: await conn.fetchval(f'SELECT count(*) FROM "{t}"')
+            for (t,) in await conn.fetch(_TABLES)
+        }
+    finally:
+        await conn.close()
+    return {t: n for t, n in counts.items() if n}
 
 
 async def delete_prefix(client: Redis, prefix: str) -> None:
