@@ -48,6 +48,7 @@ from workers.drain import DrainContext, drain_once
 
 Event = tuple[str, dict[str, Any]]
 
+
 async def drain_all(ctx: DrainContext, *, max_passes: int = 50, claim: bool | None = None) -> int:
     """Run passes until one reads nothing; return the number of passes."""
     for n in range(1, max_passes + 1):
