@@ -45,7 +45,11 @@ __all__ = [
     "EventType",
     "Leased",
     "LeasedItem",
+    "PassItem",
+    "PassesChanged",
     "Payload",
+    "Registered",
+    "RegisteredItem",
     "Rejected",
     "RejectedItem",
     "Retired",
@@ -54,6 +58,9 @@ __all__ = [
     "ReturnedItem",
     "RunChanged",
     "StreamId",
+    "Waited",
+    "WorkItem",
+    "WorkLeased",
     "decode_entry",
     "decode_payload",
     "encode_entry",
@@ -229,6 +236,13 @@ class Leased:
     policy_version: int = wire("int", note="the batch's V")
     expires_at_ms: int = wire("int", key="expires_at", minimum=0, note="ms")
     items: tuple[LeasedItem, ...] = wire("items", of=LeasedItem)
+    wait_ms: int = wire(
+        "int",
+        optional=True,
+        minimum=0,
+        default=0,
+        note="ms the trainer's request waited for rollouts before this lease",
+    )
 
 
 @_wire_class
@@ -302,8 +316,75 @@ class Retired:
     items: tuple[RetiredItem, ...] = wire("items", of=RetiredItem)
 
 
+@_wire_class
+class RegisteredItem:
+    prompt_id: str = wire("text")
+    passes: int = wire("int", minimum=1, note="`epochs`: passes 1..passes are queued")
+
+
+@_wire_class
+class Registered:
+    items: tuple[RegisteredItem, ...] = wire("items", of=RegisteredItem)
+
+
+@_wire_class
+class WorkItem:
+    prompt_id: str = wire("text")
+    pass_: int = wire("int", key="pass", minimum=1)
+    attempt: int = wire("int", minimum=1)
+
+
+@_wire_class
+class WorkLeased:
+    lease_id: str = wire("text")
+    generator_id: str | None = wire("text", optional=True, note="str or nil")
+    policy_version: int = wire("int", note="the run's V when handed out")
+    expires_at_ms: int = wire("int", key="expires_at", minimum=0, note="ms")
+    items: tuple[WorkItem, ...] = wire("items", of=WorkItem)
+    wait_ms: int = wire(
+        "int", optional=True, minimum=0, default=0, note="ms the generator's request waited"
+    )
+
+
+@_wire_class
+class PassItem:
+    prompt_id: str = wire("text")
+    pass_: int = wire("int", key="pass", minimum=1)
+    attempt: int = wire("int", minimum=1, note="the attempt this state belongs to")
+    state: str = wire("text", note="`queued`, `in_flight`, `done`, `failed`")
+    tries: int = wire("int", minimum=0, note="attempts that retired unused or expired")
+
+
+@_wire_class
+class PassesChanged:
+    cause: str = wire(
+        "text",
+        note="`returned`, `expired` (work lease), `retired` (its group retired: the reason "
+        "is in `retired`), `acked` (first use)",
+    )
+    lease_id: str | None = wire("text", optional=True, note="the work lease, when one")
+    items: tuple[PassItem, ...] = wire("items", of=PassItem)
+
+
+@_wire_class
+class Waited:
+    role: str = wire("text", note="`trainer` or `generator`")
+    wait_ms: int = wire("int", minimum=0)
+
+
 Payload: TypeAlias = (
-    RunChanged | Accepted | Duplicate | Rejected | Leased | Acked | Returned | Retired
+    RunChanged
+    | Accepted
+    | Duplicate
+    | Rejected
+    | Leased
+    | Acked
+    | Returned
+    | Retired
+    | Registered
+    | WorkLeased
+    | PassesChanged
+    | Waited
 )
 
 
@@ -355,7 +436,8 @@ SCHEMA: dict[str, EventType] = {
         EventType(
             "rejected",
             Rejected,
-            "per-rollout policy rejections (`stale`, `future_version`, `run_closed`); "
+            "per-rollout policy rejections (`stale`, `future_version`, `run_closed`, "
+            "`stale_attempt`); "
             "nothing stored",
         ),
         EventType(
@@ -381,6 +463,31 @@ SCHEMA: dict[str, EventType] = {
             "buffered → gone. Reasons: `stale`, `max_reuse`, `kl`, `kl_flush`, "
             "`incomplete_group`, `zero_variance`, `run_closed`. `uses == 0` means the tokens "
             "were wasted",
+        ),
+        EventType(
+            "registered",
+            Registered,
+            "new prompts (repeats of a known `prompt_id` are not recorded): each pass "
+            "1..`passes` queued at attempt 1",
+        ),
+        EventType(
+            "work_leased",
+            WorkLeased,
+            "prompt passes handed to a generator: each item is `in_flight` at its attempt",
+        ),
+        EventType(
+            "passes",
+            PassesChanged,
+            "prompt passes changed state. A pass's states are ordered by (attempt, state): "
+            "`queued` < `in_flight` < `done`/`failed` within an attempt, and a later attempt "
+            "comes after every state of an earlier one, so the newest state is the greatest "
+            "whatever order entries are applied in",
+        ),
+        EventType(
+            "waited",
+            Waited,
+            "a long poll that waited and got nothing (time of one that got something is in "
+            "its `leased` or `work_leased` event)",
         ),
     )
 }

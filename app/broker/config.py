@@ -35,6 +35,9 @@ class RunConfig(BaseModel):
     order: Order = "freshest"
     capacity_rollouts: int = Field(100_000, ge=1, le=1_000_000_000)
     lease_timeout_s: float = Field(300.0, gt=0, le=7 * 86400, allow_inf_nan=False)
+    step_groups: int | None = Field(None, ge=1, le=1_000_000_000)
+    work_timeout_s: float = Field(1800.0, gt=0, le=7 * 86400, allow_inf_nan=False)
+    max_attempts: int = Field(3, ge=1, le=1000)
 
     def canonical_json(self) -> str:
         """The one text form of a config: how Redis stores it and how equality is judged."""
@@ -64,3 +67,7 @@ class RunConfigPatch(BaseModel):
     order: Order | None = None
     capacity_rollouts: int | None = Field(None, ge=1, le=1_000_000_000)
     lease_timeout_s: float | None = Field(None, gt=0, le=7 * 86400, allow_inf_nan=False)
+    # null is a value here (no staleness budget), so "absent" is told apart by exclude_unset.
+    step_groups: int | None = Field(None, ge=1, le=1_000_000_000)
+    work_timeout_s: float | None = Field(None, gt=0, le=7 * 86400, allow_inf_nan=False)
+    max_attempts: int | None = Field(None, ge=1, le=1000)

@@ -206,7 +206,8 @@ class Broker:
         if size > self.max_batch_size:
             raise ValidationFailed(f"size {size} is above the largest batch, {self.max_batch_size}")
         wait_s = min(max(wait_s, 0.0), self.max_wait_s)
-        deadline = time.monotonic() + wait_s
+        started = time.monotonic()
+        deadline = started + wait_s
         bid = batch_id or uuid.uuid4().hex
         while True:
             ev = self.waker.event(run_id)
@@ -223,6 +224,7 @@ class Broker:
                     trainer_id=trainer_id,
                     # Ask for wake-ups for as long as the wait below, with a second to spare.
                     wait_ms=0 if last else int(self.waker.wait_window(remaining) * 1000) + 1000,
+                    waited_ms=int((time.monotonic() - started) * 1000),
                 )
             except StoreError as err:
                 if err.code == "lease_lost" and batch_id is None:

@@ -275,9 +275,11 @@ class RedisStore:
         partial: bool,
         trainer_id: str | None,
         wait_ms: int = 0,
+        waited_ms: int = 0,
     ) -> Lease | int:
         """A Lease, or the number of eligible rollouts found when that was not enough; then, with
-        ``wait_ms``, units that become ready in the run announce it for that long."""
+        ``wait_ms``, units that become ready in the run announce it for that long. ``waited_ms``
+        is how long the request has waited so far, recorded as the trainer's wait."""
         outcome, *body = await self._call(
             "lease",
             run_id,
@@ -290,6 +292,7 @@ class RedisStore:
             scan_limit(size),
             secrets.randbits(31),
             wait_ms,
+            waited_ms,
         )
         if text(outcome) == "short":
             (found,) = body

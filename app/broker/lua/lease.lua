@@ -2,7 +2,9 @@
 -- can be in two live leases. Units found permanently ineligible on the way are retired.
 -- ARGV: wake, batch_id, size, policy_version ('' = current), partial (0/1), trainer_id,
 --       sweep_limit, scan_limit, seed (of the shuffle in 'random' order), wait_ms (how long
---       the caller will wait for a wake-up if this call finds too little; 0: it will not).
+--       the caller will wait for a wake-up if this call finds too little; 0: it will not),
+--       waited_ms (how long the request has waited so far: recorded with the lease, or in a
+--       'waited' event when this is its last try and it finds too little).
 -- A batch_id that already names a live batch returns that batch again (a retried request).
 -- The packed rollouts (keys d:<rollout_id>) are read by the caller with one MGET: copying
 -- them through Lua strings would cost the script more than all its other work.
@@ -104,6 +106,8 @@ if picked_n == 0 or (picked_n < N and not partial) then
   local wait_ms = tonumber(ARGV[10])
   if wait_ms > 0 and redis.call('PTTL', WAITING) < wait_ms then
     redis.call('SET', WAITING, '1', 'PX', wait_ms)
+  elseif wait_ms == 0 and tonumber(ARGV[11]) > 0 then
+    emit('waited', { role = 'trainer', wait_ms = tonumber(ARGV[11]) })
   end
   finish()
   return ok('short', picked_n)
@@ -132,7 +136,9 @@ redis.call('HSET', bkey(bid), 'st', 'l', 'v', I(V), 'exp', I(exp), 'units', unit
   'n', picked_n, 'tok', I(tokens), 'tr', ARGV[6], 't', I(NOW))
 redis.call('ZADD', LEASES, I(exp), bid)
 redis.call('HINCRBY', RUN, 'leased', picked_n)
-local ev = { batch_id = bid, policy_version = V, expires_at = exp, items = items }
+local ev = {
+  batch_id = bid, policy_version = V, expires_at = exp, items = items, wait_ms = tonumber(ARGV[11]),
+}
 if ARGV[6] ~= '' then ev['trainer_id'] = ARGV[6] end
 emit('leased', ev)
 finish()
