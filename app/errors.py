@@ -60,6 +60,18 @@ class Conflict(BrokerError):
     status = 409
 
 
+class WorkLeaseNotFound(NotFound):
+    pass
+
+
+class RunClosed(Conflict):
+    pass
+
+
+class WorkLeaseOver(Conflict):
+    pass
+
+
 class RunConflict(Conflict):
     pass
 

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import __version__
 from app.accounting.db import create_sessionmaker, schema_at_head
-from app.api import accounting, batches, health, rollouts, runs
+from app.api import accounting, batches, health, prompts, rollouts, runs
 from app.api.codec import describe_errors, render
 from app.errors import BrokerError
 from app.settings import Settings
@@ -137,5 +137,6 @@ def create_app(
     app.include_router(runs.router)
     app.include_router(rollouts.router)
     app.include_router(batches.router)
+    app.include_router(prompts.router)
     app.include_router(accounting.router)
     return app

@@ -32,6 +32,10 @@ class Settings(BaseSettings):
     max_rollouts_per_request: int = Field(default=4096, ge=1, le=65536)
     max_tokens_per_rollout: int = Field(default=262_144, ge=1, le=16_777_216)
     max_batch_size: int = Field(default=8192, ge=1, le=1_000_000)
+    max_prompts_per_request: int = Field(default=4096, ge=1, le=65536)
+    max_tokens_per_prompt: int = Field(default=262_144, ge=1, le=16_777_216)
+    max_prompt_data_bytes: int = Field(default=65_536, ge=0, le=16 * 1024 * 1024)
+    max_prompts_per_lease: int = Field(default=1024, ge=1, le=65536)
     max_wait_s: float = Field(default=60.0, ge=0, le=3600)
     wake_fallback_s: float = Field(
         default=1.0,

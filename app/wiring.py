@@ -9,7 +9,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.accounting.db import create_engine
 from app.broker.notify import Waker
-from app.broker.service import Broker
+from app.broker.service import Broker, PromptLimits
 from app.broker.store import RedisStore
 from app.settings import Settings
 
@@ -38,6 +38,12 @@ def broker_for(redis: Redis, settings: Settings) -> Broker:
         max_wait_s=settings.max_wait_s,
         retry_after_s=settings.retry_after_s,
         behaviour_cache_bytes=settings.behaviour_cache_bytes,
+        prompt_limits=PromptLimits(
+            per_request=settings.max_prompts_per_request,
+            tokens=settings.max_tokens_per_prompt,
+            data_bytes=settings.max_prompt_data_bytes,
+            per_lease=settings.max_prompts_per_lease,
+        ),
     )
 
 

@@ -13,6 +13,11 @@ MAX_VERSION = 2**53 - 1
 # Ids end up in Redis key names and in the batch ledger: printable, no spaces, bounded.
 RunId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,128}$")]
 ItemId = Annotated[str, StringConstraints(pattern=r"^[^\s\x00-\x1f\x7f{}]{1,256}$")]
+# A prompt's group ids are '<prompt_id>#<pass>.<attempt>': an ItemId whatever the numbers.
+PromptId = Annotated[str, StringConstraints(pattern=r"^[^\s\x00-\x1f\x7f{}]{1,200}$")]
+# Client-chosen ids of batches and work leases, which make their calls safe to retry.
+LeaseId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{8,64}$")]
+MAX_EPOCHS = 1000  # passes per prompt: the prompt queue's order stays exact (app/broker/lua)
 
 KlEstimator = Literal["k1", "k2", "k3"]
 Order = Literal["freshest", "fifo", "random"]

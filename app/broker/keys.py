@@ -25,6 +25,7 @@ __all__ = [
     "run_tag",
     "runs_key",
     "wake_channel",
+    "work_wake",
 ]
 
 # -- per-run keys: the part after "<prefix>:{<run_id>}:" ------------------------------------
@@ -39,6 +40,10 @@ LEASES = "leases"  # zset: live batches by expiry ms
 SEEN = "seen"  # set: every rollout_id ever received (idempotency)
 GROUPS_DONE = "gdone"  # set: groups that completed or retired: they take no new members
 WAITING = "waiting"  # string with a TTL: a trainer is long-polling the run
+PROMPT_QUEUE = "pq"  # zset: queued prompt passes, by (pass, registration seq)
+PROMPTS_SEEN = "pseen"  # set: every prompt_id ever registered (idempotency)
+WORK_LEASES = "wleases"  # zset: live work leases by expiry ms
+WORK_WAITING = "wwaiting"  # string with a TTL: a generator is long-polling the run
 
 # Families: the suffix is followed by an id (a version, unit, rollout or batch id).
 VERSION_QUEUE = "qv:"  # zset per version: its ready units by arrival seq
@@ -47,10 +52,16 @@ MEMBERS = "m:"  # list per group unit: its rollout ids in arrival order
 ROLLOUT = "r:"  # hash per rollout: v (version), n (tokens)
 BLOB = "d:"  # string per rollout: the packed rollout (read with MGET outside the scripts)
 BATCH = "b:"  # hash per batch: state, units, size, version, stored ack answer
+PASS = "pp:"  # hash per prompt pass '<prompt_id>#<pass>': st, att, tries, lease, seq
+PROMPT = "pb:"  # string per prompt: the packed prompt (prompt_ids and data)
+WORK = "w:"  # hash per work lease: state, version, expiry, its passes, groups still open
 
 # -- global keys and channels: the part after "<prefix>:" ------------------------------------
 RUNS = "runs"  # zset: run ids by creation ms (listing, workers)
 WAKE = "wake"  # pub/sub channel: "units became ready in a run" for long-polling trainers
+# A wake-up names its run by the run's tag (see run_tag), followed by what woke up: nothing for
+# trainers (units became ready), WORK_WAKE for generators (prompts or staleness budget).
+WORK_WAKE = "work"
 
 # The names the Lua scripts know the keys by: a local holding each fixed key, and a function
 # `name(id)` building each family's key. The scripts spell no key name of their own.
@@ -66,6 +77,10 @@ LUA_KEYS: dict[str, str] = {
     "SEEN": SEEN,
     "GDONE": GROUPS_DONE,
     "WAITING": WAITING,
+    "PQ": PROMPT_QUEUE,
+    "PSEEN": PROMPTS_SEEN,
+    "WLEASES": WORK_LEASES,
+    "WWAITING": WORK_WAITING,
 }
 LUA_FAMILIES: dict[str, str] = {
     "qvkey": VERSION_QUEUE,
@@ -74,6 +89,9 @@ LUA_FAMILIES: dict[str, str] = {
     "rkey": ROLLOUT,
     "dkey": BLOB,
     "bkey": BATCH,
+    "ppkey": PASS,
+    "pbkey": PROMPT,
+    "wkey": WORK,
 }
 
 
@@ -108,6 +126,11 @@ def wake_channel(prefix: str) -> str:
     return f"{prefix}:{WAKE}"
 
 
+def work_wake(prefix: str, run_id: str) -> str:
+    """The message that wakes a run's waiting generators."""
+    return run_tag(prefix, run_id) + WORK_WAKE
+
+
 def every_key(prefix: str) -> str:
     """A SCAN pattern matching every key of the prefix (tests and benchmarks clean up with it)."""
     return f"{prefix}:*"
@@ -118,9 +141,11 @@ def run_tag(prefix: str, run_id: str) -> str:
     return run_base(prefix, run_id)[:-1]
 
 
-def run_of_wake(prefix: str, message: str) -> str:
-    """The run id of a wake-up message, the inverse of :func:`run_tag`."""
-    return message[len(prefix) + 2 : -1]
+def run_of_wake(prefix: str, message: str) -> tuple[str, str]:
+    """(run id, what woke up: '' or WORK_WAKE) of a wake-up message: the run's tag
+    (:func:`run_tag`), then the kind. Run ids hold no '}'."""
+    run_id, _, kind = message[len(prefix) + 2 :].rpartition("}")
+    return run_id, kind
 
 
 _LUA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -134,6 +159,7 @@ def lua_prologue() -> str:
         "local RUN = KEYS[1]",
         f"local B = string.sub(RUN, 1, #RUN - {len(RUN)})  -- '<prefix>:{{<run_id>}}:'",
         "local TAG = string.sub(B, 1, #B - 1)  -- '<prefix>:{<run_id>}': what a wake-up publishes",
+        f"local WORK_WAKE = TAG .. '{_suffix(WORK_WAKE)}'  -- the wake-up of waiting generators",
     ]
     for name, suffix in LUA_KEYS.items():
         if name != "RUN":

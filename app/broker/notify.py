@@ -1,10 +1,11 @@
-"""Wake-ups for long-polling trainers: one Redis pub/sub subscription per process.
+"""Wake-ups for long-polling trainers and generators: one Redis pub/sub subscription per process.
 
 The scripts PUBLISH a run's tag (see app/broker/keys.py) on the wake channel whenever units
-become ready (ingest, nack, expiry, an ack that returns units). Waiters take the run's current
-event *before* they try to lease, so a wake-up that lands between the try and the wait is never
-lost. Pub/sub is fire-and-forget, so waiters also re-check at a slow fallback interval (not a
-tight loop).
+become ready (ingest, nack, expiry, an ack that returns units), and the tag followed by
+``keys.WORK_WAKE`` when prompts or staleness budget became available to generators. Waiters
+take the run's current event *before* they try, so a wake-up that lands between the try and the
+wait is never lost. Pub/sub is fire-and-forget, so waiters also re-check at a slow fallback
+interval (not a tight loop).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class Waker:
         self._fallback_s = fallback_s
         self._channel = channel
         self._prefix = prefix
-        self._events: dict[str, asyncio.Event] = {}
+        self._events: dict[tuple[str, str], asyncio.Event] = {}
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
 
@@ -47,15 +48,16 @@ class Waker:
                 await self._task
             self._task = None
 
-    def event(self, run_id: str) -> asyncio.Event:
-        """The event that the run's next wake-up sets; take it before checking for work."""
-        ev = self._events.get(run_id)
+    def event(self, run_id: str, kind: str = "") -> asyncio.Event:
+        """The event that the run's next wake-up of this kind sets ('' for trainers,
+        ``keys.WORK_WAKE`` for generators); take it before checking for work."""
+        ev = self._events.get((run_id, kind))
         if ev is None:
-            ev = self._events[run_id] = asyncio.Event()
+            ev = self._events[(run_id, kind)] = asyncio.Event()
         return ev
 
-    def wake(self, run_id: str) -> None:
-        ev = self._events.pop(run_id, None)
+    def wake(self, run_id: str, kind: str = "") -> None:
+        ev = self._events.pop((run_id, kind), None)
         if ev is not None:
             ev.set()
 
@@ -81,7 +83,7 @@ class Waker:
                         continue
                     data = msg["data"]
                     base = data.decode() if isinstance(data, bytes) else str(data)
-                    self.wake(keys.run_of_wake(self._prefix, base))
+                    self.wake(*keys.run_of_wake(self._prefix, base))
             except asyncio.CancelledError:
                 raise
             except Exception:  # connection lost: resubscribe; waiters fall back meanwhile

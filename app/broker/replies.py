@@ -23,10 +23,13 @@ from app.errors import (
     InternalError,
     LeaseExpired,
     OverCapacity,
+    RunClosed,
     RunConflict,
     RunNotFound,
     ValidationFailed,
     VersionConflict,
+    WorkLeaseNotFound,
+    WorkLeaseOver,
 )
 
 __all__ = [
@@ -106,6 +109,7 @@ class ErrorContext:
     size: int | None = None  # the batch size asked for
     version: int | None = None  # the policy version asked for
     retry_after_s: int = 1  # the Retry-After of OverCapacity
+    lease_id: str | None = None  # the work lease
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +159,17 @@ REFUSALS: dict[str, Refusal] = {
     "batch_acked": Refusal(BatchSettled, "batch {batch_id!r} was acked; it cannot be nacked"),
     "lease_expired": Refusal(
         LeaseExpired, "the lease of batch {batch_id!r} expired; its rollouts went back"
+    ),
+    "run_closed": Refusal(RunClosed, "run {run_id!r} is closed"),
+    "work_missing": Refusal(WorkLeaseNotFound, "no work lease {lease_id!r} in run {run_id!r}"),
+    # arg: the lease's state, 'returned' or 'expired'
+    "work_lease_over": Refusal(
+        WorkLeaseOver,
+        "work lease {lease_id!r} was {0}: its prompts went back; choose a new lease_id",
+    ),
+    # arg: the prompt id
+    "work_not_in_lease": Refusal(
+        ValidationFailed, "prompt {0!r} is not in work lease {lease_id!r}; nothing was returned"
     ),
     # Raised by the store, not a script: the leased rollouts retired before they were read.
     "lease_lost": Refusal(

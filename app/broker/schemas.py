@@ -9,7 +9,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from app.broker.config import MAX_VERSION, ItemId, RunConfig, RunConfigPatch, RunId
+from app.broker.config import (
+    MAX_EPOCHS,
+    MAX_VERSION,
+    ItemId,
+    LeaseId,
+    PromptId,
+    RunConfig,
+    RunConfigPatch,
+    RunId,
+)
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -186,3 +195,65 @@ class BatchOut(BaseModel):
     policy_version: int
     lease_expires_at: str
     rollouts: list[LeasedRolloutOut]
+
+
+# -- prompts and work leases ------------------------------------------------------------------
+class PromptJSON(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    prompt_id: PromptId
+    prompt_ids: list[int] | None = None
+    data: dict[str, Any] | None = None
+
+    @field_validator("data")
+    @classmethod
+    def _data(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            check_metadata(v)
+        return v
+
+
+class PromptsBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    prompts: list[PromptJSON]
+    epochs: int = Field(1, ge=1, le=MAX_EPOCHS)
+
+
+class PromptsResult(BaseModel):
+    accepted: int
+    duplicates: int
+
+
+class WorkBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    max_prompts: int = Field(ge=1, le=65536)
+    generator_id: ItemId | None = None
+    wait_s: float = Field(0.0, ge=0, le=3600, allow_inf_nan=False)
+    lease_id: LeaseId | None = Field(
+        None, description="Client-chosen id: retrying the call returns the same work lease"
+    )
+
+
+class WorkPrompt(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    prompt_id: str
+    pass_: int = Field(alias="pass", description="1..epochs")
+    attempt: int
+    group_id: str = Field(description="post this attempt's rollouts with this group_id")
+    prompt_ids: list[int] | None
+    data: dict[str, Any] | None
+
+
+class WorkOut(BaseModel):
+    lease_id: str
+    policy_version: int
+    expires_at: str
+    prompts: list[WorkPrompt]
+
+
+class ReturnBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    prompt_ids: list[PromptId] | None = Field(None, max_length=65536)
+
+
+class ReturnResult(BaseModel):
+    returned: int

@@ -19,9 +19,11 @@ from typing import Any
 import msgpack
 import numpy as np
 import numpy.typing as npt
-from rollout_broker_client.protocol import new_run_id
+import orjson
+from rollout_broker_client.protocol import MAX_TOKEN_ID, new_run_id
 
 from app.accounting.events import Acked, AckedItem, AckStats, AckSums, pack_payload
+from app.broker import keys
 from app.broker.behaviour import BatchRow, BehaviourCache
 from app.broker.config import RunConfig, RunConfigPatch
 from app.broker.notify import Waker
@@ -41,12 +43,19 @@ from app.broker.schemas import (
     IngestResult,
     NackResult,
     PolicyResult,
+    PromptJSON,
+    PromptsBody,
+    PromptsResult,
     Rejection,
+    ReturnResult,
     RolloutJSON,
     Run,
+    WorkBody,
+    WorkOut,
+    WorkPrompt,
 )
 from app.broker.stats import BatchFigures, Measured, batch_figures
-from app.broker.store import BatchMember, BatchView, Lease, RedisStore, RunState
+from app.broker.store import BatchMember, BatchView, Lease, RedisStore, RunState, WorkLease
 from app.errors import BrokerError, ValidationFailed
 
 
@@ -72,6 +81,16 @@ class LeasedBatch:
     rollouts: list[tuple[StoredRollout, int, int]]  # (rollout, uses, lag)
 
 
+@dataclass(frozen=True, slots=True)
+class PromptLimits:
+    """Bounds of registered prompts and work leases (the BROKER_MAX_PROMPT* settings)."""
+
+    per_request: int = 4096
+    tokens: int = 262_144
+    data_bytes: int = 65_536
+    per_lease: int = 1024
+
+
 class Broker:
     def __init__(
         self,
@@ -84,8 +103,10 @@ class Broker:
         max_wait_s: float,
         retry_after_s: int,
         behaviour_cache_bytes: int = 0,
+        prompt_limits: PromptLimits | None = None,
     ) -> None:
         self.store = store
+        self.prompt_limits = prompt_limits or PromptLimits()
         self.waker = waker
         self.max_tokens = max_tokens_per_rollout
         self.max_rollouts = max_rollouts_per_request
@@ -102,12 +123,13 @@ class Broker:
         batch_id: str | None = None,
         size: int | None = None,
         version: int | None = None,
+        lease_id: str | None = None,
     ) -> Iterator[None]:
         """Raise a script's refusal as the broker error the table in replies.py gives it."""
         try:
             yield
         except StoreError as err:
-            ctx = ErrorContext(run_id, batch_id, size, version, self.retry_after_s)
+            ctx = ErrorContext(run_id, batch_id, size, version, self.retry_after_s, lease_id)
             raise error_for(err, ctx) from None
 
     # -- runs -----------------------------------------------------------------------------
@@ -333,6 +355,79 @@ class Broker:
             _, n = await self.store.nack(run_id, batch_id)
         return NackResult(returned=n)
 
+    # -- prompts and work leases ----------------------------------------------------------
+    def pack_prompt(self, prompt: PromptJSON) -> bytes:
+        """The stored form of a prompt, within the bounds of ``prompt_limits``."""
+        lim, pid = self.prompt_limits, prompt.prompt_id
+        ids = prompt.prompt_ids
+        if ids is not None:
+            if len(ids) > lim.tokens:
+                raise ValidationFailed(
+                    f"prompt {pid!r}: {len(ids)} prompt_ids, at most {lim.tokens}"
+                )
+            if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
+                raise ValidationFailed(
+                    f"prompt {pid!r}: token ids must be between 0 and {MAX_TOKEN_ID}"
+                )
+        if prompt.data is not None:
+            size = len(orjson.dumps(prompt.data))
+            if size > lim.data_bytes:
+                raise ValidationFailed(
+                    f"prompt {pid!r}: data is {size} bytes as JSON, at most {lim.data_bytes}"
+                )
+        packed: bytes = msgpack.packb({"i": ids, "d": prompt.data})
+        return packed
+
+    async def register_prompts(self, run_id: str, body: PromptsBody) -> PromptsResult:
+        if len(body.prompts) > self.prompt_limits.per_request:
+            raise ValidationFailed(
+                f"{len(body.prompts)} prompts in one request, "
+                f"at most {self.prompt_limits.per_request}"
+            )
+        packed = [(p.prompt_id, self.pack_prompt(p)) for p in body.prompts]
+        with self._refusals(run_id):
+            accepted, duplicates = await self.store.register_prompts(run_id, packed, body.epochs)
+        return PromptsResult(accepted=accepted, duplicates=duplicates)
+
+    async def work(self, run_id: str, body: WorkBody) -> WorkOut | None:
+        """A work lease, or None when no prompt could be handed out within ``wait_s`` (none
+        queued, or the staleness budget is spent)."""
+        if body.max_prompts > self.prompt_limits.per_lease:
+            raise ValidationFailed(
+                f"max_prompts {body.max_prompts} is above the largest work lease, "
+                f"{self.prompt_limits.per_lease}"
+            )
+        lid = body.lease_id or uuid.uuid4().hex
+        started = time.monotonic()
+        deadline = started + min(body.wait_s, self.max_wait_s)
+        while True:
+            ev = self.waker.event(run_id, keys.WORK_WAKE)
+            remaining = deadline - time.monotonic()
+            last = remaining <= 0
+            with self._refusals(run_id, lease_id=lid):
+                got = await self.store.work(
+                    run_id,
+                    lease_id=lid,
+                    max_prompts=body.max_prompts,
+                    generator_id=body.generator_id,
+                    wait_ms=0 if last else int(self.waker.wait_window(remaining) * 1000) + 1000,
+                    waited_ms=int((time.monotonic() - started) * 1000),
+                )
+            if got is not None:
+                return _work_out(got)
+            if last:
+                return None
+            await self.waker.wait(ev, remaining)
+
+    async def return_work(
+        self, run_id: str, lease_id: str, prompt_ids: Sequence[str] | None
+    ) -> ReturnResult:
+        if prompt_ids is not None and not prompt_ids:
+            return ReturnResult(returned=0)  # an empty list returns nothing (None: all)
+        with self._refusals(run_id, lease_id=lease_id):
+            n = await self.store.return_work(run_id, lease_id, prompt_ids)
+        return ReturnResult(returned=n)
+
     # -- maintenance ----------------------------------------------------------------------
     async def sweep_all(self) -> int:
         """One clean-up pass over every run; returns rollouts retired."""
@@ -344,6 +439,28 @@ class Broker:
                 more, total = step.more, total + step.total
             await asyncio.sleep(0)
         return total
+
+
+def _work_out(lease: WorkLease) -> WorkOut:
+    prompts = []
+    for item in lease.items:
+        stored = msgpack.unpackb(item.blob, raw=False)
+        prompts.append(
+            WorkPrompt(
+                prompt_id=item.prompt_id,
+                pass_=item.pass_,
+                attempt=item.attempt,
+                group_id=item.group_id,
+                prompt_ids=stored["i"],
+                data=stored["d"],
+            )
+        )
+    return WorkOut(
+        lease_id=lease.lease_id,
+        policy_version=lease.policy_version,
+        expires_at=iso_ms(lease.expires_at_ms),
+        prompts=prompts,
+    )
 
 
 def _ack_result(answer: AckAnswer, size: int) -> AckResult:

@@ -36,6 +36,8 @@ __all__ = [
     "RunState",
     "StoreError",
     "SweepOutcome",
+    "WorkItem",
+    "WorkLease",
     "scan_limit",
 ]
 
@@ -61,6 +63,9 @@ _SCRIPTS = (
     "ack",
     "nack",
     "sweep",
+    "register_prompts",
+    "work",
+    "work_return",
 )
 
 
@@ -128,6 +133,27 @@ class BatchView:
     size: int
     answer: AckAnswer | None  # when acked
     members: list[BatchMember]  # while leased, when asked for
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    prompt_id: str
+    pass_: int
+    attempt: int
+    blob: bytes
+
+    @property
+    def group_id(self) -> str:
+        """The group a generator posts this attempt's rollouts under (ingest.lua parses it)."""
+        return f"{self.prompt_id}#{self.pass_}.{self.attempt}"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkLease:
+    lease_id: str
+    policy_version: int
+    expires_at_ms: int
+    items: list[WorkItem]
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,3 +394,65 @@ class RedisStore:
         before; StoreError for no such run or batch, and for one acked or expired."""
         outcome, returned = await self._call("nack", run_id, batch_id)
         return ("nacked" if text(outcome) == "nacked" else "repeat"), int(returned)
+
+    # -- prompts --------------------------------------------------------------------------
+    async def register_prompts(
+        self, run_id: str, prompts: Sequence[tuple[str, bytes]], epochs: int
+    ) -> tuple[int, int]:
+        """(accepted, duplicates) for (prompt_id, packed prompt) pairs."""
+        args: list[Any] = [epochs, len(prompts)]
+        for pid, blob in prompts:
+            args += [pid, blob]
+        accepted, duplicates = await self._call("register_prompts", run_id, *args)
+        return int(accepted), int(duplicates)
+
+    async def work(
+        self,
+        run_id: str,
+        *,
+        lease_id: str,
+        max_prompts: int,
+        generator_id: str | None,
+        wait_ms: int = 0,
+        waited_ms: int = 0,
+    ) -> WorkLease | None:
+        """A work lease, or None when nothing could be handed out; then, with ``wait_ms``,
+        prompts or budget coming free in the run announce it for that long."""
+        outcome, *body = await self._call(
+            "work",
+            run_id,
+            lease_id,
+            max_prompts,
+            generator_id or "",
+            LEASE_SWEEP_LIMIT,
+            wait_ms,
+            waited_ms,
+        )
+        if text(outcome) == "short":
+            return None
+        lid, version, expires_at, rows = body
+        passes = [(text(pk).rpartition("#"), int(att)) for pk, att in rows]
+        blobs = await self.prompt_blobs(run_id, [pid for (pid, _, _), _ in passes])
+        items = []
+        for ((pid, _, pass_), att), blob in zip(passes, blobs, strict=True):
+            if blob is None:
+                # Prompts are never deleted while their run lives: only a hand could do this.
+                raise RuntimeError(f"prompt {pid!r} of run {run_id!r} has no stored data")
+            items.append(WorkItem(pid, int(pass_), att, blob))
+        return WorkLease(text(lid), int(version), int(expires_at), items)
+
+    async def prompt_blobs(self, run_id: str, prompt_ids: Sequence[str]) -> list[bytes | None]:
+        if not prompt_ids:
+            return []
+        got: list[Any] = await self.redis.mget(
+            [keys.member_key(self.prefix, run_id, keys.PROMPT, pid) for pid in prompt_ids]
+        )
+        return got
+
+    async def return_work(
+        self, run_id: str, lease_id: str, prompt_ids: Sequence[str] | None
+    ) -> int:
+        """Prompts given back (those still in flight under the lease); all when None."""
+        ids = list(prompt_ids or [])
+        (returned,) = await self._call("work_return", run_id, lease_id, len(ids), *ids)
+        return int(returned)

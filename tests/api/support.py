@@ -26,6 +26,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "order": "freshest",
     "capacity_rollouts": 100000,
     "lease_timeout_s": 300.0,
+    "step_groups": None,
+    "work_timeout_s": 1800.0,
+    "max_attempts": 3,
 }
 
 MSGPACK = {"content-type": "application/msgpack"}

@@ -24,7 +24,8 @@ def test_key_strings_are_the_ones_existing_data_lives_under():
     assert keys.runs_key("rb") == "rb:runs"
     assert keys.wake_channel("rb") == "rb:wake"
     assert keys.run_tag("rb", "r1") == "rb:{r1}"
-    assert keys.run_of_wake("rb", keys.run_tag("rb", "run-1.b")) == "run-1.b"
+    assert keys.run_of_wake("rb", keys.run_tag("rb", "run-1.b")) == ("run-1.b", "")
+    assert keys.run_of_wake("rb", keys.work_wake("rb", "run-1.b")) == ("run-1.b", keys.WORK_WAKE)
 
 
 async def test_a_run_writes_only_keys_of_the_layout(store: RedisStore, redis, prefix):

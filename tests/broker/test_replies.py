@@ -29,10 +29,13 @@ from app.errors import (
     InternalError,
     LeaseExpired,
     OverCapacity,
+    RunClosed,
     RunConflict,
     RunNotFound,
     ValidationFailed,
     VersionConflict,
+    WorkLeaseNotFound,
+    WorkLeaseOver,
 )
 
 LUA = resources.files("app.broker") / "lua"
@@ -55,6 +58,10 @@ EXPECTED: dict[str, tuple[type[BrokerError], int]] = {
     "batch_acked": (BatchSettled, 0),
     "lease_expired": (LeaseExpired, 0),
     "lease_lost": (LeaseExpired, 0),
+    "run_closed": (RunClosed, 0),
+    "work_missing": (WorkLeaseNotFound, 0),
+    "work_lease_over": (WorkLeaseOver, 1),
+    "work_not_in_lease": (ValidationFailed, 1),
 }
 STATUS = {
     RunNotFound: 404,
@@ -65,8 +72,13 @@ STATUS = {
     LeaseExpired: 409,
     ValidationFailed: 422,
     OverCapacity: 429,
+    RunClosed: 409,
+    WorkLeaseNotFound: 404,
+    WorkLeaseOver: 409,
 }
-CTX = ErrorContext("run-1", batch_id="batch-1", size=6, version=7, retry_after_s=3)
+CTX = ErrorContext(
+    "run-1", batch_id="batch-1", size=6, version=7, retry_after_s=3, lease_id="lease-1"
+)
 
 
 async def call_common(redis: Redis, prefix: str, body: str) -> object:

@@ -1,6 +1,7 @@
 -- Acknowledge a live batch: every rollout gains one use, units at max_reuse or above kl_max
 -- retire, and a batch mean KL above kl_flush raises the run's version floor to the batch's
--- version, flushing every buffered unit below it. A repeat returns the stored answer.
+-- version, flushing every buffered unit below it. The first use of a prompt attempt's group
+-- makes its prompt pass done. A repeat returns the stored answer.
 -- ARGV: wake, batch_id, kl_mean ('' = not measured), acked event payload (msgpack, without t),
 --       stats text (stored for repeats), flush_limit. The event's items [rollout_id, version,
 --       tokens, kl?] are also where each rollout's measured KL comes from, so the KL gate and the
@@ -34,8 +35,15 @@ end
 local units = cjson.decode(f[2])
 for _, u in ipairs(units) do
   local uk = ukey(u)
-  local uf = redis.call('HMGET', uk, 'v', 'seq', 'uses')
+  local uf = redis.call('HMGET', uk, 'v', 'seq', 'uses', 'pk', 'att')
   local uses = tonumber(uf[3]) + 1
+  if uses == 1 and uf[4] then  -- the first use of a prompt attempt's group: its pass is done
+    local pf = pass_fields(uf[4])
+    if pf[1] == 'b' and tonumber(pf[2]) == tonumber(uf[5]) then
+      redis.call('HSET', ppkey(uf[4]), 'st', 'd')
+      note_pass('acked', nil, uf[4], tonumber(uf[5]), 'd', tonumber(pf[3]))
+    end
+  end
   -- A group is handed out whole, so its gate is its worst member's KL.
   local worst = nil
   for _, rid in ipairs(members(u)) do

@@ -6,6 +6,7 @@ if R.st ~= 'closed' then
   redis.call('HSET', RUN, 'st', 'closed')
   R.st = 'closed'
   run_snapshot('closed')
+  WORK_WOKE = true  -- waiting generators learn that the run is closed
 end
 local more = sweep(tonumber(ARGV[2]))
 finish()

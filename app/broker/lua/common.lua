@@ -1,8 +1,9 @@
 -- Shared prologue of every broker script. KEYS[1] is the run hash "<prefix>:{<run_id>}:run";
 -- every other key of the run is derived from it, so all of them share the {<run_id>} hash tag
 -- and the scripts run unchanged on Redis Cluster. The key locals (RUN, B, TAG, EV, Q, VS, OPEN,
--- OV, LEASES, SEEN, GDONE, WAITING) and key functions (qvkey, ukey, mkey, rkey, dkey, bkey) come
--- before this file, generated from app/broker/keys.py.
+-- OV, LEASES, SEEN, GDONE, WAITING, PQ, PSEEN, WLEASES, WWAITING) and key functions (qvkey, ukey,
+-- mkey, rkey, dkey, bkey, ppkey, pbkey, wkey) come before this file, generated from
+-- app/broker/keys.py.
 --
 -- Replies: every script returns ok(...) or err(code, ...); app/broker/replies.py decodes them
 -- and maps each code to an HTTP error. Outcomes the caller tells apart ('created' or 'exists')
@@ -94,6 +95,97 @@ local function make_ready(u, v, seq)
   WOKE = true
 end
 
+-- Prompt passes ----------------------------------------------------------------------------
+-- A pass '<prompt_id>#<pass>' is queued ('q'), handed out in a work lease ('w'), its group
+-- complete and buffered or leased ('b'), done ('d') or failed ('f'). Its attempt 'att' names
+-- the group a generator posts: '<prompt_id>#<pass>.<att>'. ADM_DELTA is the change of the
+-- run's 'adm' (groups admitted, the staleness budget's count), written once by finish().
+local PASS_STATE = { q = 'queued', w = 'in_flight', b = 'in_flight', d = 'done', f = 'failed' }
+local WORK_STATE = { l = 'live', c = 'complete', r = 'returned', e = 'expired' }
+local ADM_DELTA = 0
+local WORK_WOKE = false
+local PASS_EVENTS = {}  -- { {cause, lease_id or false, items}, ... } in order, for finish()
+
+local function pass_prompt(pk) return string.match(pk, '^(.*)#%d+$') end
+local function pass_number(pk) return tonumber(string.match(pk, '#(%d+)$')) end
+local function attempt_group(pk, att) return pk .. '.' .. I(att) end
+
+-- The pass and attempt a group id names, when it names a registered pass: (pk, att) or nil.
+local function group_pass(gid)
+  local pk, att = string.match(gid, '^(.*#%d+)%.(%d+)$')
+  if not pk or redis.call('EXISTS', ppkey(pk)) == 0 then return nil end
+  return pk, tonumber(att)
+end
+
+-- Queue order: earlier passes first, then registration order. A pass that comes back (returned,
+-- expired, retried) therefore goes before every pass of its number never handed out: those are
+-- handed out in registration order, so all that are left were registered after it. Exact as a
+-- double for passes up to 1000 and 2^40 prompts.
+local function pass_score(pk, seq)
+  return I(pass_number(pk) * 1099511627776 + seq)
+end
+
+local function pass_fields(pk)
+  return redis.call('HMGET', ppkey(pk), 'st', 'att', 'tries', 'lease', 'seq')
+end
+
+local function note_pass(cause, lease_id, pk, att, st, tries)
+  local last = PASS_EVENTS[#PASS_EVENTS]
+  if not last or last[1] ~= cause or last[2] ~= (lease_id or false) then
+    last = { cause, lease_id or false, {} }
+    table.insert(PASS_EVENTS, last)
+  end
+  table.insert(last[3], { pass_prompt(pk), pass_number(pk), att, PASS_STATE[st], tries })
+end
+
+-- A group of the work lease came in whole or left it: the lease ends once none is open.
+local function work_settled(lid)
+  local wk = wkey(lid)
+  if redis.call('HGET', wk, 'st') ~= 'l' then return end
+  if redis.call('HINCRBY', wk, 'open', -1) <= 0 then
+    redis.call('HSET', wk, 'st', 'c')
+    redis.call('ZREM', WLEASES, lid)
+    redis.call('PEXPIRE', wk, 86400000)
+  end
+end
+
+-- An attempt ended without its group reaching a gradient: the pass goes back to the queue at
+-- the next attempt, ahead of fresh passes, or is failed once `counts` (a try that retired unused
+-- or expired, not a return) brings its tries to max_attempts. `f` = pass_fields(pk).
+local function requeue(pk, f, cause, lease_id, counts)
+  if f[1] == 'w' then work_settled(f[4]) end
+  ADM_DELTA = ADM_DELTA - 1
+  local att, tries = tonumber(f[2]), tonumber(f[3])
+  if counts then tries = tries + 1 end
+  if tries >= CFG.max_attempts then
+    redis.call('HSET', ppkey(pk), 'st', 'f', 'tries', tries)
+    redis.call('HDEL', ppkey(pk), 'lease')
+    note_pass(cause, lease_id, pk, att, 'f', tries)
+  else
+    att = att + 1
+    redis.call('HSET', ppkey(pk), 'st', 'q', 'att', att, 'tries', tries)
+    redis.call('HDEL', ppkey(pk), 'lease')
+    redis.call('ZADD', PQ, pass_score(pk, tonumber(f[5])), pk)
+    note_pass(cause, lease_id, pk, att, 'q', tries)
+  end
+end
+
+-- The group of a prompt attempt retired (see retire()). Unused, it sends its pass back, except
+-- `zero_variance`, which makes it done (its data says nothing); used, it was done at its first use.
+-- A group of an attempt that has already ended (expired, returned) changes nothing.
+local function attempt_retired(pk, att, uses, reason)
+  local f = pass_fields(pk)
+  if (f[1] ~= 'w' and f[1] ~= 'b') or tonumber(f[2]) ~= att or uses > 0 then return end
+  if reason == 'zero_variance' then
+    if f[1] == 'w' then work_settled(f[4]) end
+    ADM_DELTA = ADM_DELTA - 1
+    redis.call('HSET', ppkey(pk), 'st', 'd')
+    note_pass('retired', nil, pk, att, 'd', tonumber(f[3]))
+  else
+    requeue(pk, f, 'retired', nil, true)
+  end
+end
+
 -- Remove a unit (ready 'r', open 'o', or just back from a lease 'l') and its rollouts.
 -- `known` = {st, v, uses} when the caller has just read them.
 local function retire(u, reason, known)
@@ -122,10 +214,17 @@ local function retire(u, reason, known)
     redis.call('DEL', rk, dkey(rid))
   end
   if string.sub(u, 1, 2) == 'g:' then
+    local pf = redis.call('HMGET', uk, 'pk', 'att')
     redis.call('DEL', uk, mkey(u))
     redis.call('SADD', GDONE, u)
+    if pf[1] then
+      attempt_retired(pf[1], tonumber(pf[2]), uses, reason)
+    elseif uses == 0 then
+      ADM_DELTA = ADM_DELTA - 1
+    end
   else
     redis.call('DEL', uk)
+    if uses == 0 then ADM_DELTA = ADM_DELTA - 1 end
   end
   LIVE_DELTA = LIVE_DELTA - #ids
   RETIRED_N = RETIRED_N + #ids
@@ -183,6 +282,26 @@ local function expire_batch(bid)
   return 1
 end
 
+-- End a work lease whose time ran out: its passes still in flight go back to the queue (a try
+-- each), and a partial group of theirs retires ('incomplete_group').
+local function expire_work(lid)
+  local wk = wkey(lid)
+  local f = redis.call('HMGET', wk, 'st', 'items')
+  redis.call('ZREM', WLEASES, lid)
+  if f[1] ~= 'l' then return 0 end
+  redis.call('HSET', wk, 'st', 'e')
+  redis.call('PEXPIRE', wk, 86400000)
+  for _, item in ipairs(cjson.decode(f[2])) do
+    local pk, att = item[1], item[2]
+    local pf = pass_fields(pk)
+    if pf[1] == 'w' and pf[4] == lid and tonumber(pf[2]) == att then
+      requeue(pk, pf, 'expired', lid, true)
+      retire('g:' .. attempt_group(pk, att), 'incomplete_group')
+    end
+  end
+  return 1
+end
+
 -- Retire buffered units below the version floor (everything, in a closed run), at most
 -- `budget` units; returns the budget left.
 local function retire_below(budget)
@@ -215,6 +334,9 @@ local function sweep(limit)
   local expired = redis.call('ZRANGEBYSCORE', LEASES, '-inf', I(NOW), 'LIMIT', 0, limit)
   for _, bid in ipairs(expired) do expire_batch(bid) end
   if #expired == limit then more = 1 end
+  local work = redis.call('ZRANGEBYSCORE', WLEASES, '-inf', I(NOW), 'LIMIT', 0, limit)
+  for _, lid in ipairs(work) do expire_work(lid) end
+  if #work == limit then more = 1 end
 
   local budget = limit
   local cutoff = NOW - CFG.group_timeout_s * 1000
@@ -236,13 +358,34 @@ end
 
 local function finish()
   if LIVE_DELTA ~= 0 then redis.call('HINCRBY', RUN, 'live', LIVE_DELTA) end
+  if ADM_DELTA ~= 0 then
+    redis.call('HINCRBY', RUN, 'adm', ADM_DELTA)
+    if ADM_DELTA < 0 then WORK_WOKE = true end  -- budget came free
+  end
   for _, reason in ipairs(RETIRED_ORDER) do
     emit('retired', { reason = reason, items = RETIRED[reason] })
+  end
+  for _, p in ipairs(PASS_EVENTS) do
+    local ev = { cause = p[1], items = p[3] }
+    if p[2] then ev['lease_id'] = p[2] end
+    emit('passes', ev)
   end
   -- Every API process receives every wake-up, so none is sent while nobody waits.
   if WOKE and redis.call('EXISTS', WAITING) == 1 then
     redis.call('PUBLISH', WAKE, TAG)
   end
+  if WORK_WOKE and redis.call('EXISTS', WWAITING) == 1 then
+    redis.call('PUBLISH', WAKE, WORK_WAKE)
+  end
+end
+
+-- The staleness budget, in one place: groups that may still be admitted at the run's version
+-- (nil: no budget, step_groups is not set).
+local function admission_left()
+  local B = CFG.step_groups
+  if B == nil or B == cjson.null then return nil end
+  local adm = tonumber(redis.call('HGET', RUN, 'adm') or '0') + ADM_DELTA
+  return (R.ver + CFG.max_staleness + 1) * B - adm
 end
 
 local function run_snapshot(change)

@@ -2,6 +2,9 @@
 -- back), then the writes, the accounting events and one wake-up for long-polling trainers.
 -- ARGV: wake, n, then n records of 6: rollout_id, group_id ('' = none), policy_version,
 --       tokens, reward (exact decimal text), blob.
+-- A group id that names a prompt attempt ('<prompt_id>#<pass>.<attempt>' of a registered
+-- prompt) makes its rollouts that attempt's group; an attempt that is over (expired, returned,
+-- retried) rejects them as 'stale_attempt'.
 -- Returns ok(accepted, duplicates, { {rollout_id, reason}, ... }) | err('run_missing')
 --       | err('group_missing', rollout_id) | err('group_done', group_id)
 --       | err('group_overflow', group_id, would_have, group_size)
@@ -15,7 +18,25 @@ local fate = {}      -- i -> 'ok' | 'dup' | reason
 local unit = {}      -- i -> unit id
 local in_req = {}
 local pending = {}   -- unit -> members this request adds
+local attempts = {}  -- group id -> {pk, att, live}: the prompt attempt it names, or false
 local accepted = 0
+
+-- The prompt attempt a group id names: {pk, att, live} (live: handed out and not yet over),
+-- or false for a group of a generator that works on its own.
+local function attempt_of(gid)
+  local a = attempts[gid]
+  if a == nil then
+    a = false
+    local pk, att = group_pass(gid)
+    if pk then
+      local f = redis.call('HMGET', ppkey(pk), 'st', 'att')
+      a = { pk, att, (f[1] == 'w' or f[1] == 'b') and tonumber(f[2]) == att }
+    end
+    attempts[gid] = a
+  end
+  return a
+end
+
 for i = 1, n do
   local o = 2 + (i - 1) * 6
   local rid, gid, v = ARGV[o + 1], ARGV[o + 2], tonumber(ARGV[o + 3])
@@ -23,8 +44,11 @@ for i = 1, n do
     fate[i] = 'dup'
   else
     in_req[rid] = true
+    local work = gid ~= '' and attempt_of(gid)
     if R.st == 'closed' then
       fate[i] = 'run_closed'
+    elseif work and not work[3] then
+      fate[i] = 'stale_attempt'
     elseif v > R.ver then
       fate[i] = 'future_version'
     elseif version_reason(v) then
@@ -34,7 +58,7 @@ for i = 1, n do
       fate[i] = 'ok'
       accepted = accepted + 1
       local u
-      if gs > 1 then
+      if gs > 1 or work then  -- a prompt attempt's rollouts are a group even of one
         if gid == '' then return err('group_missing', rid) end
         u = 'g:' .. gid
         local f = redis.call('HMGET', ukey(u), 'st', 'have', 'need')
@@ -79,10 +103,12 @@ for i = 1, n do
     redis.call('SADD', SEEN, rid)
     local u = unit[i]
     local uk = ukey(u)
+    local grouped = string.sub(u, 1, 2) == 'g:'
+    local work = grouped and attempt_of(gid)
     redis.call('SET', dkey(rid), blob)
     redis.call('HSET', rkey(rid), 'v', vs, 'n', ntok)
     local f = {}  -- a single rollout is a new unit of its own, with no member list
-    if gs > 1 then
+    if grouped then
       redis.call('RPUSH', mkey(u), rid)
       f = redis.call('HMGET', uk, 'have', 'need', 'v', 'rmin', 'rmax', 'seq')
     end
@@ -93,6 +119,11 @@ for i = 1, n do
       seq = redis.call('HINCRBY', RUN, 'seq', 1)
       have, need, uv = 1, gs, v
       redis.call('HSET', uk, 'need', gs, 'have', 1, 'v', vs, 'seq', seq, 'uses', 0, 'st', 'o')
+      if work then
+        redis.call('HSET', uk, 'pk', work[1], 'att', work[2])  -- admitted when handed out
+      else
+        ADM_DELTA = ADM_DELTA + 1
+      end
       if gs > 1 then
         redis.call('HSET', uk, 'rmin', rw, 'rmax', rw)
         redis.call('ZADD', OPEN, NOW, u)
@@ -110,11 +141,16 @@ for i = 1, n do
       if tonumber(rw) < tonumber(f[4]) then redis.call('HSET', uk, 'rmin', rw) end
       if tonumber(rw) > tonumber(f[5]) then redis.call('HSET', uk, 'rmax', rw) end
     end
-    table.insert(acc_items, { rid, gs > 1 and gid or rid, v, tokens, new_unit })
+    table.insert(acc_items, { rid, grouped and gid or rid, v, tokens, new_unit })
     if have == need then
       if need > 1 then
         redis.call('ZREM', OPEN, u)
         redis.call('ZREM', OV, u)
+      end
+      if work then  -- the attempt's group is in: it counts no more toward its work lease
+        local lid = redis.call('HGET', ppkey(work[1]), 'lease')
+        redis.call('HSET', ppkey(work[1]), 'st', 'b')
+        if lid then work_settled(lid) end
       end
       if need > 1 and CFG.drop_zero_variance_groups then
         local rr = redis.call('HMGET', uk, 'rmin', 'rmax')

@@ -8,5 +8,8 @@ if current ~= ARGV[2] then return ok('changed') end
 if ARGV[3] ~= current then
   redis.call('HSET', RUN, 'cfg', ARGV[3])
   run_snapshot('config')
+  if redis.call('EXISTS', WWAITING) == 1 then
+    redis.call('PUBLISH', WAKE, WORK_WAKE)  -- the staleness budget may have changed
+  end
 end
 return ok('replaced')

@@ -10,6 +10,7 @@ if v == R.ver then return ok('same', I(R.ver), 0, {}) end
 redis.call('HSET', RUN, 'ver', I(v))
 R.ver = v
 run_snapshot('policy')
+WORK_WOKE = true  -- a later version widens the staleness budget
 local more = sweep(tonumber(ARGV[3]))
 finish()
 return ok('advanced', I(v), more, retired_counts())

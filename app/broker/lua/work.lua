@@ -1,0 +1,74 @@
+-- Hand queued prompt passes to a generator as one work lease, within the staleness budget:
+-- with step_groups = B, no more than (V + max_staleness + 1) * B groups are admitted at once
+-- (admission_left() in common.lua). Expired work leases are swept first.
+-- ARGV: wake, lease_id, max_prompts, generator_id ('' = none), sweep_limit, wait_ms (how long
+--       the caller will wait for a wake-up if this call hands out nothing; 0: it will not),
+--       waited_ms (how long the request has waited so far; recorded with the lease, or in a
+--       'waited' event when this is its last try and it hands out nothing).
+-- A lease_id that names a live or complete lease returns that lease again (a retried request).
+-- The packed prompts (keys pb:<prompt_id>) are read by the caller with one MGET.
+-- Returns ok('leased', lease_id, V, expires_at, { {pass_key, attempt}, ... })
+--       | ok('short', left): nothing handed out; `left` is the budget left ('' = no budget)
+--       | err('run_missing') | err('run_closed')
+--       | err('work_lease_over', state): the lease_id names a lease that was returned or expired.
+if not load_run() then return err('run_missing') end
+local lid = ARGV[2]
+local wk = wkey(lid)
+
+local function reply(f)
+  return ok('leased', lid, f[2], f[3], cjson.decode(f[4]))
+end
+
+local known = redis.call('HMGET', wk, 'st', 'v', 'exp', 'items')
+if known[1] == 'l' and tonumber(known[3]) <= NOW then  -- ran out, not yet swept
+  expire_work(lid)
+  finish()
+  return err('work_lease_over', 'expired')
+end
+if known[1] then
+  if known[1] == 'l' or known[1] == 'c' then return reply(known) end
+  return err('work_lease_over', WORK_STATE[known[1]])
+end
+if R.st == 'closed' then return err('run_closed') end
+sweep(tonumber(ARGV[5]))
+
+local k = tonumber(ARGV[3])
+local left = admission_left()
+if left then k = math.min(k, left) end
+local picked = {}
+if k > 0 then picked = redis.call('ZRANGE', PQ, 0, k - 1) end
+
+local waited = tonumber(ARGV[7])
+if #picked == 0 then
+  -- The caller is about to wait: from now on, prompts or budget coming free publish a wake-up.
+  local wait_ms = tonumber(ARGV[6])
+  if wait_ms > 0 and redis.call('PTTL', WWAITING) < wait_ms then
+    redis.call('SET', WWAITING, '1', 'PX', wait_ms)
+  elseif wait_ms == 0 and waited > 0 then
+    emit('waited', { role = 'generator', wait_ms = waited })
+  end
+  finish()
+  return ok('short', left and I(left) or '')
+end
+
+local exp = NOW + CFG.work_timeout_s * 1000
+local items, ev_items = {}, {}
+for _, pk in ipairs(picked) do
+  local att = tonumber(redis.call('HGET', ppkey(pk), 'att'))
+  redis.call('ZREM', PQ, pk)
+  redis.call('HSET', ppkey(pk), 'st', 'w', 'lease', lid)
+  table.insert(items, { pk, att })
+  table.insert(ev_items, { pass_prompt(pk), pass_number(pk), att })
+end
+ADM_DELTA = ADM_DELTA + #picked
+local items_json = cjson.encode(items)
+redis.call('HSET', wk, 'st', 'l', 'v', I(R.ver), 'exp', I(exp), 'items', items_json,
+  'open', #picked, 'gen', ARGV[4], 't', I(NOW))
+redis.call('ZADD', WLEASES, I(exp), lid)
+local ev = {
+  lease_id = lid, policy_version = R.ver, expires_at = exp, items = ev_items, wait_ms = waited,
+}
+if ARGV[4] ~= '' then ev['generator_id'] = ARGV[4] end
+emit('work_leased', ev)
+finish()
+return ok('leased', lid, I(R.ver), I(exp), items)
