@@ -23,6 +23,7 @@ __all__ = [
     "Batch",
     "LagCount",
     "ProcessedEvent",
+    "PromptPass",
     "ReasonTotals",
     "Run",
     "RunTotals",
@@ -106,6 +107,19 @@ class RunTotals(_Totals, Base):
     events_applied: Mapped[int] = _count()
     first_event_ms: Mapped[int | None] = mapped_column(BigInteger)
     last_event_ms: Mapped[int | None] = mapped_column(BigInteger)
+    # Prompt passes: Σ passes of the `registered` events, counted apart from the ledger rows
+    # so that registered == queued + in_flight + done + failed checks one against the other.
+    prompts_registered: Mapped[int] = _count()
+    # Rows of prompt_passes per state, and Σ (attempt - 1) over them; kept by the repository
+    # from each row's change, so reading them does not scan the ledger.
+    prompts_queued: Mapped[int] = _count()
+    prompts_in_flight: Mapped[int] = _count()
+    prompts_done: Mapped[int] = _count()
+    prompts_failed: Mapped[int] = _count()
+    prompts_retried: Mapped[int] = _count()
+    # Time long polls waited: trainers for rollouts, generators for prompts or budget.
+    trainer_wait_ms: Mapped[int] = _count()
+    generator_wait_ms: Mapped[int] = _count()
 
 
 class VersionTotals(_Totals, Base):
@@ -177,6 +191,38 @@ class Batch(Base):
     # Stream id of the batch's first event (its lease): the ledger's order and cursor.
     event_ms: Mapped[int] = mapped_column(BigInteger, nullable=False)
     event_seq: Mapped[int] = mapped_column(BigInteger, nullable=False)
+
+
+PASS_STATES = ("queued", "in_flight", "done", "failed")
+
+
+class PromptPass(Base):
+    """The prompt ledger: one row per pass of a prompt, in its newest state.
+
+    A pass's states are ordered by (attempt, rank of state), queued < in_flight < done/failed
+    within an attempt; the row keeps the greatest one whatever order its events are applied in
+    (see app.accounting.fold.PassState).
+    """
+
+    __tablename__ = "prompt_passes"
+    __table_args__ = (
+        CheckConstraint(
+            "state IN (" + ", ".join(f"'{s}'" for s in PASS_STATES) + ")", name="state"
+        ),
+        CheckConstraint('"pass" >= 1 AND attempt >= 1 AND tries >= 0', name="positive"),
+        # Paging one state in (prompt_id, pass) order.
+        Index(None, "run_id", "state", "prompt_id", "pass"),
+    )
+
+    run_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    # Bytewise order ("C"), so the listing's order and cursor do not depend on the locale.
+    prompt_id: Mapped[str] = mapped_column(Text(collation="C"), primary_key=True)
+    pass_: Mapped[int] = mapped_column("pass", BigInteger, primary_key=True)
+    attempt: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    state: Mapped[str] = mapped_column(Text, nullable=False)
+    tries: Mapped[int] = _count()
+    # Time of the event that put the pass in its state (the earliest, if several said so).
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
 
 
 class ProcessedEvent(Base):

@@ -32,6 +32,7 @@ TABLES = {
     "lag_counts",
     "batches",
     "processed_events",
+    "prompt_passes",
 }
 
 
