@@ -93,9 +93,12 @@ def consumer_name() -> str:
 
 
 def _entry_error(exc: BaseException) -> bool:
-    """True for database errors caused by the data of an event, which fail the same way on
-    every retry: SQLSTATE classes 22 (data exception) and 23 (integrity), or a value the
-    driver refused to bind. Connection and server trouble is not one."""
+    """True for errors caused by the data of an event, which fail the same way on every retry:
+    an event the fold cannot apply (:class:`EventError`), SQLSTATE classes 22 (data exception)
+    and 23 (integrity), or a value the driver refused to bind. Connection and server trouble is
+    not one."""
+    if isinstance(exc, EventError):
+        return True
     seen: BaseException | None = exc
     for _ in range(10):
         if seen is None:
@@ -265,14 +268,14 @@ class Drainer:
                 counts.applied += result.applied
                 counts.already += result.already
                 done.extend(entry.id for entry, _ in events)
-            except (DBAPIError, StatementError) as exc:
+            except (DBAPIError, StatementError, EventError) as exc:
                 if not _entry_error(exc):
                     raise
                 # One of them is bad: apply one by one so the rest are not held back.
                 for entry, event in events:
                     try:
                         result = await self._commit(run_id, [event])
-                    except (DBAPIError, StatementError) as one:
+                    except (DBAPIError, StatementError, EventError) as one:
                         if not _entry_error(one):
                             raise
                         failures.append(_Failure(entry, f"{type(one).__name__}: {one}"))

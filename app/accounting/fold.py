@@ -1,32 +1,46 @@
 """Folding of one run's newly drained events into additive deltas for the accounting tables.
 
-Every delta is commutative (sums, maxima, minima, "newest snapshot wins"), so the order in
-which workers apply batches of events does not change the result: a batch claimed from a dead
-consumer may land after a later one.
+Every delta is commutative (sums, maxima, minima, "newest snapshot wins", "greatest pass state
+wins"), so the order in which workers apply batches of events does not change the result: a
+batch claimed from a dead consumer may land after a later one.
+
+An event that decodes but cannot be applied (a prompt pass state or a waiting role this module
+does not know) raises :class:`~app.accounting.events.EventError`: the drain treats it like a
+payload it cannot decode, and dead-letters the entry.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import assert_never
 
 from app.accounting.events import (
     Accepted,
     Acked,
     Duplicate,
     Event,
+    EventError,
     Leased,
+    PassesChanged,
+    Registered,
     Rejected,
     Retired,
     Returned,
     RunChanged,
     StreamId,
+    Waited,
+    WorkLeased,
     lag_of,
 )
 
 __all__ = [
+    "MAX_PASSES",
+    "PASS_RANK",
     "BatchPatch",
     "Fold",
+    "PassCounts",
+    "PassState",
     "ReasonDelta",
     "RunSnapshot",
     "RunTotalsDelta",
@@ -84,6 +98,9 @@ class RunTotalsDelta(TotalsDelta):
     events_applied: int = 0
     first_event_ms: int | None = None
     last_event_ms: int | None = None
+    prompts_registered: int = 0  # Σ passes of the registered prompts
+    trainer_wait_ms: int = 0
+    generator_wait_ms: int = 0
 
 
 # Columns merged with GREATEST / LEAST instead of addition.
@@ -159,6 +176,75 @@ BATCH_VALUE_FIELDS = (
 )
 
 
+# A pass's states within one attempt: queued < in_flight < done = failed (both final).
+PASS_RANK = {"queued": 0, "in_flight": 1, "done": 2, "failed": 2}
+
+# More passes than this in one `registered` item is not a real run's epochs but a broken event;
+# folding it would build that many rows in memory.
+MAX_PASSES = 100_000
+
+_WAIT_COLUMNS = {"trainer": "trainer_wait_ms", "generator": "generator_wait_ms"}
+
+
+@dataclass(frozen=True, slots=True)
+class PassState:
+    """What one event says about one prompt pass.
+
+    States are ordered by :attr:`order`: the attempt, then the state's rank, then the state's
+    name, which only separates ``done`` from ``failed`` at one attempt (never both for a real
+    pass, but the order must be total for the result not to depend on which came first).
+    :meth:`merge` keeps the greatest state, the largest ``tries`` (it only ever grows, and a
+    ``work_leased`` item does not carry it) and, of the events that said the winning state,
+    the earliest time. Each of the three is commutative and associative, so folding a pass's
+    events in any order, in any grouping, gives one row.
+    """
+
+    attempt: int
+    state: str
+    tries: int
+    t_ms: int
+
+    @property
+    def order(self) -> tuple[int, int, str]:
+        return (self.attempt, PASS_RANK[self.state], self.state)
+
+    def merge(self, other: PassState) -> PassState:
+        mine, theirs = self.order, other.order
+        winner = self if mine >= theirs else other
+        t_ms = min(self.t_ms, other.t_ms) if mine == theirs else winner.t_ms
+        return PassState(winner.attempt, winner.state, max(self.tries, other.tries), t_ms)
+
+
+@dataclass
+class PassCounts:
+    """Change of the run's prompt-pass counters: rows per state, and Σ (attempt - 1)."""
+
+    prompts_queued: int = 0
+    prompts_in_flight: int = 0
+    prompts_done: int = 0
+    prompts_failed: int = 0
+    prompts_retried: int = 0
+
+    def move(self, old: PassState | None, new: PassState) -> None:
+        """A ledger row went from ``old`` (``None``: it did not exist) to ``new``."""
+        retried = new.attempt - 1
+        if old is not None:
+            self._add(old.state, -1)
+            retried -= old.attempt - 1
+        self._add(new.state, 1)
+        self.prompts_retried += retried
+
+    def _add(self, state: str, n: int) -> None:
+        name = f"prompts_{state}"
+        setattr(self, name, getattr(self, name) + n)
+
+
+def _pass_state(state: str, attempt: int, tries: int, t_ms: int) -> PassState:
+    if state not in PASS_RANK:
+        raise EventError(f"unknown prompt pass state {state!r}")
+    return PassState(attempt, state, tries, t_ms)
+
+
 @dataclass
 class RunSnapshot:
     """The run row after its newest ``run`` event in the batch."""
@@ -182,6 +268,7 @@ class Fold:
     lags: dict[tuple[int, int], int] = field(default_factory=dict)
     batches: dict[str, BatchPatch] = field(default_factory=dict)
     snapshot: RunSnapshot | None = None
+    passes: dict[tuple[str, int], PassState] = field(default_factory=dict)  # (prompt_id, pass)
 
     def version(self, policy_version: int) -> TotalsDelta:
         delta = self.versions.get(policy_version)
@@ -202,6 +289,11 @@ class Fold:
             self.batches[batch_id] = patch
         else:
             known.merge(patch)
+
+    def prompt_pass(self, prompt_id: str, pass_: int, state: PassState) -> None:
+        key = (prompt_id, pass_)
+        known = self.passes.get(key)
+        self.passes[key] = state if known is None else known.merge(state)
 
 
 def fold_events(events: Iterable[Event]) -> Fold:
@@ -231,8 +323,18 @@ def fold_events(events: Iterable[Event]) -> Fold:
             _fold_acked(fold, event, body)
         elif isinstance(body, Returned):
             _fold_returned(fold, event, body)
-        else:
+        elif isinstance(body, Retired):
             _fold_retired(fold, body)
+        elif isinstance(body, Registered):
+            _fold_registered(fold, event, body)
+        elif isinstance(body, WorkLeased):
+            _fold_work_leased(fold, event, body)
+        elif isinstance(body, PassesChanged):
+            _fold_passes(fold, event, body)
+        elif isinstance(body, Waited):
+            _fold_waited(fold, body)
+        else:
+            assert_never(body)
     return fold
 
 
@@ -269,6 +371,7 @@ def _fold_rejected(fold: Fold, body: Rejected) -> None:
 
 def _fold_leased(fold: Fold, event: Event, body: Leased) -> None:
     fold.run.batches_leased += 1
+    fold.run.trainer_wait_ms += body.wait_ms
     for item in body.items:
         fold.run.rollouts_leased += 1
         fold.version(item.policy_version).rollouts_leased += 1
@@ -368,3 +471,34 @@ def _fold_retired(fold: Fold, body: Retired) -> None:
         if wasted:
             reason.unused += 1
             reason.wasted_tokens += item.tokens
+
+
+def _fold_registered(fold: Fold, event: Event, body: Registered) -> None:
+    for item in body.items:
+        if item.passes > MAX_PASSES:
+            raise EventError(f"registered: {item.passes} passes, more than {MAX_PASSES}")
+        fold.run.prompts_registered += item.passes
+        for pass_ in range(1, item.passes + 1):
+            fold.prompt_pass(item.prompt_id, pass_, PassState(1, "queued", 0, event.t_ms))
+
+
+def _fold_work_leased(fold: Fold, event: Event, body: WorkLeased) -> None:
+    fold.run.generator_wait_ms += body.wait_ms
+    for item in body.items:
+        # The item does not say `tries`; 0 never wins over a known count (PassState.merge).
+        fold.prompt_pass(
+            item.prompt_id, item.pass_, PassState(item.attempt, "in_flight", 0, event.t_ms)
+        )
+
+
+def _fold_passes(fold: Fold, event: Event, body: PassesChanged) -> None:
+    for item in body.items:
+        state = _pass_state(item.state, item.attempt, item.tries, event.t_ms)
+        fold.prompt_pass(item.prompt_id, item.pass_, state)
+
+
+def _fold_waited(fold: Fold, body: Waited) -> None:
+    column = _WAIT_COLUMNS.get(body.role)
+    if column is None:
+        raise EventError(f"waited: unknown role {body.role!r}")
+    setattr(fold.run, column, getattr(fold.run, column) + body.wait_ms)

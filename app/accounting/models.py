@@ -18,6 +18,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from app.accounting.fold import PASS_RANK
+
 __all__ = [
     "Base",
     "Batch",
@@ -193,7 +195,7 @@ class Batch(Base):
     event_seq: Mapped[int] = mapped_column(BigInteger, nullable=False)
 
 
-PASS_STATES = ("queued", "in_flight", "done", "failed")
+PASS_STATES = tuple(PASS_RANK)
 
 
 class PromptPass(Base):

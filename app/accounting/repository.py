@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import ColumnElement, Table, case, func, select, tuple_
+from sqlalchemy import ColumnElement, Row, Table, case, func, select, tuple_
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -20,7 +20,10 @@ from app.accounting.fold import (
     BATCH_VALUE_FIELDS,
     MAX_COLUMNS,
     MIN_COLUMNS,
+    PASS_RANK,
     Fold,
+    PassCounts,
+    PassState,
     TotalsDelta,
     fold_events,
 )
@@ -29,6 +32,7 @@ from app.accounting.models import (
     Batch,
     LagCount,
     ProcessedEvent,
+    PromptPass,
     ReasonTotals,
     Run,
     RunTotals,
@@ -137,7 +141,7 @@ def _table(model: type[Base]) -> Table:
     return cast(Table, model.__table__)
 
 
-def _totals_row(delta: TotalsDelta) -> dict[str, Any]:
+def _totals_row(delta: TotalsDelta | PassCounts) -> dict[str, Any]:
     return {f.name: getattr(delta, f.name) for f in fields(delta)}
 
 
@@ -146,11 +150,12 @@ async def apply_fold(session: AsyncSession, run_id: str, fold: Fold) -> None:
     between workers that apply batches of the same run concurrently."""
     if fold.snapshot is not None:
         await _upsert_run(session, run_id, fold)
+    counts = await _upsert_passes(session, run_id, fold.passes)
     await _upsert_add(
         session,
         _table(RunTotals),
         ["run_id"],
-        [{"run_id": run_id, **_totals_row(fold.run)}],
+        [{"run_id": run_id, **_totals_row(fold.run), **_totals_row(counts)}],
     )
     await _upsert_add(
         session,
@@ -269,3 +274,96 @@ async def _upsert_batches(session: AsyncSession, run_id: str, fold: Fold) -> Non
         set_["event_seq"] = case((earlier, ex.event_seq), else_=table.c.event_seq)
         stmt = stmt.on_conflict_do_update(index_elements=["run_id", "batch_id"], set_=set_)
         await session.execute(stmt)
+
+
+def _rank(state: ColumnElement[str]) -> ColumnElement[int]:
+    """PASS_RANK in SQL."""
+    ranks = {name: rank for name, rank in PASS_RANK.items() if rank < max(PASS_RANK.values())}
+    return case(ranks, value=state, else_=max(PASS_RANK.values()))
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _pass_key(row: Row[*tuple[Any, ...]]) -> tuple[str, int]:
+    return row.prompt_id, row._mapping["pass"]
+
+
+def _pass_state(row: Row[*tuple[Any, ...]]) -> PassState:
+    t_ms = (row.updated_at - _EPOCH) // timedelta(milliseconds=1)
+    return PassState(row.attempt, row.state, row.tries, t_ms)
+
+
+async def _upsert_passes(
+    session: AsyncSession, run_id: str, passes: dict[tuple[str, int], PassState]
+) -> PassCounts:
+    """Merge the passes' states into the ledger (PassState.merge, in SQL) and return how the
+    run's per-state counters change.
+
+    The counters need each changed row's state before and after. New rows are inserted first
+    (``ON CONFLICT DO NOTHING``: a row another transaction is inserting is waited for, then
+    counts as known); known rows are then read ``FOR UPDATE``, so no other transaction moves
+    them between that read and the merge, which only writes (and returns) rows it changes.
+    Both steps go in key order, as everything else here does.
+    """
+    counts = PassCounts()
+    table = _table(PromptPass)
+    c = table.c
+    rows = [
+        {
+            "run_id": run_id,
+            "prompt_id": prompt_id,
+            "pass": pass_,
+            "attempt": state.attempt,
+            "state": state.state,
+            "tries": state.tries,
+            "updated_at": ms_to_datetime(state.t_ms),
+        }
+        for (prompt_id, pass_), state in sorted(passes.items())
+    ]
+    for chunk in _chunks(rows):
+        inserted = await session.execute(
+            insert(table)
+            .values(list(chunk))
+            .on_conflict_do_nothing(index_elements=["run_id", "prompt_id", "pass"])
+            .returning(c.prompt_id, c["pass"])
+        )
+        new = {(prompt_id, pass_) for prompt_id, pass_ in inserted.all()}
+        for key in sorted(new):
+            counts.move(None, passes[key])
+        known = [row for row in chunk if (row["prompt_id"], row["pass"]) not in new]
+        if not known:
+            continue
+        locked = await session.execute(
+            select(c.prompt_id, c["pass"], c.attempt, c.state, c.tries, c.updated_at)
+            .where(
+                c.run_id == run_id,
+                tuple_(c.prompt_id, c["pass"]).in_([(r["prompt_id"], r["pass"]) for r in known]),
+            )
+            .order_by(c.prompt_id, c["pass"])
+            .with_for_update()
+        )
+        before = {_pass_key(row): _pass_state(row) for row in locked.all()}
+        upsert = insert(table).values(known)
+        ex = upsert.excluded
+        theirs = tuple_(ex.attempt, _rank(ex.state), ex.state)
+        mine = tuple_(c.attempt, _rank(c.state), c.state)
+        newer, same = mine < theirs, mine == theirs
+        merge = upsert.on_conflict_do_update(
+            index_elements=["run_id", "prompt_id", "pass"],
+            set_={
+                "attempt": case((newer, ex.attempt), else_=c.attempt),
+                "state": case((newer, ex.state), else_=c.state),
+                "tries": func.greatest(c.tries, ex.tries),
+                "updated_at": case(
+                    (newer, ex.updated_at),
+                    (same, func.least(c.updated_at, ex.updated_at)),
+                    else_=c.updated_at,
+                ),
+            },
+            # Only rows that change are written, and only they are returned.
+            where=newer | (ex.tries > c.tries) | (same & (ex.updated_at < c.updated_at)),
+        ).returning(c.prompt_id, c["pass"], c.attempt, c.state, c.tries, c.updated_at)
+        for row in (await session.execute(merge)).all():
+            counts.move(before[_pass_key(row)], _pass_state(row))
+    return counts
