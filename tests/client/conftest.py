@@ -1,5 +1,6 @@
 """Fixtures of the client tests: the async client over the in-process app (tests/conftest.py's
-``api``), and a live broker subprocess for the blocking client and the CLI."""
+``api``), directly or through a :class:`Recorder`, and a live broker subprocess for the blocking
+client and the CLI."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
-from rollout_broker_client import AsyncBrokerClient, BrokerClient
+from rollout_broker_client import AsyncBrokerClient, BrokerClient, Retry
 
 from tests.client.live import LiveServer, broker_env, serve
+from tests.client.recorder import Recorder
 from tests.services import fresh_database, redis_prefix
 
 
@@ -17,6 +19,20 @@ from tests.services import fresh_database, redis_prefix
 async def broker(api: httpx.AsyncClient) -> AsyncIterator[AsyncBrokerClient]:
     async with AsyncBrokerClient(http=api) as b:
         yield b
+
+
+@pytest.fixture
+def recorder(api: httpx.AsyncClient) -> Recorder:
+    return Recorder(api._transport)
+
+
+@pytest.fixture
+async def wired(recorder: Recorder) -> AsyncIterator[AsyncBrokerClient]:
+    """The async client through the recorder, retrying at once."""
+    http = httpx.AsyncClient(transport=recorder, base_url="http://broker")
+    async with AsyncBrokerClient(http=http, retry=Retry(retries=2, backoff_s=0.001)) as b:
+        yield b
+    await http.aclose()
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
 
 import httpx
 import msgpack
@@ -22,6 +21,8 @@ from rollout_broker_client import (
     VersionConflict,
 )
 
+from tests.client.recorder import Recorder
+
 
 def group(name: str, k: int, version: int = 0, tokens: int = 5) -> list[Rollout]:
     rng = np.random.default_rng(abs(hash(name)) % 2**32)
@@ -39,50 +40,6 @@ def group(name: str, k: int, version: int = 0, tokens: int = 5) -> list[Rollout]
         )
         for i in range(k)
     ]
-
-
-class Recorder(httpx.AsyncBaseTransport):
-    """Forwards to the app; records each exchange, and can fail or act at chosen moments."""
-
-    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
-        self.inner = inner
-        self.exchanges: list[tuple[httpx.Request, bytes, httpx.Response]] = []
-        self.lose_answer: set[str] = set()  # "METHOD path-suffix": drop the answer once
-        self.refuse: set[str] = set()  # "METHOD path-suffix": refuse the connection once
-        self.on_429: Callable[[], Awaitable[None]] | None = None
-
-    def _match(self, request: httpx.Request, keys: set[str]) -> bool:
-        for key in list(keys):
-            method, suffix = key.split(" ", 1)
-            if request.method == method and request.url.path.endswith(suffix):
-                keys.discard(key)
-                return True
-        return False
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if self._match(request, self.refuse):
-            raise httpx.ConnectError("connection refused", request=request)
-        body = await request.aread()
-        resp = await self.inner.handle_async_request(request)
-        await resp.aread()
-        self.exchanges.append((request, body, resp))
-        if self._match(request, self.lose_answer):
-            raise httpx.ReadError("connection reset", request=request)
-        if resp.status_code == 429 and self.on_429 is not None:
-            hook, self.on_429 = self.on_429, None
-            await hook()
-        return resp
-
-
-@pytest.fixture
-def recorder(api: httpx.AsyncClient) -> Recorder:
-    return Recorder(api._transport)
-
-
-@pytest.fixture
-async def wired(recorder: Recorder) -> AsyncBrokerClient:
-    http = httpx.AsyncClient(transport=recorder, base_url="http://broker")
-    return AsyncBrokerClient(http=http, retry=Retry(retries=2, backoff_s=0.001))
 
 
 @pytest.mark.parametrize("fmt", ["msgpack", "json"])
