@@ -38,6 +38,8 @@ NAMES = {
     "AsyncBrokerClient": "BrokerClient",
     "AsyncRolloutWriter": "RolloutWriter",
     "AsyncLease": "Lease",
+    "AsyncWork": "Work",
+    "AsyncWorkLoop": "WorkLoop",
     "AsyncClient": "Client",  # httpx.AsyncClient
     "aclose": "close",
     "asyncio": "time",  # asyncio.sleep
@@ -46,16 +48,33 @@ NAMES = {
 # Lines of _async.py left out of _sync.py (``time`` is imported already).
 ASYNC_ONLY_LINES = ("import asyncio\n",)
 
+# Code of the generated file put back in ruff's import order after renaming, applied in order.
+CODE = (
+    (
+        "from collections.abc import Iterator, Iterable,",  # from AsyncIterator
+        "from collections.abc import Iterable, Iterator,",
+    ),
+)
+
 # The names of NAMES also renamed in docstrings and comments (whole words).
-PROSE_NAMES = ("AsyncBrokerClient", "AsyncRolloutWriter", "AsyncLease", "AsyncClient")
+PROSE_NAMES = (
+    "AsyncBrokerClient",
+    "AsyncRolloutWriter",
+    "AsyncLease",
+    "AsyncWorkLoop",
+    "AsyncWork",
+    "AsyncClient",
+)
 
 # Docstring and comment text of _async.py and what it reads in _sync.py, applied in order.
 PROSE = (
     (
-        "The asyncio client: :class:`AsyncBrokerClient`, its :class:`AsyncRolloutWriter` and\n"
-        ":class:`AsyncLease`. Same surface as the blocking client, every call awaited.",
-        "The blocking client: :class:`BrokerClient`, its :class:`RolloutWriter` and"
-        " :class:`Lease`.",
+        "The asyncio client: :class:`AsyncBrokerClient`; for generators its"
+        " :class:`AsyncRolloutWriter`\nand the :class:`AsyncWorkLoop` of :class:`AsyncWork`"
+        " leases, for trainers :class:`AsyncLease`.\nSame surface as the blocking client, every"
+        " call awaited.",
+        "The blocking client: :class:`BrokerClient`; for generators its :class:`RolloutWriter`"
+        " and the\n:class:`WorkLoop` of :class:`Work` leases, for trainers :class:`Lease`.",
     ),
     ("An asyncio client of one broker.", "A blocking client of one broker."),
     (
@@ -80,6 +99,7 @@ so it can
     ),
     ("an async context manager", "a context manager"),
     ("``async with", "``with"),
+    ("``async for", "``for"),
 )
 
 
@@ -130,7 +150,12 @@ def generate(source: str) -> str:
         if source.count(line) != 1:
             raise ValueError(f"{line!r} is not once in {ASYNC_PY.name}, update ASYNC_ONLY_LINES")
         source = source.replace(line, "")
-    return HEADER + _convert_prose(_unasync_code(source))
+    code = _unasync_code(source)
+    for old, new in CODE:
+        if code.count(old) != 1:
+            raise ValueError(f"{old!r} is not once in the generated code, update CODE")
+        code = code.replace(old, new)
+    return HEADER + _convert_prose(code)
 
 
 def main(argv: list[str]) -> int:

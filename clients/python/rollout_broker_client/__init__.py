@@ -2,8 +2,10 @@
 (:class:`AsyncBrokerClient`), over httpx.
 
 Generators post rollouts through a writer that batches them, retries safely and waits out
-``429`` backpressure; trainers lease batches in a context manager that acks on a normal exit
-and nacks on an exception; operators read runs and the accounting::
+``429`` backpressure, or take their prompts from the broker in a loop of work leases that gives
+back every prompt it did not post; trainers lease batches in a context manager that acks on a
+normal exit and nacks on an exception; operators register prompts and read runs and the
+accounting::
 
     from rollout_broker_client import BrokerClient, Rollout
 
@@ -19,7 +21,13 @@ and nacks on an exception; operators read runs and the accounting::
 """
 
 from rollout_broker_client._asgi import SyncASGITransport
-from rollout_broker_client._async import AsyncBrokerClient, AsyncLease, AsyncRolloutWriter
+from rollout_broker_client._async import (
+    AsyncBrokerClient,
+    AsyncLease,
+    AsyncRolloutWriter,
+    AsyncWork,
+    AsyncWorkLoop,
+)
 from rollout_broker_client._errors import (
     BadRequest,
     BatchNotFound,
@@ -33,6 +41,7 @@ from rollout_broker_client._errors import (
     NotFound,
     OverCapacity,
     PayloadTooLarge,
+    RunClosed,
     RunConflict,
     RunNotFound,
     ServerError,
@@ -40,6 +49,8 @@ from rollout_broker_client._errors import (
     UnsupportedMediaType,
     ValidationFailed,
     VersionConflict,
+    WorkLeaseNotFound,
+    WorkLeaseOver,
 )
 from rollout_broker_client._models import (
     Accounting,
@@ -53,13 +64,28 @@ from rollout_broker_client._models import (
     LagStats,
     LeasedRollout,
     PolicyResult,
+    Prompt,
+    PromptCounts,
+    PromptState,
+    PromptStateName,
+    RegisterResult,
     Rejection,
     Rollout,
     Run,
     RunConfig,
     VersionAccounting,
+    WaitStats,
+    WorkLease,
+    WorkPrompt,
 )
-from rollout_broker_client._sync import DEFAULT_URL, BrokerClient, Lease, RolloutWriter
+from rollout_broker_client._sync import (
+    DEFAULT_URL,
+    BrokerClient,
+    Lease,
+    RolloutWriter,
+    Work,
+    WorkLoop,
+)
 from rollout_broker_client._wire import Retry
 
 __all__ = [
@@ -69,6 +95,8 @@ __all__ = [
     "AsyncBrokerClient",
     "AsyncLease",
     "AsyncRolloutWriter",
+    "AsyncWork",
+    "AsyncWorkLoop",
     "BadRequest",
     "Batch",
     "BatchCounts",
@@ -92,11 +120,17 @@ __all__ = [
     "OverCapacity",
     "PayloadTooLarge",
     "PolicyResult",
+    "Prompt",
+    "PromptCounts",
+    "PromptState",
+    "PromptStateName",
+    "RegisterResult",
     "Rejection",
     "Retry",
     "Rollout",
     "RolloutWriter",
     "Run",
+    "RunClosed",
     "RunConfig",
     "RunConflict",
     "RunNotFound",
@@ -107,4 +141,11 @@ __all__ = [
     "ValidationFailed",
     "VersionAccounting",
     "VersionConflict",
+    "WaitStats",
+    "Work",
+    "WorkLease",
+    "WorkLeaseNotFound",
+    "WorkLeaseOver",
+    "WorkLoop",
+    "WorkPrompt",
 ]

@@ -7,12 +7,15 @@ by the body's ``error`` field, carrying the body's ``detail``:
         ├── BadRequest (400)
         ├── NotFound (404)
         │   ├── RunNotFound
-        │   └── BatchNotFound
+        │   ├── BatchNotFound
+        │   └── WorkLeaseNotFound    no such work lease (or long forgotten)
         ├── Conflict (409)
         │   ├── RunConflict          same run_id, different config
+        │   ├── RunClosed            work asked of a closed run
         │   ├── VersionConflict      policy version moving backwards
         │   ├── LeaseExpired         ack after the lease ran out
-        │   └── BatchSettled         nack of an acked batch, or the reverse
+        │   ├── BatchSettled         nack of an acked batch, or the reverse
+        │   └── WorkLeaseOver        a work lease_id reused after its lease was returned or expired
         ├── PayloadTooLarge (413)
         ├── UnsupportedMediaType (415)
         ├── ValidationFailed (422)
@@ -44,6 +47,7 @@ __all__ = [
     "NotFound",
     "OverCapacity",
     "PayloadTooLarge",
+    "RunClosed",
     "RunConflict",
     "RunNotFound",
     "ServerError",
@@ -51,6 +55,8 @@ __all__ = [
     "UnsupportedMediaType",
     "ValidationFailed",
     "VersionConflict",
+    "WorkLeaseNotFound",
+    "WorkLeaseOver",
     "error_from_response",
 ]
 
@@ -101,12 +107,24 @@ class BatchNotFound(NotFound):
     pass
 
 
+class WorkLeaseNotFound(NotFound):
+    pass
+
+
 class Conflict(BrokerHTTPError):
     pass
 
 
 class RunConflict(Conflict):
     pass
+
+
+class RunClosed(Conflict):
+    pass
+
+
+class WorkLeaseOver(Conflict):
+    """The work lease was returned or expired: its prompts went back; lease with a new id."""
 
 
 class VersionConflict(Conflict):
@@ -160,8 +178,11 @@ _BY_NAME: dict[str, type[BrokerHTTPError]] = {
         NotFound,
         RunNotFound,
         BatchNotFound,
+        WorkLeaseNotFound,
         Conflict,
         RunConflict,
+        RunClosed,
+        WorkLeaseOver,
         VersionConflict,
         LeaseExpired,
         BatchSettled,

@@ -23,11 +23,19 @@ __all__ = [
     "LagStats",
     "LeasedRollout",
     "PolicyResult",
+    "Prompt",
+    "PromptCounts",
+    "PromptState",
+    "PromptStateName",
+    "RegisterResult",
     "Rejection",
     "Rollout",
     "Run",
     "RunConfig",
     "VersionAccounting",
+    "WaitStats",
+    "WorkLease",
+    "WorkPrompt",
 ]
 
 Int32Array = npt.NDArray[np.int32]
@@ -50,6 +58,9 @@ class RunConfig(TypedDict, total=False):
     order: Literal["freshest", "fifo", "random"]
     capacity_rollouts: int
     lease_timeout_s: float
+    step_groups: int | None
+    work_timeout_s: float
+    max_attempts: int
 
 
 @dataclass(slots=True)
@@ -66,6 +77,63 @@ class Rollout:
     prompt_ids: npt.ArrayLike | None = None
     finish_reason: FinishReason | None = None
     metadata: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class Prompt:
+    """One unit of generation work, as an operator registers it. ``prompt_id`` is the
+    idempotency key; ``prompt_ids`` are its tokens and ``data`` any JSON object the generators
+    need (the reference answer, a dataset index...); both come back with the work."""
+
+    prompt_id: str
+    prompt_ids: npt.ArrayLike | None = None
+    data: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterResult:
+    accepted: int
+    duplicates: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class WorkPrompt:
+    """A prompt handed to a generator: sample ``group_size`` responses to it and post them with
+    ``group_id``, which names this pass and attempt (``pass_`` is the wire's ``pass``, 1 to
+    ``epochs``; ``attempt`` grows each time the prompt comes back). Compared by identity, as
+    its token array cannot be compared by value."""
+
+    prompt_id: str
+    pass_: int
+    attempt: int
+    group_id: str
+    prompt_ids: Int32Array | None
+    data: dict[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkLease:
+    """Prompts leased to one generator at ``policy_version``; prompts whose group has not come
+    in by ``expires_at`` go back to the queue."""
+
+    lease_id: str
+    policy_version: int
+    expires_at: datetime
+    prompts: list[WorkPrompt]
+
+
+PromptStateName = Literal["queued", "in_flight", "done", "failed"]
+
+
+@dataclass(frozen=True, slots=True)
+class PromptState:
+    """Where one pass of a prompt is: ``tries`` counts its attempts that ended unused."""
+
+    prompt_id: str
+    pass_: int
+    attempt: int
+    state: PromptStateName
+    tries: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,10 +298,37 @@ class IsRatioStats:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptCounts:
+    """Prompt passes of a run that takes its work from the broker (a prompt registered for
+    ``epochs`` passes counts ``epochs`` times); ``retried`` counts attempts after the first."""
+
+    registered: int = 0
+    queued: int = 0
+    in_flight: int = 0
+    done: int = 0
+    failed: int = 0
+    retried: int = 0
+
+    @property
+    def unaccounted(self) -> int:
+        """``registered - queued - in_flight - done - failed``: 0 once caught up."""
+        return self.registered - self.queued - self.in_flight - self.done - self.failed
+
+
+@dataclass(frozen=True, slots=True)
+class WaitStats:
+    """Seconds generators waited for budget or prompts, and trainers for rollouts, in all."""
+
+    generator_s: float = 0.0
+    trainer_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class Accounting:
     """A run's accounting (SPEC "Accounting"). ``pending_events`` is how many state changes the
     broker has made that the accounting has not caught up with (None if the server does not say);
-    the invariants hold once it is 0. ``raw`` is the server's body as it came."""
+    the invariants hold once it is 0. ``prompts`` and ``wait`` are zeros from a server that does
+    not report them. ``raw`` is the server's body as it came."""
 
     rollouts_received: int
     groups_received: int
@@ -251,6 +346,8 @@ class Accounting:
     lag: LagStats
     kl: KlStats
     is_ratio: IsRatioStats
+    prompts: PromptCounts = field(default_factory=PromptCounts)
+    wait: WaitStats = field(default_factory=WaitStats)
     pending_events: int | None = None
     as_of: datetime | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)

@@ -1,33 +1,66 @@
 # Generated from _async.py by scripts/unasync_client.py. Do not edit by hand:
 # change _async.py and run `python scripts/unasync_client.py`.
-"""The blocking client: :class:`BrokerClient`, its :class:`RolloutWriter` and :class:`Lease`."""
+"""The blocking client: :class:`BrokerClient`; for generators its :class:`RolloutWriter` and the
+:class:`WorkLoop` of :class:`Work` leases, for trainers :class:`Lease`."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar, Unpack
 
 import httpx
 import numpy.typing as npt
 
-from rollout_broker_client._errors import BrokerError, BrokerUnreachable, OverCapacity, Unavailable
+from rollout_broker_client._errors import (
+    BrokerError,
+    BrokerUnreachable,
+    NotFound,
+    OverCapacity,
+    ServerError,
+    Unavailable,
+)
 from rollout_broker_client._models import (
     Accounting,
     AckResult,
     Batch,
     IngestResult,
     PolicyResult,
+    PromptState,
+    PromptStateName,
+    RegisterResult,
     Rejection,
+    Rollout,
     Run,
     RunConfig,
     VersionAccounting,
+    WorkLease,
+    WorkPrompt,
 )
-from rollout_broker_client._wire import Api, Call, Format, Retry, RolloutLike, check, unreachable
+from rollout_broker_client._wire import (
+    Api,
+    Call,
+    Format,
+    PromptLike,
+    Retry,
+    RolloutLike,
+    check,
+    parse_prompt_state,
+    unreachable,
+)
 
-__all__ = ["DEFAULT_URL", "BrokerClient", "Lease", "RolloutWriter"]
+__all__ = [
+    "DEFAULT_URL",
+    "BrokerClient",
+    "Lease",
+    "RolloutWriter",
+    "Work",
+    "WorkLoop",
+]
 
 log = logging.getLogger("rollout_broker.client")
 T = TypeVar("T")
@@ -48,7 +81,8 @@ class BrokerClient:
 
     ``format="msgpack"`` (the default) sends rollouts and acks as msgpack with token ids and
     logprobs as little-endian int32/float32 bytes, and asks for batches the same way;
-    ``format="json"`` uses plain JSON lists throughout.
+    ``format="json"`` uses plain JSON lists throughout. ``trainer_id`` and ``generator_id`` are
+    sent with every batch lease and work lease that does not name its own.
     """
 
     def __init__(
@@ -60,6 +94,7 @@ class BrokerClient:
         retry: Retry | None = None,
         format: Format = "msgpack",
         trainer_id: str | None = None,
+        generator_id: str | None = None,
     ) -> None:
         self._owns_http = http is None
         self._http = http if http is not None else httpx.Client()
@@ -67,7 +102,11 @@ class BrokerClient:
         self.base_url = (base_url or inherited or DEFAULT_URL).rstrip("/")
         self.timeout = timeout
         self.retry = retry or Retry()
-        self.api = Api(format, trainer_id)
+        self.api = Api(format, trainer_id, generator_id)
+        # The work leases of work() not yet settled, given back when the client closes, and
+        # those whose loop was left without settling them, given back before the next request.
+        self._works: set[Work] = set()
+        self._abandoned: list[Work] = []
 
     def __enter__(self) -> BrokerClient:
         return self
@@ -76,12 +115,18 @@ class BrokerClient:
         self.close()
 
     def close(self) -> None:
-        """Close the connection pool (not one passed in as ``http``)."""
+        """Give back the unposted prompts of the work leases still open, then close the
+        connection pool (not one passed in as ``http``)."""
+        self._abandoned.clear()
+        for work in list(self._works):
+            work.settle(failing=True)
         if self._owns_http:
             self._http.close()
 
     def send(self, call: Call[T]) -> T:
         """Send one request, retrying as :class:`Retry` allows; returns the parsed answer."""
+        if self._abandoned:
+            self._give_back_abandoned()
         attempt = 0
         while True:
             try:
@@ -101,6 +146,11 @@ class BrokerClient:
                     return call.read(resp, check(resp))
             time.sleep(self.retry.delay(attempt))
             attempt += 1
+
+    def _give_back_abandoned(self) -> None:
+        works, self._abandoned = self._abandoned, []
+        for work in works:
+            work.settle(failing=True)
 
     # -- health ---------------------------------------------------------------------------
     def healthz(self) -> bool:
@@ -165,6 +215,98 @@ class BrokerClient:
             linger_s=linger_s,
             max_backpressure_s=max_backpressure_s,
         )
+
+    # -- prompts and work leases ----------------------------------------------------------
+    def register_prompts(
+        self,
+        run_id: str,
+        prompts: Iterable[PromptLike],
+        epochs: int = 1,
+        *,
+        batch_size: int = 1000,
+    ) -> RegisterResult:
+        """Queue prompts for the run's generators, each for ``epochs`` passes (one pass after
+        another). A prompt is a :class:`Prompt`, a mapping of its fields, or a bare
+        ``prompt_id``. ``prompt_id`` is the idempotency key: a prompt registered before counts
+        as a duplicate and changes nothing, so registering a data set again is safe. Sent
+        ``batch_size`` prompts a request."""
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        accepted = duplicates = 0
+        todo = iter(prompts)
+        while chunk := list(itertools.islice(todo, batch_size)):
+            result = self.send(self.api.register_prompts(run_id, chunk, epochs))
+            accepted += result.accepted
+            duplicates += result.duplicates
+        return RegisterResult(accepted, duplicates)
+
+    def work_lease(
+        self,
+        run_id: str,
+        max_prompts: int,
+        *,
+        generator_id: str | None = None,
+        wait_s: float = 0.0,
+        lease_id: str | None = None,
+    ) -> WorkLease | None:
+        """Lease up to ``max_prompts`` prompts to generate for, waiting up to ``wait_s`` for
+        prompts or staleness budget; None if none came. The request names its lease
+        (``lease_id``, or a new id), so a resend after a lost answer gets the same lease.
+        Post each prompt's group with its ``group_id`` or give the prompt back with
+        :meth:`return_work`; :meth:`work` does both for you."""
+        return self.send(
+            self.api.work(
+                run_id,
+                max_prompts,
+                generator_id=generator_id,
+                wait_s=wait_s,
+                lease_id=lease_id,
+            )
+        )
+
+    def return_work(
+        self, run_id: str, lease_id: str, prompt_ids: Sequence[str] | None = None
+    ) -> int:
+        """Give prompts of a work lease back unstarted (all of them when ``prompt_ids`` is
+        None); returns how many went back. A partial group of theirs retires."""
+        if prompt_ids is not None and not prompt_ids:
+            return 0  # an empty list on the wire would mean all of them
+        return self.send(self.api.return_work(run_id, lease_id, prompt_ids))
+
+    def work(
+        self,
+        run_id: str,
+        *,
+        max_prompts: int = 8,
+        generator_id: str | None = None,
+        wait_s: float = 30.0,
+        stop_when_empty: bool = False,
+        max_backpressure_s: float | None = 600.0,
+    ) -> WorkLoop:
+        """The generator loop: work leases one after another; see :class:`WorkLoop`."""
+        return WorkLoop(
+            self,
+            run_id,
+            max_prompts=max_prompts,
+            generator_id=generator_id,
+            wait_s=wait_s,
+            stop_when_empty=stop_when_empty,
+            max_backpressure_s=max_backpressure_s,
+        )
+
+    def prompt_states(
+        self, run_id: str, state: PromptStateName | None = None, *, page_size: int = 1000
+    ) -> Iterator[PromptState]:
+        """Every prompt pass of a run in its newest state (or those in ``state``), in
+        (prompt_id, pass) order, fetched a page at a time. Read from the accounting, which may
+        trail the live state by a second or two."""
+        cursor: str | None = None
+        while True:
+            docs, cursor = self.send(self.api.prompts_page(run_id, state, cursor, page_size))
+            for doc in docs:
+                yield parse_prompt_state(doc)
+            if not cursor:
+                return
 
     # -- trainers -------------------------------------------------------------------------
     def lease_batch(
@@ -423,3 +565,254 @@ class Lease:
             self.client.nack(self.run_id, batch.batch_id)
         except BrokerError as err:
             log.warning("nack of batch %s failed (%s); its lease will expire", batch.batch_id, err)
+
+
+class Work:
+    """The prompts of one work lease, as :meth:`BrokerClient.work` hands them out.
+
+    Generate for each of :attr:`prompts` and post its group with :meth:`post`. Every prompt not
+    posted goes back to the broker when the lease is settled, which the loop does when it takes
+    the next lease, when it ends and when its body leaves by ``break`` or an exception;
+    :meth:`give_back` returns some sooner. Prompts given back are handed out again ahead of
+    fresh ones; one whose return failed goes back when the lease expires. To drive a lease of
+    :meth:`BrokerClient.work_lease` yourself, ``with Work(client, run_id,
+    lease) as work:`` settles it on leaving the block.
+    """
+
+    def __init__(
+        self,
+        client: BrokerClient,
+        run_id: str,
+        lease: WorkLease,
+        *,
+        max_backpressure_s: float | None = 600.0,
+    ) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.lease = lease
+        self.max_backpressure_s = max_backpressure_s
+        self.posted: list[WorkPrompt] = []
+        self.returned: list[WorkPrompt] = []
+        self.rejected: list[Rejection] = []
+        self.settled = False  # over for this client: no more posts, the rest goes back
+        self._giving_back = False
+        self._by_group = {p.group_id: p for p in lease.prompts}
+        self._unposted = dict(self._by_group)
+        self._sent: dict[str, int] = {}  # rollouts posted per group, numbering default ids
+        client._works.add(self)
+
+    @property
+    def lease_id(self) -> str:
+        return self.lease.lease_id
+
+    @property
+    def policy_version(self) -> int:
+        return self.lease.policy_version
+
+    @property
+    def prompts(self) -> list[WorkPrompt]:
+        return self.lease.prompts
+
+    @property
+    def unposted(self) -> list[WorkPrompt]:
+        """The prompts of this lease no post has been accepted for, and not given back."""
+        return list(self._unposted.values())
+
+    def __len__(self) -> int:
+        return len(self.lease.prompts)
+
+    def __enter__(self) -> Work:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.settle(failing=exc_type is not None)
+
+    def post(self, prompt: WorkPrompt | str, rollouts: Sequence[RolloutLike]) -> IngestResult:
+        """Post rollouts of ``prompt`` (a prompt of this lease, or its ``group_id``), usually
+        its whole group, in one request. Each rollout's ``group_id`` is filled in; a mapping's
+        ``policy_version`` defaults to the lease's and its ``rollout_id`` to
+        ``<group_id>-<k>``. A ``group_id`` of another prompt is a ValueError. Backpressure
+        (``429``) is waited out as the writer does. Rollouts refused one by one (say
+        ``stale_attempt``, after the lease expired) are in the answer and in :attr:`rejected`;
+        the prompt counts as posted once a request for it has been answered. A settled lease
+        takes no more posts (RuntimeError)."""
+        if self.settled:
+            raise RuntimeError(
+                f"work lease {self.lease_id!r} is settled: its unposted prompts go back"
+            )
+        p = self._prompt(prompt)
+        first = self._sent.get(p.group_id, 0)
+        docs = [self._in_group(p, first + k, r) for k, r in enumerate(rollouts)]
+        if not docs:
+            raise ValueError(f"no rollouts to post for prompt {p.prompt_id!r}")
+        writer = self.client.writer(
+            self.run_id, batch_size=len(docs), max_backpressure_s=self.max_backpressure_s
+        )
+        result = writer.add(*docs)  # one request: batch_size is the group's size
+        assert result is not None
+        self._sent[p.group_id] = first + len(docs)
+        self.rejected.extend(result.rejected)
+        if self._unposted.pop(p.group_id, None) is not None:
+            self.posted.append(p)
+        return result
+
+    def give_back(self, prompts: Iterable[WorkPrompt | str] | None = None) -> int:
+        """Return prompts of this lease not posted (all of them by default) to the broker now,
+        for any generator to take; returns how many the broker took back."""
+        chosen = (
+            list(self._unposted.values())
+            if prompts is None
+            else [p for p in map(self._prompt, prompts) if p.group_id in self._unposted]
+        )
+        if not chosen:
+            return 0
+        ids = list(dict.fromkeys(p.prompt_id for p in chosen))
+        n = self.client.return_work(self.run_id, self.lease_id, ids)
+        for p in chosen:
+            del self._unposted[p.group_id]
+        self.returned.extend(chosen)
+        return n
+
+    def settle(self, *, failing: bool = False) -> None:
+        """End the lease for this client: give back every prompt not posted. A broker that
+        cannot be reached is logged (the prompts go back when the lease expires), as is any
+        error when ``failing`` (an exception is already on its way); other errors raise."""
+        if self._giving_back:
+            return
+        self._giving_back = self.settled = True
+        self.client._works.discard(self)
+        try:
+            self.give_back()
+        except BrokerError as err:
+            if not (failing or isinstance(err, BrokerUnreachable | ServerError | NotFound)):
+                raise
+            log.warning(
+                "could not give back %d prompts of work lease %s (%s); the broker hands them "
+                "out again once the lease expires at %s",
+                len(self._unposted),
+                self.lease_id,
+                err,
+                self.lease.expires_at.isoformat(),
+            )
+
+    def _prompt(self, prompt: WorkPrompt | str) -> WorkPrompt:
+        gid = prompt if isinstance(prompt, str) else prompt.group_id
+        found = self._by_group.get(gid)
+        if found is None:
+            raise ValueError(
+                f"{gid!r} is not the group_id of a prompt of work lease {self.lease_id!r}"
+            )
+        return found
+
+    def _in_group(self, prompt: WorkPrompt, k: int, rollout: RolloutLike) -> RolloutLike:
+        gid = prompt.group_id
+        doc: dict[str, Any] = (
+            {"rollout_id": rollout.rollout_id, "group_id": rollout.group_id}
+            if isinstance(rollout, Rollout)
+            else dict(rollout)
+        )
+        given = doc.get("group_id")
+        if given is not None and given != gid:
+            raise ValueError(
+                f"rollout {doc.get('rollout_id')!r} names group {given!r}, not {gid!r} of "
+                f"prompt {prompt.prompt_id!r}"
+            )
+        if isinstance(rollout, Rollout):
+            return dataclasses.replace(rollout, group_id=gid)
+        doc["group_id"] = gid
+        if doc.get("rollout_id") is None:
+            doc["rollout_id"] = f"{gid}-{k}"
+        if doc.get("policy_version") is None:
+            doc["policy_version"] = self.policy_version
+        return doc
+
+
+class WorkLoop:
+    """The generator loop, ``for lease in client.work(run_id, max_prompts=8)``: work
+    leases one after another, each an :class:`Work` whose prompts the body generates for
+    and posts. The loop settles each lease (gives back its prompts not posted) before it takes
+    the next, and ends at a ``break``, an exception (:class:`RunClosed` once the run is closed)
+    or, with ``stop_when_empty``, the first time the broker has nothing to hand out within
+    ``wait_s`` (no prompt queued, or the staleness budget spent); otherwise it keeps asking.
+
+    Leaving the loop settles its last lease: at once inside ``with client.work(...) as
+    leases``, or through :meth:`aclose`; without either, the client gives the prompts back
+    before its next request, or when it closes (a ``break`` or an exception drops the loop,
+    whose destructor hands the lease to the client: it sends nothing itself).
+    """
+
+    def __init__(
+        self,
+        client: BrokerClient,
+        run_id: str,
+        *,
+        max_prompts: int = 8,
+        generator_id: str | None = None,
+        wait_s: float = 30.0,
+        stop_when_empty: bool = False,
+        max_backpressure_s: float | None = 600.0,
+    ) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.max_prompts = max_prompts
+        self.generator_id = generator_id
+        self.wait_s = wait_s
+        self.stop_when_empty = stop_when_empty
+        self.max_backpressure_s = max_backpressure_s
+        self.current: Work | None = None
+        self.leases = 0
+        self._done = False
+
+    def __iter__(self) -> WorkLoop:
+        return self
+
+    def __next__(self) -> Work:
+        self._settle_current(failing=False)
+        while not self._done:
+            lease = self.client.work_lease(
+                self.run_id,
+                self.max_prompts,
+                generator_id=self.generator_id,
+                wait_s=self.wait_s,
+            )
+            if lease is not None:
+                self.leases += 1
+                self.current = Work(
+                    self.client, self.run_id, lease, max_backpressure_s=self.max_backpressure_s
+                )
+                return self.current
+            self._done = self.stop_when_empty
+        raise StopIteration
+
+    def __enter__(self) -> WorkLoop:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._done = True
+        self._settle_current(failing=exc_type is not None)
+
+    def close(self) -> None:
+        """End the loop, giving back the prompts of its current lease not posted."""
+        self._done = True
+        self._settle_current(failing=False)
+
+    def _settle_current(self, *, failing: bool) -> None:
+        work, self.current = self.current, None
+        if work is not None:
+            work.settle(failing=failing)
+
+    def __del__(self) -> None:
+        work = getattr(self, "current", None)
+        if work is not None and not work.settled:
+            work.settled = True
+            work.client._abandoned.append(work)

@@ -32,11 +32,18 @@ from rollout_broker_client._models import (
     LagStats,
     LeasedRollout,
     PolicyResult,
+    Prompt,
+    PromptCounts,
+    PromptState,
+    RegisterResult,
     Rejection,
     Rollout,
     Run,
     RunConfig,
     VersionAccounting,
+    WaitStats,
+    WorkLease,
+    WorkPrompt,
 )
 from rollout_broker_client.protocol import JSON, MAX_TOKEN_ID, MSGPACK, MSGPACK_TYPES, new_run_id
 
@@ -50,6 +57,8 @@ Format = Literal["msgpack", "json"]
 
 
 RolloutLike = Rollout | Mapping[str, Any]
+# A prompt to register: a Prompt, its wire form as a mapping, or a bare prompt_id.
+PromptLike = Prompt | Mapping[str, Any] | str
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +164,24 @@ def _as_mapping(r: RolloutLike) -> Mapping[str, Any]:
     return r
 
 
+def prompt_doc(p: PromptLike) -> dict[str, Any]:
+    """The wire form of one prompt to register (token ids as a JSON list)."""
+    if isinstance(p, str):
+        return {"prompt_id": p}
+    src: Mapping[str, Any] = (
+        {"prompt_id": p.prompt_id, "prompt_ids": p.prompt_ids, "data": p.data}
+        if isinstance(p, Prompt)
+        else p
+    )
+    pid = str(src["prompt_id"])
+    doc: dict[str, Any] = {"prompt_id": pid}
+    if src.get("prompt_ids") is not None:
+        doc["prompt_ids"] = _ids(src["prompt_ids"], "prompt_ids", pid).tolist()
+    if src.get("data") is not None:
+        doc["data"] = dict(src["data"])
+    return doc
+
+
 def encode(doc: Any, fmt: Format) -> tuple[bytes, dict[str, str]]:
     if fmt == "msgpack":
         return msgpack.packb(doc, use_bin_type=True), {"content-type": MSGPACK}
@@ -253,6 +280,39 @@ def parse_ack(body: Any) -> AckResult:
     )
 
 
+def parse_work(body: Any) -> WorkLease:
+    return WorkLease(
+        lease_id=body["lease_id"],
+        policy_version=int(body["policy_version"]),
+        expires_at=_time(body["expires_at"]),
+        prompts=[
+            WorkPrompt(
+                prompt_id=p["prompt_id"],
+                pass_=int(p.get("pass", 1)),
+                attempt=int(p["attempt"]),
+                group_id=p["group_id"],
+                prompt_ids=None if p.get("prompt_ids") is None else _id_array(p["prompt_ids"]),
+                data=p.get("data"),
+            )
+            for p in body["prompts"]
+        ],
+    )
+
+
+def parse_prompt_state(doc: Any) -> PromptState:
+    return PromptState(
+        prompt_id=doc["prompt_id"],
+        pass_=int(doc.get("pass", 1)),
+        attempt=int(doc["attempt"]),
+        state=doc["state"],
+        tries=int(doc.get("tries", 0)),
+    )
+
+
+def _page(body: Any) -> tuple[list[Any], str | None]:
+    return list(body.get("prompts", [])), body.get("next_cursor") or None
+
+
 def _counts(value: Any) -> dict[str, int]:
     return {str(k): int(v) for k, v in (value or {}).items()}
 
@@ -269,9 +329,18 @@ def _kl(value: Any) -> KlStats:
     return KlStats(mean=v.get("mean"), max=v.get("max"))
 
 
+def _prompt_counts(value: Any) -> PromptCounts:
+    v = value or {}
+    return PromptCounts(
+        **{k: int(v.get(k, 0)) for k in ("registered", "queued", "in_flight", "done", "failed")},
+        retried=int(v.get("retried", 0)),
+    )
+
+
 def parse_accounting(body: Any) -> Accounting:
     b = body.get("batches") or {}
     ir = body.get("is_ratio") or {}
+    w = body.get("wait") or {}
     pending = body.get("pending_events")
     return Accounting(
         rollouts_received=int(body["rollouts_received"]),
@@ -295,6 +364,11 @@ def parse_accounting(body: Any) -> Accounting:
         lag=_lag(body.get("lag")),
         kl=_kl(body.get("kl")),
         is_ratio=IsRatioStats(mean=ir.get("mean"), clip_fraction=ir.get("clip_fraction")),
+        prompts=_prompt_counts(body.get("prompts")),
+        wait=WaitStats(
+            generator_s=float(w.get("generator_s") or 0.0),
+            trainer_s=float(w.get("trainer_s") or 0.0),
+        ),
         pending_events=None if pending is None else int(pending),
         as_of=_opt_time(body.get("as_of")),
         raw=dict(body),
@@ -343,6 +417,7 @@ class Api:
 
     fmt: Format = "msgpack"
     trainer_id: str | None = None
+    generator_id: str | None = None
 
     def _body(self, doc: Any, fmt: Format | None = None) -> tuple[bytes, dict[str, str]]:
         return encode(doc, fmt or "json")
@@ -393,6 +468,72 @@ class Api:
             content,
             headers,
         )
+
+    # work leases (generators; prompts are registered by operators)
+    def register_prompts(
+        self, run_id: str, prompts: Sequence[PromptLike], epochs: int
+    ) -> Call[RegisterResult]:
+        content, headers = self._body(
+            {"prompts": [prompt_doc(p) for p in prompts], "epochs": int(epochs)}
+        )
+        return Call(
+            "POST",
+            _p(run_id) + "/prompts",
+            lambda r, b: RegisterResult(int(b["accepted"]), int(b["duplicates"])),
+            None,
+            content,
+            headers,
+        )
+
+    def work(
+        self,
+        run_id: str,
+        max_prompts: int,
+        *,
+        generator_id: str | None,
+        wait_s: float,
+        lease_id: str | None,
+    ) -> Call[WorkLease | None]:
+        # Our own lease id makes a resend safe: the broker answers it with the same lease.
+        doc: dict[str, Any] = {
+            "max_prompts": int(max_prompts),
+            "wait_s": float(wait_s),
+            "lease_id": lease_id or uuid.uuid4().hex,
+        }
+        gid = generator_id or self.generator_id
+        if gid is not None:
+            doc["generator_id"] = gid
+        content, headers = self._body(doc)
+        if self.fmt == "msgpack":
+            headers["accept"] = f"{MSGPACK}, {JSON};q=0.5"
+        return Call(
+            "POST",
+            _p(run_id) + "/work",
+            lambda r, b: None if r.status_code == 204 else parse_work(b),
+            None,
+            content,
+            headers,
+            extra_timeout=max(0.0, float(wait_s)),
+        )
+
+    def return_work(
+        self, run_id: str, lease_id: str, prompt_ids: Sequence[str] | None
+    ) -> Call[int]:
+        doc = {} if prompt_ids is None else {"prompt_ids": list(prompt_ids)}
+        content, headers = self._body(doc)
+        path = f"{_p(run_id)}/work/{quote(lease_id, safe='')}/return"
+        return Call("POST", path, lambda r, b: int(b["returned"]), None, content, headers)
+
+    def prompts_page(
+        self, run_id: str, state: str | None, cursor: str | None, limit: int
+    ) -> Call[tuple[list[Any], str | None]]:
+        """One page of prompt states, as documents: the caller parses them one by one."""
+        params = {"limit": str(int(limit))}
+        if state is not None:
+            params["state"] = state
+        if cursor:
+            params["cursor"] = cursor
+        return Call("GET", _p(run_id) + "/prompts", lambda r, b: _page(b), params)
 
     # trainers
     def lease(
