@@ -61,12 +61,13 @@ async def ack(client: httpx.AsyncClient, run_id: str, batch_id: str, **body: Any
     return await client.post(f"/v1/runs/{run_id}/batches/{batch_id}/ack", json=body)
 
 
-async def until_long_polling(redis: Redis, prefix: str, run_id: str) -> None:
+async def until_long_polling(redis: Redis, prefix: str, run_id: str, mark: str = WAITING) -> None:
     """Returns once a lease on the run waits for a wake-up: its script marks the run as waited
-    on just before the caller starts waiting, so a rollout posted after this must wake it."""
+    on just before the caller starts waiting, so a rollout posted after this must wake it.
+    ``mark=WORK_WAITING``: a work request (generator) waits instead."""
     # Another task or process sets the mark, and Redis has no way to push it to us: look again.
     while True:
-        if await redis.exists(run_key(prefix, run_id, WAITING)):
+        if await redis.exists(run_key(prefix, run_id, mark)):
             return
         await asyncio.sleep(0.01)
 
