@@ -1,19 +1,21 @@
 """The ``rollout-broker`` command: run the API, the workers, the migrations, and the operator
-commands (``runs``, ``policy``, ``accounting``, ``watch``), which go through the HTTP client."""
+commands (``runs``, ``policy``, ``accounting``, ``prompts``, ``watch``), which go through the HTTP
+client."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
@@ -21,7 +23,14 @@ from app.settings import Settings
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
-    from rollout_broker_client import Accounting, BrokerClient, Run, VersionAccounting
+    from rollout_broker_client import (
+        Accounting,
+        BrokerClient,
+        PromptCounts,
+        PromptState,
+        Run,
+        VersionAccounting,
+    )
 
 cli = typer.Typer(
     help="Rollout Broker: versioned rollouts in, leased batches out, exact sample accounting.",
@@ -399,8 +408,20 @@ def _histogram(hist: dict[int, int], width: int = 16) -> str:
     return "\n".join(lines)
 
 
+def _seconds(value: float) -> str:
+    return f"{value:,.1f} s"
+
+
+def _prompt_line(p: PromptCounts) -> str:
+    return (
+        f"queued {p.queued:,}, in flight {p.in_flight:,}, done {p.done:,}, failed {p.failed:,}"
+        f" (retried {p.retried:,})"
+    )
+
+
 def accounting_table(acc: Accounting, run: Run | None = None) -> RenderableType:
-    """The accounting as a readable table: where rollouts went and what became samples."""
+    """The accounting as a readable table: prompts handed out (for runs that use work leases),
+    where rollouts went and what became samples."""
     from rich.table import Table
 
     name = run.run_id if run is not None else "run"
@@ -412,6 +433,23 @@ def accounting_table(acc: Accounting, run: Run | None = None) -> RenderableType:
     def section(title: str) -> None:
         table.add_row(f"[cyan]{title}[/]", "", "", end_section=False)
 
+    p = acc.prompts
+    if p.registered:  # a run whose generators take their work from the broker
+        section("prompts (passes)")
+        table.add_row("registered", _fmt(p.registered), "")
+        table.add_row("queued", _fmt(p.queued), "waiting for a generator")
+        table.add_row("in flight", _fmt(p.in_flight), "in work leases, or groups not yet used")
+        table.add_row("done", _fmt(p.done), "reached a gradient (or retired zero_variance)")
+        table.add_row("failed", _fmt(p.failed), "ran out of attempts")
+        table.add_row("retried", _fmt(p.retried), "attempts after the first")
+        check = "✓" if p.unaccounted == 0 else f"✗ off by {p.unaccounted:,}"
+        table.add_row(
+            "queued + in flight + done + failed",
+            check,
+            f"{p.queued:,} + {p.in_flight:,} + {p.done:,} + {p.failed:,} = {p.registered:,}"
+            " registered",
+            end_section=True,
+        )
     section("rollouts in")
     table.add_row("rollouts received", _fmt(acc.rollouts_received), "accepted into the buffer")
     gs = run.config.get("group_size") if run is not None else None
@@ -436,6 +474,9 @@ def accounting_table(acc: Accounting, run: Run | None = None) -> RenderableType:
         " received",
         end_section=True,
     )
+    section("waits")
+    table.add_row("generators waited", _seconds(acc.wait.generator_s), "for prompts or budget")
+    table.add_row("trainers waited", _seconds(acc.wait.trainer_s), "for rollouts", end_section=True)
     section("samples out")
     max_reuse = run.config.get("max_reuse") if run is not None else None
     table.add_row("samples consumed", _fmt(acc.samples_consumed), "Σ uses = Σ acked batch sizes")
@@ -516,6 +557,67 @@ def accounting(
         _console().print(accounting_table(acc, run))
 
 
+# -- prompts -------------------------------------------------------------------------------------
+
+# The states of a prompt pass (the client's PromptStateName), spelled here for typer to read.
+PassState = Literal["queued", "in_flight", "done", "failed"]
+
+
+def prompts_table(
+    run_id: str, rows: list[PromptState], counts: PromptCounts | None, more: bool
+) -> RenderableType:
+    """The run's passes counted by state, then the passes listed one per line."""
+    from rich import box
+    from rich.console import Group
+    from rich.table import Table
+
+    table = Table(
+        title=f"Prompt passes of {run_id}",
+        caption=f"{len(rows):,} shown; more with --limit (0: all)" if more else None,
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+    )
+    for col in ("prompt_id", "pass", "attempt", "state", "tries"):
+        table.add_column(col, justify="left" if col in ("prompt_id", "state") else "right")
+    for r in rows:
+        table.add_row(r.prompt_id, str(r.pass_), str(r.attempt), r.state, str(r.tries))
+    if counts is None:
+        return table
+    return Group(f"{counts.registered:,} passes registered: {_prompt_line(counts)}", table)
+
+
+@cli.command()
+def prompts(
+    run_id: Annotated[str, typer.Argument(help="Run id")],
+    state: Annotated[
+        PassState | None, typer.Option("--state", "-s", help="Only passes in this state")
+    ] = None,
+    limit: Annotated[
+        int, typer.Option(help="Show at most this many passes (0: all of them)", min=0)
+    ] = 50,
+    url: Url = "http://127.0.0.1:8000",
+    as_json: AsJson = False,
+) -> None:
+    """A run's prompt passes (runs whose generators take work from the broker): each one's
+    state, attempt and tries, in prompt order (from the accounting; may trail by a second)."""
+    with _broker(url) as broker:
+        counts = None if as_json else broker.accounting(run_id).prompts
+        page_size = min(limit + 1, 1000) if limit else 1000
+        found = broker.prompt_states(run_id, state, page_size=page_size)
+        rows = list(itertools.islice(found, limit + 1 if limit else None))
+    more = bool(limit) and len(rows) > limit
+    rows = rows[:limit] if limit else rows
+    if as_json:
+        docs = [
+            {"prompt_id": r.prompt_id, "pass": r.pass_, "attempt": r.attempt, "state": r.state,
+             "tries": r.tries}
+            for r in rows
+        ]  # fmt: skip
+        typer.echo(json.dumps(docs, indent=2))
+    else:
+        _console().print(prompts_table(run_id, rows, counts, more))
+
+
 # -- watch ---------------------------------------------------------------------------------------
 
 
@@ -528,7 +630,8 @@ class _Frame:
 
 
 def watch_view(now: _Frame, before: _Frame | None) -> RenderableType:
-    """One frame of ``watch``: the buffer, the flow since the last frame, lag, reuse and KL."""
+    """One frame of ``watch``: the buffer, the flow since the last frame, prompt passes, waits,
+    lag, reuse and KL."""
     from rich.console import Group
     from rich.panel import Panel
     from rich.table import Table
@@ -543,11 +646,13 @@ def watch_view(now: _Frame, before: _Frame | None) -> RenderableType:
     if acc is None:
         return Panel(f"{head}\naccounting unavailable: {now.error}", title="rollout-broker watch")
 
-    def rate(field: str) -> str:
+    def change(read: Callable[[Accounting], float], unit: str) -> str:
         if before is None or before.acc is None or now.at <= before.at:
             return ""
-        d = getattr(acc, field) - getattr(before.acc, field)
-        return f"{d / (now.at - before.at):,.1f}/s"
+        return f"{(read(acc) - read(before.acc)) / (now.at - before.at):,.1f}{unit}"
+
+    def rate(field: str) -> str:
+        return change(lambda a: float(getattr(a, field)), "/s")
 
     flow = Table(show_header=False, box=None, pad_edge=False)
     flow.add_column("what")
@@ -559,6 +664,16 @@ def watch_view(now: _Frame, before: _Frame | None) -> RenderableType:
     flow.add_row("rollouts received", _fmt(acc.rollouts_received), rate("rollouts_received"))
     flow.add_row("samples consumed", _fmt(acc.samples_consumed), rate("samples_consumed"))
     flow.add_row("reuse factor", _fmt(acc.reuse_factor, 3), "")
+    p = acc.prompts
+    done = change(lambda a: a.prompts.done, " done/s")
+    flow.add_row(
+        "prompt passes", _fmt(p.registered), _prompt_line(p) + (f", {done}" if done else "")
+    )
+    # Seconds waited per second: how many requests were waiting at a time, on average.
+    busy = change(lambda a: a.wait.generator_s, " waiting on average")
+    flow.add_row("generators waited", _seconds(acc.wait.generator_s), busy)
+    busy = change(lambda a: a.wait.trainer_s, " waiting on average")
+    flow.add_row("trainers waited", _seconds(acc.wait.trainer_s), busy)
     flow.add_row("retired", _fmt(acc.retired_total), _reasons(acc.retired))
     flow.add_row("KL", f"mean {_fmt(acc.kl.mean, 3)}", f"max {_fmt(acc.kl.max, 3)}")
     flow.add_row(
@@ -599,7 +714,8 @@ def watch(
         int | None, typer.Option(help="Stop after this many refreshes (default: until Ctrl-C)")
     ] = None,
 ) -> None:
-    """A live view of a run: buffered, leased, flow rates, lag histogram, reuse factor, KL."""
+    """A live view of a run: buffered, leased, flow rates, prompt passes, waits, lag histogram,
+    reuse factor, KL."""
     from rich.live import Live
 
     console = _console()

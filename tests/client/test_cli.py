@@ -128,10 +128,80 @@ def test_watch_refreshes(live_server: LiveServer, trained_run: str) -> None:
     assert "buffered" in out and "reuse factor" in out and "lag  0" in out and "KL" in out
 
 
+@pytest.fixture
+def work_run(live_server: LiveServer) -> str:
+    """A run of 4 prompts whose generator leased 3, posted the groups of a and b and broke out
+    (c went back, at attempt 2; d was never handed out), and whose trainer used a's group."""
+    run = rid()
+    with BrokerClient(live_server.url) as broker:
+        broker.create_run(run, {"group_size": 2, "max_reuse": 1})
+        broker.register_prompts(run, ["a", "b", "c", "d"])
+        with broker.work(run, max_prompts=3, wait_s=0) as leases:
+            for lease in leases:
+                for p in lease.prompts[:2]:
+                    lease.post(p, [{"response_ids": [1, 2], "reward": float(k)} for k in (0, 1)])
+                break
+        with broker.lease(run, size=2) as batch:
+            assert batch is not None and {r.group_id for r in batch} == {"a#1.1"}
+        acc = broker.wait_for_accounting(run, timeout_s=20)
+        assert (acc.prompts.queued, acc.prompts.done) == (2, 1)
+    return run
+
+
+@pytest.mark.slow
+def test_prompts_lists_passes_and_their_states(live_server: LiveServer, work_run: str) -> None:
+    code, out, err = invoke(live_server, "prompts", work_run, "--json")
+    assert code == 0, err
+    assert json.loads(out) == [
+        {"prompt_id": "a", "pass": 1, "attempt": 1, "state": "done", "tries": 0},
+        {"prompt_id": "b", "pass": 1, "attempt": 1, "state": "in_flight", "tries": 0},
+        {"prompt_id": "c", "pass": 1, "attempt": 2, "state": "queued", "tries": 0},
+        {"prompt_id": "d", "pass": 1, "attempt": 1, "state": "queued", "tries": 0},
+    ]
+
+    code, out, _ = invoke(live_server, "prompts", work_run, "--state", "queued")
+    assert code == 0
+    assert "4 passes registered: queued 2, in flight 1, done 1, failed 0 (retried 1)" in out
+    assert f"Prompt passes of {work_run}" in out
+    rows = [
+        line.split()
+        for line in out.splitlines()
+        if line.strip().startswith(("a ", "b ", "c ", "d "))
+    ]
+    assert rows == [["c", "1", "2", "queued", "0"], ["d", "1", "1", "queued", "0"]]
+
+    code, out, _ = invoke(live_server, "prompts", work_run, "--limit", "1")
+    assert code == 0 and "1 shown; more with --limit" in out
+    code, out, _ = invoke(live_server, "prompts", work_run, "--limit", "0")
+    assert code == 0 and "more with --limit" not in out
+
+    code, _, err = invoke(live_server, "prompts", work_run, "--state", "lost")
+    assert code == 2 and "lost" in err
+
+
+@pytest.mark.slow
+def test_accounting_and_watch_show_prompts_and_waits(
+    live_server: LiveServer, work_run: str, trained_run: str
+) -> None:
+    code, out, _ = invoke(live_server, "accounting", work_run)
+    assert code == 0
+    assert "prompts (passes)" in out and "2 + 1 + 1 + 0 = 4 registered" in out
+    assert "generators waited" in out and "trainers waited" in out
+    code, out, _ = invoke(live_server, "accounting", trained_run)
+    assert code == 0
+    assert "prompts (passes)" not in out  # a run without work leases
+    assert "trainers waited" in out
+
+    code, out, err = invoke(live_server, "watch", work_run, "--count", "1")
+    assert code == 0, err
+    assert "prompt passes" in out and "queued 2, in flight 1, done 1, failed 0" in out
+    assert "generators waited" in out and "trainers waited" in out
+
+
 def test_service_commands_are_kept() -> None:
     code, out, _ = invoke(None, "--help")
     assert code == 0
-    for name in ("serve", "worker", "migrate", "runs", "policy", "accounting", "watch"):
+    for name in ("serve", "worker", "migrate", "runs", "policy", "accounting", "prompts", "watch"):
         assert name in out
     code, _, err = invoke(None, "worker")
     assert code == 2 and "BROKER_REDIS_URL" in err
