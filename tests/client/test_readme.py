@@ -1,23 +1,29 @@
-"""The README's Python tour runs as written and prints what the README says it prints."""
+"""The README's Python tour runs as written and prints what the README says it prints; the
+client README's work loop runs as written, with a stand-in for the model."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+from rollout_broker_client import BrokerClient
 
 from tests.client.live import REPO, LiveServer
 
 pytestmark = pytest.mark.slow  # the tour runs in a subprocess against a live broker
 
 
-def blocks(kind: str) -> list[str]:
+def blocks(kind: str, readme: Path = REPO / "README.md") -> list[str]:
     """The README's fenced blocks of language ``kind`` ("" for none), in order."""
     out: list[str] = []
     lang: str | None = None
     lines: list[str] = []
-    for line in (REPO / "README.md").read_text().splitlines(keepends=True):
+    for line in readme.read_text().splitlines(keepends=True):
         if lang is None and line.startswith("```"):
             lang, lines = line[3:].strip(), []
         elif lang is not None and line.rstrip() == "```":
@@ -38,3 +44,38 @@ def test_python_tour(live_server: LiveServer) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == printed
+
+
+@dataclass
+class Output:
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+def test_client_readme_work_loop(live_server: LiveServer) -> None:
+    register, generate = blocks("python", REPO / "clients" / "python" / "README.md")[1:]
+    url = live_server.url
+    sampled: list[str] = []
+
+    async def sample(prompt_ids: np.ndarray, n: int) -> list[Output]:
+        sampled.append(str(prompt_ids.tolist()))
+        return [Output([int(prompt_ids[0]), k], [-0.5, -0.25]) for k in range(n)]
+
+    names: dict[str, Any] = {
+        "n": 5,
+        "tokens": [[i, 1] for i in range(5)],
+        "answers": list(range(5)),
+        "sample": sample,
+        "score": lambda o: float(o.token_ids[1] % 2),
+    }
+    exec(register.replace("http://broker:8000", url), names)
+    # The README's loop runs for ever; this one ends once the queue is empty.
+    loop = generate.replace("http://broker:8000", url)
+    assert loop.count("wait_s=30") == 1
+    exec(loop.replace("wait_s=30", "wait_s=0, stop_when_empty=True"), names)
+
+    assert len(sampled) == 10  # 5 prompts, 2 epochs
+    with BrokerClient(url) as broker:
+        acc = broker.wait_for_accounting("my-run", timeout_s=20)
+        assert (acc.prompts.registered, acc.prompts.in_flight) == (10, 10)
+        assert (acc.rollouts_received, acc.groups_received) == (80, 10)
