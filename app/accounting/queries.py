@@ -1,6 +1,6 @@
 """Read side of the accounting, for the operator API: totals, per-version rows, the batch
-ledger and dead letters. Derived figures (buffered, leased, means) are computed here from the
-stored sums, so they are always consistent with one another.
+ledger, the prompt ledger and dead letters. Derived figures (buffered, leased, means) are
+computed here from the stored sums, so they are always consistent with one another.
 """
 
 from __future__ import annotations
@@ -16,7 +16,16 @@ from sqlalchemy import select, tuple_
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.accounting.events import EventError, StreamId
-from app.accounting.models import Batch, LagCount, ReasonTotals, Run, RunTotals, VersionTotals
+from app.accounting.models import (
+    PASS_STATES,
+    Batch,
+    LagCount,
+    PromptPass,
+    ReasonTotals,
+    Run,
+    RunTotals,
+    VersionTotals,
+)
 from app.accounting.repository import ms_to_datetime
 from app.accounting.schemas import (
     BatchCounts,
@@ -27,14 +36,18 @@ from app.accounting.schemas import (
     IsRatioStats,
     KlStats,
     LagStats,
+    PromptCounts,
+    PromptPage,
+    PromptPassRecord,
     RunAccounting,
     VersionAccounting,
     VersionsAccounting,
+    WaitStats,
 )
 from app.accounting.stream import EventStream
-from app.errors import BadRequest, RunNotFound
+from app.errors import BadRequest, RunNotFound, ValidationFailed
 
-__all__ = ["dead_letters", "list_batches", "run_accounting", "version_accounting"]
+__all__ = ["dead_letters", "list_batches", "list_prompts", "run_accounting", "version_accounting"]
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:
@@ -174,6 +187,18 @@ async def run_accounting(session: AsyncSession, stream: EventStream, run_id: str
             mean=_ratio(totals.ratio_sum, totals.ratio_tokens),
             clip_fraction=_ratio(totals.ratio_clipped, totals.ratio_tokens),
         ),
+        prompts=PromptCounts(
+            registered=totals.prompts_registered,
+            queued=totals.prompts_queued,
+            in_flight=totals.prompts_in_flight,
+            done=totals.prompts_done,
+            failed=totals.prompts_failed,
+            retried=totals.prompts_retried,
+        ),
+        wait=WaitStats(
+            generator_s=totals.generator_wait_ms / 1000,
+            trainer_s=totals.trainer_wait_ms / 1000,
+        ),
         as_of=ms_to_datetime(totals.last_event_ms),
         pending_events=pending,
     )
@@ -247,6 +272,61 @@ async def list_batches(
     return BatchPage(
         batches=[BatchRecord.model_validate(row, from_attributes=True) for row in rows],
         next_cursor=_encode_cursor(rows[-1]) if more else None,
+    )
+
+
+def _encode_prompt_cursor(prompt_id: str, pass_: int) -> str:
+    raw = json.dumps([prompt_id, pass_]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_prompt_cursor(cursor: str) -> tuple[str, int]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        prompt_id, pass_ = json.loads(raw)
+        if not (isinstance(prompt_id, str) and type(pass_) is int):
+            raise ValueError(cursor)
+    except (binascii.Error, ValueError, TypeError):
+        raise ValidationFailed("invalid cursor") from None
+    return prompt_id, pass_
+
+
+async def list_prompts(
+    session: AsyncSession,
+    stream: EventStream,
+    run_id: str,
+    *,
+    state: str | None,
+    limit: int,
+    cursor: str | None,
+) -> PromptPage:
+    """The prompt ledger in (prompt_id, pass) order, of one state or all, ``limit`` passes
+    after ``cursor``."""
+    if state is not None and state not in PASS_STATES:
+        raise ValidationFailed(f"state must be one of {', '.join(PASS_STATES)}, not {state!r}")
+    after = _decode_prompt_cursor(cursor) if cursor is not None else None
+    await _require_run(session, stream, run_id)
+    query = select(PromptPass).where(PromptPass.run_id == run_id)
+    if state is not None:
+        query = query.where(PromptPass.state == state)
+    if after is not None:
+        query = query.where(tuple_(PromptPass.prompt_id, PromptPass.pass_) > tuple_(*after))
+    query = query.order_by(PromptPass.prompt_id, PromptPass.pass_).limit(limit + 1)
+    rows = list((await session.scalars(query)).all())
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return PromptPage(
+        prompts=[
+            PromptPassRecord(
+                prompt_id=row.prompt_id,
+                pass_=row.pass_,
+                attempt=row.attempt,
+                state=row.state,
+                tries=row.tries,
+            )
+            for row in rows
+        ],
+        next_cursor=_encode_prompt_cursor(rows[-1].prompt_id, rows[-1].pass_) if more else None,
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "BatchCounts",
@@ -15,9 +15,13 @@ __all__ = [
     "IsRatioStats",
     "KlStats",
     "LagStats",
+    "PromptCounts",
+    "PromptPage",
+    "PromptPassRecord",
     "RunAccounting",
     "VersionAccounting",
     "VersionsAccounting",
+    "WaitStats",
 ]
 
 
@@ -46,6 +50,24 @@ class IsRatioStats(BaseModel):
     clip_fraction: float | None = Field(description="Share of tokens outside [1-eps, 1+eps]")
 
 
+class PromptCounts(BaseModel):
+    """Prompt passes of a run that takes its work from the broker (a prompt queued for
+    ``epochs`` passes counts ``epochs`` times); once drained, ``registered == queued +
+    in_flight + done + failed``."""
+
+    registered: int = Field(description="Passes of the registered prompts")
+    queued: int = Field(description="Passes waiting to be handed out (again)")
+    in_flight: int = Field(description="Passes in a generator's work lease")
+    done: int = Field(description="Passes whose group reached a gradient or retired zero_variance")
+    failed: int = Field(description="Passes that ran out of attempts")
+    retried: int = Field(description="Attempts after the first, summed over the passes")
+
+
+class WaitStats(BaseModel):
+    generator_s: float = Field(description="Time generators' requests waited for prompts or budget")
+    trainer_s: float = Field(description="Time trainers' lease requests waited for rollouts")
+
+
 class RunAccounting(BaseModel):
     """A run's accounting; once drained, ``rollouts_received == buffered + leased + Σ retired``
     and ``samples_consumed == Σ sizes of the acknowledged batches``."""
@@ -66,6 +88,8 @@ class RunAccounting(BaseModel):
     lag: LagStats
     kl: KlStats
     is_ratio: IsRatioStats
+    prompts: PromptCounts
+    wait: WaitStats
     as_of: datetime | None = Field(description="Time of the newest drained event")
     pending_events: int = Field(description="Stream entries not yet drained into Postgres")
 
@@ -138,3 +162,18 @@ class DeadLetterPage(BaseModel):
     count: int = Field(description="Dead letters of the run in all")
     dead_letters: list[DeadLetter]
     next_cursor: str | None
+
+
+class PromptPassRecord(BaseModel):
+    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
+
+    prompt_id: str
+    pass_: int = Field(alias="pass", description="1 .. the prompt's epochs")
+    attempt: int = Field(description="1 for the first hand-out; one more each time it came back")
+    state: str = Field(description="queued, in_flight, done or failed")
+    tries: int = Field(description="Attempts whose group retired unused or whose lease expired")
+
+
+class PromptPage(BaseModel):
+    prompts: list[PromptPassRecord]
+    next_cursor: str | None = Field(description="Pass as ?cursor= for the next page")

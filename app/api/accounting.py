@@ -1,4 +1,5 @@
-"""Operator endpoints of the accounting: totals, per-version rows, batch ledger, dead letters."""
+"""Operator endpoints of the accounting: totals, per-version rows, batch ledger, prompt ledger,
+dead letters."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from app.accounting import queries
 from app.accounting.schemas import (
     BatchPage,
     DeadLetterPage,
+    PromptPage,
     RunAccounting,
     VersionsAccounting,
 )
@@ -64,6 +66,24 @@ async def list_batches(
 ) -> BatchPage:
     """The batch ledger in lease order; follow ``next_cursor`` for more."""
     return await queries.list_batches(session, stream, run_id, limit=limit, cursor=cursor)
+
+
+@router.get("/prompts", response_model=PromptPage)
+async def list_prompts(
+    run_id: str,
+    session: Session,
+    stream: Stream,
+    state: Annotated[
+        str | None, Query(description="queued, in_flight, done or failed; all when absent")
+    ] = None,
+    limit: Limit = 100,
+    cursor: str | None = None,
+) -> PromptPage:
+    """The prompt ledger: each prompt pass in its newest state, in (prompt_id, pass) order;
+    follow ``next_cursor`` for more."""
+    return await queries.list_prompts(
+        session, stream, run_id, state=state, limit=limit, cursor=cursor
+    )
 
 
 @router.get("/accounting/dead-letters", response_model=DeadLetterPage)

@@ -14,7 +14,7 @@ from app.accounting import queries
 from app.accounting.stream import CONSUMER_GROUP, EventStream, events_key
 from workers.drain import DrainContext
 
-ENDPOINTS = ("accounting", "accounting/versions", "batches", "accounting/dead-letters")
+ENDPOINTS = ("accounting", "accounting/versions", "batches", "prompts", "accounting/dead-letters")
 
 
 async def test_unknown_run_is_404(accounting_api: httpx.AsyncClient) -> None:
@@ -55,6 +55,15 @@ async def test_run_known_only_to_redis_reads_as_zeros(
         "lag": {"mean": None, "max": None, "histogram": {}},
         "kl": {"mean": None, "max": None},
         "is_ratio": {"mean": None, "clip_fraction": None},
+        "prompts": {
+            "registered": 0,
+            "queued": 0,
+            "in_flight": 0,
+            "done": 0,
+            "failed": 0,
+            "retried": 0,
+        },
+        "wait": {"generator_s": 0.0, "trainer_s": 0.0},
         "as_of": None,
         # No consumer group yet: every entry of the stream is pending.
         "pending_events": len(sim.events),
@@ -63,6 +72,10 @@ async def test_run_known_only_to_redis_reads_as_zeros(
     assert versions == {"versions": [], "as_of": None, "pending_events": len(sim.events)}
     assert (await accounting_api.get(f"/v1/runs/{run_id}/batches")).json() == {
         "batches": [],
+        "next_cursor": None,
+    }
+    assert (await accounting_api.get(f"/v1/runs/{run_id}/prompts")).json() == {
+        "prompts": [],
         "next_cursor": None,
     }
     dead = (await accounting_api.get(f"/v1/runs/{run_id}/accounting/dead-letters")).json()
@@ -90,7 +103,8 @@ async def test_endpoints_after_drain(
     assert list(body) == [
         "rollouts_received", "groups_received", "duplicates", "rejected", "tokens_generated",
         "buffered", "leased", "samples_consumed", "tokens_consumed", "reuse_factor", "retired",
-        "wasted_tokens", "batches", "lag", "kl", "is_ratio", "as_of", "pending_events",
+        "wasted_tokens", "batches", "lag", "kl", "is_ratio", "prompts", "wait", "as_of",
+        "pending_events",
     ]  # fmt: skip
 
     # pending_events: delivered-but-unacknowledged plus never-delivered entries.
