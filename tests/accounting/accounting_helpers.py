@@ -17,6 +17,7 @@ import msgpack
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from redis.asyncio import Redis
+from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting.events import (
@@ -29,7 +30,11 @@ from app.accounting.events import (
     Duplicate,
     Leased,
     LeasedItem,
+    PassesChanged,
+    PassItem,
     Payload,
+    Registered,
+    RegisteredItem,
     Rejected,
     RejectedItem,
     Retired,
@@ -37,6 +42,9 @@ from app.accounting.events import (
     Returned,
     ReturnedItem,
     RunChanged,
+    Waited,
+    WorkItem,
+    WorkLeased,
     encode_payload,
     lag_of,
 )
@@ -137,8 +145,20 @@ class SimBatch:
 
 
 @dataclass
+class SimPass:
+    """One pass of a prompt taken as work: its attempt, state and the attempts it lost."""
+
+    attempt: int = 1
+    state: str = "queued"  # queued | in_flight | done | failed
+    tries: int = 0
+
+
+@dataclass
 class RunSim:
-    """Drives one run through the rollout life cycle and records the events it would emit."""
+    """Drives one run through the rollout life cycle and records the events it would emit.
+
+    Prompts (registered, handed out in work leases, settled) and waits run on a random stream
+    of their own, so a seed's rollout workload is the same with or without them."""
 
     run_id: str
     seed: int = 0
@@ -166,10 +186,18 @@ class RunSim:
     ratio_tokens: int = 0
     ratio_sum: float = 0.0
     clipped: int = 0
+    max_attempts: int = 2
+    work_rng: random.Random = field(init=False)
+    passes: dict[tuple[str, int], SimPass] = field(default_factory=dict)  # (prompt_id, pass)
+    work_leases: dict[str, list[tuple[str, int]]] = field(default_factory=dict)  # live ones
+    prompts_registered: int = 0
+    wait_ms: Counter[str] = field(default_factory=Counter)  # role -> ms
     _n: int = 0
+    _work_n: int = 0
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
+        self.work_rng = random.Random(self.seed + 1_000_003)
 
     # --- emitting ---------------------------------------------------------------------
 
@@ -177,8 +205,12 @@ class RunSim:
         self._n += 1
         return f"{kind}-{self._n}"
 
-    def _emit(self, event_type: str, body: Payload) -> None:
-        self.t += self.rng.randint(0, 5)
+    def _work_id(self, kind: str) -> str:
+        self._work_n += 1
+        return f"{kind}-{self._work_n}"
+
+    def _emit(self, event_type: str, body: Payload, rng: random.Random | None = None) -> None:
+        self.t += (rng or self.rng).randint(0, 5)
         payload = encode_payload(event_type, body, t_ms=self.t)
         self.events.append((event_type, lua_style(payload) if self.lua else payload))
 
@@ -243,7 +275,10 @@ class RunSim:
     def lease(self, size: int, trainer: str | None = "trainer-0") -> str | None:
         pool = self.eligible()
         if not pool:
+            self.waited("trainer", self.work_rng.randint(1, 3000))
             return None
+        wait_ms = self.work_rng.choice((0, 0, self.work_rng.randint(1, 5000)))
+        self.wait_ms["trainer"] += wait_ms
         chosen = self.rng.sample(pool, k=min(size, len(pool)))
         batch_id = self._id("b")
         self.batches[batch_id] = SimBatch(batch_id, self.policy, [r.rollout_id for r in chosen])
@@ -262,6 +297,7 @@ class RunSim:
                     )
                     for r in chosen
                 ),
+                wait_ms=wait_ms,
             ),
         )
         return batch_id
@@ -388,6 +424,123 @@ class RunSim:
         self._run_event("closed", status="closed")
         self.retire(list(self.rollouts.values()), "run_closed")
 
+    # --- prompts, work leases and waits ------------------------------------------------
+
+    def waited(self, role: str, wait_ms: int) -> None:
+        """A long poll of ``role`` that waited ``wait_ms`` and got nothing."""
+        self.wait_ms[role] += wait_ms
+        self._emit("waited", Waited(role=role, wait_ms=wait_ms), self.work_rng)
+
+    def register(self, prompts: int, epochs: int = 1) -> list[str]:
+        """New prompts, each queued for ``epochs`` passes at attempt 1."""
+        ids = [self._work_id("p") for _ in range(prompts)]
+        for prompt_id in ids:
+            for pass_ in range(1, epochs + 1):
+                self.passes[(prompt_id, pass_)] = SimPass()
+        self.prompts_registered += prompts * epochs
+        self._emit(
+            "registered",
+            Registered(tuple(RegisteredItem(p, epochs) for p in ids)),
+            self.work_rng,
+        )
+        return ids
+
+    def take_work(self, max_prompts: int, generator: str | None = "gen-0") -> str | None:
+        """A work lease of up to ``max_prompts`` queued passes, those that came back first."""
+        queued = [key for key, p in self.passes.items() if p.state == "queued"]
+        if not queued:
+            self.waited("generator", self.work_rng.randint(1, 2000))
+            return None
+        queued.sort(key=lambda key: (-self.passes[key].attempt, key[1]))
+        chosen = queued[:max_prompts]
+        lease_id = self._work_id("w")
+        self.work_leases[lease_id] = chosen
+        for key in chosen:
+            self.passes[key].state = "in_flight"
+        wait_ms = self.work_rng.choice((0, self.work_rng.randint(1, 4000)))
+        self.wait_ms["generator"] += wait_ms
+        self._emit(
+            "work_leased",
+            WorkLeased(
+                lease_id=lease_id,
+                generator_id=generator,
+                policy_version=self.policy,
+                expires_at_ms=self.t + 60_000,
+                items=tuple(WorkItem(p, n, self.passes[(p, n)].attempt) for p, n in chosen),
+                wait_ms=wait_ms,
+            ),
+            self.work_rng,
+        )
+        return lease_id
+
+    def _pass_item(self, key: tuple[str, int]) -> PassItem:
+        p = self.passes[key]
+        return PassItem(key[0], key[1], p.attempt, p.state, p.tries)
+
+    def _passes(self, cause: str, lease_id: str | None, keys: Sequence[tuple[str, int]]) -> None:
+        if keys:
+            self._emit(
+                "passes",
+                PassesChanged(cause, lease_id, tuple(self._pass_item(k) for k in keys)),
+                self.work_rng,
+            )
+
+    def _back(self, key: tuple[str, int], *, lost: bool) -> None:
+        """Back to the queue at the next attempt; an attempt ``lost`` counts towards failing."""
+        p = self.passes[key]
+        if lost:
+            p.tries += 1
+        if p.tries >= self.max_attempts:
+            p.state = "failed"
+        else:
+            p.attempt += 1
+            p.state = "queued"
+
+    def settle_work(self, lease_id: str) -> None:
+        """The lease expires whole, or each pass is done, retried, returned or still out."""
+        keys = self.work_leases[lease_id]
+        if self.work_rng.random() < 0.15:
+            del self.work_leases[lease_id]
+            for key in keys:
+                self._back(key, lost=True)
+            self._passes("expired", lease_id, keys)
+            return
+        causes: dict[str, list[tuple[str, int]]] = defaultdict(list)
+        still: list[tuple[str, int]] = []
+        for key in keys:
+            roll = self.work_rng.random()
+            if roll < 0.5:
+                self.passes[key].state = "done"  # its group reached a gradient
+                causes["acked"].append(key)
+            elif roll < 0.6:
+                self.passes[key].state = "done"  # retired zero_variance
+                causes["retired"].append(key)
+            elif roll < 0.8:
+                self._back(key, lost=True)  # retired unused for another reason
+                causes["retired"].append(key)
+            elif roll < 0.9:
+                self._back(key, lost=False)  # given back unstarted
+                causes["returned"].append(key)
+            else:
+                still.append(key)
+        for cause, settled in causes.items():
+            self._passes(cause, lease_id if cause == "returned" else None, settled)
+        if still:
+            self.work_leases[lease_id] = still
+        else:
+            del self.work_leases[lease_id]
+
+    def prompt_work(self) -> None:
+        """One round of the generator side: sometimes new prompts, take work, settle some."""
+        rng = self.work_rng
+        if rng.random() < 0.3:
+            self.register(rng.randint(1, 3), epochs=rng.randint(1, 3))
+        for _ in range(rng.randint(0, 2)):
+            self.take_work(rng.randint(1, 4))
+        for lease_id in list(self.work_leases):
+            if rng.random() < 0.7:
+                self.settle_work(lease_id)
+
     def live_batches(self) -> list[str]:
         return [b.batch_id for b in self.batches.values() if b.outcome == "leased"]
 
@@ -398,6 +551,7 @@ class RunSim:
         if not self.events:
             self.create()
         for step in range(steps):
+            self.prompt_work()
             self.ingest(self.rng.randint(1, 4))
             for _ in range(self.rng.randint(1, 3)):
                 self.lease(self.rng.randint(1, 6) * self.group_size)
@@ -425,10 +579,38 @@ class RunSim:
             self.close()
         else:
             self.lease(2 * self.group_size)  # leave a live lease behind
+            self.register(2)
+            self.take_work(3)  # and a live work lease
 
     # --- what the accounting must say -------------------------------------------------
 
     def expected(self) -> dict[str, Any]:
+        states = Counter(p.state for p in self.passes.values())
+        return {
+            **self.expected_rollouts(),
+            "prompts": {
+                "registered": self.prompts_registered,
+                "queued": states["queued"],
+                "in_flight": states["in_flight"],
+                "done": states["done"],
+                "failed": states["failed"],
+                "retried": sum(p.attempt - 1 for p in self.passes.values()),
+            },
+            "wait": {
+                "generator_s": self.wait_ms["generator"] / 1000,
+                "trainer_s": self.wait_ms["trainer"] / 1000,
+            },
+        }
+
+    def expected_passes(self, state: str | None = None) -> list[dict[str, Any]]:
+        """The prompt listing, in (prompt_id, pass) order."""
+        return [
+            {"prompt_id": p, "pass": n, "attempt": s.attempt, "state": s.state, "tries": s.tries}
+            for (p, n), s in sorted(self.passes.items())
+            if state is None or s.state == state
+        ]
+
+    def expected_rollouts(self) -> dict[str, Any]:
         return _expected(
             list(self.rollouts.values()),
             self.rejections,
@@ -512,6 +694,11 @@ def _expected(
             "clip_fraction": clipped / tokens if tokens else None,
         }
     return out
+
+
+def fields_of(row: Any) -> dict[str, Any]:
+    """A mapped row's values by attribute name (``PromptPass.pass_`` is column ``pass``)."""
+    return {attr.key: getattr(row, attr.key) for attr in sa_inspect(type(row)).column_attrs}
 
 
 def assert_matches(actual: dict[str, Any], expected: dict[str, Any], path: str = "") -> None:

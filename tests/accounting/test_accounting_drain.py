@@ -11,6 +11,7 @@ from accounting_helpers import (
     assert_matches,
     drain_all,
     entry,
+    fields_of,
     pack,
     register_run,
     xadd_events,
@@ -21,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting import repository
 from app.accounting.events import EVENT_TYPES, StreamId, decode_entry
-from app.accounting.models import Batch, ProcessedEvent, RunTotals, VersionTotals
+from app.accounting.models import Batch, ProcessedEvent, PromptPass, RunTotals, VersionTotals
 from app.accounting.stream import CONSUMER_GROUP, dead_key, events_key
 from workers.drain import DrainContext, drain_once
 
@@ -45,14 +46,35 @@ async def _snapshot(sm: async_sessionmaker[AsyncSession], run_id: str) -> dict[s
     """Every accounting row of a run, to compare before and after a re-delivery."""
     async with sm() as s:
         out: dict[str, Any] = {}
-        for model in (RunTotals, VersionTotals, Batch):
+        for model in (RunTotals, VersionTotals, Batch, PromptPass):
             rows = (await s.scalars(select(model).where(model.run_id == run_id))).all()
-            out[model.__tablename__] = sorted(
-                ({c.key: getattr(r, c.key) for c in model.__table__.columns} for r in rows),
-                key=repr,
-            )
+            out[model.__tablename__] = sorted((fields_of(r) for r in rows), key=repr)
         out["processed"] = len(await repository.processed_ids(s, run_id))
         return out
+
+
+def _pass_counters(run: RunTotals) -> dict[str, int]:
+    return {
+        "queued": run.prompts_queued,
+        "in_flight": run.prompts_in_flight,
+        "done": run.prompts_done,
+        "failed": run.prompts_failed,
+        "retried": run.prompts_retried,
+    }
+
+
+async def _counted_passes(s: AsyncSession, run_id: str) -> dict[str, int]:
+    """The same figures as _pass_counters, counted from the ledger's rows."""
+    rows = await s.execute(
+        select(PromptPass.state, func.count(), func.sum(PromptPass.attempt - 1))
+        .where(PromptPass.run_id == run_id)
+        .group_by(PromptPass.state)
+    )
+    counted = dict.fromkeys(("queued", "in_flight", "done", "failed", "retried"), 0)
+    for state, n, retried in rows.all():
+        counted[state] = n
+        counted["retried"] += retried
+    return counted
 
 
 async def test_invariants_after_mixed_workload(
@@ -81,6 +103,9 @@ async def test_invariants_after_mixed_workload(
         assert exp["leased"] > 0 and exp["buffered"] > 0
         assert {"kl", "kl_flush", "max_reuse", "stale"} <= set(exp["retired"])
         assert exp["wasted_tokens"] > 0
+        assert all(exp["prompts"][k] > 0 for k in ("queued", "in_flight", "done", "failed"))
+        assert exp["prompts"]["retried"] > 0
+        assert exp["wait"]["generator_s"] > 0 and exp["wait"]["trainer_s"] > 0
 
         resp = await accounting_api.get(f"/v1/runs/{sim.run_id}/accounting")
         assert resp.status_code == 200, resp.text
@@ -93,6 +118,24 @@ async def test_invariants_after_mixed_workload(
             got["buffered"] + got["leased"] + sum(got["retired"].values())
         )
         assert got["reuse_factor"] == got["samples_consumed"] / got["rollouts_received"]
+        prompts = got["prompts"]
+        assert prompts["registered"] == (
+            prompts["queued"] + prompts["in_flight"] + prompts["done"] + prompts["failed"]
+        )
+
+        listed: list[dict[str, Any]] = []
+        cursor = None
+        while True:
+            params = {"limit": 7, **({"cursor": cursor} if cursor else {})}
+            page = (
+                await accounting_api.get(f"/v1/runs/{sim.run_id}/prompts", params=params)
+            ).json()
+            listed.extend(page["prompts"])
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        assert listed == sim.expected_passes()
+        assert len(listed) == prompts["registered"]
 
         ledger: list[dict[str, Any]] = []
         cursor = None
@@ -134,11 +177,13 @@ async def test_invariants_after_mixed_workload(
                 histogram[lag] = histogram.get(lag, 0) + n
         assert histogram == got["lag"]["histogram"]
 
-    # The stored per-version counters (a separate accumulation) sum to the run's counters.
+    # The stored per-version counters (a separate accumulation) sum to the run's counters,
+    # and the run's prompt-pass counters (kept from each row's change) count the ledger's rows.
     async with sessionmaker() as s:
         for sim in sims:
             run = await s.get(RunTotals, sim.run_id)
             assert run is not None
+            assert await _counted_passes(s, sim.run_id) == _pass_counters(run)
             for column in VersionTotals.__table__.columns:
                 if column.key in NOT_ADDITIVE:
                     continue

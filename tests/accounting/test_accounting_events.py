@@ -9,7 +9,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from accounting_helpers import RunSim, entry, pack
+from accounting_helpers import RunSim, entry, fields_of, pack
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -32,7 +32,15 @@ from app.accounting.events import (
     encode_payload,
     markdown_table,
 )
-from app.accounting.models import Batch, LagCount, ReasonTotals, Run, RunTotals, VersionTotals
+from app.accounting.models import (
+    Batch,
+    LagCount,
+    PromptPass,
+    ReasonTotals,
+    Run,
+    RunTotals,
+    VersionTotals,
+)
 
 
 def _decode(event_type: str, payload: dict[str, Any]) -> Any:
@@ -190,15 +198,14 @@ def test_rejects_malformed_entries() -> None:
 async def _rows(sm: async_sessionmaker[AsyncSession], run_id: str) -> dict[str, list[Any]]:
     out: dict[str, list[Any]] = {}
     async with sm() as s:
-        for model in (Run, RunTotals, VersionTotals, ReasonTotals, LagCount, Batch):
+        for model in (Run, RunTotals, VersionTotals, ReasonTotals, LagCount, Batch, PromptPass):
             rows = (await s.scalars(select(model).where(model.run_id == run_id))).all()
             out[model.__tablename__] = sorted(
                 (
                     tuple(
                         round(v, 9) if isinstance(v, float) else v
-                        for c in model.__table__.columns
-                        if c.key != "run_id"
-                        for v in [getattr(r, c.key)]
+                        for k, v in fields_of(r).items()
+                        if k != "run_id"
                     )
                     for r in rows
                 ),
@@ -233,5 +240,5 @@ async def test_batches_applied_in_any_order_give_the_same_tables(
             await repository.apply_events(s, shuffled, chunk)
 
     a, b = await _rows(sessionmaker, in_order), await _rows(sessionmaker, shuffled)
-    assert a["runs"] and a["batches"] and a["reason_totals"]
+    assert a["runs"] and a["batches"] and a["reason_totals"] and a["prompt_passes"]
     assert a == b

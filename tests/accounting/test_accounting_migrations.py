@@ -41,7 +41,17 @@ def _tables(connection: Connection) -> set[str]:
 
 
 def _diff(connection: Connection) -> list[object]:
-    return list(compare_metadata(MigrationContext.configure(connection), Base.metadata))
+    """What Alembic finds different, and the column collations, which it does not compare."""
+    diff = list(compare_metadata(MigrationContext.configure(connection), Base.metadata))
+    inspector = inspect(connection)
+    for table in Base.metadata.sorted_tables:
+        reflected = {c["name"]: c["type"] for c in inspector.get_columns(table.name)}
+        for column in table.columns:
+            declared = getattr(column.type, "collation", None)
+            found = getattr(reflected.get(column.name), "collation", None)
+            if declared != found:
+                diff.append(("collation", table.name, column.name, declared, found))
+    return diff
 
 
 async def test_upgrade_downgrade_upgrade(database_factory: Callable[[], Awaitable[str]]) -> None:
