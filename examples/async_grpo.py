@@ -1,27 +1,45 @@
-"""Asynchronous GRPO on a toy task, on CPU, through Rollout Broker.
+"""Asynchronous GRPO on a toy task, on CPU, through Rollout Broker: free-running generators
+against generators that take work leases under the staleness budget.
 
-The task: for each of ``P`` prompts there is a hidden target sequence of ``L`` tokens from a
-vocabulary of ``V``; a response earns the fraction of its tokens that match. The policy is a
-table of logits ``theta[prompt, position, token]`` with a softmax per position (numpy only).
+The task: ``PROBLEMS`` problems, each with a hidden target sequence whose length is drawn per
+problem (4 to 64 tokens, most of them short) from a vocabulary of ``VOCAB``; a response is as
+long as its problem's target and earns one point per target token it reproduces, so a long
+problem is worth more than a short one. The policy is a table of logits
+``theta[problem, position, token]`` with a softmax per position (numpy only). Sampling a
+group costs ``--token-ms`` of (simulated) generation time per token of the response, so long
+responses take longer to come back, as they do on a real inference server.
 
-* Several generator *processes* sample groups of ``K`` responses per prompt from the policy
-  snapshot of the version they last loaded, with the behaviour logprobs, and post them through
-  the client's writer (batched, retried, waiting out ``429`` backpressure). They learn of new
-  versions from ``GET /v1/runs/{id}`` and load the weights from an ``.npz`` file that the
-  trainer replaces atomically.
-* One trainer leases batches of whole groups, computes the clipped GRPO objective with
-  group-normalised advantages and per-token importance ratios against the behaviour logprobs,
-  takes a gradient step, acks with the new policy's logprobs (the broker measures the KL from
-  them) and publishes the new version: ``POST /policy`` first, then the weights file, so a
-  generator never tags a rollout with a version the broker has not announced yet.
-* At the end it closes the run, waits for the accounting to catch up and prints it: how many
-  rollouts were generated, how many samples reached a gradient, and where every rollout went.
+The same prompts, the same trainer and the same number of trainer steps run twice:
+
+* **free-running** (``--mode free``): each generator process walks its share of the prompt
+  list, samples a group of ``GROUP`` responses with the policy snapshot it last loaded, and posts
+  them tagged with that version, whether or not a trainer will want them by then. A long
+  response is tagged with the version at which it *started*, so it arrives older than the short
+  ones sampled after it; the trainer takes the freshest groups, and what falls more than
+  ``max_staleness`` versions behind retires ``stale``.
+* **work leases** (``--mode work``): the prompts are registered with the broker, the run's
+  ``step_groups`` is the trainer's groups per step, and each generator loops over
+  ``client.work(run_id, ...)``: the broker hands out a prompt only while fewer than
+  ``(version + max_staleness + 1) * step_groups`` groups are admitted, and the generator posts
+  the prompt's group with the ``group_id`` of the lease. Generators wait instead of generating
+  rollouts nobody will train on.
+
+The trainer leases batches of ``--groups-per-step`` whole groups, computes the clipped GRPO
+objective with group-normalised advantages and per-token importance ratios against the
+behaviour logprobs, spends ``--step-ms`` on the step (a stand-in for the backward pass), acks
+with the new policy's logprobs and publishes the new version: ``POST /policy`` first, then the
+weights file, so a generator never tags a rollout with a version the broker has not announced.
+
+At the end it prints the two runs' accounting side by side: rollouts generated, samples that
+reached a gradient, rollouts retired stale, wasted tokens, the mean length of the responses
+generated against those trained on (free-running trains on shorter responses than it
+generates), how long generators and trainers waited, and the expected reward every few steps.
 
 Run it against a broker with ``--url``, or with none to have it start ``rollout-broker serve``
 itself (against ``BROKER_REDIS_URL`` / ``BROKER_DATABASE_URL`` when set, else embedded Redis and
 Postgres in a temporary data folder)::
 
-    python examples/async_grpo.py --seconds 30
+    python examples/async_grpo.py
 """
 
 from __future__ import annotations
@@ -29,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import multiprocessing as mp
 import os
 import re
@@ -39,32 +58,57 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from rollout_broker_client import (
-    Accounting,
     Batch,
     BrokerClient,
+    Conflict,
     LeasedRollout,
     NotFound,
     Rollout,
-    Run,
     RunNotFound,
 )
 
 FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
 
 # The task and the policy.
-PROMPTS, LENGTH, VOCAB = 8, 5, 10
+PROBLEMS, VOCAB = 16, 8
+MIN_LENGTH, MAX_LENGTH = 4, 64
 GROUP = 8  # responses per prompt (K)
+MODES = {"free": "free-running", "work": "work leases"}
 
 
-def targets(seed: int) -> npt.NDArray[np.int64]:
-    return np.random.default_rng(seed).integers(0, VOCAB, size=(PROMPTS, LENGTH))
+@dataclass(frozen=True)
+class Task:
+    lengths: IntArray  # per problem: the length of its target and of every response to it
+    targets: IntArray  # [problem, position]; positions past the problem's length are unused
+    order: list[int]  # the prompt list: every problem once, in a shuffled order
+
+    @property
+    def long(self) -> npt.NDArray[np.bool_]:
+        """The problems in the longer half."""
+        return self.lengths >= np.median(self.lengths)
+
+
+def make_task(seed: int) -> Task:
+    rng = np.random.default_rng(seed)
+    # Log-uniform lengths: most targets short, a few long.
+    u = rng.random(PROBLEMS)
+    lengths = np.round(MIN_LENGTH * (MAX_LENGTH / MIN_LENGTH) ** u).astype(np.int64)
+    targets = rng.integers(0, VOCAB, size=(PROBLEMS, MAX_LENGTH))
+    order = [int(p) for p in rng.permutation(PROBLEMS)]
+    return Task(lengths, targets, order)
+
+
+def prompt_id(problem: int) -> str:
+    return f"q{problem:02d}"
 
 
 def log_softmax(theta: FloatArray) -> FloatArray:
@@ -73,22 +117,25 @@ def log_softmax(theta: FloatArray) -> FloatArray:
     return out
 
 
-def expected_reward(theta: FloatArray, target: npt.NDArray[np.int64]) -> float:
-    """The policy's exact mean reward: mean over prompts and positions of P(target token)."""
+def expected_rewards(theta: FloatArray, task: Task) -> FloatArray:
+    """The policy's exact expected reward on each problem: Σ over its positions of
+    P(target token)."""
     probs = np.exp(log_softmax(theta))
-    picked = np.take_along_axis(probs, target[:, :, None], axis=-1)
-    return float(picked.mean())
+    picked = np.take_along_axis(probs, task.targets[:, :, None], axis=-1)[:, :, 0]
+    mask = np.arange(MAX_LENGTH)[None, :] < task.lengths[:, None]
+    out: FloatArray = (picked * mask).sum(axis=1)
+    return out
 
 
-def prompt_of(r: LeasedRollout) -> int:
+def token_logprobs(theta: FloatArray, problem: int, tokens: npt.NDArray[Any]) -> FloatArray:
+    lp = log_softmax(theta[problem, : len(tokens)])
+    out: FloatArray = lp[np.arange(len(tokens)), tokens]
+    return out
+
+
+def problem_of(r: LeasedRollout) -> int:
     assert r.prompt_ids is not None  # the generators always send the prompt
     return int(r.prompt_ids[0])
-
-
-def token_logprobs(theta: FloatArray, prompt: int, tokens: npt.NDArray[Any]) -> FloatArray:
-    lp = log_softmax(theta[prompt])
-    out: FloatArray = lp[np.arange(LENGTH), tokens]
-    return out
 
 
 # -- weights shared with the generators ------------------------------------------------------
@@ -110,40 +157,112 @@ def load(path: Path) -> tuple[FloatArray, int]:
 # -- generators ------------------------------------------------------------------------------
 
 
-def generator(url: str, run_id: str, weights: str, seed: int, name: str) -> None:
-    """Sample groups from the last loaded snapshot and post them until the run closes."""
-    rng = np.random.default_rng(seed)
-    target = targets(0)
-    path = Path(weights)
-    theta, version = load(path)
-    with BrokerClient(url) as broker, broker.writer(run_id, batch_size=2 * GROUP) as out:
-        n = 0
+@dataclass
+class Sampler:
+    """A generator's policy snapshot and its sampling of groups."""
+
+    task: Task
+    weights: Path
+    rng: np.random.Generator
+    token_s: float
+    theta: FloatArray = field(init=False)
+    version: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.theta, self.version = load(self.weights)
+
+    def refresh(self, at_least: int = 0) -> None:
+        """Load the newest weights; wait for a file of version ``at_least`` (the trainer
+        announces a version just before it writes the file)."""
+        while True:
+            theta, version = load(self.weights)
+            if version > self.version:
+                self.theta, self.version = theta, version
+            if self.version >= at_least:
+                return
+            time.sleep(0.001)
+
+    def group(self, problem: int, name: str) -> list[Rollout]:
+        """``GROUP`` responses to ``problem`` with the snapshot loaded now, taking
+        ``token_s`` per token: the version they carry is the one they started from."""
+        length = int(self.task.lengths[problem])
+        probs = np.exp(log_softmax(self.theta[problem, :length]))
+        u = self.rng.random((GROUP, length, 1))
+        tokens = np.minimum((np.cumsum(probs, axis=-1)[None] < u).sum(axis=-1), VOCAB - 1)
+        target = self.task.targets[problem, :length]
+        version, theta = self.version, self.theta
+        time.sleep(self.token_s * length)  # every response of the group decodes in parallel
+        return [
+            Rollout(
+                rollout_id=f"{name}-{k}",
+                group_id=name,
+                policy_version=version,
+                prompt_ids=np.array([problem]),
+                response_ids=tokens[k],
+                logprobs=token_logprobs(theta, problem, tokens[k]),
+                reward=float((tokens[k] == target).sum()),
+                finish_reason="stop",
+            )
+            for k in range(GROUP)
+        ]
+
+
+def free_generator(
+    url: str,
+    run_id: str,
+    weights: str,
+    seed: int,
+    index: int,
+    token_s: float,
+    ready: Barrier,
+    count: int,
+) -> None:
+    """Walk this generator's share of the prompt list, pass after pass, and post every group
+    tagged with the version it was sampled at, until the run closes."""
+    task = make_task(seed)
+    sampler = Sampler(task, Path(weights), np.random.default_rng([seed, index]), token_s)
+    with BrokerClient(url) as broker, broker.writer(run_id, batch_size=GROUP) as out:
+        ready.wait()
+        n = index
         while True:
             run = broker.get_run(run_id)
             if run.status != "open":
                 break
-            if run.policy_version > version:
-                theta, version = load(path)
-            prompt = int(rng.integers(PROMPTS))
-            probs = np.exp(log_softmax(theta[prompt]))
-            group = f"{name}-{n}"
-            rollouts = []
-            for k in range(GROUP):
-                tokens = np.array([rng.choice(VOCAB, p=p) for p in probs])
-                rollouts.append(
-                    Rollout(
-                        rollout_id=f"{group}-{k}",
-                        group_id=group,
-                        policy_version=version,
-                        prompt_ids=np.array([prompt]),
-                        response_ids=tokens,
-                        logprobs=token_logprobs(theta, prompt, tokens),
-                        reward=float((tokens == target[prompt]).mean()),
-                        finish_reason="stop",
-                    )
-                )
-            out.add(*rollouts)
-            n += 1
+            if run.policy_version > sampler.version:
+                sampler.refresh()
+            problem = task.order[n % PROBLEMS]
+            result = out.add(*sampler.group(problem, f"{prompt_id(problem)}-g{index}-{n}"))
+            if result is not None and any(r.reason == "run_closed" for r in result.rejected):
+                break
+            n += count
+
+
+def work_generator(
+    url: str,
+    run_id: str,
+    weights: str,
+    seed: int,
+    index: int,
+    token_s: float,
+    ready: Barrier,
+    max_prompts: int,
+) -> None:
+    """Take work leases until the run closes; post each prompt's group with the lease's
+    ``group_id``, sampled at the lease's version or later."""
+    task = make_task(seed)
+    sampler = Sampler(task, Path(weights), np.random.default_rng([seed, index]), token_s)
+    with BrokerClient(url, generator_id=f"g{index}") as broker:
+        ready.wait()
+        # Conflict: the run closed, the trainer is done.
+        with (
+            contextlib.suppress(Conflict),
+            broker.work(run_id, max_prompts=max_prompts, wait_s=1.0) as leases,
+        ):
+            for lease in leases:
+                sampler.refresh(lease.policy_version)
+                for prompt in lease.prompts:
+                    assert prompt.data is not None
+                    lease.post(prompt, sampler.group(prompt.data["problem"], prompt.group_id))
 
 
 # -- the trainer -----------------------------------------------------------------------------
@@ -161,31 +280,37 @@ def grpo_step(
     theta: FloatArray, batch: Batch, lr: float, eps: float
 ) -> tuple[FloatArray, StepStats]:
     """One ascent step on the clipped GRPO objective
-    ``mean_i mean_t min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i)``, with ``A_i`` the reward
-    normalised inside its group and ``r_it = pi_theta(y_it) / pi_behaviour(y_it)``."""
+    ``(1/n) Σ_i Σ_t min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i)`` over the batch's ``n``
+    responses, with ``A_i`` the reward normalised inside its group and
+    ``r_it = pi_theta(y_it) / pi_behaviour(y_it)``. Summed over tokens, not averaged, so every
+    token weighs alike whatever the length of its response."""
     grad = np.zeros_like(theta)
-    ratios, clipped, lags = [], 0, []
+    ratios: list[FloatArray] = []
+    lags: list[int] = []
+    clipped = 0
     n = len(batch)
     for members in batch.groups().values():
         rewards = np.array([r.reward for r in members])
         adv = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
-        for r, a in zip(members, adv, strict=True):
-            prompt = prompt_of(r)
-            tokens = r.response_ids
-            lp = log_softmax(theta[prompt])
-            new = lp[np.arange(LENGTH), tokens]
-            assert r.logprobs is not None
-            ratio = np.exp(new - r.logprobs.astype(np.float64))
-            # The min() keeps the gradient only where the ratio has not left the clip range in
-            # the advantage's direction.
-            live = ~(((ratio > 1 + eps) & (a > 0)) | ((ratio < 1 - eps) & (a < 0)))
-            onehot = np.zeros((LENGTH, VOCAB))
-            onehot[np.arange(LENGTH), tokens] = 1.0
-            dlogp = onehot - np.exp(lp)  # d log pi(y_t) / d logits, per position
-            grad[prompt] += (a * ratio * live)[:, None] * dlogp / (n * LENGTH)
-            ratios.append(ratio)
-            clipped += int((~live).sum())
-            lags.append(r.lag)
+        problem = problem_of(members[0])
+        tokens = np.stack([r.response_ids for r in members]).astype(np.int64)
+        length = tokens.shape[1]
+        lp = log_softmax(theta[problem, :length])
+        new = lp[np.arange(length)[None, :], tokens]
+        old = np.stack([np.asarray(r.logprobs, dtype=np.float64) for r in members])
+        ratio = np.exp(new - old)
+        a = adv[:, None]
+        # The min() keeps the gradient only where the ratio has not left the clip range in
+        # the advantage's direction.
+        live = ~(((ratio > 1 + eps) & (a > 0)) | ((ratio < 1 - eps) & (a < 0)))
+        onehot = np.zeros((len(members), length, VOCAB))
+        np.put_along_axis(onehot, tokens[:, :, None], 1.0, axis=-1)
+        dlogp = onehot - np.exp(lp)[None]  # d log pi(y_t) / d logits, per position
+        grad[problem, :length] += ((a * ratio * live)[:, :, None] * dlogp).sum(axis=0)
+        ratios.append(ratio.ravel())
+        clipped += int((~live).sum())
+        lags.extend(r.lag for r in members)
+    grad /= n
     all_ratios = np.concatenate(ratios)
     stats = StepStats(
         reward_mean=float(batch.rewards.mean()),
@@ -196,21 +321,29 @@ def grpo_step(
     return theta + lr * grad, stats
 
 
-def train(args: argparse.Namespace, url: str) -> dict[str, Any]:
-    run_id = args.run_id or f"grpo-{uuid.uuid4().hex[:8]}"
-    target = targets(0)
-    config = {
+def run_config(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    """The two runs differ in the rules of work leases: the staleness budget and the order."""
+    config: dict[str, Any] = {
         "group_size": GROUP,
         "max_staleness": args.max_staleness,
-        "max_reuse": args.max_reuse,
-        "kl_max": args.kl_max,
-        "kl_flush": args.kl_flush,
-        "clip_epsilon": args.clip,
+        "max_reuse": 1,
         "drop_zero_variance_groups": True,
-        "capacity_rollouts": args.capacity,
+        "clip_epsilon": args.clip,
         "lease_timeout_s": 30.0,
     }
-    theta = np.zeros((PROMPTS, LENGTH, VOCAB))
+    if mode == "work":
+        # The budget's promise holds for a trainer that takes the oldest groups first
+        # (docs/design.md); free-running keeps the default, freshest first, its best setting.
+        config |= {"step_groups": args.groups_per_step, "order": "fifo", "work_timeout_s": 30.0}
+    return config
+
+
+def train(args: argparse.Namespace, url: str, mode: str) -> dict[str, Any]:
+    task = make_task(args.seed)
+    run_id = f"{args.run_prefix or 'grpo-' + uuid.uuid4().hex[:8]}-{mode}"
+    config = run_config(args, mode)
+    size = args.groups_per_step * GROUP
+    theta = np.zeros((PROBLEMS, MAX_LENGTH, VOCAB))
     version = 0
     acked_sizes = 0
     workdir = tempfile.TemporaryDirectory(prefix="grpo-")
@@ -219,12 +352,34 @@ def train(args: argparse.Namespace, url: str) -> dict[str, Any]:
 
     with workdir, BrokerClient(url, trainer_id="trainer-0") as broker:
         broker.create_run(run_id, config)
-        print(f"run {run_id} on {url}: {json.dumps(config)}")
+        print(f"\n{MODES[mode]}: run {run_id}: {json.dumps(config)}")
+        if mode == "work":
+            # The same prompt list, every problem once a pass, for more passes than needed.
+            epochs = math.ceil(3 * args.steps * args.groups_per_step / PROBLEMS) + 1
+            broker.register_prompts(
+                run_id,
+                [
+                    {"prompt_id": prompt_id(p), "prompt_ids": [p], "data": {"problem": p}}
+                    for p in task.order
+                ],
+                epochs=epochs,
+            )
         ctx = mp.get_context("spawn")
+        ready = ctx.Barrier(args.generators + 1)
+        token_s = args.token_ms / 1000
         procs = [
             ctx.Process(
-                target=generator,
-                args=(url, run_id, str(weights), args.seed + 1 + i, f"g{i}"),
+                target=free_generator if mode == "free" else work_generator,
+                args=(
+                    url,
+                    run_id,
+                    str(weights),
+                    args.seed,
+                    i,
+                    token_s,
+                    ready,
+                    args.generators if mode == "free" else args.max_prompts,
+                ),
                 daemon=True,
             )
             for i in range(args.generators)
@@ -232,54 +387,59 @@ def train(args: argparse.Namespace, url: str) -> dict[str, Any]:
         for p in procs:
             p.start()
 
-        initial = expected_reward(theta, target)
-        print(f"expected reward of the initial policy: {initial:.3f}")
+        rewards = expected_rewards(theta, task)
+        initial = float(rewards.mean())
         history = [(0, initial)]
+        ready.wait(120)  # every generator has started: the clocks start together
         t0 = time.monotonic()
         try:
             while version < args.steps and time.monotonic() - t0 < args.seconds:
-                with broker.lease(run_id, size=args.batch, wait_s=2.0) as batch:
+                with broker.lease(run_id, size=size, wait_s=2.0) as batch:
                     if batch is None:
                         continue
+                    started = time.monotonic()
                     theta, stats = grpo_step(theta, batch, args.lr, args.clip)
                     # The new policy's logprobs on the same tokens: the broker measures the KL
-                    # from the behaviour policy with them, and retires what drifted too far.
+                    # from the behaviour policy with them.
                     batch.ack_with(
-                        [token_logprobs(theta, prompt_of(r), r.response_ids) for r in batch],
+                        [token_logprobs(theta, problem_of(r), r.response_ids) for r in batch],
                         step=version,
                     )
+                    time.sleep(max(0.0, args.step_ms / 1000 - (time.monotonic() - started)))
                 acked_sizes += len(batch)
                 version += 1
                 broker.set_policy(run_id, version)
                 publish(weights, theta, version)
-                if version % args.log_every == 0 or version == 1:
+                if version % args.log_every == 0:
+                    rewards = expected_rewards(theta, task)
+                    history.append((version, float(rewards.mean())))
+                if version % (4 * args.log_every) == 0 or version == args.steps:
                     ack = batch.ack_result
                     kl = ack.stats.kl_mean if ack is not None else None
-                    reward = expected_reward(theta, target)
-                    history.append((version, reward))
                     print(
-                        f"v{version:>4}  {time.monotonic() - t0:5.1f}s  "
-                        f"E[reward] {reward:.3f}  batch reward {stats.reward_mean:.3f}  "
-                        f"lag {stats.lag_mean:.2f}  ratio {stats.ratio_mean:.3f}  "
-                        f"clipped {stats.clipped:.1%}  KL {kl if kl is None else round(kl, 4)}"
+                        f"  v{version:>4}  {time.monotonic() - t0:5.1f}s  "
+                        f"E[reward] {expected_rewards(theta, task).mean():5.2f}  "
+                        f"batch reward {stats.reward_mean:5.2f}  lag {stats.lag_mean:.2f}  "
+                        f"ratio {stats.ratio_mean:.3f}  clipped {stats.clipped:.1%}  "
+                        f"KL {kl if kl is None else round(kl, 4)}"
                     )
         finally:
+            elapsed = time.monotonic() - t0
             broker.close_run(run_id)
             for p in procs:
                 p.join(30)
                 if p.is_alive():
                     p.terminate()
-        elapsed = time.monotonic() - t0
-        final = expected_reward(theta, target)
-        print(
-            f"\nexpected reward {initial:.3f} -> {final:.3f} after {version} policy versions "
-            f"in {elapsed:.1f} s"
-        )
+        rewards = expected_rewards(theta, task)
         summary: dict[str, Any] = {
+            "mode": mode,
             "run_id": run_id,
-            "url": url,
+            "config": config,
             "initial_reward": initial,
-            "final_reward": final,
+            "final_reward": float(rewards.mean()),
+            # Share of the target tokens reproduced, on the longer and the shorter half.
+            "final_long": float(rewards[task.long].sum() / task.lengths[task.long].sum()),
+            "final_short": float(rewards[~task.long].sum() / task.lengths[~task.long].sum()),
             "versions": version,
             "seconds": elapsed,
             "acked_rollouts": acked_sizes,
@@ -291,40 +451,81 @@ def train(args: argparse.Namespace, url: str) -> dict[str, Any]:
         except RunNotFound:
             raise
         except NotFound as err:
-            print(f"\nthe broker at {url} serves no accounting ({err.detail})")
+            print(f"the broker at {url} serves no accounting ({err.detail})")
             return summary
         summary["accounting"] = acc.raw
-        explain(acc, broker.get_run(run_id), acked_sizes)
     return summary
 
 
-def explain(acc: Accounting, run: Run, acked_sizes: int) -> None:
-    from rich.console import Console
+# -- the comparison --------------------------------------------------------------------------
 
-    from app.cli import accounting_table
 
-    console = Console(highlight=False)
-    console.print()
-    console.print(accounting_table(acc, run))
-    k = run.config["group_size"]
-    retired = acc.retired
-    console.print(
-        f"Rollouts vs samples: {acc.rollouts_received:,} rollouts were generated "
-        f"({acc.groups_received:,} prompts × {k} responses each), "
-        f"{acc.samples_consumed:,} samples reached a gradient "
-        f"(= {acked_sizes:,}, the sizes of the acked batches), reuse factor "
-        f"{acc.reuse_factor:.2f} with max_reuse {run.config['max_reuse']}."
-    )
-    console.print(
-        "Retired: "
-        + ", ".join(f"{why} {n:,}" for why, n in sorted(retired.items()))
-        + f"; {acc.wasted_tokens:,} tokens of rollouts that never reached a gradient."
-    )
-    if acc.rejected:
-        console.print(
-            "Rejected at ingest (never buffered): "
-            + ", ".join(f"{why} {n:,}" for why, n in sorted(acc.rejected.items()))
-        )
+def figures(s: dict[str, Any]) -> dict[str, Any]:
+    """The figures of one run that the comparison prints, from its accounting. Rejected
+    rollouts (at ingest, never buffered) are counted with the retired ones of the same reason."""
+    acc = s["accounting"] or {}
+    gone = dict(acc.get("retired", {}))
+    for why, n in acc.get("rejected", {}).items():
+        gone[why] = gone.get(why, 0) + n
+    gone.pop("max_reuse", None)  # trained on: every rollout that reached a gradient once
+    received = acc.get("rollouts_received", 0)
+    samples = acc.get("samples_consumed", 0)
+    wait = acc.get("wait") or {}
+    return {
+        "steps": s["versions"],
+        "seconds": s["seconds"],
+        "received": received,
+        "samples": samples,
+        "stale": gone.pop("stale", 0),
+        "closed": gone.pop("run_closed", 0),
+        "other": gone,
+        "wasted_tokens": acc.get("wasted_tokens", 0),
+        "len_generated": acc.get("tokens_generated", 0) / received if received else None,
+        "len_trained": acc.get("tokens_consumed", 0) / samples if samples else None,
+        "lag": (acc.get("lag") or {}).get("mean"),
+        "generator_wait": wait.get("generator_s"),
+        "trainer_wait": wait.get("trainer_s"),
+        "prompts_done": (acc.get("prompts") or {}).get("done") if s["mode"] == "work" else None,
+    }
+
+
+def compare(summaries: dict[str, dict[str, Any]], log_every: int) -> None:
+    """Print the runs' figures side by side, one column per mode."""
+    modes = list(summaries)
+    f = {m: figures(summaries[m]) for m in modes}
+
+    def row(label: str, key: str, fmt: str = ",", of: dict[str, dict[str, Any]] = f) -> None:
+        cells = [of[m].get(key) for m in modes]
+        text = ["-" if c is None else format(c, fmt) for c in cells]
+        print(f"{label:<36}" + "".join(f"{t:>14}" for t in text))
+
+    print()
+    print(" " * 36 + "".join(f"{MODES[m]:>14}" for m in modes))
+    row("trainer steps", "steps")
+    row("wall time of the steps (s)", "seconds", ".1f")
+    row("rollouts generated", "received")
+    row("samples that reached a gradient", "samples")
+    row("retired stale", "stale")
+    row("left unused when the run closed", "closed")
+    for why in sorted({why for m in modes for why in f[m]["other"]}):
+        for m in modes:
+            f[m][why] = f[m]["other"].get(why, 0)
+        row(f"retired {why}", why)
+    row("wasted tokens (never trained on)", "wasted_tokens")
+    row("mean length generated", "len_generated", ".1f")
+    row("mean length trained on", "len_trained", ".1f")
+    row("mean lag trained on", "lag", ".2f")
+    row("generator wait (s, all generators)", "generator_wait", ".1f")
+    row("trainer wait (s)", "trainer_wait", ".1f")
+    row("prompt passes done", "prompts_done")
+    row("E[reward] at the end", "final_reward", ".2f", summaries)
+    row("target tokens hit, long half", "final_long", ".1%", summaries)
+    row("target tokens hit, short half", "final_short", ".1%", summaries)
+    first = summaries[modes[0]]["initial_reward"]
+    print(f"\nE[reward] every {log_every} steps, from {first:.2f}:")
+    for m in modes:
+        series = " ".join(f"{r:.2f}" for _, r in summaries[m]["history"][1:])
+        print(f"  {MODES[m]:<13} {series}")
 
 
 # -- a broker of its own ---------------------------------------------------------------------
@@ -379,28 +580,39 @@ def own_broker() -> Iterator[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default=os.environ.get("BROKER_URL"), help="broker to use")
-    ap.add_argument("--run-id")
-    ap.add_argument("--generators", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=400, help="policy versions to train")
-    ap.add_argument("--seconds", type=float, default=45.0, help="time budget of the training")
-    ap.add_argument("--batch", type=int, default=4 * GROUP, help="rollouts per batch")
-    ap.add_argument("--lr", type=float, default=8.0)
+    ap.add_argument("--mode", choices=["both", *MODES], default="both")
+    ap.add_argument("--run-prefix", help="run ids are <prefix>-free and <prefix>-work")
+    ap.add_argument("--generators", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=60, help="trainer steps (policy versions)")
+    ap.add_argument("--groups-per-step", type=int, default=4, help="groups per batch")
+    ap.add_argument("--token-ms", type=float, default=2.0, help="generation time per token")
+    ap.add_argument("--step-ms", type=float, default=150.0, help="time of one trainer step")
+    ap.add_argument("--max-prompts", type=int, default=1, help="prompts per work lease")
+    ap.add_argument("--seconds", type=float, default=120.0, help="time limit of each run")
+    ap.add_argument("--lr", type=float, default=4.0)
     ap.add_argument("--clip", type=float, default=0.2)
-    ap.add_argument("--max-staleness", type=int, default=4)
-    ap.add_argument("--max-reuse", type=int, default=2)
-    ap.add_argument("--kl-max", type=float, default=0.02)
-    ap.add_argument("--kl-flush", type=float, default=0.05)
-    ap.add_argument("--capacity", type=int, default=512)
+    ap.add_argument("--max-staleness", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--log-every", type=int, default=5)
     ap.add_argument("--json-out", type=Path, help="write a JSON summary here")
     args = ap.parse_args(argv)
 
+    task = make_task(args.seed)
+    print(
+        f"{PROBLEMS} problems, target lengths {sorted(task.lengths.tolist())} "
+        f"(mean {task.lengths.mean():.1f}); {GROUP} responses per prompt, "
+        f"{args.groups_per_step} groups per step, {args.steps} steps, "
+        f"{args.generators} generators at {args.token_ms:g} ms per token"
+    )
+    summaries: dict[str, dict[str, Any]] = {}
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(own_broker())
-        summary = train(args, url)
+        for mode in MODES if args.mode == "both" else [args.mode]:
+            summaries[mode] = train(args, url, mode)
+    compare(summaries, args.log_every)
     if args.json_out is not None:
-        args.json_out.write_text(json.dumps(summary, indent=2, default=str))
+        out = {"settings": vars(args), "runs": summaries}
+        args.json_out.write_text(json.dumps(out, indent=2, default=str))
     return 0
 
 

@@ -1,4 +1,7 @@
-"""examples/async_grpo.py, short: the reward improves, and the accounting adds up."""
+"""examples/async_grpo.py, short: the same prompts, trainer and number of steps with free-running
+generators and with work leases under the staleness budget. Free-running wastes rollouts to
+staleness and trains on shorter responses than it generates; work leases generate (almost)
+nothing that goes stale, and train on what they generate."""
 
 from __future__ import annotations
 
@@ -14,7 +17,10 @@ import pytest
 from tests.client.live import REPO, broker_env
 from tests.services import fresh_database, redis_prefix
 
-pytestmark = pytest.mark.slow  # the example trains for 60 policy versions in subprocesses
+pytestmark = pytest.mark.slow  # two runs of 30 steps, each with its generator processes
+
+STEPS = 30
+GROUPS_PER_STEP, GROUP = 4, 8  # the example's defaults: a batch is 4 groups of 8 responses
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +33,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                 sys.executable,
                 str(REPO / "examples" / "async_grpo.py"),
                 "--steps",
-                "60",
-                "--seconds",
-                "90",
-                "--generators",
-                "2",
+                str(STEPS),
                 "--json-out",
                 str(out),
             ],
@@ -44,31 +46,93 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary: dict[str, Any] = json.loads(Path(out).read_text())
     summary["stdout"] = proc.stdout
+    for mode in ("free", "work"):
+        assert summary["runs"][mode]["accounting"] is not None, proc.stdout
     yield summary
 
 
-def test_reward_clearly_improves(run: dict[str, Any]) -> None:
-    # The time budget is only a guard against a hang: every step must have been trained.
-    assert run["versions"] == 60, run["stdout"]
-    assert run["initial_reward"] == pytest.approx(0.1)  # uniform over 10 tokens
-    assert run["final_reward"] > 0.3, run["stdout"]
-    rewards = [r for _, r in run["history"]]
-    # Asynchronous updates may dip now and then, but the trend is up: the last third of the
-    # run is better than the first third.
-    third = max(1, len(rewards) // 3)
-    assert sum(rewards[-third:]) / third > sum(rewards[:third]) / third, rewards
+def accounting(run: dict[str, Any], mode: str) -> dict[str, Any]:
+    acc: dict[str, Any] = run["runs"][mode]["accounting"]
+    return acc
+
+
+def stale(acc: dict[str, Any]) -> int:
+    """Rollouts lost to staleness: retired from the buffer, or refused at ingest."""
+    return int(acc["retired"].get("stale", 0) + acc["rejected"].get("stale", 0))
+
+
+def mean_generated(acc: dict[str, Any]) -> float:
+    return float(acc["tokens_generated"] / acc["rollouts_received"])
+
+
+def mean_trained(acc: dict[str, Any]) -> float:
+    return float(acc["tokens_consumed"] / acc["samples_consumed"])
+
+
+def test_both_modes_train_the_same_steps(run: dict[str, Any]) -> None:
+    for mode in ("free", "work"):
+        # The time limit is only a guard against a hang: every step must have been trained.
+        assert run["runs"][mode]["versions"] == STEPS, run["stdout"]
+        acc = accounting(run, mode)
+        assert acc["batches"]["acked"] == STEPS
+        assert acc["samples_consumed"] == STEPS * GROUPS_PER_STEP * GROUP
+
+
+def test_work_leases_generate_almost_nothing_that_goes_stale(run: dict[str, Any]) -> None:
+    acc = accounting(run, "work")
+    assert acc["prompts"]["done"] >= STEPS * GROUPS_PER_STEP, acc["prompts"]
+    # At most one group in a hundred rollouts: a generator held up beyond max_staleness steps.
+    assert stale(acc) <= acc["rollouts_received"] // 100, (acc, run["stdout"])
+
+
+def test_free_running_loses_rollouts_to_staleness(run: dict[str, Any]) -> None:
+    free, work = accounting(run, "free"), accounting(run, "work")
+    # The generators outrun the trainer: a large share of what they post goes stale unused ...
+    assert stale(free) >= free["rollouts_received"] // 4, (free, run["stdout"])
+    # ... and its tokens are wasted, several times what work leases leave unused at the close.
+    assert free["wasted_tokens"] > 5 * work["wasted_tokens"], run["stdout"]
+
+
+def test_free_running_trains_on_shorter_responses_than_it_generates(run: dict[str, Any]) -> None:
+    # A long response starts from an older version and arrives after fresher short ones, so the
+    # freshest-first trainer takes the short ones and the long ones go stale.
+    free = accounting(run, "free")
+    assert mean_trained(free) < 0.85 * mean_generated(free), run["stdout"]
+    # Under work leases, what is generated is trained on, long or short.
+    work = accounting(run, "work")
+    assert mean_trained(work) > 0.9 * mean_generated(work), run["stdout"]
+
+
+def test_reward_improves_in_both_modes(run: dict[str, Any]) -> None:
+    for mode in ("free", "work"):
+        r = run["runs"][mode]
+        rewards = [x for _, x in r["history"]]
+        assert r["final_reward"] > 1.25 * r["initial_reward"], (mode, rewards)
+        third = max(1, len(rewards) // 3)
+        assert sum(rewards[-third:]) / third > sum(rewards[:third]) / third, (mode, rewards)
 
 
 def test_accounting_adds_up(run: dict[str, Any]) -> None:
-    acc = run["accounting"]
-    assert acc is not None, "the example printed no accounting"
-    assert acc["pending_events"] == 0
-    retired = sum(acc["retired"].values())
-    assert acc["rollouts_received"] == acc["buffered"] + acc["leased"] + retired
-    assert acc["samples_consumed"] == run["acked_rollouts"]  # Σ sizes of the acked batches
-    assert acc["batches"]["acked"] == run["versions"]
-    assert acc["buffered"] == acc["leased"] == 0  # the example closes its run
-    assert acc["rollouts_received"] == 8 * acc["groups_received"]  # K = 8 responses per prompt
-    assert sum(acc["lag"]["histogram"].values()) == acc["samples_consumed"]
-    assert acc["reuse_factor"] == pytest.approx(acc["samples_consumed"] / acc["rollouts_received"])
-    assert "Accounting of" in run["stdout"] and "Rollouts vs samples" in run["stdout"]
+    for mode in ("free", "work"):
+        acc = accounting(run, mode)
+        assert acc["pending_events"] == 0
+        retired = sum(acc["retired"].values())
+        assert acc["rollouts_received"] == acc["buffered"] + acc["leased"] + retired
+        assert acc["samples_consumed"] == run["runs"][mode]["acked_rollouts"]
+        assert acc["buffered"] == acc["leased"] == 0  # the example closes its runs
+        assert acc["rollouts_received"] == GROUP * acc["groups_received"]
+        assert sum(acc["lag"]["histogram"].values()) == acc["samples_consumed"]
+
+
+def test_the_comparison_is_printed(run: dict[str, Any]) -> None:
+    free, work = accounting(run, "free"), accounting(run, "work")
+    lines = {line[:36].strip(): line[36:].split() for line in run["stdout"].splitlines()}
+    assert lines["rollouts generated"] == [
+        f"{free['rollouts_received']:,}",
+        f"{work['rollouts_received']:,}",
+    ]
+    assert lines["retired stale"] == [f"{stale(free):,}", f"{stale(work):,}"]
+    assert lines["mean length trained on"] == [
+        f"{mean_trained(free):.1f}",
+        f"{mean_trained(work):.1f}",
+    ]
