@@ -93,8 +93,10 @@ class Task:
 
     @property
     def long(self) -> npt.NDArray[np.bool_]:
-        """The problems in the longer half."""
-        return self.lengths >= np.median(self.lengths)
+        """The longer half of the problems."""
+        out = np.zeros(PROBLEMS, dtype=np.bool_)
+        out[np.argsort(self.lengths, kind="stable")[PROBLEMS // 2 :]] = True
+        return out
 
 
 def make_task(seed: int) -> Task:
