@@ -275,6 +275,9 @@ async def list_batches(
     )
 
 
+_BIGINT_MAX = 2**63 - 1
+
+
 def _encode_prompt_cursor(prompt_id: str, pass_: int) -> str:
     raw = json.dumps([prompt_id, pass_]).encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
@@ -284,7 +287,13 @@ def _decode_prompt_cursor(cursor: str) -> tuple[str, int]:
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         prompt_id, pass_ = json.loads(raw)
-        if not (isinstance(prompt_id, str) and type(pass_) is int):
+        # Only what the ledger can hold: Postgres refuses NUL in text and ints beyond bigint.
+        if not (
+            isinstance(prompt_id, str)
+            and "\x00" not in prompt_id
+            and type(pass_) is int
+            and 1 <= pass_ <= _BIGINT_MAX
+        ):
             raise ValueError(cursor)
     except (binascii.Error, ValueError, TypeError):
         raise ValidationFailed("invalid cursor") from None

@@ -330,6 +330,8 @@ async def test_prompt_listing_pages_and_filters(
         {"cursor": base64.urlsafe_b64encode(b'["p-1", "2"]').decode()},
         {"cursor": base64.urlsafe_b64encode(b"[1, 2]").decode()},
         {"cursor": base64.urlsafe_b64encode(b"null").decode()},
+        {"cursor": base64.urlsafe_b64encode(b'["p-1", 1180591620717411303424]').decode()},
+        {"cursor": base64.urlsafe_b64encode(b'["p\\u0000", 1]').decode()},
     ):
         resp = await accounting_api.get(url, params=params)
         assert resp.status_code == 422, params
