@@ -238,6 +238,9 @@ async def version_accounting(
     )
 
 
+_BIGINT_MAX = 2**63 - 1
+
+
 def _encode_cursor(batch: Batch) -> str:
     raw = json.dumps([batch.event_ms, batch.event_seq, batch.batch_id]).encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
@@ -247,7 +250,12 @@ def _decode_cursor(cursor: str) -> tuple[int, int, str]:
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         ms, seq, batch_id = json.loads(raw)
-        if not (isinstance(ms, int) and isinstance(seq, int) and isinstance(batch_id, str)):
+        # Only what the ledger can hold: Postgres refuses NUL in text and ints beyond bigint.
+        if not (
+            all(type(n) is int and -_BIGINT_MAX - 1 <= n <= _BIGINT_MAX for n in (ms, seq))
+            and isinstance(batch_id, str)
+            and "\x00" not in batch_id
+        ):
             raise ValueError(cursor)
     except (binascii.Error, ValueError, TypeError):
         raise BadRequest("invalid cursor") from None
@@ -273,9 +281,6 @@ async def list_batches(
         batches=[BatchRecord.model_validate(row, from_attributes=True) for row in rows],
         next_cursor=_encode_cursor(rows[-1]) if more else None,
     )
-
-
-_BIGINT_MAX = 2**63 - 1
 
 
 def _encode_prompt_cursor(prompt_id: str, pass_: int) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 from collections.abc import Callable
 from datetime import UTC, datetime
 
@@ -13,6 +15,11 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from app.accounting import queries
 from app.accounting.stream import CONSUMER_GROUP, EventStream, events_key
 from workers.drain import DrainContext
+
+
+def _cursor(value: object) -> str:
+    return base64.urlsafe_b64encode(json.dumps(value).encode()).decode()
+
 
 ENDPOINTS = ("accounting", "accounting/versions", "batches", "prompts", "accounting/dead-letters")
 
@@ -151,8 +158,9 @@ async def test_endpoints_after_drain(
     expired = next(b for b in seen if b["outcome"] == "expired")
     assert expired["expired_at"] is not None and expired["acked_at"] is None
 
-    bad = await accounting_api.get(f"/v1/runs/{run_id}/batches", params={"cursor": "%%%"})
-    assert bad.status_code == 400 and bad.json()["error"] == "BadRequest"
+    for cursor in ("%%%", _cursor([1, 2**64, "b"]), _cursor([1, 2, "b\x00"]), _cursor([1, 2])):
+        bad = await accounting_api.get(f"/v1/runs/{run_id}/batches", params={"cursor": cursor})
+        assert bad.status_code == 400 and bad.json()["error"] == "BadRequest", cursor
     assert (
         await accounting_api.get(f"/v1/runs/{run_id}/batches", params={"limit": 0})
     ).status_code == 422
