@@ -21,16 +21,17 @@ local pending = {}   -- unit -> members this request adds
 local attempts = {}  -- group id -> {pk, att, live}: the prompt attempt it names, or false
 local accepted = 0
 
--- The prompt attempt a group id names: {pk, att, live} (live: handed out and not yet over),
--- or false for a group of a generator that works on its own.
+-- The prompt attempt a group id names: {pk, att, live, seq} (live: handed out and not yet
+-- over; seq: its place in arrival order, taken when it was handed out), or false for a group
+-- of a generator that works on its own.
 local function attempt_of(gid)
   local a = attempts[gid]
   if a == nil then
     a = false
     local pk, att = group_pass(gid)
     if pk then
-      local f = redis.call('HMGET', ppkey(pk), 'st', 'att')
-      a = { pk, att, (f[1] == 'w' or f[1] == 'b') and tonumber(f[2]) == att }
+      local f = redis.call('HMGET', ppkey(pk), 'st', 'att', 'useq')
+      a = { pk, att, (f[1] == 'w' or f[1] == 'b') and tonumber(f[2]) == att, tonumber(f[3]) }
     end
     attempts[gid] = a
   end
@@ -116,7 +117,7 @@ for i = 1, n do
     local have, need, uv, seq
     if not f[1] then
       new_unit = 1
-      seq = redis.call('HINCRBY', RUN, 'seq', 1)
+      seq = work and work[4] or redis.call('HINCRBY', RUN, 'seq', 1)
       have, need, uv = 1, gs, v
       redis.call('HSET', uk, 'need', gs, 'have', 1, 'v', vs, 'seq', seq, 'uses', 0, 'st', 'o')
       if work then

@@ -56,7 +56,10 @@ local items, ev_items = {}, {}
 for _, pk in ipairs(picked) do
   local att = tonumber(redis.call('HGET', ppkey(pk), 'att'))
   redis.call('ZREM', PQ, pk)
-  redis.call('HSET', ppkey(pk), 'st', 'w', 'lease', lid)
+  -- The attempt's group takes its place in the buffer's arrival order now, when it is admitted:
+  -- a trainer in 'fifo' order reaches groups in the order they were handed out.
+  local useq = redis.call('HINCRBY', RUN, 'seq', 1)
+  redis.call('HSET', ppkey(pk), 'st', 'w', 'lease', lid, 'useq', useq)
   table.insert(items, { pk, att })
   table.insert(ev_items, { pass_prompt(pk), pass_number(pk), att })
 end
