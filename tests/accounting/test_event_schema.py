@@ -20,16 +20,21 @@ from app.accounting.events import (
     Duplicate,
     Event,
     Leased,
+    PassesChanged,
+    Registered,
     Rejected,
     Retired,
     Returned,
     RunChanged,
+    Waited,
+    WorkLeased,
     decode_entry,
     encode_entry,
     encode_payload,
     lag_of,
 )
 from app.accounting.stream import events_key
+from app.broker import keys
 from tests.helpers import ack, lease, make_run, post, rollout
 
 RETIRE_REASONS = {
@@ -68,6 +73,9 @@ class Script:
         self.acks: dict[str, dict[str, Any]] = {}  # batch_id -> the ack's body
         self.answers: dict[str, dict[str, Any]] = {}  # batch_id -> the ack's reply
         self.returned: dict[str, str] = {}  # batch_id -> nacked | expired
+        self.work: dict[str, dict[str, Any]] = {}  # lease_id -> the work lease's reply
+        self.generators: dict[str, str | None] = {}  # lease_id -> generator_id asked for
+        self.registered: dict[str, int] = {}  # prompt_id -> epochs
 
     async def send(self, *rollouts: dict[str, Any]) -> dict[str, Any]:
         resp = await post(self.client, self.run_id, *rollouts)
@@ -110,6 +118,25 @@ class Script:
     async def close(self) -> None:
         resp = await self.client.post(f"/v1/runs/{self.run_id}/close")
         assert resp.status_code == 200, resp.text
+
+    async def register(self, *pids: str, epochs: int = 1) -> None:
+        body = {"prompts": [{"prompt_id": p} for p in pids], "epochs": epochs}
+        resp = await self.client.post(f"/v1/runs/{self.run_id}/prompts", json=body)
+        assert resp.status_code == 202, resp.text
+        for p in pids:
+            self.registered.setdefault(p, epochs)
+
+    async def take_work(self, k: int, **body: Any) -> dict[str, Any] | None:
+        resp = await self.client.post(
+            f"/v1/runs/{self.run_id}/work", json={"max_prompts": k, **body}
+        )
+        if resp.status_code == 204:
+            return None
+        assert resp.status_code == 200, resp.text
+        lease_body: dict[str, Any] = resp.json()
+        self.work[lease_body["lease_id"]] = lease_body
+        self.generators[lease_body["lease_id"]] = body.get("generator_id")
+        return lease_body
 
 
 def group(gid: str, version: int, rewards: tuple[float, ...] = (0.0, 1.0)) -> list[dict[str, Any]]:
@@ -196,6 +223,37 @@ async def single_run(client: httpx.AsyncClient, run_id: str) -> Script:
     return s
 
 
+async def prompt_run(client: httpx.AsyncClient, redis: Redis, prefix: str, run_id: str) -> Script:
+    """Prompts and work leases: registration over two epochs, hand-out, a group posted and
+    trained (done), a return, an expiry, a rollout of an attempt that is over (stale_attempt),
+    and a generator and a trainer that waited for nothing."""
+    s = Script(client, run_id)
+    await make_run(client, run_id, group_size=2, step_groups=2, max_staleness=0)
+    await s.register("a", "b", epochs=2)
+    await s.register("a")  # a repeat: not recorded
+    first = await s.take_work(2, generator_id="gen-1")
+    assert first is not None
+    a, b = first["prompts"]
+    await s.send(*group(a["group_id"], 0))
+    trained = await s.take(2)
+    assert (await s.give(trained)).status_code == 200  # a#1 done
+    resp = await client.post(f"/v1/runs/{run_id}/work/{first['lease_id']}/return", json={})
+    assert resp.json() == {"returned": 1}  # b#1 back
+    await s.send(rollout(f"{b['group_id']}-0", 0, group=b["group_id"]))  # stale_attempt
+    second = await s.take_work(5)
+    assert second is not None
+    # Its time runs out: the next sweep sends its prompts back.
+    await redis.zadd(keys.run_key(prefix, run_id, keys.WORK_LEASES), {second["lease_id"]: 1})
+    await redis.hset(keys.member_key(prefix, run_id, keys.WORK, second["lease_id"]), "exp", 1)
+    await s.policy(1)
+    assert await s.take_work(5, wait_s=0.01) is not None
+    await s.register(*[f"spare{i}" for i in range(5)])
+    assert await s.take_work(5, wait_s=0.01) is None  # the budget is spent: waited
+    resp = await lease(client, run_id, 2, wait_s=0.01)  # nothing ready: the trainer waited
+    assert resp.status_code == 204
+    return s
+
+
 async def stream_entries(redis: Redis, prefix: str, run_id: str) -> list[tuple[bytes, Any]]:
     return list(await redis.xrange(events_key(prefix, run_id)))
 
@@ -215,6 +273,13 @@ def check_round_trip(run_id: str, entry_id: bytes, fields: dict[bytes, bytes]) -
 def check_meaning(s: Script, events: list[Event]) -> None:
     """The decoded fields say what was done (catches positions swapped in a script)."""
     seen_units: set[str] = set()
+    registered = [
+        (i.prompt_id, i.passes)
+        for e in events
+        if isinstance(e.body, Registered)
+        for i in e.body.items
+    ]
+    assert registered == list(s.registered.items())  # each new prompt once, repeats not at all
     for event in events:
         body = event.body
         if isinstance(body, RunChanged):
@@ -273,6 +338,23 @@ def check_meaning(s: Script, events: list[Event]) -> None:
             ]
             for i in body.items:
                 assert (i.policy_version, i.tokens) == s.rollouts[i.rollout_id]
+        elif isinstance(body, Registered):
+            assert body.items
+        elif isinstance(body, WorkLeased):
+            reply = s.work[body.lease_id]
+            assert body.generator_id == s.generators[body.lease_id]
+            assert body.policy_version == reply["policy_version"]
+            assert [(i.prompt_id, i.pass_, i.attempt) for i in body.items] == [
+                (p["prompt_id"], p["pass"], p["attempt"]) for p in reply["prompts"]
+            ]
+        elif isinstance(body, PassesChanged):
+            assert body.cause in {"returned", "expired", "retired", "acked"}
+            assert (body.lease_id is None) == (body.cause in {"retired", "acked"})
+            for item in body.items:
+                assert 1 <= item.pass_ <= s.registered[item.prompt_id]
+                assert item.state in {"queued", "done", "failed"}
+        elif isinstance(body, Waited):
+            assert body.role in {"trainer", "generator"}
         else:
             assert isinstance(body, Retired)
             for r in body.items:
@@ -282,7 +364,11 @@ def check_meaning(s: Script, events: list[Event]) -> None:
 async def test_every_event_the_scripts_write_follows_the_schema(
     api: httpx.AsyncClient, redis: Redis, prefix: str
 ) -> None:
-    scripts = [await grouped_run(api, "schema-groups"), await single_run(api, "schema-one")]
+    scripts = [
+        await grouped_run(api, "schema-groups"),
+        await single_run(api, "schema-one"),
+        await prompt_run(api, redis, prefix, "schema-prompts"),
+    ]
     types: set[str] = set()
     reasons: set[str] = set()
     for s in scripts:
@@ -294,4 +380,5 @@ async def test_every_event_the_scripts_write_follows_the_schema(
         reasons |= {e.body.reason for e in events if isinstance(e.body, Retired)}
         reasons |= {i.reason for e in events if isinstance(e.body, Rejected) for i in e.body.items}
     assert types == EVENT_TYPES
+    assert "stale_attempt" in reasons
     assert reasons >= RETIRE_REASONS | {"future_version"}
