@@ -325,3 +325,23 @@ async def test_raising_step_groups_admits_more_at_once(api):
     assert got is not None and len(got["prompts"]) == 2
     resp = await api.patch("/v1/runs/r/config", json={"step_groups": None})
     assert resp.json()["config"]["step_groups"] is None
+
+
+@pytest.mark.parametrize(
+    ("body", "what"),
+    [
+        ({"max_prompts": 1025}, "largest work lease"),
+        ({"max_prompts": 0}, "max_prompts"),
+        ({"max_prompts": 1, "lease_id": "short"}, "lease_id"),
+        ({"max_prompts": 1, "wait_s": -1}, "wait_s"),
+        ({"max_prompts": 1, "generator_id": "a b"}, "generator_id"),
+        ({}, "max_prompts"),
+    ],
+)
+async def test_bad_work_requests_are_422_and_hand_out_nothing(api, body, what):
+    await make_run(api, "r")
+    await register(api, "r", "a")
+    resp = await api.post("/v1/runs/r/work", json=body)
+    assert what in assert_error(resp, 422, "ValidationFailed")
+    got = await work(api, "r", 5)
+    assert got is not None and handed(got) == [("a", 1, 1)]
