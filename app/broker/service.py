@@ -85,7 +85,7 @@ class LeasedBatch:
 class PromptLimits:
     """Bounds of registered prompts and work leases (the BROKER_MAX_PROMPT* settings)."""
 
-    per_request: int = 4096
+    per_request: int = 4096  # prompt passes (prompts × epochs) in one registration
     tokens: int = 262_144
     data_bytes: int = 65_536
     per_lease: int = 1024
@@ -379,10 +379,12 @@ class Broker:
         return packed
 
     async def register_prompts(self, run_id: str, body: PromptsBody) -> PromptsResult:
-        if len(body.prompts) > self.prompt_limits.per_request:
+        # One script call writes every pass: bound the passes, not only the prompts.
+        passes = len(body.prompts) * body.epochs
+        if passes > self.prompt_limits.per_request:
             raise ValidationFailed(
-                f"{len(body.prompts)} prompts in one request, "
-                f"at most {self.prompt_limits.per_request}"
+                f"{len(body.prompts)} prompts × {body.epochs} epochs = {passes} prompt passes "
+                f"in one request, at most {self.prompt_limits.per_request}"
             )
         packed = [(p.prompt_id, self.pack_prompt(p)) for p in body.prompts]
         with self._refusals(run_id):

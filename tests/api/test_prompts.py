@@ -345,3 +345,16 @@ async def test_bad_work_requests_are_422_and_hand_out_nothing(api, body, what):
     assert what in assert_error(resp, 422, "ValidationFailed")
     got = await work(api, "r", 5)
     assert got is not None and handed(got) == [("a", 1, 1)]
+
+
+async def test_a_registration_is_bounded_in_prompt_passes(api):
+    await make_run(api, "r")
+    limit = api._transport.app.state.settings.max_prompts_per_request  # type: ignore[attr-defined]
+    n = limit // 1000 + 1  # prompts that, at 1000 epochs each, make more passes than the limit
+    prompts = [{"prompt_id": f"p{i}"} for i in range(n)]
+    body = {"prompts": prompts, "epochs": 1000}
+    detail = assert_error(await api.post("/v1/runs/r/prompts", json=body), 422, "ValidationFailed")
+    assert "prompt passes" in detail
+    assert await work(api, "r", 10) is None
+    body["prompts"] = prompts[: limit // 1000]
+    assert (await api.post("/v1/runs/r/prompts", json=body)).status_code == 202

@@ -231,12 +231,13 @@ class AsyncBrokerClient:
         another). A prompt is a :class:`Prompt`, a mapping of its fields, or a bare
         ``prompt_id``. ``prompt_id`` is the idempotency key: a prompt registered before counts
         as a duplicate and changes nothing, so registering a data set again is safe. Sent
-        ``batch_size`` prompts a request."""
+        ``batch_size`` prompt passes (prompts × epochs) a request, and at least one prompt."""
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         accepted = duplicates = 0
         todo = iter(prompts)
-        while chunk := list(itertools.islice(todo, batch_size)):
+        per_request = max(1, batch_size // max(epochs, 1))
+        while chunk := list(itertools.islice(todo, per_request)):
             result = await self.send(self.api.register_prompts(run_id, chunk, epochs))
             accepted += result.accepted
             duplicates += result.duplicates
