@@ -115,3 +115,30 @@ def ack_body(fmt: str, rollout_ids: list[str], payload: Payload) -> bytes:
 
 
 CONTENT_TYPE = {"msgpack": "application/msgpack", "json": "application/json"}
+
+
+# -- prompts (work leases) ------------------------------------------------------------------
+PROMPT_TOKENS = 256  # prompt_ids per registered prompt: a long-ish maths or code question
+
+
+@dataclass(frozen=True)
+class PromptPayload:
+    """One prompt's JSON item split around its id, and the stored form the raw ceiling keeps."""
+
+    pre: bytes
+    post: bytes
+    stored: bytes  # msgpack {"i": prompt_ids, "d": data}, the broker's stored form
+
+    def body(self, prompt_ids: list[str]) -> bytes:
+        """``{"prompts": [...]}`` for these prompt ids, every prompt the same but its id."""
+        items = [self.pre + orjson.dumps(pid) + self.post for pid in prompt_ids]
+        return b'{"prompts":[' + b",".join(items) + b"]}"
+
+
+def make_prompt(seed: int = 1) -> PromptPayload:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, VOCAB, PROMPT_TOKENS, dtype=np.int64).tolist()
+    data = {"answer": "42", "source": "bench"}
+    item = orjson.dumps({"prompt_id": _PLACEHOLDER, "prompt_ids": ids, "data": data})
+    pre, post = _split(item, orjson.dumps(_PLACEHOLDER))
+    return PromptPayload(pre, post, msgpack.packb({"i": ids, "d": data}))

@@ -5,6 +5,7 @@ SLOWLOG (threshold 0 on the private server) times every command, and both are su
     python -m benchmarks.profile ingest --fmt json --per-req 1
     python -m benchmarks.profile lease              # lease 256 + ack with logprobs
     python -m benchmarks.profile lease --out /tmp/prof   # keep the raw (collapsed) stacks
+    python -m benchmarks.profile work               # work lease of 64 prompts + return
 
 Needs ``py-spy`` (pip install py-spy) and root or ptrace rights over the server process.
 """
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from app.broker import keys
@@ -29,14 +31,16 @@ from benchmarks.servers import proc_cpu_s, redis_server, uvicorn_server
 
 
 def script_names(app_dir: Path) -> dict[str, str]:
-    """SHA1 -> script name, assuming scripts are the shared prologue + the script (as loaded)."""
+    """SHA1 -> script name, for the scripts as app/broker/store.py loads them (the key prologue,
+    common.lua, the script) and, for older trees, without the key prologue or common.lua."""
     lua = app_dir / "app" / "broker" / "lua"
     names: dict[str, str] = {}
     if not lua.is_dir():
         return names
     common = (lua / "common.lua").read_text() if (lua / "common.lua").exists() else ""
     for f in lua.glob("*.lua"):
-        for src in (common + "\n" + f.read_text(), f.read_text()):
+        body = f.read_text()
+        for src in (keys.lua_prologue() + common + "\n" + body, common + "\n" + body, body):
             names[hashlib.sha1(src.encode()).hexdigest()] = f.stem
     return names
 
@@ -82,10 +86,13 @@ def summarise_stacks(path: Path, top: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.profile")
-    p.add_argument("workload", choices=["ingest", "lease"])
+    p.add_argument("workload", choices=["ingest", "lease", "work"])
     p.add_argument("--fmt", choices=["msgpack", "json"], default="msgpack")
     p.add_argument("--per-req", type=int, default=64, help="rollouts per ingest request")
-    p.add_argument("--size", type=int, default=256, help="lease batch size")
+    p.add_argument(
+        "--size", type=int, default=None, help="lease batch size (256), work lease size (64)"
+    )
+    p.add_argument("--queued", type=int, default=10_000, help="prompts queued for work")
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     p.add_argument("--top", type=int, default=25)
@@ -121,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                 bench = Bench(Sizes(), rt, broker, broker, prefix, rc, rt.pid)
                 if args.workload == "ingest":
                     run = bench.new_run("prof-ingest")
-                    fn = load.http_ingest
+                    fn: Callable[..., load.Result] = load.http_ingest
                     kw = dict(
                         address=broker.address,
                         path=f"/v1/runs/{run}/rollouts",
@@ -132,7 +139,19 @@ def main(argv: list[str] | None = None) -> int:
                         duration=args.seconds,
                         max_ops=BIG,
                     )
+                elif args.workload == "work":
+                    run = bench.new_run("prof-work", step_groups=1_000_000)
+                    bench.register_prompts(run, args.queued, "p")
+                    fn = load.http_work_return
+                    kw = dict(
+                        address=broker.address,
+                        run_id=run,
+                        size=args.size or 64,
+                        duration=args.seconds,
+                        max_ops=BIG,
+                    )
                 else:
+                    args.size = args.size or 256
                     run = bench.new_run("prof-lease", max_reuse=10_000)
                     bench.fill(run, max(4096, 4 * args.size), "p")
                     fn = load.http_lease_ack
@@ -193,8 +212,10 @@ def main(argv: list[str] | None = None) -> int:
             per_cmd[name].append(int(e["duration"]))
         ops = max(1, g.ops)
         print(
-            f"workload: {args.workload} {args.fmt}, {g.ops} operations in {g.span:.1f} s "
-            f"({g.rate:,.0f} rollouts/s, {g.ops / g.span:,.1f} ops/s)"
+            f"workload: {args.workload}{'' if args.workload == 'work' else ' ' + args.fmt}, "
+            f"{g.ops} operations in {g.span:.1f} s "
+            f"({g.rate:,.0f} {'prompts' if args.workload == 'work' else 'rollouts'}/s, "
+            f"{g.ops / g.span:,.1f} ops/s)"
         )
         print(
             f"server CPU per operation: uvicorn {cpu_b / ops * 1e3:.2f} ms, "

@@ -8,7 +8,8 @@ prefix of its own that is deleted afterwards), the broker under uvicorn in a sub
 HTTP over loopback), and the naive baseline (``benchmarks/naive_app.py``) the same way; load
 comes from forked client processes. Baselines measured in the same run:
 
-* raw Redis: redis-py, pipelined, writing and reading the same rollout bytes with no HTTP;
+* raw Redis: redis-py, pipelined, writing and reading the same rollout bytes with no HTTP, and
+  handing out and taking back the same prompts from a queue of the same depth;
 * naive dict: a minimal FastAPI app holding JSON rollouts in a Python dict, one per request.
 """
 
@@ -69,6 +70,9 @@ class Sizes:
     memory_n: int = 10_000  # rollouts measured for Redis memory (broker and raw)
     naive_memory_n: int = 2_000
     fill_procs: int = 2
+    work_levels: tuple[int, ...] = (1_000, 100_000)  # prompts queued for the work-lease rows
+    work_size: int = 64  # prompts per work lease
+    work_s: float = 2.0
 
 
 FULL = Sizes()
@@ -88,17 +92,23 @@ QUICK = Sizes(
     memory_n=512,
     naive_memory_n=200,
     fill_procs=1,
+    work_levels=(128, 1024),
+    work_size=16,
+    work_s=0.3,
 )
 
 
 # -- rows -----------------------------------------------------------------------------------
+RATES = ("rollouts/s", "prompts/s")  # the units where higher is better
+
+
 @dataclass
 class Row:
     id: str
     section: str
     measure: str
     value: float
-    unit: str  # 'rollouts/s', 'ms' or 'bytes'
+    unit: str  # 'rollouts/s', 'prompts/s', 'ms' or 'bytes'
     raw: float | None = None  # the raw-Redis baseline, same unit
     naive: float | None = None  # the naive-buffer baseline, same unit
     tokens_per_s: float | None = None
@@ -107,7 +117,7 @@ class Row:
 
     @property
     def higher_is_better(self) -> bool:
-        return self.unit == "rollouts/s"
+        return self.unit in RATES
 
     def speed_vs(self, base: float | None) -> float | None:
         """The broker relative to a baseline: >1 means the broker is better (faster, smaller)."""
@@ -296,6 +306,59 @@ class Bench:
                 for _ in range(procs)
             ],
             timeout=duration + 300,
+        )
+
+    # prompts and work leases
+    def register_prompts(self, run_id: str, n: int, tag: str, per_req: int = 1000) -> Group:
+        """Register ``n`` prompts (one pass each), ``per_req`` per JSON request, from one
+        process; ``n`` is a multiple of ``per_req`` or smaller than it."""
+        per_req = min(per_req, n)
+        if n % per_req:
+            raise ValueError(f"{n} prompts do not split into requests of {per_req}")
+        return run_group(
+            load.http_register,
+            [
+                dict(
+                    address=self.broker.address,
+                    run_id=run_id,
+                    per_req=per_req,
+                    tag=tag,
+                    worker=0,
+                    duration=600.0,
+                    max_ops=n // per_req,
+                )
+            ],
+            timeout=660,
+        )
+
+    def work_return(self, run_id: str, size: int, duration: float) -> Group:
+        return run_group(
+            load.http_work_return,
+            [
+                dict(
+                    address=self.broker.address,
+                    run_id=run_id,
+                    size=size,
+                    duration=duration,
+                    max_ops=BIG,
+                )
+            ],
+            timeout=duration + 120,
+        )
+
+    def raw_work(self, size: int, duration: float) -> Group:
+        return run_group(
+            load.redis_work_return,
+            [
+                dict(
+                    url=self.redis.url,
+                    key_prefix=self.raw_prefix,
+                    size=size,
+                    duration=duration,
+                    max_ops=BIG,
+                )
+            ],
+            timeout=duration + 120,
         )
 
     def used_memory(self) -> int:
@@ -646,11 +709,76 @@ def trainer_rows(b: Bench, run: str, size: int, level: int) -> list[Row]:
     return rows
 
 
+def work_rows(b: Bench) -> list[Row]:
+    """Work leases with the prompt queue at each depth: a generator takes a lease and gives it
+    back unstarted, so the depth holds; the raw ceiling does the same at the same depth."""
+    s = b.sizes
+    size = s.work_size
+    rows: list[Row] = []
+    run = b.new_run("work", step_groups=1_000_000)  # the budget is checked, never binds
+    b.raw_clear()
+    have = 0
+    first: dict[str, float] = {}
+    for level in s.work_levels:
+        b.say(f"work: registering prompts up to {level:,} queued")
+        reg = b.register_prompts(run, level - have, f"p{level}")
+        load.redis_fill_prompts(b.redis.url, b.raw_prefix, have, level - have)
+        have = level
+        got: dict[str, list[Group]] = {}
+        for rep in range(s.repeats):
+            b.say(f"work ceiling: raw Redis, leases of {size}, {level:,} queued (#{rep + 1})")
+            got.setdefault("raw", []).append(b.raw_work(size, s.ceiling_s))
+            b.say(f"work: broker, leases of {size}, {level:,} queued (#{rep + 1})")
+            got.setdefault("broker", []).append(b.work_return(run, size, s.work_s))
+        g, raw_g = best_rate(got["broker"]), best_rate(got["raw"])
+        lat, raw_lat = best_latency(got["broker"]), best_latency(got["raw"])
+        figs = {
+            "rate": (g.rate, raw_g.rate, "prompts/s", f"{g.ops} leases"),
+            "p50": (
+                percentile(lat.latencies, 50) * 1e3,
+                percentile(raw_lat.latencies, 50) * 1e3,
+                "ms",
+                f"{len(lat.latencies)} leases",
+            ),
+            "p99": (
+                percentile(lat.latencies, 99) * 1e3,
+                percentile(raw_lat.latencies, 99) * 1e3,
+                "ms",
+                f"{len(lat.latencies)} leases",
+            ),
+        }
+        for key, (v, raw, unit, count) in figs.items():
+            first.setdefault(key, v)
+            what = (
+                f"work lease of {size} + return, prompts/s"
+                if key == "rate"
+                else f"work lease of {size}, {key}"
+            )
+            note = f"{count}; {v / first[key]:.2f}× the {s.work_levels[0]:,}-queued figure"
+            if key == "rate":
+                note += f"; the prompts were registered at {reg.rate:,.0f}/s"
+            rows.append(
+                Row(
+                    f"work.queued.{level}.{key}",
+                    "Work leases (prompts)",
+                    f"{what}, {level:,} queued (1 generator)",
+                    v,
+                    unit,
+                    raw=raw,
+                    note=note,
+                )
+            )
+    b.drop_run(run)
+    b.raw_clear()
+    return rows
+
+
 SECTIONS = {
     "memory": memory_rows,
     "ingest": ingest_rows,
     "lease": lease_rows,
     "scaling": scaling_rows,
+    "work": work_rows,
 }
 
 
@@ -660,6 +788,8 @@ def fmt_value(v: float | None, unit: str) -> str:
         return "–"
     if unit == "rollouts/s":
         return f"{v:,.0f} r/s"
+    if unit == "prompts/s":
+        return f"{v:,.0f} prompts/s"
     if unit == "ms":
         return f"{v:.2f} ms" if v < 100 else f"{v:,.0f} ms"
     return f"{v:,.0f} B"

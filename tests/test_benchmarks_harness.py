@@ -17,6 +17,8 @@ import pytest
 from benchmarks.payloads import RAW_BYTES
 from benchmarks.run import QUICK
 
+RATES = ("rollouts/s", "prompts/s")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -34,6 +36,7 @@ def expected_rows() -> list[str]:
     rows += [f"lease_latency.{n}.p{q}" for n in s.latency_sizes for q in (50, 99)]
     rows += [f"scale.buffered.{n}.p{q}" for n in s.levels for q in (50, 99)]
     rows += [f"scale.trainers.{n}.{k}" for n in s.trainers for k in ("p50", "p99", "rate")]
+    rows += [f"work.queued.{n}.{k}" for n in s.work_levels for k in ("rate", "p50", "p99")]
     return rows
 
 
@@ -45,12 +48,14 @@ def _vs(row: dict[str, Any], base: float) -> float:
     """The broker against a baseline as benchmarks/README.md defines it: above 1 is better, so
     rates are broker ÷ baseline and latencies and bytes baseline ÷ broker."""
     value = row["value"]
-    return value / base if row["unit"] == "rollouts/s" else base / value
+    return value / base if row["unit"] in RATES else base / value
 
 
 def _shown(value: float, unit: str) -> str:
     if unit == "rollouts/s":
         return f"{value:,.0f} r/s"
+    if unit == "prompts/s":
+        return f"{value:,.0f} prompts/s"
     if unit == "ms":
         return f"{value:.2f} ms" if value < 100 else f"{value:,.0f} ms"
     return f"{value:,.0f} B"
@@ -88,14 +93,14 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
     assert list(rows) == expected_rows()  # every section, every row, in order
     for rid, r in rows.items():
         assert _number(r["value"]), (rid, r["value"])
-        assert r["unit"] in ("rollouts/s", "ms", "bytes"), rid
+        assert r["unit"] in (*RATES, "ms", "bytes"), rid
 
     # Every comparable row carries its baselines, measured in the same run, and its ratios are
     # the broker against them.
     for rid, r in rows.items():
         if rid.startswith(("ingest.", "lease_ack.", "lease_latency.", "memory.used_memory")):
             assert _number(r["raw"]) and _number(r["naive"]), rid
-        if rid.startswith(("scale.trainers.", "http_floor.", "memory.memory_usage")):
+        if rid.startswith(("scale.trainers.", "http_floor.", "memory.memory_usage", "work.")):
             assert _number(r["raw"]), rid
         for base, ratio in (("raw", "vs_raw"), ("naive", "vs_naive")):
             if r[base] is None:
