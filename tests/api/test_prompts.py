@@ -358,3 +358,25 @@ async def test_a_registration_is_bounded_in_prompt_passes(api):
     assert await work(api, "r", 10) is None
     body["prompts"] = prompts[: limit // 1000]
     assert (await api.post("/v1/runs/r/prompts", json=body)).status_code == 202
+
+
+async def test_a_retried_work_request_gets_only_the_prompts_its_lease_still_holds(api):
+    await make_run(api, "r", group_size=1)
+    await register(api, "r", "a", "b", "c")
+    first = await work(api, "r", 3, lease_id="lease-0001")
+    assert first is not None
+    await post(api, "r", rollout("c-0", 0, group=first["prompts"][2]["group_id"]))
+    assert (await give_back(api, "r", "lease-0001", ["a"])).json() == {"returned": 1}
+    again = await work(api, "r", 3, lease_id="lease-0001")
+    # a went back (another generator may hold it at its next attempt); b and c are still its own.
+    assert again is not None and handed(again) == [("b", 1, 1), ("c", 1, 1)]
+    # Given back one by one, the lease holds nothing more: a retry is refused like a returned one.
+    assert (await give_back(api, "r", "lease-0001", ["b"])).json() == {"returned": 1}
+    await api.post("/v1/runs/r/close")
+    await make_run(api, "s")
+    await register(api, "s", "a", "b")
+    await work(api, "s", 2, lease_id="lease-0002")
+    for pid in ("a", "b"):
+        assert (await give_back(api, "s", "lease-0002", [pid])).json() == {"returned": 1}
+    resp = await api.post("/v1/runs/s/work", json={"max_prompts": 2, "lease_id": "lease-0002"})
+    assert "returned" in assert_error(resp, 409, "WorkLeaseOver")

@@ -5,7 +5,8 @@
 --       the caller will wait for a wake-up if this call hands out nothing; 0: it will not),
 --       waited_ms (how long the request has waited so far; recorded with the lease, or in a
 --       'waited' event when this is its last try and it hands out nothing).
--- A lease_id that names a live or complete lease returns that lease again (a retried request).
+-- A lease_id that names a live or complete lease returns that lease again (a retried request),
+-- with the prompts it still holds.
 -- The packed prompts (keys pb:<prompt_id>) are read by the caller with one MGET.
 -- Returns ok('leased', lease_id, V, expires_at, { {pass_key, attempt}, ... })
 --       | ok('short', left): nothing handed out; `left` is the budget left ('' = no budget)
@@ -15,8 +16,16 @@ if not load_run() then return err('run_missing') end
 local lid = ARGV[2]
 local wk = wkey(lid)
 
+-- The lease again, with the passes that are still its own: not those given back or expired
+-- since (they went back to the queue, or on to another lease, at a later attempt).
 local function reply(f)
-  return ok('leased', lid, f[2], f[3], cjson.decode(f[4]))
+  local mine = {}
+  for _, item in ipairs(cjson.decode(f[4])) do
+    local pf = redis.call('HMGET', ppkey(item[1]), 'lease', 'att')
+    if pf[1] == lid and tonumber(pf[2]) == item[2] then table.insert(mine, item) end
+  end
+  if #mine == 0 then return err('work_lease_over', 'returned') end
+  return ok('leased', lid, f[2], f[3], mine)
 end
 
 local known = redis.call('HMGET', wk, 'st', 'v', 'exp', 'items')
