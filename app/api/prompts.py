@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from app.api.codec import parse_body, read_body, render
+from app.api.codec import parse_body, read_body, render, wants_msgpack
 from app.api.deps import broker_of, settings_of
 from app.broker.schemas import (
     PromptsBody,
@@ -62,7 +62,7 @@ async def take_work(run_id: str, request: Request) -> Response:
     lease = await broker_of(request).work(run_id, body)
     if lease is None:
         return Response(status_code=204)
-    return render(lease.model_dump(by_alias=True))
+    return render(lease.model_dump(by_alias=True), as_msgpack=wants_msgpack(request))
 
 
 @router.post(

@@ -380,3 +380,25 @@ async def test_a_retried_work_request_gets_only_the_prompts_its_lease_still_hold
         assert (await give_back(api, "s", "lease-0002", [pid])).json() == {"returned": 1}
     resp = await api.post("/v1/runs/s/work", json={"max_prompts": 2, "lease_id": "lease-0002"})
     assert "returned" in assert_error(resp, 409, "WorkLeaseOver")
+
+
+async def test_a_work_lease_comes_as_msgpack_when_asked_for(api):
+    import msgpack
+
+    await make_run(api, "r")
+    await register(api, "r", "a", prompt_ids=[5, 6, 7], data={"answer": 42})
+    resp = await api.post(
+        "/v1/runs/r/work", json={"max_prompts": 1}, headers={"accept": "application/msgpack"}
+    )
+    assert resp.headers["content-type"] == "application/msgpack"
+    body = msgpack.unpackb(resp.content, raw=False)
+    assert body["prompts"] == [
+        {
+            "prompt_id": "a",
+            "pass": 1,
+            "attempt": 1,
+            "group_id": "a#1.1",
+            "prompt_ids": [5, 6, 7],
+            "data": {"answer": 42},
+        }
+    ]
