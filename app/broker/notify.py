@@ -3,8 +3,8 @@
 The scripts PUBLISH a run's tag (see app/broker/keys.py) on the wake channel whenever units
 become ready (ingest, nack, expiry, an ack that returns units), and the tag followed by
 ``keys.WORK_WAKE`` when prompts or staleness budget became available to generators. Waiters
-take the run's current event *before* they try, so a wake-up that lands between the try and the
-wait is never lost. Pub/sub is fire-and-forget, so waiters also re-check at a slow fallback
+join their run's line *before* they try, so a wake-up that lands between the try and the wait
+is never lost, and a wake-up reaches one waiter at a time (:class:`Waker`). Pub/sub is fire-and-forget, so waiters also re-check at a slow fallback
 interval (not a tight loop).
 """
 
@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
@@ -23,7 +25,26 @@ log = logging.getLogger(__name__)
 FALLBACK_RECHECK_S = 1.0
 
 
+@dataclass(eq=False)
+class Ticket:
+    """One waiting request's place in the line of its run: how much it asks for, and the
+    event a wake-up sets."""
+
+    key: tuple[str, str]
+    size: int
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class Waker:
+    """Wakes long-polling requests, one at a time.
+
+    The waiters of a run (per kind: trainers, generators) stand in a line in arrival order. A
+    wake-up sets the first waiter not already woken; a waiter that was served passes the wake-up
+    on (more may be ready), and one that found too little passes it on only to the first waiter
+    that what it found can serve. So one rollout posted to a run with 64 waiting trainers runs
+    one or two lease scripts, not 64, and a burst still reaches as many waiters as it can serve.
+    """
+
     def __init__(
         self, redis: Redis, channel: str, prefix: str, fallback_s: float = FALLBACK_RECHECK_S
     ) -> None:
@@ -31,7 +52,7 @@ class Waker:
         self._fallback_s = fallback_s
         self._channel = channel
         self._prefix = prefix
-        self._events: dict[tuple[str, str], asyncio.Event] = {}
+        self._lines: dict[tuple[str, str], list[Ticket]] = {}
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
 
@@ -48,26 +69,64 @@ class Waker:
                 await self._task
             self._task = None
 
-    def event(self, run_id: str, kind: str = "") -> asyncio.Event:
-        """The event that the run's next wake-up of this kind sets ('' for trainers,
-        ``keys.WORK_WAKE`` for generators); take it before checking for work."""
-        ev = self._events.get((run_id, kind))
-        if ev is None:
-            ev = self._events[(run_id, kind)] = asyncio.Event()
-        return ev
+    @contextlib.contextmanager
+    def line(self, run_id: str, kind: str = "", size: int = 1) -> Iterator[Ticket]:
+        """A place in the run's line for ``kind`` ('' for trainers, ``keys.WORK_WAKE`` for
+        generators) asking for ``size``; join it *before* the first try, so a wake-up that lands
+        between a try and the wait is never lost. Leaving passes on a wake-up this waiter got
+        but did not use."""
+        ticket = Ticket((run_id, kind), size)
+        self._lines.setdefault(ticket.key, []).append(ticket)
+        try:
+            yield ticket
+        finally:
+            line = self._lines.get(ticket.key, [])
+            line.remove(ticket)
+            if not line:
+                self._lines.pop(ticket.key, None)
+            if ticket.event.is_set():
+                self._wake_next(ticket.key)
+
+    def waiting(self, run_id: str, kind: str = "") -> int:
+        """How many requests of this process stand in the run's line."""
+        return len(self._lines.get((run_id, kind), ()))
+
+    def trying(self, ticket: Ticket) -> None:
+        """The waiter is about to try: a wake-up from now on is a new one."""
+        ticket.event.clear()
+
+    def served(self, ticket: Ticket) -> None:
+        """The waiter got what it asked for: more may be ready, wake the next one."""
+        ticket.event.clear()
+        self._wake_next(ticket.key)
+
+    def short(self, ticket: Ticket, found: int | None) -> None:
+        """The waiter found ``found`` (None: unknown), too little for it: wake the first other
+        waiter that ``found`` can serve, if any."""
+        if not found:
+            return
+        for other in self._lines.get(ticket.key, ()):
+            if other is not ticket and not other.event.is_set() and other.size <= found:
+                other.event.set()
+                return
 
     def wake(self, run_id: str, kind: str = "") -> None:
-        ev = self._events.pop((run_id, kind), None)
-        if ev is not None:
-            ev.set()
+        """A wake-up from the channel: the first waiter not woken yet tries."""
+        self._wake_next((run_id, kind))
+
+    def _wake_next(self, key: tuple[str, str]) -> None:
+        for ticket in self._lines.get(key, ()):
+            if not ticket.event.is_set():
+                ticket.event.set()
+                return
 
     def wait_window(self, at_most_s: float) -> float:
         """How long one :meth:`wait` lasts at most."""
         return min(at_most_s, self._fallback_s)
 
-    async def wait(self, ev: asyncio.Event, at_most_s: float) -> None:
+    async def wait(self, ticket: Ticket, at_most_s: float) -> None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ev.wait(), timeout=self.wait_window(at_most_s))
+            await asyncio.wait_for(ticket.event.wait(), timeout=self.wait_window(at_most_s))
 
     async def _listen(self) -> None:
         backoff = 0.1

@@ -231,55 +231,62 @@ class Broker:
         started = time.monotonic()
         deadline = started + wait_s
         bid = batch_id or uuid.uuid4().hex
-        while True:
-            ev = self.waker.event(run_id)
-            remaining = deadline - time.monotonic()
-            last = remaining <= 0
-            try:
-                got = await self.store.lease(
-                    run_id,
-                    batch_id=bid,
-                    size=size,
-                    policy_version=policy_version,
-                    # Take a part only once waiting for the whole is over.
-                    partial=partial and last,
-                    trainer_id=trainer_id,
-                    # Ask for wake-ups for as long as the wait below, with a second to spare.
-                    wait_ms=0 if last else int(self.waker.wait_window(remaining) * 1000) + 1000,
-                    waited_ms=int((time.monotonic() - started) * 1000),
+        with self.waker.line(run_id, size=size) as ticket:
+            while True:
+                self.waker.trying(ticket)
+                remaining = deadline - time.monotonic()
+                last = remaining <= 0
+                try:
+                    got = await self.store.lease(
+                        run_id,
+                        batch_id=bid,
+                        size=size,
+                        policy_version=policy_version,
+                        # Take a part only once waiting for the whole is over.
+                        partial=partial and last,
+                        trainer_id=trainer_id,
+                        # Ask for wake-ups for as long as the wait below, with a second to spare.
+                        wait_ms=0 if last else int(self.waker.wait_window(remaining) * 1000) + 1000,
+                        waited_ms=int((time.monotonic() - started) * 1000),
+                    )
+                except StoreError as err:
+                    if err.code == "lease_lost" and batch_id is None:
+                        bid = uuid.uuid4().hex  # ran out before delivery: try afresh
+                        continue
+                    ctx = ErrorContext(run_id, bid, size, policy_version, self.retry_after_s)
+                    raise error_for(err, ctx) from None
+                if isinstance(got, Lease):
+                    self.waker.served(ticket)
+                    return self._delivered(run_id, got)
+                self.waker.short(ticket, got)
+                if last:
+                    return None
+                await self.waker.wait(ticket, remaining)
+
+    def _delivered(self, run_id: str, got: Lease) -> LeasedBatch:
+        """A lease as the API hands it out; its behaviour logprobs are kept for the ack."""
+        rollouts = unpack_rollouts([r.blob for r in got.rollouts])
+        self.behaviour.put(
+            run_id,
+            got.batch_id,
+            [
+                BatchRow(r.rollout_id, r.policy_version, r.response_ids.size, r.logprobs)
+                for r in rollouts
+            ],
+        )
+        return LeasedBatch(
+            batch_id=got.batch_id,
+            policy_version=got.policy_version,
+            lease_expires_at=iso_ms(got.expires_at_ms),
+            rollouts=list(
+                zip(
+                    rollouts,
+                    [r.uses for r in got.rollouts],
+                    [r.lag for r in got.rollouts],
+                    strict=True,
                 )
-            except StoreError as err:
-                if err.code == "lease_lost" and batch_id is None:
-                    bid = uuid.uuid4().hex  # ran out before delivery: try afresh
-                    continue
-                ctx = ErrorContext(run_id, bid, size, policy_version, self.retry_after_s)
-                raise error_for(err, ctx) from None
-            if isinstance(got, Lease):
-                rollouts = unpack_rollouts([r.blob for r in got.rollouts])
-                self.behaviour.put(
-                    run_id,
-                    got.batch_id,
-                    [
-                        BatchRow(r.rollout_id, r.policy_version, r.response_ids.size, r.logprobs)
-                        for r in rollouts
-                    ],
-                )
-                return LeasedBatch(
-                    batch_id=got.batch_id,
-                    policy_version=got.policy_version,
-                    lease_expires_at=iso_ms(got.expires_at_ms),
-                    rollouts=list(
-                        zip(
-                            rollouts,
-                            [r.uses for r in got.rollouts],
-                            [r.lag for r in got.rollouts],
-                            strict=True,
-                        )
-                    ),
-                )
-            if last:
-                return None
-            await self.waker.wait(ev, remaining)
+            ),
+        )
 
     async def ack(self, run_id: str, batch_id: str, body: AckBody) -> AckResult:
         new_lp: dict[str, Any] = body.logprobs or {}
@@ -402,24 +409,26 @@ class Broker:
         lid = body.lease_id or uuid.uuid4().hex
         started = time.monotonic()
         deadline = started + min(body.wait_s, self.max_wait_s)
-        while True:
-            ev = self.waker.event(run_id, keys.WORK_WAKE)
-            remaining = deadline - time.monotonic()
-            last = remaining <= 0
-            with self._refusals(run_id, lease_id=lid):
-                got = await self.store.work(
-                    run_id,
-                    lease_id=lid,
-                    max_prompts=body.max_prompts,
-                    generator_id=body.generator_id,
-                    wait_ms=0 if last else int(self.waker.wait_window(remaining) * 1000) + 1000,
-                    waited_ms=int((time.monotonic() - started) * 1000),
-                )
-            if got is not None:
-                return _work_out(got)
-            if last:
-                return None
-            await self.waker.wait(ev, remaining)
+        with self.waker.line(run_id, keys.WORK_WAKE, body.max_prompts) as ticket:
+            while True:
+                self.waker.trying(ticket)
+                remaining = deadline - time.monotonic()
+                last = remaining <= 0
+                with self._refusals(run_id, lease_id=lid):
+                    got = await self.store.work(
+                        run_id,
+                        lease_id=lid,
+                        max_prompts=body.max_prompts,
+                        generator_id=body.generator_id,
+                        wait_ms=0 if last else int(self.waker.wait_window(remaining) * 1000) + 1000,
+                        waited_ms=int((time.monotonic() - started) * 1000),
+                    )
+                if got is not None:
+                    self.waker.served(ticket)
+                    return _work_out(got)
+                if last:
+                    return None
+                await self.waker.wait(ticket, remaining)
 
     async def return_work(
         self, run_id: str, lease_id: str, prompt_ids: Sequence[str] | None

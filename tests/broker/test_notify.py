@@ -11,7 +11,7 @@ import uuid
 
 from app.broker import keys
 from app.broker.config import RunConfig
-from app.broker.notify import Waker
+from app.broker.notify import Ticket, Waker
 from app.broker.store import RedisStore
 from tests.broker.test_store import packed
 
@@ -32,9 +32,9 @@ async def start_waiting(store: RedisStore, run_id: str, size: int = 1) -> None:
 
 
 async def nothing_published_before(waker: Waker, redis, store: RedisStore) -> None:  # type: ignore[no-untyped-def]
-    marker = waker.event("marker")
-    await redis.publish(store.wake_channel, keys.run_tag(store.prefix, "marker"))
-    await asyncio.wait_for(marker.wait(), timeout=5)
+    with waker.line("marker") as marker:
+        await redis.publish(store.wake_channel, keys.run_tag(store.prefix, "marker"))
+        await asyncio.wait_for(marker.event.wait(), timeout=5)
 
 
 async def test_ingest_wakes_the_waiters_of_its_run_only(store, redis):
@@ -45,11 +45,12 @@ async def test_ingest_wakes_the_waiters_of_its_run_only(store, redis):
         await store.create_run("other", RunConfig())
         await start_waiting(store, "r")
         await start_waiting(store, "other")
-        mine, theirs = waker.event("r"), waker.event("other")
-        await store.ingest("r", [packed("a")])
-        await asyncio.wait_for(mine.wait(), timeout=5)
-        assert not theirs.is_set()
-        assert waker.event("r") is not mine  # the next wait needs the next wake-up
+        with waker.line("r") as mine, waker.line("other") as theirs:
+            await store.ingest("r", [packed("a")])
+            await asyncio.wait_for(mine.event.wait(), timeout=5)
+            assert not theirs.event.is_set()
+            waker.trying(mine)
+            assert not mine.event.is_set()  # the next wait needs the next wake-up
     finally:
         await waker.stop()
 
@@ -60,12 +61,12 @@ async def test_an_open_group_wakes_nobody_until_it_completes(store, redis):
     try:
         await store.create_run("r", RunConfig(group_size=2))
         await start_waiting(store, "r", size=2)
-        ev = waker.event("r")
-        await store.ingest("r", [packed("a", group="g")])
-        await nothing_published_before(waker, redis, store)
-        assert not ev.is_set()
-        await store.ingest("r", [packed("b", group="g")])
-        await asyncio.wait_for(ev.wait(), timeout=5)
+        with waker.line("r", size=2) as ticket:
+            await store.ingest("r", [packed("a", group="g")])
+            await nothing_published_before(waker, redis, store)
+            assert not ticket.event.is_set()
+            await store.ingest("r", [packed("b", group="g")])
+            await asyncio.wait_for(ticket.event.wait(), timeout=5)
     finally:
         await waker.stop()
 
@@ -77,20 +78,71 @@ async def test_no_wake_up_is_sent_while_nobody_waits(store, redis):
     await waker.start()
     try:
         await store.create_run("r", RunConfig())
-        ev = waker.event("r")
-        await store.ingest("r", [packed("a")])
-        await nothing_published_before(waker, redis, store)
-        assert not ev.is_set()
-        await store.lease(  # a lease that takes what there is does not wait
-            "r",
-            batch_id=uuid.uuid4().hex,
-            size=1,
-            policy_version=None,
-            partial=False,
-            trainer_id=None,
-        )
-        await start_waiting(store, "r")
-        await store.ingest("r", [packed("b")])
-        await asyncio.wait_for(ev.wait(), timeout=5)
+        with waker.line("r") as ticket:
+            await store.ingest("r", [packed("a")])
+            await nothing_published_before(waker, redis, store)
+            assert not ticket.event.is_set()
+            await store.lease(  # a lease that takes what there is does not wait
+                "r",
+                batch_id=uuid.uuid4().hex,
+                size=1,
+                policy_version=None,
+                partial=False,
+                trainer_id=None,
+            )
+            await start_waiting(store, "r")
+            await store.ingest("r", [packed("b")])
+            await asyncio.wait_for(ticket.event.wait(), timeout=5)
     finally:
         await waker.stop()
+
+
+# -- the line: who a wake-up reaches ----------------------------------------------------------
+def woken(*tickets: Ticket) -> list[bool]:
+    return [t.event.is_set() for t in tickets]
+
+
+async def test_a_wake_up_reaches_the_first_waiter_not_woken_yet(redis):
+    waker = Waker(redis, "unused", "rb")
+    with waker.line("r") as a, waker.line("r") as b, waker.line("r") as c:
+        waker.wake("r")
+        assert woken(a, b, c) == [True, False, False]
+        waker.wake("r")  # a second one while the first is unused: the next waiter
+        assert woken(a, b, c) == [True, True, False]
+        with waker.line("other") as elsewhere:
+            waker.wake("r")
+            assert woken(a, b, c, elsewhere) == [True, True, True, False]
+
+
+async def test_a_served_waiter_passes_the_wake_up_on_and_a_short_one_only_to_whom_it_can_serve(
+    redis,
+):
+    waker = Waker(redis, "unused", "rb")
+    with (
+        waker.line("r", size=8) as big,
+        waker.line("r", size=4) as mid,
+        waker.line("r", size=1) as one,
+    ):
+        waker.wake("r")
+        waker.trying(big)
+        waker.short(big, 2)  # found 2: only the waiter asking for 1 can use them
+        assert woken(big, mid, one) == [False, False, True]
+        waker.trying(one)
+        waker.served(one)  # more may be ready: the next waiter not woken tries
+        assert woken(big, mid, one) == [True, False, False]
+        waker.trying(big)
+        waker.short(big, 0)  # found nothing: nobody else is woken for it
+        assert woken(big, mid, one) == [False, False, False]
+
+
+async def test_a_waiter_leaving_with_an_unused_wake_up_passes_it_on(redis):
+    waker = Waker(redis, "unused", "rb")
+    with waker.line("r") as stays:
+        with waker.line("r") as leaves:
+            waker.wake("r")
+            waker.wake("r")
+            waker.trying(stays)  # stays used its wake-up; leaves got one it will not use
+            assert woken(stays, leaves) == [False, True]
+        assert woken(stays) == [True]
+        assert waker.waiting("r") == 1
+    assert waker.waiting("r") == 0
