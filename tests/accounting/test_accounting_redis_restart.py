@@ -4,10 +4,6 @@ the producer may be missing from the accounting afterwards."""
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import signal
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -30,72 +26,9 @@ from app.accounting.stream import EventStream, events_key
 from app.broker.config import RunConfig
 from app.broker.schemas import AckBody, RolloutJSON
 from app.settings import Settings
+from tests.processes import RedisServer
 from workers.drain import DrainContext, run_drain
 from workers.runner import broker_for
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class RedisServer:
-    """A redis-server of the test's own, on a free port, persisting to ``data_dir``."""
-
-    def __init__(self, data_dir: Path) -> None:
-        binary = os.environ.get("BROKER_TEST_REDIS_SERVER") or shutil.which("redis-server")
-        if binary is None:
-            pytest.fail("redis-server is not on PATH (set BROKER_TEST_REDIS_SERVER)")
-        self.binary = binary
-        self.data_dir = data_dir
-        self.port = _free_port()
-        self.proc: asyncio.subprocess.Process | None = None
-
-    async def start(self) -> None:
-        self.proc = await asyncio.create_subprocess_exec(
-            self.binary,
-            *("--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir)),
-            *("--appendonly", "yes", "--appendfsync", "always", "--save", ""),
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
-        probe = Redis(port=self.port)
-        deadline = time.monotonic() + 10
-        try:
-            while True:
-                try:
-                    if await probe.ping():
-                        # Ready only once the AOF is loaded.
-                        info = await probe.info("persistence")
-                        if not info.get("loading"):
-                            return
-                except (RedisConnectionError, OSError, ResponseError):
-                    pass
-                if time.monotonic() > deadline or self.proc.returncode is not None:
-                    raise AssertionError("redis-server did not start")
-                await asyncio.sleep(0.02)
-        finally:
-            await probe.aclose()
-
-    async def shutdown(self) -> None:
-        """SHUTDOWN: Redis flushes the AOF and exits."""
-        # No client-side retries: a re-sent SHUTDOWN would only wait for the dead server.
-        admin = Redis(port=self.port, retry=Retry(NoBackoff(), 0))
-        try:
-            await admin.shutdown()
-        except RedisConnectionError:
-            pass  # the server closes the connection as it exits
-        finally:
-            await admin.aclose()
-        assert self.proc is not None
-        await asyncio.wait_for(self.proc.wait(), 10)
-
-    async def kill(self) -> None:
-        assert self.proc is not None
-        if self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGKILL)
-            await asyncio.wait_for(self.proc.wait(), 10)
 
 
 @pytest_asyncio.fixture

@@ -1,0 +1,169 @@
+"""Processes of the tests' own: a redis-server on a free port persisting to an append-only file,
+API processes (uvicorn) on fixed ports so they can be killed and started again where clients
+expect them, and `rollout-broker worker`. Each is killed on the way out if still running."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A free TCP port below 50000 (a cluster bus would use port + 10000)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port < 50000:
+            return port
+
+
+class RedisServer:
+    """A redis-server of the test's own, on a free port, persisting to ``data_dir`` (AOF with
+    fsync always: what it acknowledged survives a SIGKILL)."""
+
+    def __init__(self, data_dir: Path) -> None:
+        binary = os.environ.get("BROKER_TEST_REDIS_SERVER") or shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("redis-server is not on PATH (set BROKER_TEST_REDIS_SERVER)")
+        self.binary = binary
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            self.binary,
+            *("--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir)),
+            *("--appendonly", "yes", "--appendfsync", "always", "--save", ""),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        probe = Redis(port=self.port)
+        deadline = time.monotonic() + 10
+        try:
+            while True:
+                try:
+                    if await probe.ping():
+                        # Ready only once the AOF is loaded.
+                        info = await probe.info("persistence")
+                        if not info.get("loading"):
+                            return
+                except (RedisConnectionError, OSError, ResponseError):
+                    pass
+                if time.monotonic() > deadline or self.proc.returncode is not None:
+                    raise AssertionError("redis-server did not start")
+                await asyncio.sleep(0.02)
+        finally:
+            await probe.aclose()
+
+    async def shutdown(self) -> None:
+        """SHUTDOWN: Redis flushes the AOF and exits."""
+        # No client-side retries: a re-sent SHUTDOWN would only wait for the dead server.
+        admin = Redis(port=self.port, retry=Retry(NoBackoff(), 0))
+        try:
+            await admin.shutdown()
+        except RedisConnectionError:
+            pass  # the server closes the connection as it exits
+        finally:
+            await admin.aclose()
+        assert self.proc is not None
+        await asyncio.wait_for(self.proc.wait(), 10)
+
+    async def kill(self) -> None:
+        assert self.proc is not None
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGKILL)
+            await asyncio.wait_for(self.proc.wait(), 10)
+
+
+def broker_env(**settings: str) -> dict[str, str]:
+    """This environment without its ``BROKER_*`` variables, plus ``settings``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BROKER_")}
+    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **settings)
+    return env
+
+
+class Process:
+    """A broker process (API or worker) that can be SIGKILLed and started again, its output
+    appended to ``log``."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.argv = argv
+        self.env = env
+        self.log = log
+        self.proc: asyncio.subprocess.Process | None = None
+        self.kills = 0
+
+    async def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.argv, cwd=str(ROOT), env=self.env, stdout=out, stderr=out
+            )
+
+    async def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGKILL)
+            await self.proc.wait()
+            self.kills += 1
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.terminate()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 10)
+            except TimeoutError:
+                await self.kill()
+
+
+class ApiProcess(Process):
+    """uvicorn with the broker's app on a fixed port: started again on the same port after a
+    kill, where its clients keep calling."""
+
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.port = free_port()
+        argv = [sys.executable, "-m", "uvicorn", "app.main:create_app", "--factory"]
+        argv += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"]
+        super().__init__(argv, env, log)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        await super().start()
+        deadline = time.monotonic() + 30
+        async with httpx.AsyncClient(timeout=2.0) as c:
+            while True:
+                with contextlib.suppress(httpx.TransportError):
+                    if (await c.get(self.url + "/healthz")).status_code == 200:
+                        return
+                assert self.proc is not None and self.proc.returncode is None, self.log.read_text()
+                assert time.monotonic() < deadline, self.log.read_text()
+                await asyncio.sleep(0.05)
+
+
+def worker_process(env: dict[str, str], log: Path) -> Process:
+    """`rollout-broker worker`: the maintenance sweep and the accounting drain."""
+    return Process([sys.executable, "-m", "app.cli", "worker"], env, log)
