@@ -200,10 +200,20 @@ class RedisStore:
 
     # -- runs -----------------------------------------------------------------------------
     async def create_run(self, run_id: str, config: RunConfig) -> Literal["created", "exists"]:
-        """'created', or 'exists' with the same config; StoreError('run_conflict')."""
-        (outcome,) = await self._call("create_run", run_id, run_id, config.canonical_json())
-        # The index is a separate slot (listing only); adding again on a retry is harmless.
-        await self.redis.zadd(self.runs_key, {run_id: time.time() * 1000}, nx=True)
+        """'created', or 'exists' with the same config; StoreError('run_conflict').
+
+        The run index (another slot on a cluster) is written first, idempotently, and its
+        score becomes the run's ``created``: a crash before the script leaves an entry of a run
+        that does not exist (skipped by its readers; the client's retry creates the run), never
+        a run that takes rollouts and leases while the workers, which walk the index, never
+        visit it."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(self.runs_key, {run_id: int(time.time() * 1000)}, nx=True)
+            pipe.zscore(self.runs_key, run_id)
+            _, created = await pipe.execute()
+        (outcome,) = await self._call(
+            "create_run", run_id, run_id, config.canonical_json(), int(created)
+        )
         return "created" if text(outcome) == "created" else "exists"
 
     async def get_run(self, run_id: str) -> RunState | None:
