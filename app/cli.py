@@ -311,10 +311,16 @@ def _run_detail(run: Run) -> RenderableType:
 
 
 @runs_cli.command("list")
-def runs_list(url: Url = "http://127.0.0.1:8000", as_json: AsJson = False) -> None:
-    """Every run, oldest first."""
+def runs_list(
+    status: Annotated[
+        Literal["open", "closed"] | None, typer.Option(help="Only open or only closed runs")
+    ] = None,
+    url: Url = "http://127.0.0.1:8000",
+    as_json: AsJson = False,
+) -> None:
+    """Every run (not deleted), newest first."""
     with _broker(url) as broker:
-        runs = broker.list_runs()
+        runs = broker.list_runs(status)
     if as_json:
         _print_json(runs)
     else:
@@ -369,6 +375,19 @@ def runs_close(
         _print_json(run)
     else:
         _console().print(_run_detail(run))
+
+
+@runs_cli.command("delete")
+def runs_delete(
+    run_id: Annotated[str, typer.Argument(help="Run id")],
+    url: Url = "http://127.0.0.1:8000",
+) -> None:
+    """Delete a closed run's live state once its accounting has caught up; the accounting
+    stays. Refused (409) while the run is open, or until its leases are back and its events
+    applied."""
+    with _broker(url) as broker:
+        broker.delete_run(run_id)
+    _console().print(f"run {run_id} deleted")
 
 
 # -- policy --------------------------------------------------------------------------------------

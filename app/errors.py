@@ -9,7 +9,9 @@
     │   ├── RunNotFound
     │   └── BatchNotFound
     ├── Conflict (409)
-    │   ├── RunConflict            same run_id, different config
+    │   ├── RunConflict            same run_id, different config (or a deleted run's id)
+    │   ├── RunOpen                deleting a run that is not closed
+    │   ├── RunBusy                deleting a closed run not yet settled; carries Retry-After
     │   ├── VersionConflict        policy version moving backwards
     │   ├── LeaseExpired           ack after the lease ran out
     │   └── BatchSettled           nack of a batch that was acked, or the reverse
@@ -74,6 +76,16 @@ class WorkLeaseOver(Conflict):
 
 class RunConflict(Conflict):
     pass
+
+
+class RunOpen(Conflict):
+    pass
+
+
+class RunBusy(Conflict):
+    def __init__(self, detail: str, *, retry_after_s: int) -> None:
+        super().__init__(detail, headers={"Retry-After": str(retry_after_s)})
+        self.retry_after_s = retry_after_s
 
 
 class VersionConflict(Conflict):

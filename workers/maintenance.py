@@ -1,6 +1,7 @@
 """The maintenance loop: expire leases, time out groups, retire what the rules no longer allow,
-for every run, every ``interval`` seconds. Lease calls do the same lazily; this loop makes it
-happen for runs nobody is leasing from."""
+for every run of the active index, every ``interval`` seconds. Lease calls do the same lazily;
+this loop makes it happen for runs nobody is leasing from. A closed run leaves the index once it
+has settled (``Broker.sweep_all``), so it costs the loop nothing from then on."""
 
 from __future__ import annotations
 
@@ -21,8 +22,12 @@ async def run_maintenance(
     done: Callable[[], None] = lambda: None,
 ) -> None:
     """Sweep until ``stop`` is set; ``done`` is called after each pass that succeeded."""
+    adopted = False
     while not stop.is_set():
         try:
+            if not adopted:  # runs of a broker from before the active index, once per prefix
+                await broker.store.adopt_runs()
+                adopted = True
             await broker.sweep_all()
             done()
         except Exception:  # keep sweeping: a Redis blip must not end the loop

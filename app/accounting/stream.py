@@ -110,8 +110,9 @@ class EventStream:
         return dead_key(self.prefix, run_id)
 
     async def run_ids(self) -> list[str]:
-        """Every run id, in creation order."""
-        raw: Any = await self.redis.zrange(runs_key(self.prefix), 0, -1)
+        """The runs the drain visits: those of the active index (app/broker/store.py). A closed
+        run leaves it once its events are all drained, and comes back before it emits another."""
+        raw: Any = await self.redis.zrange(keys.active_key(self.prefix), 0, -1)
         return [_text(r) for r in raw]
 
     async def run_exists(self, run_id: str) -> bool:

@@ -14,9 +14,11 @@ import re
 __all__ = [
     "LUA_FAMILIES",
     "LUA_KEYS",
+    "active_key",
     "dead_key",
     "events_key",
     "every_key",
+    "layout_key",
     "lua_prologue",
     "member_key",
     "run_base",
@@ -57,7 +59,9 @@ PROMPT = "pb:"  # string per prompt: the packed prompt (prompt_ids and data)
 WORK = "w:"  # hash per work lease: state, version, expiry, its passes, groups still open
 
 # -- global keys and channels: the part after "<prefix>:" ------------------------------------
-RUNS = "runs"  # zset: run ids by creation ms (listing, workers)
+RUNS = "runs"  # zset: every run id by creation ms (listing); a deleted run leaves it
+ACTIVE = "active"  # zset: the runs the workers visit, by activation token (see store.py)
+LAYOUT = "layout"  # string: "2" once the workers have put every run of RUNS into ACTIVE
 WAKE = "wake"  # pub/sub channel: "units became ready in a run" for long-polling trainers
 # A wake-up names its run by the run's tag (see run_tag), followed by what woke up: nothing for
 # trainers (units became ready), WORK_WAKE for generators (prompts or staleness budget).
@@ -120,6 +124,14 @@ def dead_key(prefix: str, run_id: str) -> str:
 
 def runs_key(prefix: str) -> str:
     return f"{prefix}:{RUNS}"
+
+
+def active_key(prefix: str) -> str:
+    return f"{prefix}:{ACTIVE}"
+
+
+def layout_key(prefix: str) -> str:
+    return f"{prefix}:{LAYOUT}"
 
 
 def wake_channel(prefix: str) -> str:

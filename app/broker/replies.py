@@ -23,9 +23,11 @@ from app.errors import (
     InternalError,
     LeaseExpired,
     OverCapacity,
+    RunBusy,
     RunClosed,
     RunConflict,
     RunNotFound,
+    RunOpen,
     ValidationFailed,
     VersionConflict,
     WorkLeaseNotFound,
@@ -122,6 +124,12 @@ class Refusal:
 REFUSALS: dict[str, Refusal] = {
     "run_missing": Refusal(RunNotFound, "no run {run_id!r}"),
     "run_conflict": Refusal(RunConflict, "run {run_id!r} exists with a different config"),
+    "run_deleted": Refusal(
+        RunConflict, "run {run_id!r} was deleted; its id stays with its accounting"
+    ),
+    "run_open": Refusal(RunOpen, "run {run_id!r} is open; close it before deleting it"),
+    # arg: what the run waits for, in words
+    "run_busy": Refusal(RunBusy, "run {run_id!r} cannot be deleted yet: {0}; retry later"),
     # arg: the run's current version
     "version_backwards": Refusal(
         VersionConflict, "policy version {version} is below the run's current version {0}"
@@ -187,6 +195,6 @@ def error_for(err: StoreError, ctx: ErrorContext) -> BrokerError:
         log.error("unknown store error code %r, args %r, run %r", err.code, err.args_, ctx.run_id)
         return InternalError(f"internal error: unknown store error code {err.code!r}")
     detail = refusal.detail.format(*err.args_, **asdict(ctx))
-    if issubclass(refusal.error, OverCapacity):
+    if issubclass(refusal.error, OverCapacity | RunBusy):
         return refusal.error(detail, retry_after_s=ctx.retry_after_s)
     return refusal.error(detail)

@@ -114,6 +114,14 @@ class Run(BaseModel):
     created_at: str
 
 
+class RunList(BaseModel):
+    """A page of ``GET /v1/runs``, newest first; ``next_cursor`` fetches the next (null: no
+    more)."""
+
+    runs: list[Run]
+    next_cursor: str | None
+
+
 class PolicyUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     version: int = Field(ge=0, le=MAX_VERSION)

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 import msgpack
 import numpy as np
@@ -50,12 +50,21 @@ from app.broker.schemas import (
     ReturnResult,
     RolloutJSON,
     Run,
+    RunList,
     WorkBody,
     WorkOut,
     WorkPrompt,
 )
 from app.broker.stats import BatchFigures, Measured, batch_figures
-from app.broker.store import BatchMember, BatchView, Lease, RedisStore, RunState, WorkLease
+from app.broker.store import (
+    ORPHAN_GRACE_MS,
+    BatchMember,
+    BatchView,
+    Lease,
+    RedisStore,
+    RunState,
+    WorkLease,
+)
 from app.errors import BrokerError, ValidationFailed
 
 
@@ -150,8 +159,14 @@ class Broker:
     async def get_run(self, run_id: str) -> Run:
         return run_view(await self._run(run_id))
 
-    async def list_runs(self) -> list[Run]:
-        return [run_view(s) for s in await self.store.list_runs()]
+    async def list_runs(
+        self, status: Literal["open", "closed"] | None, limit: int, cursor: str | None
+    ) -> RunList:
+        try:
+            page = await self.store.list_runs(status, limit, cursor)
+        except ValueError as exc:
+            raise ValidationFailed(str(exc)) from None
+        return RunList(runs=[run_view(s) for s in page.runs], next_cursor=page.next_cursor)
 
     async def patch_config(self, run_id: str, patch: RunConfigPatch) -> Run:
         while True:
@@ -170,6 +185,10 @@ class Broker:
         with self._refusals(run_id):
             await self.store.close_run(run_id)
         return run_view(await self._run(run_id))
+
+    async def delete_run(self, run_id: str) -> None:
+        with self._refusals(run_id):
+            await self.store.delete_run(run_id)
 
     async def set_policy(self, run_id: str, version: int) -> PolicyResult:
         with self._refusals(run_id, version=version):
@@ -441,13 +460,20 @@ class Broker:
 
     # -- maintenance ----------------------------------------------------------------------
     async def sweep_all(self) -> int:
-        """One clean-up pass over every run; returns rollouts retired."""
+        """One clean-up pass over the runs of the active index; returns rollouts retired. A
+        closed run that has settled is parked and leaves the index, so closed and deleted runs
+        cost the pass nothing."""
         total = 0
-        for rid in await self.store.run_ids():
-            more = True
-            while more:
-                step = await self.store.sweep(rid)
-                more, total = step.more, total + step.total
+        for rid, token in await self.store.active_runs():
+            while True:
+                step = await self.store.maintain(rid, token)
+                total += step.total
+                if not step.more:
+                    break
+            if step.state in ("parked", "deleted") or (
+                step.state == "missing" and step.now_ms - token > ORPHAN_GRACE_MS
+            ):
+                await self.store.deactivate(rid, token)
             await asyncio.sleep(0)
         return total
 

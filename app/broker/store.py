@@ -8,6 +8,7 @@ app/broker/replies.py, which raises StoreError when a script refuses.
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from typing import Any, Literal
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
+from app.accounting.stream import CONSUMER_GROUP
 from app.broker import keys
 from app.broker.config import RunConfig
 from app.broker.packing import PackedRollout
@@ -32,7 +34,9 @@ __all__ = [
     "IngestOutcome",
     "Lease",
     "LeasedRollout",
+    "MaintainOutcome",
     "RedisStore",
+    "RunPage",
     "RunState",
     "StoreError",
     "SweepOutcome",
@@ -54,6 +58,9 @@ SCAN_SLACK = 256
 
 _SCRIPTS = (
     "create_run",
+    "maintain",
+    "wake_run",
+    "delete_run",
     "patch_config",
     "set_policy",
     "close_run",
@@ -73,10 +80,63 @@ def scan_limit(size: int) -> int:
     return SCAN_PER_ROLLOUT * size + SCAN_SLACK
 
 
+# A parked run (a closed one that has settled: see maintain.lua) has left the active index, so
+# no worker visits it. Every script starts by refusing one, before it changes anything, except
+# these, which handle a parked run themselves or only read. The store then takes the run back
+# into the index and wakes it, index first (RedisStore._call), and calls again.
+_PARK_AWARE = frozenset(
+    {"create_run", "close_run", "batch_view", "maintain", "wake_run", "delete_run"}
+)
+_PARKED_GUARD = """
+if redis.call('HEXISTS', RUN, 'parked') == 1 then
+  return err('run_parked', redis.call('HGET', RUN, 'tok') or '0')
+end
+"""
+# Scripts that judge whether a closed run has settled.
+_SETTLED = frozenset({"maintain", "delete_run"})
+_WAKE_TRIES = 5
+
+# The active index lives in one slot of its own, so these touch only it. A token is the time
+# (ms) of the call, and always above the run's previous token and above `floor`: it only ever
+# grows, so a worker that read an older one cannot take the run out after a wake-up.
+_ACTIVATE_LUA = """
+redis.replicate_commands()
+local t = redis.call('TIME')
+local s = math.max(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), tonumber(ARGV[2]))
+local prev = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if prev then s = math.max(s, tonumber(prev) + 1) end
+s = string.format('%d', s)
+redis.call('ZADD', KEYS[1], s, ARGV[1])
+return s
+"""
+_DEACTIVATE_LUA = """
+local s = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if s and tonumber(s) == tonumber(ARGV[2]) then return redis.call('ZREM', KEYS[1], ARGV[1]) end
+return 0
+"""
+
+# An active-index entry whose run does not exist is a creation under way (the index is written
+# first) or one that never finished; after this long, it is the latter.
+ORPHAN_GRACE_MS = 10 * 60 * 1000
+# A page of GET /v1/runs reads at most this many index entries beyond the runs it returns
+# (entries of runs of the other status, of runs being created or deleted); it is then short.
+PAGE_SCAN_SLACK = 10_000
+
+
 def _load_scripts() -> dict[str, str]:
     pkg = resources.files("app.broker") / "lua"
     prologue = keys.lua_prologue() + (pkg / "common.lua").read_text()
-    return {name: prologue + "\n" + (pkg / f"{name}.lua").read_text() for name in _SCRIPTS}
+    settled = (pkg / "settled.lua").read_text()
+    scripts = {}
+    for name in _SCRIPTS:
+        parts = [prologue]
+        if name not in _PARK_AWARE:
+            parts.append(_PARKED_GUARD)
+        if name in _SETTLED:
+            parts.append(settled)
+        parts.append((pkg / f"{name}.lua").read_text())
+        scripts[name] = "\n".join(parts)
+    return scripts
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +150,24 @@ class RunState:
     live: int  # buffered + leased rollouts
     leased: int
     floor: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunPage:
+    runs: list[RunState]
+    next_cursor: str | None  # None: the listing is complete
+
+
+@dataclass(frozen=True, slots=True)
+class MaintainOutcome:
+    state: Literal["active", "parked", "missing", "deleted"]
+    more: bool  # sweep work was left for another call
+    retired: dict[str, int]
+    now_ms: int  # Redis's clock, for the age of a missing run's index entry
+
+    @property
+    def total(self) -> int:
+        return sum(self.retired.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +244,55 @@ class SweepOutcome:
         return sum(self.retired.values())
 
 
+_MAINTAIN_STATES: dict[str, Literal["active", "parked", "missing", "deleted"]] = {
+    "active": "active",
+    "parked": "parked",
+    "missing": "missing",
+    "deleted": "deleted",
+}
+_RUN_FIELDS = ("cfg", "ver", "st", "created", "live", "leased", "floor")
+
+
+def _run_state(run_id: str, f: Sequence[Any]) -> RunState | None:
+    if f[0] is None:
+        return None  # no such run, or the tombstone of a deleted one
+    cfg = text(f[0])
+    return RunState(
+        run_id=run_id,
+        config=RunConfig.model_validate_json(cfg),
+        config_json=cfg,
+        policy_version=int(f[1]),
+        status="closed" if text(f[2]) == "closed" else "open",
+        created_at_ms=int(f[3]),
+        live=int(f[4]),
+        leased=int(f[5]),
+        floor=int(f[6]),
+    )
+
+
+def _score_text(score: float) -> str:
+    """A score as Redis reads it back exactly (an integer, the usual case, without '.0')."""
+    return f"{score:.17g}"
+
+
+def _cursor(score: float, run_id: str) -> str:
+    """A page's ``next_cursor``: the last entry read, '<creation ms>:<run id>'."""
+    return f"{_score_text(score)}:{run_id}"
+
+
+def _parse_cursor(cursor: str | None) -> tuple[float, str] | None:
+    if cursor is None:
+        return None
+    ms, sep, rid = cursor.partition(":")
+    try:
+        score = float(ms)
+    except ValueError:
+        score = math.nan
+    if not sep or not rid or not math.isfinite(score) or ms != _score_text(score):
+        raise ValueError(f"not a cursor of this listing: {cursor!r}")
+    return score, rid
+
+
 def _counts(rows: Sequence[Any]) -> dict[str, int]:
     """A retired_counts() reply value: {reason: rollouts}."""
     return {text(reason): int(n) for reason, n in rows}
@@ -179,6 +306,8 @@ class RedisStore:
         self._scripts: dict[str, AsyncScript] = {
             name: redis.register_script(src) for name, src in _load_scripts().items()
         }
+        self._activate = redis.register_script(_ACTIVATE_LUA)
+        self._deactivate = redis.register_script(_DEACTIVATE_LUA)
 
     # -- keys -----------------------------------------------------------------------------
     def run_key(self, run_id: str) -> str:
@@ -191,60 +320,178 @@ class RedisStore:
     def runs_key(self) -> str:
         return keys.runs_key(self.prefix)
 
+    @property
+    def active_key(self) -> str:
+        return keys.active_key(self.prefix)
+
     async def _call(self, name: str, run_id: str, *args: Any) -> list[Any]:
-        """The body of the script's ok reply; StoreError when it refuses."""
-        reply = await self._scripts[name](
-            keys=[self.run_key(run_id)], args=[self.wake_channel, *args]
+        """The body of the script's ok reply; StoreError when it refuses. A parked run is
+        woken first (and the call made again)."""
+        for _ in range(_WAKE_TRIES):
+            reply = await self._scripts[name](
+                keys=[self.run_key(run_id)], args=[self.wake_channel, *args]
+            )
+            try:
+                return decode(name, reply)
+            except StoreError as err:
+                if err.code != "run_parked":
+                    raise
+                await self.wake(run_id, int(err.args_[0]))
+        raise StoreError("run_parked")  # parked again at every try: not seen in practice
+
+    # -- the run indexes --------------------------------------------------------------------
+    # RUNS holds every run by creation time, for listing. ACTIVE holds the runs the workers
+    # visit: open runs, and closed ones until they have settled (nothing live, every event
+    # drained). Both are written before the run's own keys (create_run, wake), so a run is never
+    # without its entries, on one Redis or on a cluster, where they live in other slots. The
+    # order of the two writes matters only in that both come first; an entry whose run does
+    # not exist is skipped by the readers and cleared after ORPHAN_GRACE_MS.
+    async def activate(self, run_id: str, floor: int = 0) -> int:
+        """Put the run in the active index; returns its new token (above ``floor``)."""
+        return int(await self._activate(keys=[self.active_key], args=[run_id, floor]))
+
+    async def deactivate(self, run_id: str, token: int) -> bool:
+        """Take the run out of the active index if its token is still ``token``."""
+        return bool(await self._deactivate(keys=[self.active_key], args=[run_id, token]))
+
+    async def wake(self, run_id: str, held: int) -> None:
+        """Take a parked run (holding token ``held``) back into the active index, then into
+        service. StoreError('run_missing') for a run being deleted."""
+        token = await self.activate(run_id, held + 1)
+        decode(
+            "wake_run",
+            await self._scripts["wake_run"](
+                keys=[self.run_key(run_id)], args=[self.wake_channel, token]
+            ),
         )
-        return decode(name, reply)
+
+    async def active_runs(self) -> list[tuple[str, int]]:
+        """(run id, token) of every run the workers visit."""
+        rows: list[Any] = await self.redis.zrange(self.active_key, 0, -1, withscores=True)
+        return [(text(rid), int(score)) for rid, score in rows]
+
+    async def adopt_runs(self) -> int:
+        """Once per prefix: put every run of the run index into the active index (a broker
+        before the active index had only the run index); the maintenance then parks the runs
+        that have settled. Returns the runs adopted (0 once done)."""
+        layout = keys.layout_key(self.prefix)
+        if await self.redis.get(layout) is not None:
+            return 0
+        n, start = 0, 0
+        while True:
+            page: list[Any] = await self.redis.zrange(self.runs_key, start, start + 999)
+            for rid in page:
+                await self.activate(text(rid))
+            n, start = n + len(page), start + len(page)
+            if len(page) < 1000:
+                break
+        await self.redis.set(layout, "2")
+        return n
 
     # -- runs -----------------------------------------------------------------------------
     async def create_run(self, run_id: str, config: RunConfig) -> Literal["created", "exists"]:
-        """'created', or 'exists' with the same config; StoreError('run_conflict').
+        """'created', or 'exists' with the same config; StoreError('run_conflict'), or
+        StoreError('run_deleted') for the id of a deleted run.
 
-        The run index (another slot on a cluster) is written first, idempotently, and its
-        score becomes the run's ``created``: a crash before the script leaves an entry of a run
-        that does not exist (skipped by its readers; the client's retry creates the run), never
-        a run that takes rollouts and leases while the workers, which walk the index, never
-        visit it."""
+        The indexes come first, each write idempotent: a crash before the script leaves
+        entries of a run that does not exist (skipped, and the client's retry creates it), never
+        a run that the workers do not visit."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zadd(self.runs_key, {run_id: int(time.time() * 1000)}, nx=True)
             pipe.zscore(self.runs_key, run_id)
             _, created = await pipe.execute()
+        await self.activate(run_id)
         (outcome,) = await self._call(
             "create_run", run_id, run_id, config.canonical_json(), int(created)
         )
         return "created" if text(outcome) == "created" else "exists"
 
     async def get_run(self, run_id: str) -> RunState | None:
-        f: list[Any] = await self.redis.hmget(
-            self.run_key(run_id), "cfg", "ver", "st", "created", "live", "leased", "floor"
-        )
-        if f[0] is None:
-            return None
-        cfg = text(f[0])
-        return RunState(
-            run_id=run_id,
-            config=RunConfig.model_validate_json(cfg),
-            config_json=cfg,
-            policy_version=int(f[1]),
-            status="closed" if text(f[2]) == "closed" else "open",
-            created_at_ms=int(f[3]),
-            live=int(f[4]),
-            leased=int(f[5]),
-            floor=int(f[6]),
-        )
+        f: list[Any] = await self.redis.hmget(self.run_key(run_id), *_RUN_FIELDS)
+        return _run_state(run_id, f)
 
     async def run_ids(self) -> list[str]:
-        return [text(x) for x in await self.redis.zrange(self.runs_key, 0, -1)]
+        """The runs the workers visit (the active index), oldest token first."""
+        return [rid for rid, _ in await self.active_runs()]
 
-    async def list_runs(self) -> list[RunState]:
-        runs = []
-        for rid in await self.run_ids():
-            state = await self.get_run(rid)
-            if state is not None:
-                runs.append(state)
-        return runs
+    async def list_runs(
+        self,
+        status: Literal["open", "closed"] | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> RunPage:
+        """Runs newest first (by creation, then id), ``limit`` at most, after ``cursor`` (a
+        previous page's ``next_cursor``); ValueError for a malformed cursor.
+
+        Open runs come from the active index, which holds them all and few others, ordered
+        here; the others from the run index, newest first. A page reads at most
+        PAGE_SCAN_SLACK entries beyond its runs, and is then short, with a cursor."""
+        after = _parse_cursor(cursor)
+        if status == "open":
+            return await self._list_open(limit, after)
+        runs: list[RunState] = []
+        scanned, last = 0, after
+        while len(runs) < limit and scanned < limit + PAGE_SCAN_SLACK:
+            chunk = await self._index_after(last, limit - len(runs))
+            if not chunk:
+                return RunPage(runs, None)
+            scanned += len(chunk)
+            states = await self._states([rid for rid, _ in chunk])
+            for (rid, created), state in zip(chunk, states, strict=True):
+                last = (created, rid)
+                if state is not None and status in (None, state.status):
+                    runs.append(state)
+        return RunPage(runs, _cursor(*last) if last else None)
+
+    async def _index_after(
+        self, after: tuple[float, str] | None, count: int
+    ) -> list[tuple[str, float]]:
+        """Up to ``count`` entries of the run index after ``after``, newest first; entries of
+        one score in reverse id order, as ZREVRANGEBYSCORE gives them."""
+        if after is None:
+            rows: list[Any] = await self.redis.zrevrangebyscore(
+                self.runs_key, "+inf", "-inf", start=0, num=count, withscores=True
+            )
+            return [(text(r), float(sc)) for r, sc in rows]
+        score, rid = after
+        exact = _score_text(score)
+        # Runs created in the same millisecond: as many as Redis can create in one.
+        ties: list[Any] = await self.redis.zrevrangebyscore(self.runs_key, exact, exact)
+        got = [(text(r), score) for r in ties if text(r).encode() < rid.encode()][:count]
+        if len(got) < count:
+            older: list[Any] = await self.redis.zrevrangebyscore(
+                self.runs_key, f"({exact}", "-inf", start=0, num=count - len(got), withscores=True
+            )
+            got += [(text(r), float(sc)) for r, sc in older]
+        return got
+
+    async def _list_open(self, limit: int, after: tuple[float, str] | None) -> RunPage:
+        ids = [rid for rid, _ in await self.active_runs()]
+        states = [s for s in await self._states(ids) if s is not None and s.status == "open"]
+        order = sorted(states, key=lambda s: (s.created_at_ms, s.run_id.encode()), reverse=True)
+        if after is not None:
+            order = [
+                s
+                for s in order
+                if (s.created_at_ms, s.run_id.encode()) < (after[0], after[1].encode())
+            ]
+        page = order[:limit]
+        more = len(order) > limit
+        return RunPage(page, _cursor(page[-1].created_at_ms, page[-1].run_id) if more else None)
+
+    async def _states(self, run_ids: Sequence[str]) -> list[RunState | None]:
+        """Each run as get_run reads it (None: no such run, or a deleted one's tombstone)."""
+        out: list[RunState | None] = []
+        for start in range(0, len(run_ids), 1000):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for rid in run_ids[start : start + 1000]:
+                    pipe.hmget(self.run_key(rid), *_RUN_FIELDS)
+                rows = await pipe.execute()
+            out += [
+                _run_state(rid, f)
+                for rid, f in zip(run_ids[start : start + 1000], rows, strict=True)
+            ]
+        return out
 
     async def replace_config(
         self, run_id: str, expected_json: str, new: RunConfig
@@ -270,6 +517,27 @@ class RedisStore:
         (more,) = await self._call("close_run", run_id, SWEEP_LIMIT)
         while int(more):
             more = (await self.sweep(run_id)).more
+
+    async def delete_run(self, run_id: str) -> None:
+        """Delete a closed, settled run in bounded steps, then its index entries; deleting a
+        deleted run again does only the latter. StoreError: 'run_missing', 'run_open',
+        'run_busy' (with what it waits for)."""
+        while True:
+            (outcome,) = await self._call("delete_run", run_id, SWEEP_LIMIT, CONSUMER_GROUP)
+            if text(outcome) == "deleted":
+                break
+        # The run can no longer be woken (wake_run.lua refuses it): its entries may go at once.
+        await self.redis.zrem(self.active_key, run_id)
+        await self.redis.zrem(self.runs_key, run_id)
+
+    async def maintain(self, run_id: str, token: int, limit: int = SWEEP_LIMIT) -> MaintainOutcome:
+        """The maintenance worker's bounded call on one run of the active index (maintain.lua)."""
+        state, more, retired, now = await self._call(
+            "maintain", run_id, limit, token, CONSUMER_GROUP
+        )
+        return MaintainOutcome(
+            _MAINTAIN_STATES[text(state)], bool(int(more)), _counts(retired), int(now)
+        )
 
     async def sweep(self, run_id: str, limit: int = SWEEP_LIMIT) -> SweepOutcome:
         """One bounded clean-up call."""

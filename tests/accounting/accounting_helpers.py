@@ -50,6 +50,7 @@ from app.accounting.events import (
 )
 from app.accounting.stream import events_key, run_key, runs_key
 from app.api.accounting import router
+from app.broker import keys
 from app.errors import BrokerError
 from app.settings import Settings
 from workers.drain import DrainContext, drain_once
@@ -95,6 +96,7 @@ def entry(event_type: str, payload: dict[str, Any]) -> dict[bytes, bytes]:
 async def register_run(redis: Redis, prefix: str, run_id: str, score: int = 0) -> None:
     """What the broker does on run creation, as far as the drain can see."""
     await redis.zadd(runs_key(prefix), {run_id: score})
+    await redis.zadd(keys.active_key(prefix), {run_id: score})
     await redis.set(run_key(prefix, run_id), b"1")
 
 

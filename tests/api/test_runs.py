@@ -1,4 +1,4 @@
-"""Runs: create (idempotent), list, get, patch config, close."""
+"""Runs: create (idempotent), list (paged), get, patch config, close, delete."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from app.broker import keys
+from app.broker.store import RedisStore
 from tests.api.support import (
     DEFAULT_CONFIG,
     assert_error,
@@ -17,6 +19,7 @@ from tests.api.support import (
     retired_items,
 )
 from tests.helpers import ack, lease, make_run, post, rollout
+from workers.drain import DrainContext, drain_once
 
 
 def _assert_created_at_is_now(text: str) -> None:
@@ -102,7 +105,7 @@ async def test_run_id_is_generated_when_absent(api):
 async def test_create_with_an_invalid_body_is_422(api, body):
     resp = await api.post("/v1/runs", json=body)
     assert_error(resp, 422, "ValidationFailed")
-    assert (await api.get("/v1/runs")).json() == []
+    assert (await api.get("/v1/runs")).json() == {"runs": [], "next_cursor": None}
 
 
 async def test_list_runs_lists_exactly_the_runs_created(api):
@@ -111,8 +114,79 @@ async def test_list_runs_lists_exactly_the_runs_created(api):
         created[rid] = await make_run(api, rid, **cfg)
     resp = await api.get("/v1/runs")
     assert resp.status_code == 200
-    listed = {r["run_id"]: r for r in resp.json()}
+    assert resp.json()["next_cursor"] is None
+    listed = {r["run_id"]: r for r in resp.json()["runs"]}
     assert listed == created
+
+
+async def _pages(api, **params) -> list[list[str]]:
+    """Every page of the listing, following next_cursor."""
+    pages, cursor = [], None
+    while True:
+        query = {**params, **({"cursor": cursor} if cursor else {})}
+        resp = await api.get("/v1/runs", params=query)
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert set(body) == {"runs", "next_cursor"}
+        pages.append([r["run_id"] for r in body["runs"]])
+        cursor = body["next_cursor"]
+        if cursor is None:
+            return pages
+
+
+def _newest_first(runs: list[dict]) -> list[str]:
+    def when(r: dict) -> tuple[datetime, str]:
+        return datetime.fromisoformat(r["created_at"].replace("Z", "+00:00")), r["run_id"]
+
+    return [r["run_id"] for r in sorted(runs, key=when, reverse=True)]
+
+
+async def test_the_listing_pages_newest_first_and_filters_by_status(api):
+    runs = [await make_run(api, f"run-{i:02d}") for i in range(11)]
+    for closed in ("run-01", "run-04", "run-05", "run-09"):
+        assert (await api.post(f"/v1/runs/{closed}/close")).status_code == 200
+    every = _newest_first(runs)
+
+    pages = await _pages(api, limit=3)
+    assert [len(p) for p in pages[:3]] == [3, 3, 3]
+    assert [rid for page in pages for rid in page] == every
+    closed = [rid for rid in every if rid in {"run-01", "run-04", "run-05", "run-09"}]
+    got = await _pages(api, status="closed", limit=2)
+    assert [rid for page in got for rid in page] == closed
+    got = await _pages(api, status="open", limit=2)
+    assert [rid for page in got for rid in page] == [r for r in every if r not in closed]
+    one = (await api.get("/v1/runs", params={"status": "open", "limit": 1000})).json()
+    assert [r["run_id"] for r in one["runs"]] == [r for r in every if r not in closed]
+    assert one["next_cursor"] is None
+
+
+async def test_runs_created_in_the_same_millisecond_page_exactly_once(api, monkeypatch):
+    monkeypatch.setattr("app.broker.store.time.time", lambda: 1_700_000_000.0)
+    for rid in ("b", "a.1", "c", "a", "B", "a-2"):
+        await make_run(api, rid)
+    monkeypatch.undo()
+    for limit in (1, 2, 4):
+        pages = await _pages(api, limit=limit)
+        assert [rid for page in pages for rid in page] == sorted(
+            ["b", "a.1", "c", "a", "B", "a-2"], key=str.encode, reverse=True
+        )
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        {"limit": 0},
+        {"limit": 1001},
+        {"limit": "x"},
+        {"status": "deleted"},
+        {"cursor": "nope"},
+        {"cursor": "12:"},
+        {"cursor": "nan:r"},
+        {"cursor": "1e3:r"},
+    ],
+)
+async def test_a_bad_listing_query_is_422(api, query):
+    assert_error(await api.get("/v1/runs", params=query), 422, "ValidationFailed")
 
 
 async def test_get_run_and_unknown_run_404(api):
@@ -275,3 +349,91 @@ async def test_closed_run_keeps_its_config_and_version(api):
     closed = (await api.post("/v1/runs/r1/close")).json()
     assert closed["config"] == {**DEFAULT_CONFIG, "max_reuse": 2}
     assert closed["policy_version"] == 3
+
+
+# -- DELETE ----------------------------------------------------------------------------------
+@pytest.fixture
+def drain(redis, prefix, sessionmaker):
+    return DrainContext.create(redis, sessionmaker, prefix, consumer="test-drain")
+
+
+async def _keys_of(redis, prefix: str, run_id: str) -> dict[str, int]:
+    """Every key of the run, with its time to live in ms (-1: none)."""
+    names = [k async for k in redis.scan_iter(match=f"{keys.run_base(prefix, run_id)}*")]
+    return {k.decode(): await redis.pttl(k) for k in names}
+
+
+async def test_delete_needs_a_closed_run_whose_accounting_has_caught_up(api, drain, redis, prefix):
+    assert_error(await api.delete("/v1/runs/nope"), 404, "RunNotFound")
+    await make_run(api, "r1", lease_timeout_s=60)
+    await post(api, "r1", rollout("a"), rollout("b"))
+    assert_error(await api.delete("/v1/runs/r1"), 409, "RunOpen")
+    batch = (await lease(api, "r1", 1)).json()
+    await api.post("/v1/runs/r1/close")
+    resp = await api.delete("/v1/runs/r1")
+    assert "buffered or leased" in assert_error(resp, 409, "RunBusy")
+    assert resp.headers["retry-after"] == "1"
+    assert (await ack(api, "r1", batch["batch_id"])).status_code == 200
+    detail = assert_error(await api.delete("/v1/runs/r1"), 409, "RunBusy")
+    assert "accounting" in detail  # the ack's events are not applied yet
+    assert (await api.get("/v1/runs/r1")).status_code == 200  # nothing was deleted
+
+    await drain_once(drain)
+    accounting = (await api.get("/v1/runs/r1/accounting")).json()
+    resp = await api.delete("/v1/runs/r1")
+    assert resp.status_code == 204, resp.text
+    assert resp.content == b""
+    assert_error(await api.get("/v1/runs/r1"), 404, "RunNotFound")
+    assert (await api.get("/v1/runs")).json() == {"runs": [], "next_cursor": None}
+    after = (await api.get("/v1/runs/r1/accounting")).json()  # still readable
+    live = ("as_of", "live")  # the live side (Redis) is what went
+    assert {k: v for k, v in after.items() if k not in live} == {
+        k: v for k, v in accounting.items() if k not in live
+    }
+    assert (await api.delete("/v1/runs/r1")).status_code == 204  # deleting again: the same
+    # The id stays with its accounting; the run is gone for every other call.
+    assert "deleted" in assert_error(await api.post("/v1/runs", json={"run_id": "r1"}), 409,
+                                     "RunConflict")  # fmt: skip
+    assert_error(await post(api, "r1", rollout("c")), 404, "RunNotFound")
+    assert_error(await api.post("/v1/runs/r1/close"), 404, "RunNotFound")
+
+
+async def test_delete_removes_every_key_of_the_run_in_bounded_steps(
+    api, drain, redis, prefix, monkeypatch
+):
+    monkeypatch.setattr("app.broker.store.SWEEP_LIMIT", 8)  # so that it takes several steps
+    await make_run(api, "r1", group_size=2)
+    prompts = [{"prompt_id": f"p{i}", "prompt_ids": [1, 2]} for i in range(20)]
+    resp = await api.post("/v1/runs/r1/prompts", json={"prompts": prompts, "epochs": 2})
+    assert resp.json() == {"accepted": 20, "duplicates": 0}, resp.text
+    work = (await api.post("/v1/runs/r1/work", json={"max_prompts": 1})).json()
+    gid = work["prompts"][0]["group_id"]
+    await post(api, "r1", rollout("a", group=gid), rollout("b", group=gid))
+    batch = (await lease(api, "r1", 2)).json()
+    assert (await ack(api, "r1", batch["batch_id"])).status_code == 200
+    await post(api, "r1", rollout("c", group="solo"))
+    await api.post("/v1/runs/r1/close")
+    await drain_once(drain)
+    before = await _keys_of(redis, prefix, "r1")
+    assert len([k for k in before if ":pp:" in k]) == 40
+
+    steps = []
+    real = RedisStore._call
+
+    async def counted(self, name, run_id, *args):
+        steps.append(name)
+        return await real(self, name, run_id, *args)
+
+    monkeypatch.setattr(RedisStore, "_call", counted)
+    resp = await api.delete("/v1/runs/r1")
+    assert resp.status_code == 204, resp.text
+    assert steps.count("delete_run") > 2
+    left = await _keys_of(redis, prefix, "r1")
+    tombstone = keys.run_key(prefix, "r1")
+    # What stays: the tombstone, and the batch and work-lease records, which expire by themselves.
+    assert {k for k, ttl in left.items() if ttl < 0} == {tombstone}
+    assert all(":b:" in k or ":w:" in k for k in left if k != tombstone)
+    assert set(await redis.hgetall(tombstone)) == {b"id", b"st", b"created", b"deleted"}
+    assert await redis.hget(tombstone, "st") == b"deleted"
+    assert not await redis.zscore(keys.runs_key(prefix), "r1")
+    assert not await redis.zscore(keys.active_key(prefix), "r1")

@@ -22,6 +22,8 @@ def test_key_strings_are_the_ones_existing_data_lives_under():
     assert keys.dead_key("rb", "r1") == "rb:{r1}:dead"
     assert keys.member_key("rb", "r1", keys.BLOB, "x") == "rb:{r1}:d:x"
     assert keys.runs_key("rb") == "rb:runs"
+    assert keys.active_key("rb") == "rb:active"
+    assert keys.layout_key("rb") == "rb:layout"
     assert keys.wake_channel("rb") == "rb:wake"
     assert keys.run_tag("rb", "r1") == "rb:{r1}"
     assert keys.run_of_wake("rb", keys.run_tag("rb", "run-1.b")) == ("run-1.b", "")
@@ -39,7 +41,11 @@ async def test_a_run_writes_only_keys_of_the_layout(store: RedisStore, redis, pr
     assert not isinstance(got, int)
     names = {k.decode() async for k in redis.scan_iter(match=keys.every_key(prefix))}
     base = keys.run_base(prefix, "r")
-    fixed = {base + suffix for suffix in keys.LUA_KEYS.values()} | {keys.runs_key(prefix)}
+    fixed = {base + suffix for suffix in keys.LUA_KEYS.values()} | {
+        keys.runs_key(prefix),
+        keys.active_key(prefix),
+        keys.layout_key(prefix),
+    }
     families = tuple(base + family for family in keys.LUA_FAMILIES.values())
     assert {n for n in names if n not in fixed and not n.startswith(families)} == set()
     assert keys.member_key(prefix, "r", keys.BLOB, "a") in names
@@ -60,4 +66,5 @@ def test_the_design_notes_list_every_key():
     section = DESIGN.read_text().split("## Redis keys", 1)[1].split("\n## ", 1)[0]
     for suffix in [*keys.LUA_KEYS.values(), *keys.LUA_FAMILIES.values()]:
         assert f"`P:{{R}}:{suffix}" in section, suffix
-    assert f"`P:{keys.RUNS}`" in section and f"`P:{keys.WAKE}`" in section
+    for name in (keys.RUNS, keys.ACTIVE, keys.LAYOUT, keys.WAKE):
+        assert f"`P:{name}`" in section, name

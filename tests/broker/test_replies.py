@@ -29,9 +29,11 @@ from app.errors import (
     InternalError,
     LeaseExpired,
     OverCapacity,
+    RunBusy,
     RunClosed,
     RunConflict,
     RunNotFound,
+    RunOpen,
     ValidationFailed,
     VersionConflict,
     WorkLeaseNotFound,
@@ -59,6 +61,9 @@ EXPECTED: dict[str, tuple[type[BrokerError], int]] = {
     "lease_expired": (LeaseExpired, 0),
     "lease_lost": (LeaseExpired, 0),
     "run_closed": (RunClosed, 0),
+    "run_deleted": (RunConflict, 0),
+    "run_open": (RunOpen, 0),
+    "run_busy": (RunBusy, 1),
     "work_missing": (WorkLeaseNotFound, 0),
     "work_lease_over": (WorkLeaseOver, 1),
     "work_not_in_lease": (ValidationFailed, 1),
@@ -73,6 +78,8 @@ STATUS = {
     ValidationFailed: 422,
     OverCapacity: 429,
     RunClosed: 409,
+    RunOpen: 409,
+    RunBusy: 409,
     WorkLeaseNotFound: 404,
     WorkLeaseOver: 409,
 }
@@ -130,6 +137,11 @@ def test_each_code_becomes_its_error_with_a_message_from_its_args_and_context(co
     assert all(arg in error.detail for arg in args), error.detail
     assert args or "run-1" in error.detail or "batch-1" in error.detail, error.detail
     assert "{" not in error.detail and "None" not in error.detail, error.detail
+
+
+def test_run_busy_carries_retry_after():
+    error = error_for(StoreError("run_busy", "rollouts are still buffered or leased"), CTX)
+    assert isinstance(error, RunBusy) and error.headers == {"Retry-After": "3"}
 
 
 def test_over_capacity_carries_retry_after():

@@ -12,6 +12,7 @@ from rollout_broker_client import (
     AsyncBrokerClient,
     BatchSettled,
     BrokerUnreachable,
+    Conflict,
     OverCapacity,
     Retry,
     Rollout,
@@ -257,3 +258,17 @@ async def test_patch_close_and_list(broker: AsyncBrokerClient) -> None:
     assert closed.status == "closed"
     assert "p1" in [r.run_id for r in await broker.list_runs()]
     assert await broker.healthz()
+
+
+async def test_list_runs_reads_every_page_and_delete_needs_a_closed_run(
+    broker: AsyncBrokerClient,
+) -> None:
+    for rid in ("l1", "l2", "l3"):
+        await broker.create_run(rid)
+    await broker.close_run("l2")
+    page, cursor = await broker.send(broker.api.list_runs(limit=2))
+    assert len(page) == 2 and cursor is not None
+    assert sorted(r.run_id for r in await broker.list_runs()) == ["l1", "l2", "l3"]
+    assert [r.run_id for r in await broker.list_runs("closed")] == ["l2"]
+    with pytest.raises(Conflict):
+        await broker.delete_run("l1")  # open

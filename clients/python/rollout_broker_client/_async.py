@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar, Unpack
+from typing import Any, Literal, TypeVar, Unpack
 
 import httpx
 import numpy.typing as npt
@@ -178,8 +178,13 @@ class AsyncBrokerClient:
         """Create a run (or get it back, if it exists with the same config)."""
         return await self.send(self.api.create_run(run_id, config))
 
-    async def list_runs(self) -> list[Run]:
-        return await self.send(self.api.list_runs())
+    async def list_runs(self, status: Literal["open", "closed"] | None = None) -> list[Run]:
+        """Every run (or every open or closed one), newest first, read a page at a time."""
+        runs, cursor = await self.send(self.api.list_runs(status))
+        while cursor is not None:
+            page, cursor = await self.send(self.api.list_runs(status, cursor=cursor))
+            runs += page
+        return runs
 
     async def get_run(self, run_id: str) -> Run:
         return await self.send(self.api.get_run(run_id))
@@ -190,6 +195,11 @@ class AsyncBrokerClient:
 
     async def close_run(self, run_id: str) -> Run:
         return await self.send(self.api.close_run(run_id))
+
+    async def delete_run(self, run_id: str) -> None:
+        """Delete a closed run's live state; its accounting stays. ``Conflict`` (409) while the
+        run is open or has not settled (its leases still out, its events not yet applied)."""
+        await self.send(self.api.delete_run(run_id))
 
     async def set_policy(self, run_id: str, version: int) -> PolicyResult:
         """Announce policy ``version``; rollouts now too stale retire (``evicted``)."""

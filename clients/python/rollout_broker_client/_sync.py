@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar, Unpack
+from typing import Any, Literal, TypeVar, Unpack
 
 import httpx
 import numpy.typing as npt
@@ -176,8 +176,13 @@ class BrokerClient:
         """Create a run (or get it back, if it exists with the same config)."""
         return self.send(self.api.create_run(run_id, config))
 
-    def list_runs(self) -> list[Run]:
-        return self.send(self.api.list_runs())
+    def list_runs(self, status: Literal["open", "closed"] | None = None) -> list[Run]:
+        """Every run (or every open or closed one), newest first, read a page at a time."""
+        runs, cursor = self.send(self.api.list_runs(status))
+        while cursor is not None:
+            page, cursor = self.send(self.api.list_runs(status, cursor=cursor))
+            runs += page
+        return runs
 
     def get_run(self, run_id: str) -> Run:
         return self.send(self.api.get_run(run_id))
@@ -188,6 +193,11 @@ class BrokerClient:
 
     def close_run(self, run_id: str) -> Run:
         return self.send(self.api.close_run(run_id))
+
+    def delete_run(self, run_id: str) -> None:
+        """Delete a closed run's live state; its accounting stays. ``Conflict`` (409) while the
+        run is open or has not settled (its leases still out, its events not yet applied)."""
+        self.send(self.api.delete_run(run_id))
 
     def set_policy(self, run_id: str, version: int) -> PolicyResult:
         """Announce policy ``version``; rollouts now too stale retire (``evicted``)."""

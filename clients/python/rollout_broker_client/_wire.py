@@ -429,8 +429,21 @@ class Api:
         content, headers = self._body({"run_id": rid, "config": dict(config or {})})
         return Call("POST", "/v1/runs", lambda r, b: parse_run(b), None, content, headers)
 
-    def list_runs(self) -> Call[list[Run]]:
-        return Call("GET", "/v1/runs", lambda r, b: [parse_run(x) for x in b])
+    def list_runs(
+        self, status: str | None = None, limit: int = 1000, cursor: str | None = None
+    ) -> Call[tuple[list[Run], str | None]]:
+        """A page of runs, newest first, and the cursor of the next (None: no more)."""
+        params = {"limit": str(limit)}
+        if status is not None:
+            params["status"] = status
+        if cursor is not None:
+            params["cursor"] = cursor
+        return Call(
+            "GET",
+            "/v1/runs",
+            lambda r, b: ([parse_run(x) for x in b["runs"]], b["next_cursor"]),
+            params,
+        )
 
     def get_run(self, run_id: str) -> Call[Run]:
         return Call("GET", _p(run_id), lambda r, b: parse_run(b))
@@ -443,6 +456,9 @@ class Api:
 
     def close_run(self, run_id: str) -> Call[Run]:
         return Call("POST", _p(run_id) + "/close", lambda r, b: parse_run(b))
+
+    def delete_run(self, run_id: str) -> Call[None]:
+        return Call("DELETE", _p(run_id), lambda r, b: None)
 
     def set_policy(self, run_id: str, version: int) -> Call[PolicyResult]:
         content, headers = self._body({"version": int(version)})
