@@ -19,10 +19,17 @@
     ├── UnsupportedMediaType (415)
     ├── ValidationFailed (422)
     ├── OverCapacity (429)         carries Retry-After
-    └── Unavailable (503)
+    └── Unavailable (503)          Redis or Postgres unreachable (see :func:`outage_of`);
+                                   carries Retry-After when the outage is expected to pass
 """
 
 from __future__ import annotations
+
+from types import TracebackType
+
+import asyncpg  # type: ignore[import-untyped]
+import redis.exceptions
+import sqlalchemy.exc
 
 
 class BrokerError(Exception):
@@ -122,3 +129,87 @@ class OverCapacity(BrokerError):
 
 class Unavailable(BrokerError):
     status = 503
+
+    def __init__(self, detail: str, *, retry_after_s: int | None = None) -> None:
+        headers = None if retry_after_s is None else {"Retry-After": str(retry_after_s)}
+        super().__init__(detail, headers=headers)
+        self.retry_after_s = retry_after_s
+
+
+# -- outages: which exceptions mean that Redis or Postgres cannot be reached ---------------------
+
+# Redis that cannot be reached or cannot serve yet: refused, reset, timed out, loading its data
+# set (BusyLoadingError is a ConnectionError), a cluster without a master for a slot.
+_REDIS_OUTAGES: tuple[type[BaseException], ...] = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+)
+
+# Postgres that cannot be reached or cannot serve: connection failures and lost connections
+# (SQLSTATE class 08), shutting down or starting up (57P01-57P03), out of connection slots.
+_POSTGRES_OUTAGES: tuple[type[BaseException], ...] = (
+    asyncpg.exceptions.PostgresConnectionError,
+    asyncpg.exceptions.AdminShutdownError,
+    asyncpg.exceptions.CrashShutdownError,
+    asyncpg.exceptions.CannotConnectNowError,
+    asyncpg.exceptions.TooManyConnectionsError,
+    sqlalchemy.exc.TimeoutError,  # no pooled connection came free in time
+)
+
+# The exception types worth a look: every outage above is one of these, or caused by one.
+OUTAGE_CANDIDATES: tuple[type[Exception], ...] = (
+    redis.exceptions.RedisError,
+    sqlalchemy.exc.SQLAlchemyError,
+    asyncpg.exceptions.PostgresError,
+    asyncpg.exceptions.InterfaceError,
+    OSError,  # builtin TimeoutError and ConnectionError included
+    ExceptionGroup,
+)
+
+# The packages whose frames make an OSError a store's connection failure.
+_DRIVERS = {"redis": "Redis", "asyncpg": "Postgres", "sqlalchemy": "Postgres"}
+
+
+def outage_of(exc: BaseException) -> str | None:
+    """``"Redis"`` or ``"Postgres"`` when ``exc`` means that store cannot be reached (or cannot
+    serve for now), else None. Explicit causes (``raise ... from``) are followed, so a
+    SQLAlchemy error wrapping a lost asyncpg connection counts; an OSError counts when it was
+    raised inside a driver's code (a refused or reset connection, a failed name lookup, a
+    connect timeout), never one of the application's own. A group counts when every exception
+    in it does. Anything else is a bug or a bad request, not an outage."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        store = _direct_outage(current)
+        if store is not None:
+            return store
+        current = current.__cause__
+    return None
+
+
+def _direct_outage(exc: BaseException) -> str | None:
+    if isinstance(exc, BaseExceptionGroup):
+        stores = [outage_of(e) for e in exc.exceptions]
+        return stores[0] if stores and all(stores) else None
+    if isinstance(exc, _REDIS_OUTAGES):
+        return "Redis"
+    if isinstance(exc, _POSTGRES_OUTAGES):
+        return "Postgres"
+    if isinstance(exc, sqlalchemy.exc.DBAPIError) and exc.connection_invalidated:
+        return "Postgres"
+    if isinstance(exc, OSError):
+        return _driver_in(exc.__traceback__)
+    return None
+
+
+def _driver_in(tb: TracebackType | None) -> str | None:
+    """The store of the innermost driver frame the traceback passes through."""
+    store = None
+    while tb is not None:
+        module = str(tb.tb_frame.f_globals.get("__name__", ""))
+        store = _DRIVERS.get(module.split(".", 1)[0], store)
+        tb = tb.tb_next
+    return store

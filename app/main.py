@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
@@ -23,7 +25,7 @@ from app import __version__
 from app.accounting.db import create_sessionmaker, schema_at_head
 from app.api import accounting, batches, health, prompts, rollouts, runs
 from app.api.codec import describe_errors, render
-from app.errors import BrokerError
+from app.errors import OUTAGE_CANDIDATES, BrokerError, Unavailable, outage_of
 from app.settings import Settings
 from app.wiring import broker_for, database_engine, redis_client
 
@@ -54,8 +56,37 @@ def error_body(
     return resp
 
 
+class OutageLog:
+    """Logs an outage without flooding the log: one warning per store every ``every_s``
+    seconds while it lasts, with the number of requests answered ``503`` since the last one."""
+
+    def __init__(self, every_s: float = 5.0) -> None:
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._answered: dict[str, int] = {}
+
+    def note(self, store: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        self._answered[store] = self._answered.get(store, 0) + 1
+        if now - self._last.get(store, -math.inf) < self.every_s:
+            return
+        log.warning(
+            "%s unreachable (%s: %s): %d requests answered 503 Unavailable",
+            store,
+            type(exc).__name__,
+            exc,
+            self._answered[store],
+        )
+        self._last[store] = now
+        self._answered[store] = 0
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """One renderer for every error: ``{"error": Name, "detail": text}``."""
+    """One renderer for every error: ``{"error": Name, "detail": text}``. A request that fails
+    because Redis or Postgres cannot be reached is ``503 Unavailable`` with ``Retry-After``
+    (the exceptions of :data:`app.errors.OUTAGE_CANDIDATES` that :func:`app.errors.outage_of`
+    names an outage); it is answered here, so the server keeps the connection open."""
+    outages = OutageLog()
 
     @app.exception_handler(BrokerError)
     async def _broker_error(_: Request, exc: BrokerError) -> Response:
@@ -70,10 +101,29 @@ def install_error_handlers(app: FastAPI) -> None:
         name = _HTTP_NAMES.get(exc.status_code, "HTTPError")
         return error_body(name, str(exc.detail), exc.status_code, dict(exc.headers or {}))
 
+    async def _outage(request: Request, exc: Exception) -> Response:
+        store = outage_of(exc)
+        if store is None:
+            return _internal(exc)
+        outages.note(store, exc)
+        retry_after_s: int = request.app.state.settings.retry_after_s
+        err = Unavailable(
+            f"{store} is unreachable ({type(exc).__name__}); try again in {retry_after_s} s",
+            retry_after_s=retry_after_s,
+        )
+        return error_body(err.name, err.detail, err.status, err.headers)
+
+    for cls in OUTAGE_CANDIDATES:
+        app.add_exception_handler(cls, _outage)
+
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> Response:
-        log.exception("unhandled error")
-        return error_body("InternalError", f"internal error ({type(exc).__name__})", 500)
+        return _internal(exc)
+
+
+def _internal(exc: Exception) -> Response:
+    log.exception("unhandled error", exc_info=exc)
+    return error_body("InternalError", f"internal error ({type(exc).__name__})", 500)
 
 
 async def database_checks(engine: AsyncEngine) -> dict[str, str]:
