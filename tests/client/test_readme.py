@@ -53,7 +53,9 @@ class Output:
 
 
 def test_client_readme_work_loop(live_server: LiveServer) -> None:
-    register, generate = blocks("python", REPO / "clients" / "python" / "README.md")[1:]
+    code = blocks("python", REPO / "clients" / "python" / "README.md")
+    (register,) = [b for b in code if "register_prompts(" in b]
+    (generate,) = [b for b in code if "async def generate" in b]
     url = live_server.url
     sampled: list[str] = []
 

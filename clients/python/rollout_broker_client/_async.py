@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 from rollout_broker_client._errors import (
     BrokerError,
+    BrokerHTTPError,
     BrokerUnreachable,
     NotFound,
     OverCapacity,
@@ -126,10 +127,13 @@ class AsyncBrokerClient:
             await self._http.aclose()
 
     async def send(self, call: Call[T]) -> T:
-        """Send one request, retrying as :class:`Retry` allows; returns the parsed answer."""
+        """Send one request, retrying as :class:`Retry` allows; returns the parsed answer.
+        When the retries run out, raises the last error: :class:`BrokerUnreachable` without an
+        answer, else the exception of the broker's answer (:class:`Unavailable`...)."""
         if self._abandoned:
             await self._give_back_abandoned()
         attempt = 0
+        started = time.monotonic()
         while True:
             try:
                 resp = await self._http.request(
@@ -141,12 +145,18 @@ class AsyncBrokerClient:
                     timeout=self.timeout + call.extra_timeout,
                 )
             except httpx.TransportError as exc:
-                if not self.retry.after_error(call, exc, attempt):
-                    raise unreachable(call, self.base_url, exc) from exc
+                elapsed = time.monotonic() - started
+                pause = self.retry.pause(call, attempt, elapsed, error=exc)
+                if pause is None:
+                    raise unreachable(call, self.base_url, exc, attempt + 1, elapsed) from exc
+                why = type(exc).__name__
             else:
-                if not self.retry.after_status(call, resp.status_code, attempt):
+                pause = self.retry.pause(call, attempt, time.monotonic() - started, response=resp)
+                if pause is None:
                     return call.read(resp, check(resp))
-            await asyncio.sleep(self.retry.delay(attempt))
+                why = f"status {resp.status_code}"
+            log.info("%s %s: %s; resending in %.2f s", call.method, call.path, why, pause)
+            await asyncio.sleep(pause)
             attempt += 1
 
     async def _give_back_abandoned(self) -> None:
@@ -426,14 +436,18 @@ class AsyncRolloutWriter:
     whole group at once); a request goes out when ``batch_size`` rollouts are buffered, when the
     oldest has waited ``linger_s`` (checked on ``add``), on :meth:`flush` and when its
     ``async with`` block ends normally. Resending is safe, since ``rollout_id`` makes ingest
-    idempotent, so lost answers are retried. A ``429`` is backpressure: the writer waits the
+    idempotent, so the client's :class:`Retry` resends through lost answers, broker restarts and
+    outages (``503``), up to its deadline. A ``429`` is backpressure: the writer waits the
     ``Retry-After`` seconds and sends again, for up to ``max_backpressure_s`` in all (None:
     without limit), then raises :class:`OverCapacity`. Per-rollout rejections (``stale``, ...)
     are not errors: they are collected in :attr:`rejected`.
 
-    If a request fails as a whole (``422``, ``404``...) its rollouts are dropped and the error
-    raised; if the broker cannot be reached, or stays full, they stay buffered for the next
-    flush.
+    No rollout is dropped before the broker has accepted it. When a flush fails, the error
+    raised carries in ``err.unsent`` every rollout not accepted, and they stay buffered for the
+    next flush, which sends them first, ``batch_size`` at a time: when the broker cannot be
+    reached, stays unavailable or full past the deadlines, or answers any other ``5xx``. Only a
+    request the broker refused as a whole (``422``, ``404``, ``413``...: sending it again would
+    fail the same way) leaves the buffer; its rollouts are in ``err.unsent`` all the same.
     """
 
     def __init__(
@@ -452,7 +466,8 @@ class AsyncRolloutWriter:
         self.batch_size = batch_size
         self.linger_s = linger_s
         self.max_backpressure_s = max_backpressure_s
-        self._buffer: list[RolloutLike] = []
+        self._groups: list[list[RolloutLike]] = []  # one per add() call, oldest first
+        self._pending = 0
         self._since = 0.0
         self.accepted = 0
         self.duplicates = 0
@@ -475,24 +490,54 @@ class AsyncRolloutWriter:
 
     @property
     def pending(self) -> int:
-        """Rollouts buffered, not yet sent."""
-        return len(self._buffer)
+        """Rollouts buffered, not yet accepted by the broker."""
+        return self._pending
+
+    @property
+    def unsent(self) -> list[RolloutLike]:
+        """The buffered rollouts, oldest first."""
+        return [r for g in self._groups for r in g]
 
     async def add(self, *rollouts: RolloutLike) -> IngestResult | None:
-        """Buffer rollouts; returns the ingest answer if this call sent a request."""
-        if not self._buffer:
+        """Buffer rollouts; returns the ingest answer if this call sent a request (the last
+        one, when the buffer held more than ``batch_size`` after a failed flush)."""
+        if not rollouts:
+            return None
+        if not self._groups:
             self._since = time.monotonic()
-        self._buffer.extend(rollouts)
+        self._groups.append(list(rollouts))
+        self._pending += len(rollouts)
         due = self.linger_s is not None and time.monotonic() - self._since >= self.linger_s
-        if len(self._buffer) >= self.batch_size or due:
+        if self._pending >= self.batch_size or due:
             return await self.flush()
         return None
 
     async def flush(self) -> IngestResult | None:
-        """Send everything buffered; None if nothing was."""
-        if not self._buffer:
-            return None
-        call = self.client.api.post_rollouts(self.run_id, self._buffer)
+        """Send everything buffered, ``batch_size`` rollouts a request (a larger ``add`` call
+        alone); returns the last answer, None if nothing was buffered."""
+        result: IngestResult | None = None
+        while self._groups:
+            taken = 1
+            size = len(self._groups[0])
+            while taken < len(self._groups) and size + len(self._groups[taken]) <= self.batch_size:
+                size += len(self._groups[taken])
+                taken += 1
+            chunk = [r for g in self._groups[:taken] for r in g]
+            try:
+                result = await self._send(chunk)
+            except BrokerError as err:
+                err.unsent = self.unsent
+                if _refused_whole(err):
+                    del self._groups[:taken]
+                    self._pending -= size
+                raise
+            del self._groups[:taken]
+            self._pending -= size
+            self._since = time.monotonic()
+        return result
+
+    async def _send(self, chunk: Sequence[RolloutLike]) -> IngestResult:
+        call = self.client.api.post_rollouts(self.run_id, chunk)
         waited = 0.0
         while True:
             try:
@@ -506,13 +551,7 @@ class AsyncRolloutWriter:
                 waited += pause
                 await asyncio.sleep(pause)
                 continue
-            except BrokerUnreachable:
-                raise
-            except BrokerError:
-                self._buffer = []
-                raise
             break
-        self._buffer = []
         self.requests += 1
         self.accepted += result.accepted
         self.duplicates += result.duplicates
@@ -521,6 +560,11 @@ class AsyncRolloutWriter:
 
     async def close(self) -> None:
         await self.flush()
+
+
+def _refused_whole(err: BrokerError) -> bool:
+    """The broker answered the request with a refusal that a resend would meet again."""
+    return isinstance(err, BrokerHTTPError) and 400 <= err.status < 500 and err.status != 429
 
 
 class AsyncLease:

@@ -25,6 +25,9 @@ by the body's ``error`` field, carrying the body's ``detail``:
             └── Unavailable (503)
 
 An ``error`` name the client does not know falls back to the class of its status.
+
+An error raised by a rollout writer (or a work lease's ``post``) carries in ``unsent`` the
+rollouts of that writer the broker has not accepted, in the order they were added.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import httpx
+
+from rollout_broker_client._models import Rollout
 
 __all__ = [
     "BadRequest",
@@ -62,7 +67,18 @@ __all__ = [
 
 
 class BrokerError(Exception):
-    """Base of every exception the client raises on purpose."""
+    """Base of every exception the client raises on purpose.
+
+    ``unsent``: when a rollout writer raises, the rollouts it was given that the broker has not
+    accepted (empty otherwise). The writer keeps them buffered, to send at its next flush,
+    unless the broker refused their request as a whole (a ``4xx`` other than ``429``: sending
+    it again would fail the same way); then they are only here."""
+
+    unsent: list[Rollout | Mapping[str, Any]]
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.unsent = []
 
 
 class BrokerUnreachable(BrokerError):
@@ -156,7 +172,7 @@ class OverCapacity(BrokerHTTPError):
 
     @property
     def retry_after_s(self) -> float:
-        return _retry_after(self.headers.get("retry-after"))
+        return parse_retry_after(self.headers.get("retry-after"))
 
 
 class ServerError(BrokerHTTPError):
@@ -210,7 +226,7 @@ _BY_STATUS: dict[int, type[BrokerHTTPError]] = {
 DEFAULT_RETRY_AFTER_S = 1.0
 
 
-def _retry_after(value: str | None) -> float:
+def parse_retry_after(value: str | None) -> float:
     """Seconds from a Retry-After header (delta-seconds form); 1 s when absent or unreadable."""
     try:
         seconds = float(value) if value is not None else DEFAULT_RETRY_AFTER_S

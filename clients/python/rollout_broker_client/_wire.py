@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from rollout_broker_client._errors import BrokerUnreachable, error_from_response
+from rollout_broker_client._errors import BrokerUnreachable, error_from_response, parse_retry_after
 from rollout_broker_client._models import (
     Accounting,
     AckResult,
@@ -65,9 +65,12 @@ PromptLike = Prompt | Mapping[str, Any] | str
 class Call(Generic[T]):
     """One request and how to read its answer.
 
-    ``idempotent``: sending it again after it may have reached the broker changes nothing (true
-    of everything but a lease, and of a run creation without a run_id), so it may be retried
-    after a lost answer. ``extra_timeout`` lengthens the read timeout (long polls).
+    ``idempotent``: sending it again after it may have reached the broker changes nothing, so it
+    may be retried after a lost answer or an outage. Every request this client builds is: it
+    names what it creates (the run_id of a run, the batch_id of a lease, the lease_id of a work
+    lease) and ingest is by rollout_id. ``retry_statuses``: the statuses that mean "try again
+    later" (an outage, a restarting broker behind a proxy). ``extra_timeout`` lengthens the
+    read timeout (long polls).
     """
 
     method: str
@@ -640,31 +643,74 @@ class Api:
 
 @dataclass(frozen=True, slots=True)
 class Retry:
-    """When and how long to wait before sending a request again.
+    """When and how long to wait before sending a request again, through broker restarts and
+    outages of its Redis or Postgres.
 
-    A request that never reached the broker (connection refused, connect timeout) is always
-    retried; one whose answer was lost (read error or timeout) or that met 502/503/504 only when
-    it is idempotent. Waits grow exponentially from ``backoff_s`` to ``max_backoff_s``, jittered.
+    Retried: a request that never reached the broker (connection refused, connect timeout);
+    one whose answer was lost (the connection dropped, a read timeout) or that met ``502``,
+    ``503`` or ``504``, when it is idempotent, as every request of this client is (ingest by
+    ``rollout_id``, a lease by the ``batch_id`` and a work lease by the ``lease_id`` the client
+    chose, ...). Not retried: any other status, ``500`` included (a bug, not an outage), and
+    ``429``, which the writer waits out on its own terms.
+
+    The waits grow exponentially from ``backoff_s`` to ``max_backoff_s``, jittered (each is 50
+    to 100 % of its step), and are at least the ``Retry-After`` the broker or a proxy sent. A
+    request gives up (and its error is raised) when its next attempt would start more than
+    ``deadline_s`` after its first, plus the long poll's own wait (``wait_s``), or after
+    ``retries`` resends; None lifts either limit.
     """
 
-    retries: int = 3
+    deadline_s: float | None = 60.0
+    retries: int | None = None
     backoff_s: float = 0.1
-    max_backoff_s: float = 2.0
+    max_backoff_s: float = 5.0
 
     def delay(self, attempt: int) -> float:
-        return random.uniform(0.5, 1.0) * min(self.max_backoff_s, self.backoff_s * 2.0**attempt)
+        """The backoff before resend number ``attempt + 1``."""
+        step = min(self.max_backoff_s, self.backoff_s * 2.0 ** min(attempt, 64))
+        return random.uniform(0.5, 1.0) * step
 
-    def after_error(self, call: Call[Any], exc: httpx.TransportError, attempt: int) -> bool:
-        if attempt >= self.retries:
-            return False
-        never_sent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
-        return never_sent or call.idempotent
+    def pause(
+        self,
+        call: Call[Any],
+        attempt: int,
+        elapsed_s: float,
+        *,
+        error: httpx.TransportError | None = None,
+        response: httpx.Response | None = None,
+    ) -> float | None:
+        """Seconds to wait before resending ``call`` after its attempt number ``attempt``
+        (from 0) failed with ``error`` or answered ``response``, ``elapsed_s`` after the first
+        attempt began; None to give up."""
+        retry_after: float | None = None
+        if error is not None:
+            never_sent = isinstance(
+                error, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout
+            )
+            if not (never_sent or call.idempotent):
+                return None
+        elif response is not None:
+            if not call.idempotent or response.status_code not in call.retry_statuses:
+                return None
+            header = response.headers.get("retry-after")
+            if header is not None:
+                retry_after = parse_retry_after(header)
+        else:
+            return None
+        if self.retries is not None and attempt >= self.retries:
+            return None
+        wait = self.delay(attempt)
+        if retry_after is not None:
+            wait = max(wait, retry_after)
+        if self.deadline_s is not None and elapsed_s + wait > self.deadline_s + call.extra_timeout:
+            return None
+        return wait
 
-    def after_status(self, call: Call[Any], status: int, attempt: int) -> bool:
-        return attempt < self.retries and call.idempotent and status in call.retry_statuses
 
-
-def unreachable(call: Call[Any], base_url: str, exc: httpx.TransportError) -> BrokerUnreachable:
+def unreachable(
+    call: Call[Any], base_url: str, exc: httpx.TransportError, attempts: int, elapsed_s: float
+) -> BrokerUnreachable:
+    tries = "" if attempts == 1 else f" ({attempts} attempts in {elapsed_s:.1f} s)"
     return BrokerUnreachable(
-        f"{call.method} {base_url}{call.path}: {type(exc).__name__}: {exc or 'no answer'}"
+        f"{call.method} {base_url}{call.path}: {type(exc).__name__}: {exc or 'no answer'}{tries}"
     )
