@@ -29,6 +29,13 @@ class Settings(BaseSettings):
     data_dir: Path | None = Field(default=None, description="Data folder of embedded services")
 
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="A request body that sends no byte for this long is answered 408 and its "
+        "connection closed (the wait between two reads, not the whole upload)",
+    )
     max_rollouts_per_request: int = Field(default=4096, ge=1, le=65536)
     max_tokens_per_rollout: int = Field(default=262_144, ge=1, le=16_777_216)
     max_batch_size: int = Field(default=8192, ge=1, le=1_000_000)

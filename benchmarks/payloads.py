@@ -142,3 +142,28 @@ def make_prompt(seed: int = 1) -> PromptPayload:
     item = orjson.dumps({"prompt_id": _PLACEHOLDER, "prompt_ids": ids, "data": data})
     pre, post = _split(item, orjson.dumps(_PLACEHOLDER))
     return PromptPayload(pre, post, msgpack.packb({"i": ids, "d": data}))
+
+
+# -- one maximal body -------------------------------------------------------------------------
+BIG_TOKENS = 262_144  # the broker's default max_tokens_per_rollout
+BIG_BODY_LIMIT = 64 * 1024 * 1024  # its default max_body_bytes
+
+
+def big_json_body(rollouts: int, tag: str = "big") -> bytes:
+    """``{"rollouts": [...]}`` of ``rollouts`` JSON rollouts of 262,144 tokens each, about 9
+    bytes of JSON a token (ids below 1,000, one-decimal logprobs, as in the trial that found a
+    64 MB ingest stalling the server for a second); 28 of them are the most that fit in 64 MiB."""
+    rng = np.random.default_rng(2)
+    ids = b",".join(b"%d" % x for x in rng.integers(0, 1000, BIG_TOKENS).tolist())
+    lps = b",".join(b"-%.1f" % x for x in rng.uniform(0.0, 9.9, BIG_TOKENS).tolist())
+    items = [
+        b'{"rollout_id":'
+        + orjson.dumps(rollout_id(tag, 0, i))
+        + b',"policy_version":0,"reward":1.0,"response_ids":['
+        + ids
+        + b'],"logprobs":['
+        + lps
+        + b"]}"
+        for i in range(rollouts)
+    ]
+    return ingest_body("json", items)

@@ -193,6 +193,21 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def reset_peak_rss(pid: int) -> None:
+    """Start ``VmHWM`` of the process over from its current resident size (Linux 4.0+)."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The process's peak resident size since it started or since :func:`reset_peak_rss`."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmHWM for pid {pid}")
+
+
 def uvicorn_stack() -> str:
     """Which event loop and HTTP parser uvicorn's ``auto`` settings pick here."""
     import importlib.util

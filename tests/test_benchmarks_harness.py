@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.payloads import RAW_BYTES
+from benchmarks.payloads import RAW_BYTES, big_json_body
 from benchmarks.run import QUICK
 
 RATES = ("rollouts/s", "prompts/s")
@@ -37,6 +37,8 @@ def expected_rows() -> list[str]:
     rows += [f"scale.buffered.{n}.p{q}" for n in s.levels for q in (50, 99)]
     rows += [f"scale.trainers.{n}.{k}" for n in s.trainers for k in ("p50", "p99", "rate")]
     rows += [f"work.queued.{n}.{k}" for n in s.work_levels for k in ("rate", "p50", "p99")]
+    rows += ["bodies.healthz.idle.p50", "bodies.healthz.ingest.p50", "bodies.healthz.ingest.max"]
+    rows += ["bodies.ingest", "bodies.peak_rss"]
     return rows
 
 
@@ -116,11 +118,14 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
         assert (f"ingest.msgpack.64.p{procs}", "≥0.5× raw") in targets
     assert (f"lease_ack.msgpack.{QUICK.batch}", "≥0.5× raw") in targets
     assert ("memory.used_memory", "≤1.3× raw arrays") in targets
+    assert ("bodies.peak_rss", "≤4× body") in targets
+    big_body = len(big_json_body(QUICK.big_rollouts))
     for (rid, name), (r, t) in targets.items():
         want = {
             "≥0.5× raw": (r["vs_raw"], 0.5, False),
             ">1× naive": (r["vs_naive"], 1.0, False),
             "≤1.3× raw arrays": (r["value"] / RAW_BYTES, 1.3, True),
+            "≤4× body": (r["value"] / big_body, 4.0, True),
         }[name]
         ratio, need, at_most = want
         assert t["ratio"] == pytest.approx(ratio, rel=1e-12), (rid, name)

@@ -1,8 +1,21 @@
-"""Request bodies (JSON or msgpack, size-limited) and responses (orjson or msgpack)."""
+"""Request bodies (JSON or msgpack, size-limited, read under a timeout) and responses (orjson or
+msgpack).
+
+A big body is never held as Python objects all at once: a document of one list field
+(``{"rollouts": [...]}``) of :data:`STREAM_BYTES` or more is validated and packed one item at a
+time (:func:`pack_items`), with exactly the answers the whole-document parse gives, and that
+work runs in a worker thread (:func:`sized_call`), so the event loop keeps serving other
+requests meanwhile.
+"""
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+import asyncio
+import ctypes
+import logging
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 import msgpack
 import numpy as np
@@ -12,47 +25,155 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 from rollout_broker_client.protocol import MSGPACK, MSGPACK_TYPES
 
-from app.errors import PayloadTooLarge, UnsupportedMediaType, ValidationFailed
+from app.errors import BrokerError, PayloadTooLarge, UnsupportedMediaType, ValidationFailed
+
+if TYPE_CHECKING:
+    from app.settings import Settings
+
+log = logging.getLogger("rollout_broker")
 
 M = TypeVar("M", bound=BaseModel)
 J = TypeVar("J", bound=BaseModel)
+T = TypeVar("T")
+P = ParamSpec("P")
+
+Body = bytes | bytearray
+
+STREAM_BYTES = 1 << 20
+"""Bodies of at least this size are validated one item at a time, in a worker thread."""
+
+_DEFAULT_BODY_TIMEOUT_S = 30.0  # the setting's default, for an app without settings
 
 
-def describe_errors(errors: list[Any], limit: int = 5) -> str:
-    """A readable summary of pydantic errors that never echoes the input (which may be NaN)."""
+class RequestTimeout(BrokerError):
+    """The client stopped sending its body: no byte for ``BROKER_BODY_TIMEOUT_S``. The answer
+    closes the connection, whose request stream is no longer in step."""
+
+    status = 408
+
+
+class ClientClosedRequest(BrokerError):
+    """The client went away before its body was complete (nginx's 499). Nobody reads this
+    answer; it ends the request without a traceback."""
+
+    status = 499
+
+
+def describe_errors(errors: list[Any], limit: int = 5, *, total: int | None = None) -> str:
+    """A readable summary of pydantic errors that never echoes the input (which may be NaN);
+    ``total`` counts errors beyond those passed in."""
     parts = []
     for e in errors[:limit]:
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
         parts.append(f"{loc}: {e.get('msg', 'invalid')}")
-    more = len(errors) - limit
+    more = (len(errors) if total is None else total) - limit
     if more > 0:
         parts.append(f"and {more} more")
     return "; ".join(parts)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+# -- reading a body ------------------------------------------------------------------------------
+
+
+def _body_timeout_s(request: Request) -> float:
+    settings: Settings | None = getattr(request.app.state, "settings", None)
+    return _DEFAULT_BODY_TIMEOUT_S if settings is None else settings.body_timeout_s
+
+
+async def read_body(request: Request, limit: int, *, timeout_s: float | None = None) -> Body:
+    """The request's body, at most ``limit`` bytes (413 beyond), gathered in one buffer (no
+    second copy to join chunks).
+
+    A client that sends no byte for ``timeout_s`` (default: the app's ``body_timeout_s``) is
+    answered 408 and its connection closed; one that disconnects mid-body ends the request with
+    one log line.
+    """
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"body of {declared} bytes is above the limit of {limit} bytes")
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
+    wait_s = _body_timeout_s(request) if timeout_s is None else timeout_s
+    where = f"{request.method} {request.url.path}"
+    of = f" of {declared}" if declared is not None else ""
+    body = bytearray()
+    while True:
+        try:
+            async with asyncio.timeout(wait_s):
+                message = await request.receive()
+        except TimeoutError:
+            log.warning(
+                "%s: no body byte for %g s after %d%s bytes; answered 408, connection closed",
+                where,
+                wait_s,
+                len(body),
+                of,
+            )
+            raise RequestTimeout(
+                f"the body stalled: no byte for {wait_s:g} s after {len(body)}{of} bytes",
+                headers={"Connection": "close"},
+            ) from None
+        if message["type"] == "http.disconnect":
+            log.warning("%s: the client went away after %d%s body bytes", where, len(body), of)
+            raise ClientClosedRequest(f"the client went away after {len(body)}{of} body bytes")
+        chunk = message.get("body", b"")
+        if len(body) + len(chunk) > limit:
             raise PayloadTooLarge(f"body is above the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+        body += chunk
+        if not message.get("more_body", False):
+            return body
+
+
+def _libc_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+    return trim
+
+
+_malloc_trim = _libc_malloc_trim()
+
+
+async def sized_call(size: int, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """``fn(*args, **kwargs)`` for a body of ``size`` bytes: here when it is small, in a worker
+    thread from :data:`STREAM_BYTES` on, so that parsing it does not stall the event loop.
+
+    After a big body, the freed pages go back to the OS (glibc's ``malloc_trim``): the worker
+    thread's heap is left full of holes between the results it keeps (an item's lists freed
+    around its packed bytes), tens of megabytes that no other thread's allocation would reuse.
+    """
+    if size < STREAM_BYTES:
+        return fn(*args, **kwargs)
+
+    def work() -> T:
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if _malloc_trim is not None:
+                _malloc_trim(0)
+
+    return await asyncio.to_thread(work)
+
+
+# -- parsing a body ------------------------------------------------------------------------------
 
 
 def is_msgpack(content_type: str | None) -> bool:
-    return (content_type or "").split(";", 1)[0].strip().lower() in MSGPACK_TYPES
+    return _kind(content_type) in MSGPACK_TYPES
+
+
+def _kind(content_type: str | None) -> str:
+    return (content_type or "application/json").split(";", 1)[0].strip().lower()
+
+
+def _is_json(kind: str) -> bool:
+    return kind == "application/json" or kind.endswith("+json")
 
 
 def parse_body(
-    body: bytes, content_type: str | None, json_model: type[J], msgpack_model: type[M]
+    body: Body, content_type: str | None, json_model: type[J], msgpack_model: type[M]
 ) -> J | M:
     """Validate a body with the model of its format; malformed input is one 422."""
-    kind = (content_type or "application/json").split(";", 1)[0].strip().lower()
+    kind = _kind(content_type)
     try:
         if kind in MSGPACK_TYPES:
             try:
@@ -62,13 +183,226 @@ def parse_body(
                     f"body is not valid msgpack ({type(exc).__name__}: {exc or 'truncated'})"
                 ) from None
             return msgpack_model.model_validate(doc)
-        if kind == "application/json" or kind.endswith("+json"):
+        if _is_json(kind):
             return json_model.model_validate_json(body or b"{}")
     except ValidationError as exc:
         raise ValidationFailed(describe_errors(exc.errors(include_input=False))) from None
     raise UnsupportedMediaType(
         f"content type {kind!r} is not supported; send application/json or application/msgpack"
     )
+
+
+class _Malformed(Exception):
+    """An item is not well-formed JSON or msgpack: the whole-document parse names the error."""
+
+
+class _Invalid:
+    """The validation errors of one item, located in the whole document."""
+
+    __slots__ = ("errors",)
+
+    def __init__(self, exc: ValidationError, field: str, index: int) -> None:
+        errors = exc.errors(include_input=False)
+        if any(e["type"] == "json_invalid" for e in errors):
+            raise _Malformed
+        self.errors = [{**e, "loc": (field, index, *e["loc"])} for e in errors]
+
+
+class _Count(Sequence[Any]):
+    """``n`` items that are not there: hands a body's item count to a ``pack`` function's rules
+    on the count before any item has been parsed (iterating it yields nothing)."""
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, index: int) -> Any: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Any]: ...
+    def __getitem__(self, index: int | slice) -> Any:
+        raise IndexError(index)
+
+
+def pack_items(
+    body: Body,
+    content_type: str | None,
+    field: str,
+    items: tuple[type[J], type[M]],
+    whole: tuple[type[BaseModel], type[BaseModel]],
+    pack: Callable[[Sequence[Any]], list[T]],
+) -> list[T]:
+    """``pack(parse_body(body, content_type, *whole).<field>)``, with the same answer and the
+    same errors, holding the Python objects of one item at a time.
+
+    ``items`` are the models of one item of the list ``field`` (JSON, msgpack), ``whole`` those
+    of the document. A body below :data:`STREAM_BYTES`, or one that is not exactly
+    ``{"<field>": [...]}``, takes the whole-document parse. Otherwise the items are validated
+    and packed one by one, and the order of the whole parse's answers is kept: any item's
+    validation errors first (all of them, as one 422), then ``pack``'s rules on the count, then
+    the first item ``pack`` refuses. A body found malformed on the way goes to the whole parse,
+    which names the error as it always has.
+    """
+    listing = _listing(body, content_type, field, items) if len(body) >= STREAM_BYTES else None
+    if listing is None:
+        return pack(getattr(parse_body(body, content_type, *whole), field))
+    count, validated = listing
+    out: list[T] = []
+    shown: list[Any] = []  # the first errors, as many as describe_errors shows
+    errors = 0
+    refused: BrokerError | None = None
+    try:
+        pack(_Count(count))
+    except BrokerError as exc:
+        refused = exc
+    try:
+        for item in validated:
+            if isinstance(item, _Invalid):
+                shown.extend(item.errors[: max(0, 5 - len(shown))])
+                errors += len(item.errors)
+            elif not errors and refused is None:
+                try:
+                    out.extend(pack([item]))
+                except BrokerError as exc:
+                    refused = exc
+                    out.clear()
+    except _Malformed:
+        return pack(getattr(parse_body(body, content_type, *whole), field))
+    if errors:
+        raise ValidationFailed(describe_errors(shown, total=errors))
+    if refused is not None:
+        raise refused
+    return out
+
+
+def _listing(
+    body: Body, content_type: str | None, field: str, items: tuple[type[J], type[M]]
+) -> tuple[int, Iterator[J | M | _Invalid]] | None:
+    """The number of items and an iterator validating them one by one, or None when the body is
+    not exactly ``{"<field>": [...]}`` in a format this reads."""
+    kind = _kind(content_type)
+    if kind in MSGPACK_TYPES:
+        found = _msgpack_listing(body, field)
+        if found is None:
+            return None
+        count, unpacker = found
+        return count, _msgpack_items(unpacker, count, len(body), field, items[1])
+    if _is_json(kind):
+        spans = _json_spans(body, field)
+        if spans is None:
+            return None
+        return len(spans), _json_items(body, spans, field, items[0])
+    return None
+
+
+# JSON: where each item of the list lies, found by a scan of strings and brackets (a regular
+# expression does the byte work, Python sees a few tokens per item); each item is then parsed
+# by pydantic exactly as within the whole document.
+_JSON_HEAD = re.compile(rb'[ \t\n\r]*\{[ \t\n\r]*"([A-Za-z_]+)"[ \t\n\r]*:[ \t\n\r]*\[')
+_JSON_BLANK = re.compile(rb"[ \t\n\r]*")
+_JSON_TAIL = re.compile(rb"[ \t\n\r]*\}[ \t\n\r]*")
+_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[^"{}\[\]]+|[{}\[\]]', re.DOTALL)
+_QUOTE, _CLOSE_LIST = ord('"'), ord("]")
+
+
+def _json_spans(body: Body, field: str) -> list[tuple[int, int]] | None:
+    """The (start, end) of each item of the document's list ``field``; None unless the body is
+    ``{"<field>": [...]}`` with its strings terminated and its brackets balanced."""
+    head = _JSON_HEAD.match(body)
+    if head is None or head[1] != field.encode():
+        return None
+    spans: list[tuple[int, int]] = []
+    start = pos = head.end()
+    depth = 0
+    for token in _JSON_TOKEN.finditer(body, pos):
+        if token.start() != pos:  # a string that never ends
+            return None
+        at, pos = token.start(), token.end()
+        c = body[at]
+        if c == _QUOTE:
+            continue
+        if c in b"{[":
+            depth += 1
+        elif c in b"}]":
+            if depth:
+                depth -= 1
+                continue
+            if c != _CLOSE_LIST:
+                return None
+            if spans or not _JSON_BLANK.fullmatch(body, start, at):
+                spans.append((start, at))
+            return spans if _JSON_TAIL.fullmatch(body, pos) else None
+        elif depth == 0:  # between items: commas end them
+            comma = body.find(b",", at, pos)
+            while comma >= 0:
+                spans.append((start, comma))
+                start = comma + 1
+                comma = body.find(b",", start, pos)
+    return None  # the list never closes
+
+
+def _json_items(
+    body: Body, spans: list[tuple[int, int]], field: str, model: type[J]
+) -> Iterator[J | _Invalid]:
+    for i, (start, end) in enumerate(spans):
+        try:
+            yield model.model_validate_json(body[start:end])
+        except ValidationError as exc:
+            yield _Invalid(exc, field, i)
+
+
+# msgpack: a streaming unpacker reads the document's map and list headers, then one item at a
+# time, through a reader that copies one slice of the body at a time.
+_READ_SIZE = 1 << 20
+
+
+class _Reader:
+    def __init__(self, data: Body) -> None:
+        self._view = memoryview(data)
+        self._pos = 0
+
+    def read(self, n: int) -> bytes:
+        chunk = self._view[self._pos : self._pos + n].tobytes()
+        self._pos += len(chunk)
+        return chunk
+
+
+def _msgpack_listing(body: Body, field: str) -> tuple[int, msgpack.Unpacker] | None:
+    unpacker = msgpack.Unpacker(
+        _Reader(body),
+        raw=False,
+        strict_map_key=True,
+        read_size=_READ_SIZE,
+        max_buffer_size=max(len(body), 2 * _READ_SIZE),
+    )
+    try:
+        if unpacker.read_map_header() != 1 or unpacker.unpack() != field:
+            return None
+        count: int = unpacker.read_array_header()
+    except Exception:  # not a map of one list: the whole parse says what it is
+        return None
+    return count, unpacker
+
+
+def _msgpack_items(
+    unpacker: msgpack.Unpacker, count: int, size: int, field: str, model: type[M]
+) -> Iterator[M | _Invalid]:
+    for i in range(count):
+        try:
+            doc = unpacker.unpack()
+        except Exception:
+            raise _Malformed from None
+        try:
+            yield model.model_validate(doc)
+        except ValidationError as exc:
+            yield _Invalid(exc, field, i)
+    if unpacker.tell() != size:  # bytes after the document
+        raise _Malformed
+
+
+# -- responses -----------------------------------------------------------------------------------
 
 
 def wants_msgpack(request: Request) -> bool:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from app.api.codec import parse_body, read_body, render
+from app.api.codec import pack_items, read_body, render, sized_call
 from app.api.deps import broker_of, settings_of
-from app.broker.schemas import IngestJSON, IngestMsgpack, IngestResult
+from app.broker.schemas import IngestJSON, IngestMsgpack, IngestResult, RolloutJSON, RolloutMsgpack
 
 router = APIRouter(prefix="/v1/runs", tags=["rollouts"])
 
@@ -30,6 +30,19 @@ _BODY_DOC = {
 )
 async def post_rollouts(run_id: str, request: Request) -> Response:
     body = await read_body(request, settings_of(request).max_body_bytes)
-    req = parse_body(body, request.headers.get("content-type"), IngestJSON, IngestMsgpack)
-    result = await broker_of(request).ingest(run_id, req.rollouts)
+    broker = broker_of(request)
+    # A big body is validated and packed one rollout at a time in a worker thread: the event
+    # loop keeps serving, and the body's rollouts never all exist as Python lists at once.
+    packed = await sized_call(
+        len(body),
+        pack_items,
+        body,
+        request.headers.get("content-type"),
+        "rollouts",
+        (RolloutJSON, RolloutMsgpack),
+        (IngestJSON, IngestMsgpack),
+        broker.pack,
+    )
+    del body  # the packed rollouts are all that is needed from here
+    result = await broker.ingest_packed(run_id, packed)
     return render(result, status_code=202)

@@ -218,7 +218,11 @@ class Broker:
         ]
 
     async def ingest(self, run_id: str, rollouts: Sequence[RolloutJSON]) -> IngestResult:
-        packed = self.pack(rollouts)
+        return await self.ingest_packed(run_id, self.pack(rollouts))
+
+    async def ingest_packed(self, run_id: str, packed: list[PackedRollout]) -> IngestResult:
+        """Ingest rollouts :meth:`pack` has packed (the API packs big bodies off the event
+        loop, one rollout at a time)."""
         with self._refusals(run_id):
             out = await self.store.ingest(run_id, packed)
         return IngestResult(
