@@ -1,6 +1,10 @@
 """The ``rollout-broker`` command: run the API, the workers, the migrations, and the operator
-commands (``runs``, ``policy``, ``accounting``, ``prompts``, ``watch``), which go through the HTTP
-client."""
+commands (``runs``, ``policy``, ``batches``, ``accounting``, ``prompts``, ``watch``), which go
+through the HTTP client.
+
+Every error ends a command with one line on stderr (``error: ...``) and a non-zero status:
+``1`` for what went wrong at run time, ``2`` for a bad command line. ``watch`` waits through a
+broker that cannot be reached and a run that does not exist yet."""
 
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ if TYPE_CHECKING:
         BrokerClient,
         PromptCounts,
         PromptState,
+        Retry,
         Run,
         VersionAccounting,
     )
@@ -37,16 +42,45 @@ cli = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-runs_cli = typer.Typer(help="List, create, show and close runs.", no_args_is_help=True)
+runs_cli = typer.Typer(help="List, create, show, configure and close runs.", no_args_is_help=True)
 policy_cli = typer.Typer(help="Policy versions of a run.", no_args_is_help=True)
+batches_cli = typer.Typer(help="Leased batches of a run.", no_args_is_help=True)
 cli.add_typer(runs_cli, name="runs")
 cli.add_typer(policy_cli, name="policy")
+cli.add_typer(batches_cli, name="batches")
 
 Url = Annotated[
     str,
     typer.Option("--url", envvar="BROKER_URL", help="Broker API base URL", show_envvar=True),
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for scripts")]
+
+
+def _run_id(value: str | None) -> str | None:
+    """A run id as the broker accepts them (``RunId``), checked before any request: ``.`` and
+    ``..`` would not even reach the run, a URL path resolves them away."""
+    if value is None:
+        return value
+    from pydantic import TypeAdapter, ValidationError
+
+    from app.broker.config import RunId
+
+    try:
+        TypeAdapter(RunId).validate_python(value)
+    except ValidationError:
+        raise typer.BadParameter(
+            f"{value!r} is not a run id: 1 to 128 of A-Z a-z 0-9 . _ -, other than . and .."
+        ) from None
+    return value
+
+
+RunArg = Annotated[str, typer.Argument(help="Run id", callback=_run_id)]
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    """End the command with ``message`` as its one line on stderr."""
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
 
 
 # -- services ------------------------------------------------------------------------------------
@@ -64,10 +98,13 @@ Migrate = Annotated[
 
 
 def _embedded_settings(settings: Settings, data_dir: Path | None) -> tuple[Settings, object]:
-    from app.embedded import default_data_dir, start_embedded
+    from app.embedded import EmbeddedStartError, default_data_dir, start_embedded
 
     folder = data_dir or settings.data_dir or default_data_dir()
-    services = start_embedded(folder)
+    try:
+        services = start_embedded(folder)
+    except EmbeddedStartError as exc:  # its message says why, and what to do
+        raise _fail(str(exc)) from None
     typer.echo(f"embedded Redis and Postgres under {folder}", err=True)
     updated = settings.model_copy(
         update={
@@ -80,9 +117,33 @@ def _embedded_settings(settings: Settings, data_dir: Path | None) -> tuple[Setti
 
 
 def _upgrade(database_url: str) -> None:
+    """Migrate to the latest schema; a database that cannot be reached or migrated ends the
+    command with one line naming it and the driver's reason."""
+    from alembic.util import CommandError
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import SQLAlchemyError
+
     from app.accounting.db import upgrade_to_head_sync
 
-    upgrade_to_head_sync(database_url)
+    try:
+        upgrade_to_head_sync(database_url)
+    except (OSError, SQLAlchemyError, CommandError) as exc:  # the driver's errors come wrapped
+        where = make_url(database_url).render_as_string(hide_password=True)
+        raise _fail(f"cannot migrate the database {where}: {_reason(exc)}") from None
+
+
+def _reason(exc: BaseException) -> str:
+    """An error's innermost cause on one line: the driver's message rather than SQLAlchemy's
+    wrapping of it, or the exception's name when it has none."""
+    seen: set[int] = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        inner = getattr(exc, "orig", None) or exc.__cause__
+        if not isinstance(inner, BaseException):
+            break
+        exc = inner
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
 
 
 @cli.command()
@@ -210,19 +271,22 @@ def _console() -> Console:
 
 
 @contextlib.contextmanager
-def _broker(url: str) -> Iterator[BrokerClient]:
-    """A client for one command; broker errors become one line on stderr and exit status 1."""
-    from rollout_broker_client import BrokerClient, BrokerHTTPError, BrokerUnreachable
+def _broker(url: str, retry: Retry | None = None) -> Iterator[BrokerClient]:
+    """A client for one command; broker errors become one line on stderr and exit status 1.
+    A request is sent again a few times, for a second or so, before the broker counts as
+    unreachable: an operator waits for an answer, not for a minute of retries."""
+    from rollout_broker_client import BrokerClient, BrokerError, BrokerHTTPError, BrokerUnreachable
+    from rollout_broker_client import Retry as RetryPolicy
 
     try:
-        with BrokerClient(url) as broker:
+        with BrokerClient(url, retry=retry or RetryPolicy(retries=3)) as broker:
             yield broker
     except BrokerHTTPError as err:
-        typer.echo(f"error: {err.error}: {err.detail}", err=True)
-        raise typer.Exit(1) from None
+        raise _fail(f"{err.error}: {err.detail}") from None
     except BrokerUnreachable as err:
-        typer.echo(f"error: cannot reach the broker at {url}: {err}", err=True)
-        raise typer.Exit(1) from None
+        raise _fail(f"cannot reach the broker at {url}: {err}") from None
+    except BrokerError as err:
+        raise _fail(f"{type(err).__name__}: {err}") from None
 
 
 def _jsonable(value: Any) -> Any:
@@ -329,18 +393,55 @@ def runs_list(
 
 @runs_cli.command("create")
 def runs_create(
-    run_id: Annotated[str | None, typer.Argument(help="Run id (default: a new one)")] = None,
+    run_id: Annotated[
+        str | None, typer.Argument(help="Run id (default: a new one)", callback=_run_id)
+    ] = None,
     config: Annotated[
         list[str] | None,
-        typer.Option("--config", "-c", help="RunConfig field as KEY=VALUE; repeat for more"),
+        typer.Option(
+            "--config",
+            "-c",
+            help="RunConfig field of the new run as KEY=VALUE; repeat for more (`runs config` "
+            "changes an existing run's)",
+        ),
     ] = None,
     url: Url = "http://127.0.0.1:8000",
     as_json: AsJson = False,
 ) -> None:
-    """Create a run (the same id and config again is a no-op)."""
+    """Create a run (the same id and config again is a no-op; another config for an existing
+    run is refused: change it with `runs config`)."""
+    from rollout_broker_client import RunConflict
+
     cfg = _parse_config(config or [])
     with _broker(url) as broker:
-        run = broker.create_run(run_id, cfg)
+        try:
+            run = broker.create_run(run_id, cfg)
+        except RunConflict as err:
+            raise _fail(
+                f"{err.error}: {err.detail}; change its config with "
+                f"`rollout-broker runs config {run_id} -c KEY=VALUE`"
+            ) from None
+    if as_json:
+        _print_json(run)
+    else:
+        _console().print(_run_detail(run))
+
+
+@runs_cli.command("config")
+def runs_config(
+    run_id: RunArg,
+    config: Annotated[
+        list[str],
+        typer.Option("--config", "-c", help="RunConfig field as KEY=VALUE; repeat for more"),
+    ],
+    url: Url = "http://127.0.0.1:8000",
+    as_json: AsJson = False,
+) -> None:
+    """Change fields of a run's config (the others keep their values); the rules apply from the
+    broker's next decision on."""
+    cfg = _parse_config(config)
+    with _broker(url) as broker:
+        run = broker.patch_config(run_id, **cfg)
     if as_json:
         _print_json(run)
     else:
@@ -349,7 +450,7 @@ def runs_create(
 
 @runs_cli.command("show")
 def runs_show(
-    run_id: Annotated[str, typer.Argument(help="Run id")],
+    run_id: RunArg,
     url: Url = "http://127.0.0.1:8000",
     as_json: AsJson = False,
 ) -> None:
@@ -364,7 +465,7 @@ def runs_show(
 
 @runs_cli.command("close")
 def runs_close(
-    run_id: Annotated[str, typer.Argument(help="Run id")],
+    run_id: RunArg,
     url: Url = "http://127.0.0.1:8000",
     as_json: AsJson = False,
 ) -> None:
@@ -395,7 +496,7 @@ def runs_delete(
 
 @policy_cli.command("set")
 def policy_set(
-    run_id: Annotated[str, typer.Argument(help="Run id")],
+    run_id: RunArg,
     version: Annotated[int, typer.Argument(help="The new policy version", min=0)],
     url: Url = "http://127.0.0.1:8000",
     as_json: AsJson = False,
@@ -410,6 +511,26 @@ def policy_set(
             f"run {run_id} is at policy version {result.policy_version}; "
             f"{result.evicted} rollouts retired as stale"
         )
+
+
+# -- batches -------------------------------------------------------------------------------------
+
+
+@batches_cli.command("nack")
+def batches_nack(
+    run_id: RunArg,
+    batch_id: Annotated[str, typer.Argument(help="Batch id (from the lease)")],
+    url: Url = "http://127.0.0.1:8000",
+    as_json: AsJson = False,
+) -> None:
+    """Give a leased batch back unused: its rollouts return to the buffer as they were, as when
+    its trainer fails (and it does not wait for the lease to expire)."""
+    with _broker(url) as broker:
+        returned = broker.nack(run_id, batch_id)
+    if as_json:
+        _print_json({"returned": returned})
+    else:
+        typer.echo(f"batch {batch_id} of run {run_id}: {returned} rollouts back in the buffer")
 
 
 # -- accounting ----------------------------------------------------------------------------------
@@ -436,6 +557,35 @@ def _prompt_line(p: PromptCounts) -> str:
         f"queued {p.queued:,}, in flight {p.in_flight:,}, done {p.done:,}, failed {p.failed:,}"
         f" (retried {p.retried:,})"
     )
+
+
+def ledger_check(acc: Accounting) -> tuple[bool, str]:
+    """Whether the accounting can be trusted, and why not: the ledger's buffered and leased
+    equal the broker's live counts (``live``), every event is applied (``pending_events`` 0),
+    none was dead-lettered, and received = buffered + leased + retired. A broker that does not
+    report ``live`` or ``dead_letters`` cannot be checked: no ✓ then."""
+    raw = acc.raw
+    why = []
+    if acc.unaccounted:
+        why.append(f"off by {acc.unaccounted:,}")
+    live = raw.get("live")
+    if not isinstance(live, dict):
+        why.append("the broker does not report its live counts")
+    elif (acc.buffered, acc.leased) != (live.get("buffered"), live.get("leased")):
+        why.append(
+            f"the ledger's buffered {acc.buffered:,}, leased {acc.leased:,} are not the live "
+            f"{live.get('buffered')}, {live.get('leased')}"
+        )
+    if acc.pending_events is None:
+        why.append("the broker does not report pending events")
+    elif acc.pending_events:
+        why.append(f"{acc.pending_events:,} events not yet applied")
+    dead = raw.get("dead_letters")
+    if dead is None:
+        why.append("the broker does not report dead letters")
+    elif dead:
+        why.append(f"{dead:,} dead letters")
+    return not why, "; ".join(why)
 
 
 def accounting_table(acc: Accounting, run: Run | None = None) -> RenderableType:
@@ -485,12 +635,19 @@ def accounting_table(acc: Accounting, run: Run | None = None) -> RenderableType:
     table.add_row("leased", _fmt(acc.leased), "in live leases")
     table.add_row("retired", _fmt(acc.retired_total), _reasons(acc.retired))
     table.add_row("wasted tokens", _fmt(acc.wasted_tokens), "of rollouts retired unused")
-    check = "✓" if acc.unaccounted == 0 else f"✗ off by {acc.unaccounted:,}"
+    ok, why = ledger_check(acc)
     table.add_row(
         "buffered + leased + retired",
-        check,
+        "✓" if ok else "✗",
         f"{acc.buffered:,} + {acc.leased:,} + {acc.retired_total:,} = {acc.rollouts_received:,}"
         " received",
+    )
+    table.add_row(
+        "ledger = live",
+        "",
+        "buffered and leased as the broker counts them, all events applied, none dead-lettered"
+        if ok
+        else f"✗ {why}",
         end_section=True,
     )
     section("waits")
@@ -554,7 +711,7 @@ def versions_table(rows: list[VersionAccounting]) -> RenderableType:
 
 @cli.command()
 def accounting(
-    run_id: Annotated[str, typer.Argument(help="Run id")],
+    run_id: RunArg,
     url: Url = "http://127.0.0.1:8000",
     as_json: AsJson = False,
     versions: Annotated[bool, typer.Option("--versions", help="Per policy version")] = False,
@@ -607,7 +764,7 @@ def prompts_table(
 
 @cli.command()
 def prompts(
-    run_id: Annotated[str, typer.Argument(help="Run id")],
+    run_id: RunArg,
     state: Annotated[
         PassState | None, typer.Option("--state", "-s", help="Only passes in this state")
     ] = None,
@@ -694,6 +851,8 @@ def watch_view(now: _Frame, before: _Frame | None) -> RenderableType:
     busy = change(lambda a: a.wait.trainer_s, " waiting on average")
     flow.add_row("trainers waited", _seconds(acc.wait.trainer_s), busy)
     flow.add_row("retired", _fmt(acc.retired_total), _reasons(acc.retired))
+    ok, why = ledger_check(acc)
+    flow.add_row("ledger = live", "✓" if ok else "✗", why)
     flow.add_row("KL", f"mean {_fmt(acc.kl.mean, 3)}", f"max {_fmt(acc.kl.max, 3)}")
     flow.add_row(
         "IS ratio",
@@ -712,21 +871,30 @@ def watch_view(now: _Frame, before: _Frame | None) -> RenderableType:
 
 
 def _frame(broker: BrokerClient, run_id: str) -> _Frame:
-    from rollout_broker_client import NotFound, RunNotFound
+    from rollout_broker_client import NotFound
 
     run = broker.get_run(run_id)
     try:
         acc = broker.accounting(run_id)
-    except RunNotFound:
-        raise
-    except NotFound as err:  # a server without the accounting API
+    except NotFound as err:  # a server without the accounting API, or one not caught up yet
         return _Frame(run, None, time.monotonic(), err.detail)
     return _Frame(run, acc, time.monotonic())
 
 
+def waiting_view(run_id: str, why: str) -> RenderableType:
+    """A frame of ``watch`` while there is nothing to show yet, and why."""
+    from rich.panel import Panel
+
+    return Panel(
+        f"[bold]{run_id}[/]  waiting: {why}",
+        title="rollout-broker watch",
+        subtitle=time.strftime("%H:%M:%S"),
+    )
+
+
 @cli.command()
 def watch(
-    run_id: Annotated[str, typer.Argument(help="Run id")],
+    run_id: RunArg,
     url: Url = "http://127.0.0.1:8000",
     interval: Annotated[float, typer.Option(help="Seconds between refreshes", min=0.05)] = 1.0,
     count: Annotated[
@@ -734,11 +902,14 @@ def watch(
     ] = None,
 ) -> None:
     """A live view of a run: buffered, leased, flow rates, prompt passes, waits, lag histogram,
-    reuse factor, KL."""
+    reuse factor, KL. A broker that cannot be reached or is unavailable, and a run that does
+    not exist yet, are shown as such and tried again at the next refresh."""
     from rich.live import Live
+    from rollout_broker_client import BrokerUnreachable, Retry, RunNotFound, ServerError
 
     console = _console()
-    with _broker(url) as broker:
+    # One attempt a refresh: the refreshes are the retries.
+    with _broker(url, retry=Retry(retries=0)) as broker:
         before: _Frame | None = None
         shown = 0
         live = Live(console=console, auto_refresh=False) if console.is_terminal else None
@@ -747,13 +918,23 @@ def watch(
                 while count is None or shown < count:
                     if shown:
                         time.sleep(interval)
-                    now = _frame(broker, run_id)
-                    view = watch_view(now, before)
+                    view: RenderableType
+                    try:
+                        now = _frame(broker, run_id)
+                    except RunNotFound:
+                        view = waiting_view(run_id, f"no run {run_id!r} (yet)")
+                    except BrokerUnreachable as err:
+                        view = waiting_view(run_id, f"cannot reach the broker at {url}: {err}")
+                    except ServerError as err:  # 5xx: an outage of its Redis or Postgres
+                        view = waiting_view(run_id, f"{err.error}: {err.detail}")
+                    else:
+                        view = watch_view(now, before)
+                        before = now
                     if live is not None:
                         live.update(view, refresh=True)
                     else:  # not a terminal: one frame after the other
                         console.print(view)
-                    before, shown = now, shown + 1
+                    shown += 1
             except KeyboardInterrupt:
                 pass
 

@@ -162,7 +162,13 @@ def start_embedded(
             "BROKER_DATABASE_URL"
         )
     data_dir = data_dir.expanduser()
-    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:  # not writable, a file in the way, ...
+        raise EmbeddedStartError(
+            f"cannot create the data directory {data_dir}: {exc.strerror or exc}; give "
+            "another one with --data-dir (or BROKER_DATA_DIR)"
+        ) from exc
     data_dir = data_dir.resolve()
     runtime = _Runtime(_lock_data_dir(data_dir))
     atexit.register(runtime.stop)

@@ -11,7 +11,15 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 MAX_VERSION = 2**53 - 1
 
 # Ids end up in Redis key names and in the batch ledger: printable, no spaces, bounded.
-RunId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,128}$")]
+# A run id is a URL path segment: '.' and '..' would resolve away (a non-dot first, a non-dot
+# second, or three characters or more).
+RunId = Annotated[
+    str,
+    StringConstraints(
+        pattern=r"^(?:[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}|\.[A-Za-z0-9_-][A-Za-z0-9._-]{0,126}"
+        r"|\.\.[A-Za-z0-9._-]{1,126})$"
+    ),
+]
 ItemId = Annotated[str, StringConstraints(pattern=r"^[^\s\x00-\x1f\x7f{}]{1,256}$")]
 # A prompt's group ids are '<prompt_id>#<pass>.<attempt>': an ItemId whatever the numbers.
 PromptId = Annotated[str, StringConstraints(pattern=r"^[^\s\x00-\x1f\x7f{}]{1,200}$")]

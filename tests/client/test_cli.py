@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import fcntl
+import io
 import json
+import os
+import re
 import uuid
+from pathlib import Path
+from typing import Any
 
 import pytest
-from rollout_broker_client import BrokerClient, Rollout
+from rollout_broker_client import Accounting, BrokerClient, Rollout, ValidationFailed
+from rollout_broker_client._wire import parse_accounting
 from typer.testing import CliRunner
 
 from app.cli import cli
+from tests.cli_process import broker_env as cli_env
+from tests.cli_process import rollout_broker
 from tests.client.live import LiveServer
-from tests.services import fresh_database
+from tests.services import fresh_database, url_of_database
 
 runner = CliRunner()
 
@@ -231,3 +240,228 @@ def test_serve_refuses_half_a_configuration(
     code, _, err = invoke(None, "serve", "--port", "0")
     assert code == 2
     assert f"{missing} is not set" in err
+
+
+# -- errors: one line each, and the commands that were missing ------------------------------------
+
+
+def _one_line(err: str) -> str:
+    """The only line of ``err``, which starts with ``error: ``."""
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("bad", [".", "..", "a b", "x" * 129, "run/1"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["runs", "show"],
+        ["runs", "close"],
+        ["runs", "config", "{}", "-c", "max_reuse=2"],
+        ["runs", "create"],
+        ["policy", "set", "{}", "1"],
+        ["batches", "nack", "{}", "b1"],
+        ["accounting"],
+        ["prompts"],
+        ["watch"],
+    ],
+    ids=" ".join,
+)
+def test_run_ids_the_broker_refuses_are_refused_before_any_request(
+    command: list[str], bad: str
+) -> None:
+    """``.`` and ``..`` never reached their run: the URL path resolved them away (``runs show .``
+    read the list of runs and crashed)."""
+    args = [a.replace("{}", bad) for a in command] if "{}" in command else [*command, bad]
+    code, out, err = invoke(None, *args, "--url", "http://127.0.0.1:9")
+    assert code == 2, (code, out, err)
+    assert "is not a run id" in err and out == ""
+
+
+def test_a_valid_run_id_goes_through() -> None:
+    for ok in ("...", ".a", "a.", "_-.", "x" * 128):
+        code, _, err = invoke(None, "runs", "show", ok, "--url", "http://127.0.0.1:9")
+        assert code == 1 and "cannot reach the broker" in _one_line(err), (ok, err)
+
+
+def test_migrate_without_its_database_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = f"rbt_missing_{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("BROKER_DATABASE_URL", url_of_database(missing))
+    result = runner.invoke(cli, ["migrate"])
+    assert result.exit_code == 1 and result.stdout == ""
+    line = _one_line(result.stderr)
+    assert "cannot migrate the database postgresql+asyncpg://" in line
+    assert line.endswith(f'database "{missing}" does not exist'), line
+
+    monkeypatch.setenv("BROKER_DATABASE_URL", "postgresql://u:secret@127.0.0.1:9/x")
+    result = runner.invoke(cli, ["migrate"])
+    assert result.exit_code == 1
+    line = _one_line(result.stderr)
+    assert "postgresql+asyncpg://u:***@127.0.0.1:9/x: " in line and "secret" not in line
+
+
+@pytest.mark.slow
+def test_migrate_as_a_process_prints_one_line_and_no_traceback() -> None:
+    url = url_of_database(f"rbt_missing_{uuid.uuid4().hex[:8]}")
+    with rollout_broker("migrate", env=cli_env(BROKER_DATABASE_URL=url)) as command:
+        assert command.exit_code() == 1
+    lines = command.output().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot migrate"), command.output()
+
+
+def test_a_second_serve_on_the_same_data_dir_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("BROKER_REDIS_URL", "BROKER_DATABASE_URL", "BROKER_DATA_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    lock = os.open(tmp_path / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running broker holds it
+        os.pwrite(lock, b"4242\n", 0)
+        result = runner.invoke(cli, ["serve", "--data-dir", str(tmp_path), "--port", "0"])
+    finally:
+        os.close(lock)
+    assert result.exit_code == 1, result.output
+    line = _one_line(result.stderr)
+    assert f"data directory {tmp_path} is already in use by another rollout-broker (pid 4242)" in (
+        line
+    )
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    result = runner.invoke(cli, ["serve", "--data-dir", str(blocked / "data"), "--port", "0"])
+    assert result.exit_code == 1
+    assert f"cannot create the data directory {blocked / 'data'}" in _one_line(result.stderr)
+
+
+def test_watch_waits_for_a_broker_it_cannot_reach() -> None:
+    code, out, err = invoke(
+        None, "watch", "r1", "--url", "http://127.0.0.1:9", "--count", "2", "--interval", "0.05"
+    )
+    assert code == 0, err
+    assert out.count("rollout-broker watch") == 2
+    assert out.count("waiting: cannot reach the broker at http://127.0.0.1:9") == 2
+
+
+@pytest.mark.slow
+def test_watch_waits_for_a_run_that_does_not_exist_yet(live_server: LiveServer) -> None:
+    run = rid()
+    env = cli_env(BROKER_URL=live_server.url, COLUMNS="160")
+    with rollout_broker("watch", run, "--interval", "0.05", env=env) as command:
+        command.wait_for(re.compile(rf"waiting: no run '{run}' \(yet\)"))
+        with BrokerClient(live_server.url) as broker:
+            broker.create_run(run, {"max_reuse": 3})
+        command.wait_for(re.compile(r"max_reuse 3"))
+        assert command.stop() == 0
+    assert "Traceback" not in command.output()
+
+
+@pytest.mark.slow
+def test_runs_config_changes_what_runs_create_refuses_to(live_server: LiveServer) -> None:
+    run = rid()
+    code, _, err = invoke(live_server, "runs", "create", run, "-c", "max_reuse=2")
+    assert code == 0, err
+    code, out, err = invoke(live_server, "runs", "create", run, "-c", "max_reuse=3")
+    assert code == 1 and out == ""
+    line = _one_line(err)
+    assert line.startswith(f"error: RunConflict: run '{run}' exists with a different config")
+    assert line.endswith(f"change its config with `rollout-broker runs config {run} -c KEY=VALUE`")
+
+    code, out, err = invoke(
+        live_server, "runs", "config", run, "-c", "max_reuse=3", "-c", "order=fifo", "--json"
+    )
+    assert code == 0, err
+    config = json.loads(out)["config"]
+    assert (config["max_reuse"], config["order"], config["group_size"]) == (3, "fifo", 1)
+    code, out, _ = invoke(live_server, "runs", "config", run, "-c", "step_groups=4")
+    assert code == 0 and "step_groups" in out and "4" in out
+
+    code, _, err = invoke(live_server, "runs", "config", run, "-c", "max_reuse=0")
+    assert code == 1 and _one_line(err).startswith("error: ValidationFailed:")
+    code, _, err = invoke(live_server, "runs", "config", run)
+    assert code == 2 and "--config" in err
+    code, _, err = invoke(live_server, "runs", "config", rid(), "-c", "max_reuse=2")
+    assert code == 1 and _one_line(err).startswith("error: RunNotFound:")
+
+    # The broker itself refuses the ids the command line does.
+    with BrokerClient(live_server.url) as broker:
+        for bad in (".", ".."):
+            with pytest.raises(ValidationFailed):
+                broker.create_run(bad)
+
+
+@pytest.mark.slow
+def test_batches_nack_returns_a_leased_batch(live_server: LiveServer) -> None:
+    run = rid()
+    with BrokerClient(live_server.url) as broker:
+        broker.create_run(run)
+        broker.post_rollouts(run, [Rollout(f"r{i}", 0, [1, 2], 0.0) for i in range(3)])
+        batch = broker.lease_batch(run, size=2)
+        assert batch is not None
+    code, out, err = invoke(live_server, "batches", "nack", run, batch.batch_id)
+    assert code == 0, err
+    assert out.strip() == f"batch {batch.batch_id} of run {run}: 2 rollouts back in the buffer"
+    code, out, err = invoke(live_server, "batches", "nack", run, "no-such-batch", "--json")
+    assert code == 1 and _one_line(err).startswith("error: BatchNotFound:")
+    with BrokerClient(live_server.url) as broker:
+        again = broker.lease_batch(run, size=3)
+        assert again is not None and len(again.rollouts) == 3  # the two came back
+
+
+# -- the invariant line: ✓ only when the ledger is checked against the live counts -------------
+
+
+def _accounting(**fields: Any) -> Accounting:
+    body: dict[str, Any] = {
+        "rollouts_received": 4,
+        "buffered": 2,
+        "leased": 1,
+        "samples_consumed": 3,
+        "retired": {"max_reuse": 1},
+        "pending_events": 0,
+        "live": {"buffered": 2, "leased": 1},
+        "dead_letters": 0,
+    }
+    body.update(fields)
+    return parse_accounting({k: v for k, v in body.items() if v is not None})
+
+
+def _rendered(acc: Accounting) -> list[str]:
+    from rich.console import Console
+
+    from app.cli import accounting_table
+
+    console = Console(width=160, record=True, file=io.StringIO())
+    console.print(accounting_table(acc))
+    return console.export_text().splitlines()
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({}, None),
+        ({"live": None}, "the broker does not report its live counts"),
+        ({"dead_letters": None}, "the broker does not report dead letters"),
+        ({"pending_events": None}, "the broker does not report pending events"),
+        ({"pending_events": 5}, "5 events not yet applied"),
+        ({"dead_letters": 2}, "2 dead letters"),
+        (
+            {"live": {"buffered": 1, "leased": 1}},
+            "the ledger's buffered 2, leased 1 are not the live 1, 1",
+        ),
+        ({"buffered": -2, "live": {"buffered": -2, "leased": 1}}, "off by 4"),
+    ],
+)
+def test_the_invariant_line_is_a_check_only_against_the_live_counts(
+    fields: dict[str, Any], why: str | None
+) -> None:
+    lines = _rendered(_accounting(**fields))
+    [line] = [x for x in lines if "buffered + leased + retired" in x]
+    [check] = [x for x in lines if "ledger = live" in x]
+    if why is None:
+        assert "✓" in line and "✗" not in line + check
+        assert "all events applied, none dead-lettered" in check
+    else:
+        assert "✓" not in line and "✗" in line
+        assert f"✗ {why}" in check
