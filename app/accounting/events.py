@@ -32,6 +32,7 @@ import msgpack
 
 __all__ = [
     "EVENT_TYPES",
+    "MAX_TEXT",
     "SCHEMA",
     "Accepted",
     "AcceptedItem",
@@ -68,11 +69,32 @@ __all__ = [
     "lag_of",
     "markdown_table",
     "pack_payload",
+    "text_fault",
 ]
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
-_MAX_TEXT = 1024
+MAX_TEXT = 1024
+
+
+def text_fault(value: str) -> str | None:
+    """Why the ledger cannot hold ``value`` as a text (an id, a reason), or None when it can.
+
+    This is the one rule: the decoder applies it to every text of an event, and the API applies
+    it to every id it accepts (app/broker/config.py), so whatever a script is given to record,
+    the drain can apply. A Postgres ``text`` holds no NUL and only UTF-8; the length bound keeps
+    ledger rows and keys small.
+    """
+    if len(value) > MAX_TEXT:
+        return f"longer than {MAX_TEXT} characters"
+    if "\x00" in value:
+        return "holds a NUL character, which the ledger cannot store"
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return "is not valid Unicode (a lone surrogate)"
+    return None
 
 
 class EventError(ValueError):
@@ -506,8 +528,9 @@ def _text(value: Any, what: str) -> str:
             raise EventError(f"{what}: not UTF-8") from None
     if not isinstance(value, str):
         raise EventError(f"{what}: expected a string, got {type(value).__name__}")
-    if "\x00" in value or len(value) > _MAX_TEXT:
-        raise EventError(f"{what}: NUL byte or longer than {_MAX_TEXT} characters")
+    fault = text_fault(value)
+    if fault is not None:
+        raise EventError(f"{what}: {fault}")
     return value
 
 

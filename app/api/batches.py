@@ -9,7 +9,7 @@ from fastapi.responses import Response
 
 from app.api.codec import parse_body, read_body, render, wants_msgpack
 from app.api.deps import broker_of, settings_of
-from app.broker.config import MAX_VERSION
+from app.broker.config import MAX_VERSION, ItemId, LeaseId
 from app.broker.schemas import AckBody, AckMsgpack, AckResult, BatchOut, NackResult
 from app.broker.service import LeasedBatch
 
@@ -28,13 +28,12 @@ async def lease_batch(
     policy_version: Annotated[int | None, Query(ge=0, le=MAX_VERSION)] = None,
     wait_s: Annotated[float, Query(ge=0, le=3600, allow_inf_nan=False)] = 0.0,
     partial: bool = False,
-    trainer_id: Annotated[str | None, Query(max_length=256)] = None,
+    trainer_id: Annotated[
+        ItemId | None, Query(description="Recorded with the batch in the ledger")
+    ] = None,
     batch_id: Annotated[
-        str | None,
-        Query(
-            pattern=r"^[A-Za-z0-9_-]{8,64}$",
-            description="Client-chosen id: retrying the call returns the same live batch",
-        ),
+        LeaseId | None,
+        Query(description="Client-chosen id: retrying the call returns the same live batch"),
     ] = None,
 ) -> Response:
     batch = await broker_of(request).lease(

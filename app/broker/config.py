@@ -5,26 +5,38 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+
+from app.accounting.events import text_fault
 
 # Versions and lags are exact doubles inside Redis's Lua: stay within 2**53.
 MAX_VERSION = 2**53 - 1
 
-# Ids end up in Redis key names and in the batch ledger: printable, no spaces, bounded.
-# A run id is a URL path segment: '.' and '..' would resolve away (a non-dot first, a non-dot
-# second, or three characters or more).
-RunId = Annotated[
-    str,
-    StringConstraints(
-        pattern=r"^(?:[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}|\.[A-Za-z0-9_-][A-Za-z0-9._-]{0,126}"
-        r"|\.\.[A-Za-z0-9._-]{1,126})$"
-    ),
-]
-ItemId = Annotated[str, StringConstraints(pattern=r"^[^\s\x00-\x1f\x7f{}]{1,256}$")]
+
+def _ledger_text(value: str) -> str:
+    """An id the scripts record must be one the accounting drain can apply: the ledger's own
+    text rule (app/accounting/events.py), checked here on top of each id's pattern, so a
+    pattern widened later cannot let through an id that would be dead-lettered."""
+    fault = text_fault(value)
+    if fault is not None:
+        raise ValueError(fault)
+    return value
+
+
+LedgerText = AfterValidator(_ledger_text)
+
+# Ids end up in Redis key names and in the ledger: printable, no spaces, bounded.
+RUN_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+ITEM_ID_PATTERN = r"^[^\s\x00-\x1f\x7f{}]{1,256}$"
+PROMPT_ID_PATTERN = r"^[^\s\x00-\x1f\x7f{}]{1,200}$"
+LEASE_ID_PATTERN = r"^[A-Za-z0-9_-]{8,64}$"
+RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN), LedgerText]
+# Rollout, group, trainer and generator ids.
+ItemId = Annotated[str, StringConstraints(pattern=ITEM_ID_PATTERN), LedgerText]
 # A prompt's group ids are '<prompt_id>#<pass>.<attempt>': an ItemId whatever the numbers.
-PromptId = Annotated[str, StringConstraints(pattern=r"^[^\s\x00-\x1f\x7f{}]{1,200}$")]
+PromptId = Annotated[str, StringConstraints(pattern=PROMPT_ID_PATTERN), LedgerText]
 # Client-chosen ids of batches and work leases, which make their calls safe to retry.
-LeaseId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{8,64}$")]
+LeaseId = Annotated[str, StringConstraints(pattern=LEASE_ID_PATTERN), LedgerText]
 MAX_EPOCHS = 1000  # passes per prompt: the prompt queue's order stays exact (app/broker/lua)
 
 KlEstimator = Literal["k1", "k2", "k3"]
