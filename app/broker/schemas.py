@@ -5,7 +5,7 @@ little-endian bytes."""
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -19,6 +19,7 @@ from app.broker.config import (
     RunConfigPatch,
     RunId,
 )
+from app.broker.stats import FIGURE_CAP
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -132,10 +133,18 @@ class PolicyResult(BaseModel):
     evicted: int
 
 
+# A trainer's ready-made KL of one rollout: a divergence (≥ 0), within the cap every measured
+# figure saturates at (app/broker/stats.py), so sums over it stay finite.
+ReadyKl = Annotated[float, Field(ge=0, le=FIGURE_CAP, allow_inf_nan=False)]
+
+
 class AckBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     logprobs: dict[str, list[float]] | None = None
-    kl: dict[str, float] | None = None
+    kl: dict[str, ReadyKl] | None = Field(
+        None,
+        description=f"Ready-made KL by rollout id, 0 to {FIGURE_CAP:g}, instead of logprobs",
+    )
     step: int | None = Field(None, ge=0, le=MAX_VERSION)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -329,9 +328,8 @@ class Broker:
             raise ValidationFailed(
                 f"rollout {sorted(both)[0]!r} has both logprobs and kl; give one of them"
             )
-        for rid, value in ready_kl.items():
-            if not math.isfinite(value):
-                raise ValidationFailed(f"kl of rollout {rid!r} must be finite")
+        # Ready-made kl values were bounded by AckBody, and stats.py caps what it computes:
+        # every figure below is finite, so the acked event can always be applied.
 
         current = _current_logprobs(rows, new_lp)
         items = [

@@ -4,10 +4,20 @@ With ``old`` the behaviour logprobs (from ingest) and ``new`` the current policy
 ack), per token ``log_r = new - old`` and ``r = exp(log_r)``; Schulman's estimators of
 KL(π_old ‖ π_new) from samples of π_old are ``k1 = -log_r``, ``k2 = log_r² / 2`` and
 ``k3 = (r - 1) - log_r``.
+
+Every figure is finite, whatever logprobs were accepted (finite float32, ≤ 0, so
+``|log_r| ≤ 3.4e38``): each per-token importance ratio and KL estimate saturates at
+:data:`FIGURE_CAP`, and ``exp`` never overflows on the way there (``r`` and ``k3`` are taken
+from ``log_r`` compared in log space first). The cap sits above ``|log_r|``'s own bound, so k1 is
+never capped, and far above every ``kl_max``/``kl_flush`` a run accepts (≤ 1e12) times the most
+tokens a rollout or batch can hold: a capped rollout or batch is gated exactly as its true
+figures would be. It also bounds a ready-made ``kl`` (schemas.AckBody). Sums over a batch
+(``≤ 1.7e13`` tokens) and over a run's ledger then stay far from double overflow.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,21 +27,54 @@ import numpy.typing as npt
 
 F64 = npt.NDArray[np.float64]
 
+# The largest per-token importance ratio or KL estimate, and the largest ready-made KL.
+FIGURE_CAP = 1e40
+
+
+def _log_cap() -> float:
+    x = math.log(FIGURE_CAP)
+    while math.expm1(x) > FIGURE_CAP:  # log() may round up by an ulp or two
+        x = math.nextafter(x, 0.0)
+    return x
+
+
+# The largest log_r whose r - 1 is computed; above it r - 1 saturates at expm1(LOG_FIGURE_CAP).
+LOG_FIGURE_CAP = _log_cap()
+
+
+def _saturates(log_r: F64) -> bool:
+    """Whether any token's r - 1 would pass the cap (one reduction; on-policy data never does)."""
+    return bool(log_r.size) and float(log_r.max()) > LOG_FIGURE_CAP
+
+
+def ratio_minus_1(log_r: F64, out: F64 | None = None) -> F64:
+    """``r - 1 = expm1(log_r)`` per token, at most :data:`FIGURE_CAP`: ``log_r`` is capped
+    before it is exponentiated, so nothing overflows."""
+    if not _saturates(log_r):
+        return np.expm1(log_r, out=out)
+    capped = np.minimum(log_r, LOG_FIGURE_CAP, out=out)
+    return np.expm1(capped, out=capped)
+
 
 def kl_per_token(
     log_r: F64, estimator: str, r_minus_1: F64 | None = None, out: F64 | None = None
 ) -> F64:
-    """Per-token KL estimates. ``r_minus_1`` is ``expm1(log_r)`` when the caller has it;
-    ``out`` (which may be ``r_minus_1``) receives the result."""
+    """Per-token KL estimates, each at most :data:`FIGURE_CAP`. ``r_minus_1`` is
+    :func:`ratio_minus_1` of ``log_r`` when the caller has it; ``out`` (which may be
+    ``r_minus_1``) receives the result."""
     if estimator == "k1":
-        return np.negative(log_r, out=out)
+        return np.negative(log_r, out=out)  # |log_r| ≤ 3.4e38 < FIGURE_CAP: never capped
     if estimator == "k2":
-        k = np.multiply(log_r, log_r, out=out)
+        k = np.multiply(log_r, log_r, out=out)  # ≤ 1.2e77: no overflow
         k *= 0.5
-        return k
+        return np.minimum(k, FIGURE_CAP, out=k)
     if estimator == "k3":
-        em1 = np.expm1(log_r) if r_minus_1 is None else r_minus_1
-        return np.subtract(em1, log_r, out=out)
+        em1 = ratio_minus_1(log_r) if r_minus_1 is None else r_minus_1
+        k = np.subtract(em1, log_r, out=out)  # for log_r < 0: ≤ -log_r ≤ 3.4e38
+        if _saturates(log_r):
+            # Where r - 1 saturated the difference is no longer k3, which is above the cap.
+            np.copyto(k, FIGURE_CAP, where=log_r > LOG_FIGURE_CAP)
+        return k
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
@@ -92,7 +135,7 @@ def batch_figures(items: Sequence[Measured], estimator: str, clip_epsilon: float
         ess = ess_fraction(np.add.reduceat(log_r, starts))
         # r - 1 rather than r: exact near 1, where on-policy tokens are, and it serves k3,
         # the ratio sum (n + Σ(r - 1)) and the clip test alike.
-        r_minus_1 = np.expm1(log_r, out=buf)
+        r_minus_1 = ratio_minus_1(log_r, out=buf)
         ratio_tokens = kl_tokens = int(log_r.size)
         ratio_sum = ratio_tokens + float(r_minus_1.sum())
         clipped = int(

@@ -10,6 +10,9 @@ import msgpack
 import numpy as np
 import pytest
 
+from app.accounting.events import Acked, decode_entry
+from app.broker import keys
+from app.broker.stats import FIGURE_CAP
 from tests.api.support import (
     MSGPACK,
     assert_error,
@@ -373,6 +376,10 @@ async def test_batch_of_another_run_is_404(api):
         {"logprobs": {"A": [-0.5, -0.5, -0.5]}, "kl": {"A": 0.1}},  # both for one rollout
         {"logprobs": {"A": "x"}},
         {"kl": {"A": "high"}},
+        {"kl": {"A": -1000.0}},  # a KL is never negative: it would pull kl_mean under kl_flush
+        {"kl": {"A": -1e-300}},
+        {"kl": {"A": 1e308}},  # above the cap: kl × tokens would overflow the accounting
+        {"kl": {"A": FIGURE_CAP * 1.000001}},
         {"step": -1},
         {"unknown": 1},
     ],
@@ -384,6 +391,10 @@ async def test_batch_of_another_run_is_404(api):
         "logprobs_and_kl",
         "logprobs_not_a_list",
         "kl_not_a_number",
+        "kl_negative",
+        "kl_barely_negative",
+        "kl_1e308",
+        "kl_above_the_cap",
         "negative_step",
         "unknown_field",
     ],
@@ -418,6 +429,63 @@ async def test_non_finite_ack_values_are_422(api, raw):
     )
     assert_error(resp, 422, "ValidationFailed")
     assert (await ack(api, "r1", batch["batch_id"])).status_code == 200
+
+
+async def _acked_events(redis, prefix: str, run_id: str) -> list[Acked]:
+    """The run's acked events through the accounting drain's own decoder: one that raises here
+    would be dead-lettered."""
+    out = []
+    for entry_id, fields in await redis.xrange(keys.events_key(prefix, run_id)):
+        event = decode_entry(run_id, entry_id, fields)
+        if isinstance(event.body, Acked):
+            out.append(event.body)
+    return out
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+async def test_ack_statistics_stay_finite_at_the_logprob_bounds(api, redis, prefix, estimator):
+    """Behaviour logprob -1000 acked with 0 overflowed exp(): the ack answered null statistics
+    and its event could not be applied. Now every figure is a number, capped where it would
+    overflow, and the far off-policy rollout retires by kl as its true KL demands."""
+    f32_min = float(np.finfo(np.float32).min)
+    await make_run(api, "r1", kl_estimator=estimator, max_reuse=5, kl_max=1e4, kl_flush=1e12)
+    await post(
+        api,
+        "r1",
+        rollout("far", tokens=1, logprobs=[-1000.0]),
+        rollout("edge", tokens=2, logprobs=[f32_min, 0.0]),
+        rollout("near", tokens=2, logprobs=[-0.5, -0.5]),
+    )
+    batch = (await lease(api, "r1", 3)).json()
+    lp = {"far": [0.0], "edge": [0.0, f32_min], "near": [-0.5, -0.5]}
+    resp = await ack(api, "r1", batch["batch_id"], logprobs=lp)
+    assert resp.status_code == 200, resp.text
+    stats = resp.json()["stats"]
+    assert all(v is not None and math.isfinite(v) for v in stats.values()), stats
+    assert stats["kl_max"] <= FIGURE_CAP
+    assert stats["clip_fraction"] == pytest.approx(3 / 5)
+    [acked] = await _acked_events(redis, prefix, "r1")
+    assert acked.stats.kl_mean == stats["kl_mean"]
+    assert all(item.kl is not None and math.isfinite(item.kl) for item in acked.items)
+    if estimator != "k1":  # k1 of 'far' is -1000, of 'edge' 0
+        assert (await retired(redis, prefix, "r1"))["kl"] == ["edge", "far"]
+
+
+async def test_ready_made_kl_at_the_cap_is_accepted_and_recorded(api, redis, prefix):
+    await make_run(api, "r1", max_reuse=3, kl_max=1e12, kl_flush=1e12)
+    posted = await post(
+        api, "r1", rollout("A", tokens=100_000, logprobs=None), rollout("B", tokens=1)
+    )
+    assert posted.status_code == 202 and posted.json()["accepted"] == 2, posted.text[:300]
+    batch = (await lease(api, "r1", 2)).json()
+    resp = await ack(api, "r1", batch["batch_id"], kl={"A": FIGURE_CAP, "B": 0.0})
+    assert resp.status_code == 200, resp.text
+    stats = resp.json()["stats"]
+    assert stats["kl_max"] == FIGURE_CAP
+    assert stats["kl_mean"] == pytest.approx(FIGURE_CAP * 100_000 / 100_001)
+    assert resp.json()["flushed"] == 0 and resp.json()["retired"] == 1
+    [acked] = await _acked_events(redis, prefix, "r1")
+    assert acked.sums.kl_sum == FIGURE_CAP * 100_000
 
 
 async def test_ack_with_unsupported_content_type_is_415(api):

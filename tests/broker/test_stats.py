@@ -5,7 +5,17 @@ import math
 import numpy as np
 import pytest
 
-from app.broker.stats import Measured, batch_figures, ess_fraction, kl_per_token
+from app.broker.stats import (
+    FIGURE_CAP,
+    LOG_FIGURE_CAP,
+    Measured,
+    batch_figures,
+    ess_fraction,
+    kl_per_token,
+    ratio_minus_1,
+)
+
+F32_MIN = float(np.finfo(np.float32).min)
 
 
 def f32(xs):
@@ -136,3 +146,101 @@ def test_batch_figures_agree_with_a_rollout_by_rollout_computation(estimator):
     assert (fig.kl_tokens, fig.ratio_tokens, fig.clipped) == (kl_tokens, ratio_tokens, clipped)
     w = np.exp(np.array(seq_log_w))
     assert fig.ess_fraction == pytest.approx(w.sum() ** 2 / (w.size * (w * w).sum()), rel=1e-9)
+
+
+# -- the cap: every figure finite, whatever logprobs an ack may carry -------------------------
+
+FIGURES = ("kl_mean", "kl_max", "is_ratio_mean", "clip_fraction", "ess_fraction")
+# log_r = new - old at and around every bound: float32's extremes, exp's overflow (709.8),
+# the cap's own threshold (92.1), on-policy and barely off it.
+EXTREME_LOG_R = [
+    -F32_MIN,
+    1000.0,
+    710.0,
+    LOG_FIGURE_CAP + 0.5,
+    LOG_FIGURE_CAP,
+    50.0,
+    1e-30,
+    0.0,
+    -1e-30,
+    -50.0,
+    -1000.0,
+    F32_MIN,
+]
+
+
+def test_the_cap_sits_where_the_docs_say():
+    assert FIGURE_CAP == 1e40
+    assert math.expm1(LOG_FIGURE_CAP) <= FIGURE_CAP < math.expm1(math.nextafter(LOG_FIGURE_CAP, 99))
+    # Above float32's largest magnitude, so k1 (= -log_r) is never capped ...
+    assert -F32_MIN < FIGURE_CAP
+    # ... and above every kl_max / kl_flush (<= 1e12) times the most tokens of a batch
+    # (1e6 rollouts x 2**24 tokens), so a capped figure is gated as the true one would be.
+    assert FIGURE_CAP / (1_000_000 * 2**24) > 1e12
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_per_token_figures_are_finite_and_capped_at_every_bound(estimator):
+    log_r = np.array(EXTREME_LOG_R)
+    with np.errstate(all="raise"):  # no overflow on the way either
+        k = kl_per_token(log_r, estimator)
+        em1 = ratio_minus_1(log_r)
+    assert np.isfinite(k).all() and np.isfinite(em1).all()
+    assert (k <= FIGURE_CAP).all() and (em1 <= FIGURE_CAP).all()
+    assert (em1 >= -1).all()
+    if estimator == "k1":
+        assert list(k) == [-x for x in EXTREME_LOG_R]  # never capped
+    elif estimator == "k2":  # log_r² / 2 reaches the cap only near float32's extremes
+        assert k[0] == k[-1] == FIGURE_CAP
+        assert k[1] == 500_000.0
+    else:  # above the threshold r saturates, and k3 (larger still) is the cap itself
+        assert list(k[:4]) == [FIGURE_CAP] * 4
+        assert k[-1] == -1 - F32_MIN  # for log_r < 0, k3 = e^log_r - 1 - log_r needs no cap
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_below_the_cap_figures_are_exact(estimator):
+    log_r = np.array([-80.0, -20.0, -1.0, 0.0, 1.0, 20.0, 80.0])
+    exact = {
+        "k1": [-x for x in log_r],
+        "k2": [x * x / 2 for x in log_r],
+        "k3": [math.expm1(x) - x for x in log_r],
+    }[estimator]
+    assert kl_per_token(log_r, estimator) == pytest.approx(exact, rel=1e-12)
+    assert ratio_minus_1(log_r) == pytest.approx([math.expm1(x) for x in log_r], rel=1e-12)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ([-1000.0], [0.0]),  # the reported case: exp(1000) overflowed, the ack lost its event
+        ([F32_MIN], [0.0]),
+        ([0.0], [F32_MIN]),
+        ([F32_MIN] * 4096, [0.0] * 4096),  # sums over many capped tokens
+        ([-1000.0, -0.5], [0.0, -0.5]),
+    ],
+    ids=["minus_1000", "f32_min_to_0", "0_to_f32_min", "many_capped", "mixed"],
+)
+def test_batch_figures_stay_finite_at_the_extremes(estimator, old, new):
+    items = [Measured(f32(old), f32(new), None, len(old)), Measured(None, None, FIGURE_CAP, 8)]
+    with np.errstate(all="raise"):
+        fig = batch_figures(items, estimator, 0.2)
+    values = [getattr(fig, name) for name in FIGURES] + [fig.kl_sum, fig.ratio_sum, *fig.kl]
+    assert all(v is not None and math.isfinite(v) for v in values), values
+    assert fig.kl_max == FIGURE_CAP  # the ready-made one at the cap
+    assert 0 < fig.ess_fraction <= 1
+
+
+@pytest.mark.parametrize("estimator", ["k2", "k3"])
+def test_a_capped_rollout_is_judged_as_its_true_kl_would_be(estimator):
+    """One saturated token among the most a rollout may have still puts the rollout's KL above
+    the largest kl_max a run accepts, as its true (overflowing) KL would."""
+    tokens = 2**24
+    old = np.zeros(tokens, dtype=np.float32)
+    new = np.zeros(tokens, dtype=np.float32)
+    old[0] = F32_MIN if estimator == "k3" else 0.0
+    new[0] = 0.0 if estimator == "k3" else F32_MIN
+    fig = batch_figures([Measured(old, new, None, tokens)], estimator, 0.2)
+    assert fig.kl[0] is not None and fig.kl[0] > 1e12
+    assert fig.kl_mean is not None and fig.kl_mean > 1e12
