@@ -1,0 +1,182 @@
+"""Chaos: generators and trainers run through the Python client against two API processes and
+a worker, over a Redis of the test's own (AOF, fsync always), while the worker is SIGKILLed
+twice, an API process once and Redis itself once, each started again.
+
+An extra consumer group that never reads keeps the whole event stream (the drain trims only
+what every group has read), and the test replays it: no rollout the clients were told was
+accepted is missing, none was in two live leases at once, each was used exactly once, and the
+ledger, the live state in Redis and what the clients were told all agree."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from redis.asyncio import Redis
+from rollout_broker_client import AsyncBrokerClient, Rollout
+
+from app.accounting.events import Acked, Leased, Retired, Returned, decode_entry
+from app.broker import keys
+from tests.processes import ApiProcess, RedisServer, broker_env, worker_process
+
+pytestmark = pytest.mark.slow
+
+PREFIX = "chaos"
+RUN = "chaos-run"
+GROUP = 2
+MIN_PER_GENERATOR = 200  # rollouts; generators go on until the last kill is behind them
+AUDIT = "audit"  # the consumer group that never reads
+
+
+def group_of(generator: int, g: int, rng: np.random.Generator) -> list[Rollout]:
+    gid = f"g{generator}-{g}"
+    out = []
+    for k in range(GROUP):
+        n = int(rng.integers(2, 12))
+        out.append(
+            Rollout(
+                rollout_id=f"{gid}-{k}",
+                group_id=gid,
+                policy_version=0,
+                response_ids=rng.integers(0, 32_000, size=n),
+                logprobs=-rng.random(n).astype(np.float32),
+                reward=float(k),
+            )
+        )
+    return out
+
+
+async def test_nothing_lost_or_doubled_through_worker_replica_and_redis_kills(
+    database_url: str, tmp_path: Path
+) -> None:
+    redis_server = RedisServer(tmp_path)
+    await redis_server.start()
+    env = broker_env(
+        BROKER_REDIS_URL=redis_server.url,
+        BROKER_DATABASE_URL=database_url,
+        BROKER_REDIS_PREFIX=PREFIX,
+        BROKER_SWEEP_INTERVAL_S="0.2",
+        BROKER_DRAIN_BLOCK_MS="50",
+        BROKER_WAKE_FALLBACK_S="0.5",
+    )
+    apis = [ApiProcess(env, tmp_path / f"api{i}.log") for i in range(2)]
+    worker = worker_process(env, tmp_path / "worker.log")
+    redis = Redis.from_url(redis_server.url)
+    clients: list[AsyncBrokerClient] = []
+    try:
+        await asyncio.gather(*(a.start() for a in apis), worker.start())
+        clients = [AsyncBrokerClient(a.url) for a in apis]
+        await clients[0].create_run(
+            RUN, {"group_size": GROUP, "max_staleness": 1000, "lease_timeout_s": 60}
+        )
+        await redis.xgroup_create(keys.events_key(PREFIX, RUN), AUDIT, id="0", mkstream=True)
+
+        sent: dict[str, int] = {}  # rollout_id -> tokens, of every rollout a generator sent
+        acked: list[int] = []  # sizes of the batches the trainers were told are acknowledged
+        calm = asyncio.Event()  # the last kill is behind us
+        generating = 2
+
+        async def generate(i: int) -> None:
+            nonlocal generating
+            rng = np.random.default_rng(i)
+            g = 0
+            async with clients[i].writer(RUN, batch_size=2 * GROUP) as writer:
+                while not calm.is_set() or g * GROUP < MIN_PER_GENERATOR:
+                    for r in group_of(i, g, rng):
+                        sent[r.rollout_id] = len(r.response_ids)  # type: ignore[arg-type]
+                        await writer.add(r)
+                    g += 1
+                    await asyncio.sleep(0.01)  # traffic goes on through every kill
+            generating -= 1
+
+        async def train(i: int) -> None:
+            while generating or sum(acked) < len(sent):
+                batch = await clients[i].lease_batch(RUN, 4 * GROUP, wait_s=0.5, partial=True)
+                if batch is None:
+                    continue
+                result = await clients[i].ack(RUN, batch.batch_id)
+                acked.append(result.consumed)
+
+        async def progressed(rollouts: int) -> None:
+            while sum(acked) < rollouts:  # noqa: ASYNC110 - the trainers make progress
+                await asyncio.sleep(0.02)
+
+        async def chaos() -> None:
+            await progressed(40)
+            await worker.kill()
+            await worker.start()
+            await progressed(80)
+            await apis[0].kill()
+            await apis[0].start()
+            await progressed(120)
+            await redis_server.kill()
+            await redis_server.start()
+            await progressed(160)
+            await worker.kill()
+            await worker.start()
+            await progressed(200)
+            calm.set()
+
+        await asyncio.wait_for(
+            asyncio.gather(generate(0), generate(1), train(0), train(1), chaos()), 150
+        )
+        total = len(sent)
+        acc = await clients[1].wait_for_accounting(RUN, timeout_s=60)
+
+        # -- the whole event stream, replayed ---------------------------------------------
+        await redis.aclose()  # its connections died with the server it talked to
+        redis = Redis.from_url(redis_server.url)
+        entries = await redis.xrange(keys.events_key(PREFIX, RUN))
+        events = [decode_entry(RUN, eid, fields) for eid, fields in entries]
+        accepted: Counter[str] = Counter()
+        uses: Counter[str] = Counter()
+        live_lease: dict[str, str] = {}  # rollout_id -> batch holding it
+        double_leases = 0
+        for e in events:
+            body = e.body
+            if e.type == "accepted":
+                accepted.update(i.rollout_id for i in body.items)  # type: ignore[union-attr]
+            elif isinstance(body, Leased):
+                for item in body.items:
+                    if item.rollout_id in live_lease:
+                        double_leases += 1
+                    live_lease[item.rollout_id] = body.batch_id
+            elif isinstance(body, Acked):
+                for a in body.items:
+                    uses[a.rollout_id] += 1
+                    live_lease.pop(a.rollout_id, None)
+            elif isinstance(body, Returned):
+                for r in body.items:
+                    live_lease.pop(r.rollout_id, None)
+            elif isinstance(body, Retired):
+                for t in body.items:
+                    live_lease.pop(t.rollout_id, None)
+        lost = set(sent) - set(accepted)
+        print(
+            f"chaos: {len(sent)} rollouts sent, {sum(accepted.values())} accepted, "
+            f"{len(lost)} lost, {double_leases} double leases, {len(acked)} batches acked, "
+            f"{len(entries)} events; kills: worker {worker.kills}, api {apis[0].kills}, redis 1"
+        )
+        assert total >= 2 * MIN_PER_GENERATOR
+        assert not lost
+        assert set(accepted.values()) == {1}  # accepted once, whatever was retried
+        assert double_leases == 0
+        assert uses == Counter(dict.fromkeys(sent, 1))  # each used exactly once (max_reuse 1)
+
+        # -- ledger == live == what the clients were told ------------------------------------
+        assert acc.rollouts_received == total
+        assert acc.samples_consumed == sum(acked) == total
+        assert acc.tokens_generated == sum(sent.values())
+        assert acc.buffered == acc.leased == 0
+        assert acc.live is not None and (acc.live.buffered, acc.live.leased) == (0, 0)
+        assert acc.dead_letters == 0
+        assert acc.batches.acked == len(acked)
+    finally:
+        for c in clients:
+            await c.close()
+        await asyncio.gather(*(a.stop() for a in apis), worker.stop(), return_exceptions=True)
+        await redis.aclose()
+        await redis_server.kill()
