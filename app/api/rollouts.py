@@ -31,7 +31,7 @@ _BODY_DOC = {
 async def post_rollouts(run_id: str, request: Request) -> Response:
     body = await read_body(request, settings_of(request).max_body_bytes)
     broker = broker_of(request)
-    # A big body is validated and packed one rollout at a time in a worker thread: the event
+    # A big body is validated and packed in a worker thread, one rollout at a time: the event
     # loop keeps serving, and the body's rollouts never all exist as Python lists at once.
     packed = await sized_call(
         len(body),

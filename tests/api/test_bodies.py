@@ -83,7 +83,7 @@ CASES: list[tuple[str, str, bytes, bool]] = [
     ("strings with brackets", J, _json({"rollouts": _rollouts("a", metadata=TRICKY_META)}), True),
     ("one invalid item", J, _json({"rollouts": [*GOOD, {"rollout_id": "x"}]}), True),
     ("many invalid items", J, _json({"rollouts": [{"reward": "1"}] * 4}), True),
-    ("a non-object item", J, _json({"rollouts": [GOOD[0], 7, None]}), True),
+    ("a non-object item", J, _json({"rollouts": [GOOD[0], 7, None]}), False),
     ("refused by pack", J, _json({"rollouts": _rollouts("a", logprobs=[-1.0])}), True),
     (
         "refused by pack, then invalid",
@@ -94,6 +94,16 @@ CASES: list[tuple[str, str, bytes, bool]] = [
     ("refused by pack twice", J, _json({"rollouts": _rollouts("a", "b", response_ids=[])}), True),
     ("too many", J, _json({"rollouts": _rollouts(*"abcde")}), True),
     ("too many, one invalid", J, _json({"rollouts": [*_rollouts(*"abcd"), {}]}), True),
+    (
+        "a backslash ending a string",
+        J,
+        _json({"rollouts": _rollouts("a", metadata={"p": "c:\\"})}),
+        True,
+    ),
+    ("missing comma", J, HEAD + ITEM + ITEM + b"]}", False),
+    ("an item closed by a bracket", J, HEAD + ITEM[:-1] + b"]]}", False),
+    ("a list item", J, _json({"rollouts": [[GOOD[0]]]}), False),
+    ("a backslash outside strings", J, HEAD + ITEM + b"\\]}", False),
     ("trailing comma", J, VALID[:-2] + b",]}", False),
     ("leading comma", J, HEAD + b"," + ITEM + b"]}", False),
     ("double comma", J, HEAD + ITEM + b",," + ITEM + b"]}", False),
@@ -165,6 +175,21 @@ def test_item_by_item_parse_answers_as_the_whole_document(
     assert not calls if itemwise else calls == [1]
 
 
+def test_a_body_of_too_many_strings_and_brackets_takes_the_whole_parse(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    body = _json({"rollouts": _rollouts("a", "b", metadata=TRICKY_META)})
+    monkeypatch.setattr(codec, "STREAM_BYTES", 0)
+    assert codec._json_spans(body, "rollouts") is not None
+    monkeypatch.setattr(codec, "_MAX_SHAPING", 10)
+    assert codec._json_spans(body, "rollouts") is None
+    packed = pack_items(
+        body, "application/json", "rollouts", (RolloutJSON, RolloutMsgpack),
+        (IngestJSON, IngestMsgpack), PACK,
+    )  # fmt: skip
+    assert [p.rollout_id for p in packed] == ["a", "b"]
+
+
 # -- a big ingest does not hold up other requests --------------------------------------------------
 
 
@@ -192,8 +217,8 @@ async def test_healthz_is_answered_while_a_maximal_ingest_is_parsed(
 ) -> None:
     """The first rollout's packing waits until /healthz has been answered: with the parse on
     the event loop, /healthz could only be answered once that wait had timed out."""
-    limit = 4 << 20
-    body = _big_json(6, 99_000)
+    limit = 8 << 20
+    body = _big_json(11, 99_000)  # parsed one rollout at a time (from 4 MiB on)
     assert len(body) <= limit
     packing, answered = threading.Event(), threading.Event()
     pack_rollout = service.pack_rollout
@@ -225,7 +250,7 @@ async def test_healthz_is_answered_while_a_maximal_ingest_is_parsed(
         resp = await posted
     assert health.status_code == 200
     assert resp.status_code == 202, resp.text
-    assert resp.json() == {"accepted": 6, "duplicates": 0, "rejected": []}
+    assert resp.json() == {"accepted": 11, "duplicates": 0, "rejected": []}
     assert released == [True]  # /healthz was answered while the parse was held
     assert order == ["healthz", "ingest"]
 
