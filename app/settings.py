@@ -77,7 +77,15 @@ class Settings(BaseSettings):
     drain_claim_idle_ms: int = Field(
         default=30_000,
         ge=0,
-        description="Idle time after which another consumer's pending entries are claimed",
+        description="Idle time after which any consumer's pending entries are claimed (the "
+        "fallback for consumers that send no heartbeat)",
+    )
+    drain_heartbeat_timeout_ms: int = Field(
+        default=3_000,
+        ge=100,
+        le=600_000,
+        description="A drain consumer with no heartbeat for this long is taken over: its pending "
+        "entries move to a live one and it is deleted from the groups (heartbeats every quarter)",
     )
     drain_max_deliveries: int = Field(
         default=5, ge=1, le=1000, description="Failed deliveries before an entry is dead-lettered"

@@ -1,6 +1,12 @@
 """Draining the run event streams into Postgres: at-least-once from Redis, exactly-once in
 Postgres. A batch of entries is applied in one transaction, committed, and only then
 acknowledged; an entry delivered again is found in ``processed_events`` and skipped.
+
+Every consumer sends a heartbeat to Redis; the entries of one that has gone silent for
+``heartbeat_timeout_ms`` are taken over by another, and the silent one is deleted from the
+groups, so a crashed worker's entries come back within seconds and the groups do not grow with
+restarts.
+Once a run has gone quiet, the drain checks its ledger against the broker's live counts.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from redis.exceptions import ResponseError
 from sqlalchemy.exc import DBAPIError, StatementError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.accounting import repository
+from app.accounting import queries, repository
 from app.accounting.events import Event, EventError, decode_entry
 from app.accounting.stream import Entry, EventStream
 from app.settings import Settings
@@ -50,11 +56,19 @@ class DrainOptions:
     batch_size: int = _default("batch_size")
     block_ms: int = _default("block_ms")
     claim_idle_ms: int = _default("claim_idle_ms")
+    heartbeat_timeout_ms: int = _default("heartbeat_timeout_ms")
     max_deliveries: int = _default("max_deliveries")
     trim: bool = _default("trim")
     crash_after_commits: int | None = _default("crash_after_commits")
     # Rounds of new reads in one pass, so one busy run cannot starve trimming and claiming.
     max_rounds: int = 20
+    # Silent consumers taken over in one go.
+    max_takeovers: int = 16
+
+    @property
+    def beat_s(self) -> float:
+        """How often a consumer sends its heartbeat and looks for silent ones."""
+        return self.heartbeat_timeout_ms / 4000
 
     @classmethod
     def from_settings(cls, settings: Settings) -> DrainOptions:
@@ -62,6 +76,7 @@ class DrainOptions:
             batch_size=settings.drain_batch_size,
             block_ms=settings.drain_block_ms,
             claim_idle_ms=settings.drain_claim_idle_ms,
+            heartbeat_timeout_ms=settings.drain_heartbeat_timeout_ms,
             max_deliveries=settings.drain_max_deliveries,
             trim=settings.drain_trim,
             crash_after_commits=settings.drain_crash_after_commits,
@@ -81,6 +96,10 @@ class DrainCounts:
     dead: int = 0
     missing: int = 0
     trimmed: int = 0
+    taken_over: int = 0  # entries moved here from silent consumers
+    consumers_deleted: int = 0
+    checked: int = 0  # runs whose ledger was checked against the live counts
+    mismatched: int = 0  # ... and disagreed
 
     def add(self, other: DrainCounts) -> None:
         for f in fields(self):
@@ -88,7 +107,8 @@ class DrainCounts:
 
 
 def consumer_name() -> str:
-    """Unique per process, so entries of a killed process are recognisably someone else's."""
+    """Unique per process, so entries of a killed process are recognisably someone else's;
+    its heartbeats tell the others when it is gone."""
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
@@ -134,7 +154,13 @@ class Drainer:
     # Runs where this consumer may hold unacknowledged entries (read, then failed or crashed).
     _dirty: set[str] = field(default_factory=set, init=False)
     _last_claim: float = field(default=float("-inf"), init=False)
+    _last_beat: float = field(default=float("-inf"), init=False)
+    _last_takeover: float = field(default=float("-inf"), init=False)
     _commits: int = field(default=0, init=False)
+    # Runs with entries applied or dead-lettered since their ledger was last checked.
+    _unchecked: set[str] = field(default_factory=set, init=False)
+    # Ledger checks that found ledger != live, since this consumer started.
+    mismatches: int = field(default=0, init=False)
 
     @classmethod
     def create(
@@ -163,29 +189,46 @@ class Drainer:
                 self._dirty.add(run_id)
         return [r for r in run_ids if r in self._grouped]
 
+    async def beat(self) -> None:
+        """Tell the other consumers this one is alive (``run_drain`` also does it from a task
+        of its own, so a long pass does not look like a death)."""
+        await self.stream.beat(self.consumer)
+        self._last_beat = time.monotonic()
+
     async def drain_once(
         self, *, block_ms: int | None = None, claim: bool | None = None
     ) -> DrainCounts:
-        """One pass: own pending entries, then idle entries of dead consumers (every half
-        ``claim_idle_ms``, or when ``claim`` is true), then new entries; then trim."""
+        """One pass: a heartbeat and the take-over of silent consumers (both every quarter of
+        ``heartbeat_timeout_ms``), own pending entries, then entries idle for
+        ``claim_idle_ms`` of any consumer (every half ``claim_idle_ms``, or when ``claim`` is
+        true), then new entries; then trim; then check the ledger of the runs that went
+        quiet."""
         counts = DrainCounts()
+        now = time.monotonic()
+        if now - self._last_beat >= self.options.beat_s:
+            await self.beat()  # before any read: a consumer is known before it holds entries
         run_ids = await self.streams()
         counts.streams = len(run_ids)
+        if now - self._last_takeover >= self.options.beat_s:
+            self._last_takeover = now
+            counts.add(await self.take_over_silent(run_ids))
         touched: set[str] = set()
         for run_id in sorted(self._dirty.intersection(run_ids)):
             got = await self.drain_own_pending(run_id)
             if got.read:
                 touched.add(run_id)
             counts.add(got)
-        now = time.monotonic()
         if claim or (claim is None and now - self._last_claim >= self.options.claim_idle_ms / 2000):
             self._last_claim = now
+            alive = await self.stream.beating(self.options.heartbeat_timeout_ms)
             for run_id in run_ids:
                 got = await self.drain_claimable(run_id)
+                got.consumers_deleted += await self._delete_gone(run_id, alive)
                 if got.read or got.missing:
                     touched.add(run_id)
                 counts.add(got)
         active = list(run_ids)
+        busy: set[str] = set()
         block = block_ms if counts.read == 0 else None
         for _ in range(self.options.max_rounds):
             if not active:
@@ -202,12 +245,98 @@ class Drainer:
             block = None
             for run_id, entries in new.items():
                 touched.add(run_id)
+                busy.add(run_id)
                 counts.add(await self.process(run_id, entries))
             active = [r for r in active if len(new.get(r, ())) >= self.options.batch_size]
         if self.options.trim:
             for run_id in sorted(touched):
                 counts.trimmed += await self.stream.trim_acknowledged(run_id)
+        # A run that got nothing new in this pass may have caught up: check its ledger.
+        for run_id in sorted(self._unchecked.intersection(run_ids) - busy):
+            counts.add(await self.check_ledger(run_id))
         return counts
+
+    async def check_ledger(self, run_id: str) -> DrainCounts:
+        """Compare the run's ledger with the broker's live counts once nothing is pending; a
+        mismatch is logged and counted (``mismatches``). While events are pending, or when the
+        ledger moved past the live read, the run stays to be checked on a later pass."""
+        counts = DrainCounts()
+        async with self.sessionmaker() as session:
+            check = await queries.check_ledger(session, self.stream, run_id)
+        if not check.settled:
+            return counts
+        self._unchecked.discard(run_id)
+        if check.live is None:
+            return counts  # no live state to compare with (the run was deleted)
+        counts.checked += 1
+        if check.mismatch:
+            counts.mismatched += 1
+            self.mismatches += 1
+            log.error(
+                "ledger of run %s disagrees with the live state once caught up: buffered %d "
+                "(live %d), leased %d (live %d), %d dead letters",
+                run_id,
+                check.buffered,
+                check.live.buffered,
+                check.leased,
+                check.live.leased,
+                check.dead_letters,
+            )
+        return counts
+
+    async def take_over_silent(self, run_ids: Sequence[str]) -> DrainCounts:
+        """Take over the consumers with no heartbeat for ``heartbeat_timeout_ms``: move their
+        pending entries here (read on this pass as this consumer's own), delete them from every
+        group and forget them. A consumer that was alive after all loses nothing: an entry it was
+        still working on is applied twice, and the second time is skipped."""
+        counts = DrainCounts()
+        mark, silent = await self.stream.take_silent(
+            self.options.heartbeat_timeout_ms, self.options.max_takeovers
+        )
+        for name in silent:
+            if name == self.consumer:
+                continue  # this process was too busy to beat; it is alive
+            claimed = 0
+            for run_id in run_ids:
+                n = await self.stream.claim_all(
+                    run_id, name, self.consumer, self.options.batch_size
+                )
+                if n:
+                    claimed += n
+                    self._dirty.add(run_id)
+                if await self.stream.delete_consumer(run_id, name) == 1:
+                    counts.consumers_deleted += 1
+            counts.taken_over += claimed
+            await self.stream.forget(name, mark)
+            log.info(
+                "drain consumer %s silent for %d ms: took over its %d pending entries",
+                name,
+                self.options.heartbeat_timeout_ms,
+                claimed,
+            )
+        return counts
+
+    async def _delete_gone(self, run_id: str, alive: set[str]) -> int:
+        """Delete the consumers of one run's group that hold nothing, have been idle for
+        ``claim_idle_ms`` and send no heartbeat (they predate heartbeats, or their heartbeat
+        was lost): what the take-over of silent consumers does not see."""
+        deleted = 0
+        for name, pending, idle_ms in await self.stream.consumers(run_id):
+            if name == self.consumer or name in alive:
+                continue
+            if pending == 0 and idle_ms >= self.options.claim_idle_ms:
+                deleted += await self.stream.delete_consumer(run_id, name) == 1
+        return deleted
+
+    async def leave(self) -> None:
+        """On a clean stop: delete this consumer from the groups where it holds nothing, and,
+        if it holds nothing anywhere, its heartbeat. A consumer that still holds entries keeps
+        its last heartbeat, so that another one takes them over once it is silent."""
+        holding = False
+        for run_id in sorted(self._grouped):
+            holding |= await self.stream.delete_consumer(run_id, self.consumer) == -1
+        if not holding:
+            await self.stream.leave(self.consumer)
 
     async def drain_own_pending(self, run_id: str) -> DrainCounts:
         """Re-deliver this consumer's unacknowledged entries (each once per call)."""
@@ -286,6 +415,8 @@ class Drainer:
         counts.acked += await self.stream.ack(run_id, done)
         if failures:
             await self._settle_failures(run_id, failures, counts)
+        if counts.applied or counts.dead:
+            self._unchecked.add(run_id)
         if not was_dirty and counts.retrying == 0:
             self._dirty.discard(run_id)
         return counts

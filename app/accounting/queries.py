@@ -1,6 +1,10 @@
 """Read side of the accounting, for the operator API: totals, per-version rows, the batch
-ledger, the prompt ledger and dead letters. Derived figures (buffered, leased, means) are
-computed here from the stored sums, so they are always consistent with one another.
+ledger, the prompt ledger and dead letters; and the check of the ledger against the broker's
+live counts (:func:`check_ledger`), which the drain runs once a run has gone quiet.
+
+The ledger's ``buffered`` and ``leased`` are its own flow counts (:func:`ledger_counts`). They
+are checked against ``live``, the broker's counts in Redis, which no event goes through: an
+event the ledger missed or could not apply (a dead letter) shows as ledger != live.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ import base64
 import binascii
 import json
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -20,6 +25,7 @@ from app.accounting.models import (
     PASS_STATES,
     Batch,
     LagCount,
+    ProcessedEvent,
     PromptPass,
     ReasonTotals,
     Run,
@@ -36,6 +42,7 @@ from app.accounting.schemas import (
     IsRatioStats,
     KlStats,
     LagStats,
+    LiveCounts,
     PromptCounts,
     PromptPage,
     PromptPassRecord,
@@ -44,10 +51,22 @@ from app.accounting.schemas import (
     VersionsAccounting,
     WaitStats,
 )
-from app.accounting.stream import EventStream
+from app.accounting.stream import EventStream, LiveSnapshot
 from app.errors import BadRequest, RunNotFound, ValidationFailed
 
-__all__ = ["dead_letters", "list_batches", "list_prompts", "run_accounting", "version_accounting"]
+__all__ = [
+    "LedgerCheck",
+    "check_ledger",
+    "dead_letters",
+    "ledger_counts",
+    "list_batches",
+    "list_prompts",
+    "run_accounting",
+    "version_accounting",
+]
+
+# Reads of Redis then Postgres before giving up on one moment (see _read_settled).
+_SETTLE_TRIES = 5
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:
@@ -110,6 +129,17 @@ def _sum_by_reason(per_version: dict[int, dict[str, dict[str, int]]], kind: str)
     return dict(sorted(total.items()))
 
 
+def ledger_counts(totals: RunTotals | VersionTotals) -> tuple[int, int]:
+    """(buffered, leased) as the ledger counts them, from the rollouts' moves in and out of
+    the buffer: in by ``accepted`` and by every return of a lease (``acked``, ``nacked``,
+    ``expired``), out by ``leased`` and ``retired``; leased = out by ``leased`` − returned."""
+    returned = totals.rollouts_acked + totals.rollouts_nacked + totals.rollouts_expired
+    buffered = (
+        totals.rollouts_received + returned - totals.rollouts_leased - totals.rollouts_retired
+    )
+    return buffered, totals.rollouts_leased - returned
+
+
 def _common(
     totals: RunTotals | VersionTotals,
     rejected: dict[str, int],
@@ -118,18 +148,13 @@ def _common(
 ) -> dict[str, Any]:
     """The fields shared by the run and per-version views, from a totals row (or zeros)."""
     received = totals.rollouts_received
-    leased = (
-        totals.rollouts_leased
-        - totals.rollouts_acked
-        - totals.rollouts_nacked
-        - totals.rollouts_expired
-    )
+    buffered, leased = ledger_counts(totals)
     return {
         "rollouts_received": received,
         "groups_received": totals.groups_received,
         "rejected": rejected,
         "tokens_generated": totals.tokens_generated,
-        "buffered": received - totals.rollouts_retired - leased,
+        "buffered": buffered,
         "leased": leased,
         "samples_consumed": totals.rollouts_acked,
         "tokens_consumed": totals.tokens_consumed,
@@ -153,14 +178,102 @@ def _zero_totals() -> RunTotals:
     return row
 
 
+async def _newest_applied(session: AsyncSession, run_id: str) -> StreamId | None:
+    row = (
+        await session.execute(
+            select(ProcessedEvent.stream_ms, ProcessedEvent.stream_seq)
+            .where(ProcessedEvent.run_id == run_id)
+            .order_by(ProcessedEvent.stream_ms.desc(), ProcessedEvent.stream_seq.desc())
+            .limit(1)
+        )
+    ).first()
+    return None if row is None else StreamId(row[0], row[1])
+
+
+@dataclass(frozen=True, slots=True)
+class _Settled:
+    snapshot: LiveSnapshot
+    pending: int
+    totals: RunTotals | None
+    # The totals hold no event newer than the snapshot: ledger and live describe one moment.
+    current: bool
+
+
+async def _read_settled(session: AsyncSession, stream: EventStream, run_id: str) -> _Settled:
+    """The live snapshot, then the totals: both of one moment whenever nothing is pending.
+
+    Redis is read *before* Postgres: the drain commits before it XACKs, so every event the
+    pending count leaves out is already in the rows read next. Read the other way round, a
+    drain pass between the two reads would pair stale totals with "nothing pending". The rows
+    may instead hold events newer than the snapshot, drained in between: then the ledger is
+    ahead of ``live`` and the two cannot be compared, so both are read again.
+    """
+    for attempt in range(_SETTLE_TRIES):
+        snapshot = await stream.live_snapshot(run_id)
+        pending = await stream.pending_of(run_id, snapshot)
+        await _one_snapshot(session)
+        totals = await session.get(RunTotals, run_id)
+        newest = await _newest_applied(session, run_id)
+        last = snapshot.last_delivered
+        current = newest is None or (last is not None and not StreamId.parse(last) < newest)
+        if current or pending or snapshot.live is None or attempt == _SETTLE_TRIES - 1:
+            return _Settled(snapshot, pending, totals, current)
+        await session.rollback()  # ends the snapshot; the next read starts a new one
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerCheck:
+    """The ledger's buffered and leased rollouts against the broker's live ones."""
+
+    run_id: str
+    pending: int
+    dead_letters: int
+    buffered: int
+    leased: int
+    live: LiveCounts | None
+    current: bool
+
+    @property
+    def settled(self) -> bool:
+        """Nothing pending, and the ledger and the live counts read at one moment."""
+        return self.pending == 0 and self.current
+
+    @property
+    def mismatch(self) -> bool:
+        """Settled, and the ledger disagrees with the live counts."""
+        return (
+            self.settled
+            and self.live is not None
+            and (self.buffered, self.leased) != (self.live.buffered, self.live.leased)
+        )
+
+
+def _live_counts(snapshot: LiveSnapshot) -> LiveCounts | None:
+    buffered = snapshot.buffered
+    if buffered is None or snapshot.leased is None:
+        return None
+    return LiveCounts(buffered=buffered, leased=snapshot.leased)
+
+
+async def check_ledger(session: AsyncSession, stream: EventStream, run_id: str) -> LedgerCheck:
+    """Compare the run's ledger with the live counts in Redis (see :class:`LedgerCheck`)."""
+    settled = await _read_settled(session, stream, run_id)
+    buffered, leased = ledger_counts(settled.totals or _zero_totals())
+    return LedgerCheck(
+        run_id=run_id,
+        pending=settled.pending,
+        dead_letters=settled.snapshot.dead_letters,
+        buffered=buffered,
+        leased=leased,
+        live=_live_counts(settled.snapshot),
+        current=settled.current,
+    )
+
+
 async def run_accounting(session: AsyncSession, stream: EventStream, run_id: str) -> RunAccounting:
-    # Count what is still undrained *before* reading Postgres: the drain commits before it
-    # XACKs, so every event this count leaves out is already in the rows read below. Read the
-    # other way round, a drain pass between the two reads would pair stale totals with
-    # "nothing pending", and a caller waiting for pending_events == 0 would take them as final.
-    pending = await stream.pending_events(run_id)
-    await _one_snapshot(session)
-    totals = await session.get(RunTotals, run_id)
+    settled = await _read_settled(session, stream, run_id)
+    totals = settled.totals
     if totals is None:
         await _require_run(session, stream, run_id)
         totals = _zero_totals()
@@ -200,7 +313,9 @@ async def run_accounting(session: AsyncSession, stream: EventStream, run_id: str
             trainer_s=totals.trainer_wait_ms / 1000,
         ),
         as_of=ms_to_datetime(totals.last_event_ms),
-        pending_events=pending,
+        pending_events=settled.pending,
+        dead_letters=settled.snapshot.dead_letters,
+        live=_live_counts(settled.snapshot),
     )
 
 

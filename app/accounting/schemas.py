@@ -15,6 +15,7 @@ __all__ = [
     "IsRatioStats",
     "KlStats",
     "LagStats",
+    "LiveCounts",
     "PromptCounts",
     "PromptPage",
     "PromptPassRecord",
@@ -68,9 +69,17 @@ class WaitStats(BaseModel):
     trainer_s: float = Field(description="Time trainers' lease requests waited for rollouts")
 
 
+class LiveCounts(BaseModel):
+    """The broker's own counts of a run's rollouts, read from its live state in Redis."""
+
+    buffered: int = Field(description="Rollouts stored and not leased (incomplete groups too)")
+    leased: int = Field(description="Rollouts in live leases")
+
+
 class RunAccounting(BaseModel):
     """A run's accounting; once drained, ``rollouts_received == buffered + leased + Σ retired``
-    and ``samples_consumed == Σ sizes of the acknowledged batches``."""
+    and ``samples_consumed == Σ sizes of the acknowledged batches``; and with no dead letters,
+    ``buffered == live.buffered`` and ``leased == live.leased``."""
 
     rollouts_received: int
     groups_received: int
@@ -92,6 +101,14 @@ class RunAccounting(BaseModel):
     wait: WaitStats
     as_of: datetime | None = Field(description="Time of the newest drained event")
     pending_events: int = Field(description="Stream entries not yet drained into Postgres")
+    dead_letters: int = Field(
+        description="Events the ledger could not apply (0 for valid traffic): see "
+        "/accounting/dead-letters"
+    )
+    live: LiveCounts | None = Field(
+        description="The broker's live counts, read at the same moment as pending_events; "
+        "null when the run has no live state (deleted)"
+    )
 
 
 class VersionAccounting(BaseModel):

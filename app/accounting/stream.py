@@ -20,6 +20,8 @@ __all__ = [
     "DeadLetterRecord",
     "Entry",
     "EventStream",
+    "LiveSnapshot",
+    "consumers_key",
     "dead_key",
     "events_key",
     "run_key",
@@ -48,6 +50,58 @@ return false
 """
 
 
+# Every drain consumer's last heartbeat, by the Redis server's clock (see the scripts below).
+_BEAT_LUA = """
+redis.replicate_commands()  -- TIME before a write (a no-op on Redis >= 7)
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+return now
+"""
+
+# The consumers whose last heartbeat is older than ARGV[1] ms (at most ARGV[2] of them). Their
+# score is moved to now, so that for the next ARGV[1] ms no other caller takes them: the one
+# that got them takes over their pending entries, then forgets them (_FORGET_LUA).
+_SILENT_LUA = """
+redis.replicate_commands()
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local silent = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[1]),
+  'LIMIT', 0, tonumber(ARGV[2]))
+for _, name in ipairs(silent) do
+  redis.call('ZADD', KEYS[1], now, name)
+end
+return {now, silent}
+"""
+
+# Forget a consumer that was taken over, unless it has sent a heartbeat since (it was alive).
+_FORGET_LUA = """
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if score and tonumber(score) == tonumber(ARGV[2]) then
+  return redis.call('ZREM', KEYS[1], ARGV[1])
+end
+return 0
+"""
+
+# Delete a consumer from a stream's group only while it holds no pending entry: checked and
+# done in one step, so an entry delivered to it meanwhile is never dropped from the group's
+# pending list (DELCONSUMER forgets whatever the consumer still holds). A consumer that is
+# alive after all is created again by its next read. 1: deleted, 0: not in the group, -1: it
+# holds entries.
+_DELETE_IDLE_CONSUMER_LUA = """
+for _, row in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local c = {}
+  for i = 1, #row, 2 do c[row[i]] = row[i + 1] end
+  if c['name'] == ARGV[2] then
+    if tonumber(c['pending']) > 0 then return -1 end
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+    return 1
+  end
+end
+return 0
+"""
+
+
 # The key layout is app/broker/keys.py's; these names stay for the accounting's callers.
 def runs_key(prefix: str) -> str:
     return keys.runs_key(prefix)
@@ -63,6 +117,12 @@ def dead_key(prefix: str, run_id: str) -> str:
 
 def run_key(prefix: str, run_id: str) -> str:
     return keys.run_key(prefix, run_id)
+
+
+def consumers_key(prefix: str) -> str:
+    """Sorted set: every drain consumer of the prefix, scored by its last heartbeat (ms).
+    Global, like ``<prefix>:runs``; only the drain reads or writes it."""
+    return f"{prefix}:drain:consumers"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +144,32 @@ class DeadLetterRecord:
     dead_at_ms: int
 
 
+@dataclass(frozen=True, slots=True)
+class LiveSnapshot:
+    """The broker's live counts of a run and the drain's progress on its stream, read from
+    Redis in one MULTI, so that they describe one moment.
+
+    ``live`` and ``leased`` are the run hash's counts (buffered + leased, and leased), ``None``
+    when the run has none (deleted). ``last_delivered`` is the consumer group's last delivered
+    id, ``None`` without a group; ``lag`` is the group's undelivered count where Redis reports
+    it (7+). ``length`` is the stream's length, for a stream with no group yet.
+    """
+
+    live: int | None
+    leased: int | None
+    group_pending: int | None
+    lag: int | None
+    last_delivered: bytes | None
+    length: int
+    dead_letters: int
+
+    @property
+    def buffered(self) -> int | None:
+        if self.live is None or self.leased is None:
+            return None
+        return self.live - self.leased
+
+
 def _text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
@@ -102,6 +188,14 @@ class EventStream:
         self.prefix = prefix
         self.group = group
         self._dead_letter = redis.register_script(_DEAD_LETTER_LUA)
+        self._beat = redis.register_script(_BEAT_LUA)
+        self._silent = redis.register_script(_SILENT_LUA)
+        self._forget = redis.register_script(_FORGET_LUA)
+        self._delete_idle_consumer = redis.register_script(_DELETE_IDLE_CONSUMER_LUA)
+
+    @property
+    def consumers_key(self) -> str:
+        return consumers_key(self.prefix)
 
     def events_key(self, run_id: str) -> str:
         return events_key(self.prefix, run_id)
@@ -244,20 +338,10 @@ class EventStream:
 
         Redis 7 reports the undelivered count as the group's ``lag``. Where it is missing or
         unknown (Redis 6.2, or after deletions) it is the stream length minus the delivered
-        entries still in the stream, which trimming keeps to the pending window.
+        entries still in the stream, which trimming keeps to the pending window. Without a
+        group yet, every entry of the stream is pending.
         """
-        key = self.events_key(run_id)
-        try:
-            groups: Any = await self.redis.xinfo_groups(key)
-        except ResponseError:
-            return 0  # no stream: nothing was ever emitted
-        ours = next((g for g in groups if _text(g["name"]) == self.group), None)
-        if ours is None:
-            return int(await self.redis.xlen(key))  # nothing has been read yet
-        lag = ours.get("lag")
-        if lag is None:
-            lag = await self.undelivered(run_id, ours["last-delivered-id"])
-        return int(ours["pending"]) + int(lag)
+        return await self.pending_of(run_id, await self.live_snapshot(run_id))
 
     async def undelivered(self, run_id: str, last_delivered: bytes) -> int:
         """Entries after ``last_delivered``, counted from the (short) delivered side."""
@@ -273,6 +357,110 @@ class EventStream:
             cursor = b"(" + page[-1][0]
         # A trim between the two reads shrinks the delivered side: never report below zero.
         return max(0, length - delivered)
+
+    async def live_snapshot(self, run_id: str) -> LiveSnapshot:
+        """The run's live counts, its dead letters and the group's progress, in one MULTI (every
+        key shares the run's hash tag). A missing or malformed key reads as absent."""
+        events = self.events_key(run_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hmget(run_key(self.prefix, run_id), "live", "leased")
+            pipe.xinfo_groups(events)
+            pipe.xlen(events)
+            pipe.xlen(self.dead_key(run_id))
+            counts, groups, length, dead = await pipe.execute(raise_on_error=False)
+        live = leased = None
+        if not isinstance(counts, Exception) and None not in counts:
+            live, leased = int(counts[0]), int(counts[1])
+        ours = None
+        if not isinstance(groups, Exception):
+            ours = next((g for g in groups if _text(g["name"]) == self.group), None)
+        lag = ours.get("lag") if ours is not None else None
+        return LiveSnapshot(
+            live=live,
+            leased=leased,
+            group_pending=int(ours["pending"]) if ours is not None else None,
+            lag=int(lag) if lag is not None else None,
+            last_delivered=ours["last-delivered-id"] if ours is not None else None,
+            length=0 if isinstance(length, Exception) else int(length),
+            dead_letters=0 if isinstance(dead, Exception) else int(dead),
+        )
+
+    async def pending_of(self, run_id: str, snapshot: LiveSnapshot) -> int:
+        """:meth:`pending_events` as of ``snapshot``. Where Redis does not report the lag, the
+        undelivered entries are counted now, which may count entries added since: never
+        fewer."""
+        if snapshot.group_pending is None or snapshot.last_delivered is None:
+            return snapshot.length  # no group: nothing has been read yet
+        lag = snapshot.lag
+        if lag is None:
+            lag = await self.undelivered(run_id, snapshot.last_delivered)
+        return snapshot.group_pending + lag
+
+    # -- consumers: heartbeats, taking over the silent ones, deleting the gone ones ---------
+
+    async def beat(self, consumer: str) -> None:
+        """Record that ``consumer`` is alive now."""
+        await self._beat(keys=[self.consumers_key], args=[consumer])
+
+    async def take_silent(self, silent_ms: int, limit: int) -> tuple[int, list[str]]:
+        """Consumers with no heartbeat for ``silent_ms``, now this caller's to take over for the
+        next ``silent_ms``; and the mark to :meth:`forget` them by."""
+        mark, names = await self._silent(keys=[self.consumers_key], args=[silent_ms, limit])
+        return int(mark), [_text(n) for n in names]
+
+    async def forget(self, consumer: str, mark: int) -> bool:
+        """Drop a taken-over consumer from the heartbeats, unless it has beaten since."""
+        return bool(await self._forget(keys=[self.consumers_key], args=[consumer, mark]))
+
+    async def leave(self, consumer: str) -> None:
+        await self.redis.zrem(self.consumers_key, consumer)
+
+    async def beating(self, within_ms: int) -> set[str]:
+        """Consumers whose last heartbeat is at most ``within_ms`` old."""
+        seconds, micros = await self.redis.time()
+        now = seconds * 1000 + micros // 1000
+        raw: Any = await self.redis.zrangebyscore(self.consumers_key, now - within_ms, "+inf")
+        return {_text(r) for r in raw}
+
+    async def claim_all(self, run_id: str, owner: str, consumer: str, count: int) -> int:
+        """Move every pending entry of ``owner`` to ``consumer`` (XCLAIM JUSTID: neither read
+        nor counted as a delivery; the new owner reads them as its own pending entries)."""
+        key = self.events_key(run_id)
+        claimed = 0
+        while True:
+            try:
+                rows: Any = await self.redis.xpending_range(
+                    key, self.group, "-", "+", count, consumername=owner
+                )
+            except ResponseError:
+                return claimed  # no stream or no group
+            ids = [row["message_id"] for row in rows]
+            if ids:
+                got: Any = await self.redis.xclaim(key, self.group, consumer, 0, ids, justid=True)
+                claimed += len(got)
+            if len(ids) < count:
+                return claimed
+
+    async def consumers(self, run_id: str) -> list[tuple[str, int, int]]:
+        """(name, pending entries, idle ms) of each consumer of the group (XINFO CONSUMERS)."""
+        try:
+            rows: Any = await self.redis.xinfo_consumers(self.events_key(run_id), self.group)
+        except ResponseError:
+            return []
+        return [(_text(r["name"]), int(r["pending"]), int(r["idle"])) for r in rows]
+
+    async def delete_consumer(self, run_id: str, consumer: str) -> int:
+        """Delete ``consumer`` from the run's group unless it holds pending entries: 1 when it
+        was deleted, 0 when it was not in the group (or there is no group), -1 when it holds
+        entries (and stays)."""
+        try:
+            return int(
+                await self._delete_idle_consumer(
+                    keys=[self.events_key(run_id)], args=[self.group, consumer]
+                )
+            )
+        except ResponseError:
+            return 0  # no stream or no group
 
     async def dead_letter_count(self, run_id: str) -> int:
         return int(await self.redis.xlen(self.dead_key(run_id)))

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting import queries
-from app.accounting.stream import CONSUMER_GROUP, EventStream, events_key
+from app.accounting.stream import CONSUMER_GROUP, EventStream, LiveSnapshot, events_key
 from workers.drain import DrainContext
 
 
@@ -74,6 +74,8 @@ async def test_run_known_only_to_redis_reads_as_zeros(
         "as_of": None,
         # No consumer group yet: every entry of the stream is pending.
         "pending_events": len(sim.events),
+        "dead_letters": 0,
+        "live": None,  # the simulated run has no live counts in Redis
     }
     versions = (await accounting_api.get(f"/v1/runs/{run_id}/accounting/versions")).json()
     assert versions == {"versions": [], "as_of": None, "pending_events": len(sim.events)}
@@ -111,7 +113,7 @@ async def test_endpoints_after_drain(
         "rollouts_received", "groups_received", "duplicates", "rejected", "tokens_generated",
         "buffered", "leased", "samples_consumed", "tokens_consumed", "reuse_factor", "retired",
         "wasted_tokens", "batches", "lag", "kl", "is_ratio", "prompts", "wait", "as_of",
-        "pending_events",
+        "pending_events", "dead_letters", "live",
     ]  # fmt: skip
 
     # pending_events: delivered-but-unacknowledged plus never-delivered entries.
@@ -191,9 +193,9 @@ async def test_nothing_pending_means_the_totals_are_complete(
     ctx = make_ctx()
 
     class DrainedMeanwhile(EventStream):
-        async def pending_events(self, run_id: str) -> int:
+        async def live_snapshot(self, run_id: str) -> LiveSnapshot:
             await drain_all(ctx)  # the worker finishes a pass while the request is reading
-            return await super().pending_events(run_id)
+            return await super().live_snapshot(run_id)
 
     stream = DrainedMeanwhile(redis, prefix)
     async with sessionmaker() as session:

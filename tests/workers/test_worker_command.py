@@ -145,7 +145,12 @@ def test_every_documented_drain_variable_is_a_setting(monkeypatch: pytest.Monkey
         field = name.removeprefix("BROKER_").lower()
         assert field in Settings.model_fields, f"{name} is documented but is no setting"
         kind = Settings.model_fields[field].annotation
-        raw, value = {bool: ("false", False), int: ("13", 13), int | None: ("13", 13)}.get(
+        # 13, or just above the field's lower bound where that is higher
+        floor = max(
+            (getattr(m, "ge", 0) or 0 for m in Settings.model_fields[field].metadata), default=0
+        )
+        n = 13 if floor <= 13 else floor + 13
+        raw, value = {bool: ("false", False), int: (str(n), n), int | None: (str(n), n)}.get(
             kind, ("c-1", "c-1")
         )
         monkeypatch.setenv(name, raw)

@@ -22,6 +22,7 @@ __all__ = [
     "KlStats",
     "LagStats",
     "LeasedRollout",
+    "LiveCounts",
     "PolicyResult",
     "Prompt",
     "PromptCounts",
@@ -324,11 +325,21 @@ class WaitStats:
 
 
 @dataclass(frozen=True, slots=True)
+class LiveCounts:
+    """The broker's own counts of a run's rollouts, from its live state rather than the ledger."""
+
+    buffered: int
+    leased: int
+
+
+@dataclass(frozen=True, slots=True)
 class Accounting:
     """A run's accounting (SPEC "Accounting"). ``pending_events`` is how many state changes the
     broker has made that the accounting has not caught up with (None if the server does not say);
     the invariants hold once it is 0. ``prompts`` and ``wait`` are zeros from a server that does
-    not report them. ``raw`` is the server's body as it came."""
+    not report them. ``dead_letters`` (events the ledger could not apply) and ``live`` (the
+    broker's own buffered and leased counts) are None from a server that does not report them;
+    when not given they are read from ``raw``. ``raw`` is the server's body as it came."""
 
     rollouts_received: int
     groups_received: int
@@ -350,7 +361,17 @@ class Accounting:
     wait: WaitStats = field(default_factory=WaitStats)
     pending_events: int | None = None
     as_of: datetime | None = None
+    dead_letters: int | None = None
+    live: LiveCounts | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.dead_letters is None and self.raw.get("dead_letters") is not None:
+            object.__setattr__(self, "dead_letters", int(self.raw["dead_letters"]))
+        live = self.raw.get("live")
+        if self.live is None and isinstance(live, Mapping):
+            counts = LiveCounts(buffered=int(live["buffered"]), leased=int(live["leased"]))
+            object.__setattr__(self, "live", counts)
 
     @property
     def retired_total(self) -> int:
@@ -360,6 +381,18 @@ class Accounting:
     def unaccounted(self) -> int:
         """``rollouts_received - buffered - leased - Σ retired``: 0 once caught up."""
         return self.rollouts_received - self.buffered - self.leased - self.retired_total
+
+    @property
+    def matches_live(self) -> bool:
+        """The ledger is checked and right: caught up (``pending_events == 0``), no dead
+        letters, and its buffered and leased equal the broker's live counts. False whenever
+        the server does not say enough to tell."""
+        return (
+            self.pending_events == 0
+            and self.dead_letters == 0
+            and self.live is not None
+            and (self.buffered, self.leased) == (self.live.buffered, self.live.leased)
+        )
 
 
 @dataclass(frozen=True, slots=True)
