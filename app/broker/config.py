@@ -26,7 +26,12 @@ def _ledger_text(value: str) -> str:
 LedgerText = AfterValidator(_ledger_text)
 
 # Ids end up in Redis key names and in the ledger: printable, no spaces, bounded.
-RUN_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+# A run id is a URL path segment: '.' and '..' would resolve away (a non-dot first, a non-dot
+# second, or three characters or more).
+RUN_ID_PATTERN = (
+    r"^(?:[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}|\.[A-Za-z0-9_-][A-Za-z0-9._-]{0,126}"
+    r"|\.\.[A-Za-z0-9._-]{1,126})$"
+)
 ITEM_ID_PATTERN = r"^[^\s\x00-\x1f\x7f{}]{1,256}$"
 PROMPT_ID_PATTERN = r"^[^\s\x00-\x1f\x7f{}]{1,200}$"
 LEASE_ID_PATTERN = r"^[A-Za-z0-9_-]{8,64}$"
