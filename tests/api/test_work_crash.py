@@ -176,6 +176,9 @@ async def test_an_api_process_and_a_worker_killed_mid_run_lose_nothing(
             "max_staleness": 1,
             "order": "fifo",
             "max_attempts": 20,
+            # A lease whose generator never learnt of it (its answer lost with the killed
+            # process) comes back after this.
+            "work_timeout_s": 5,
         }
         resp = await call("POST", "/v1/runs", json={"run_id": "r", "config": config})
         assert resp.status_code in (200, 201)
@@ -259,7 +262,9 @@ async def test_an_api_process_and_a_worker_killed_mid_run_lose_nothing(
         # Rollouts of a group that a trainer stepped past may still go stale (the budget's
         # promise needs each group generated within max_staleness steps, which these fast
         # trainer steps do not give): their prompts were handed out again, never lost.
-        assert acc["retired"].get("stale", 0) == 2 * (p["retried"])
+        # Every group that went stale had its prompt handed out again (so did a lease whose
+        # answer was lost with the killed process, once it expired).
+        assert acc["retired"].get("stale", 0) <= 2 * p["retried"]
     finally:
         for c in clients:
             await c.aclose()
