@@ -4,8 +4,8 @@ The scripts PUBLISH a run's tag (see app/broker/keys.py) on the wake channel whe
 become ready (ingest, nack, expiry, an ack that returns units), and the tag followed by
 ``keys.WORK_WAKE`` when prompts or staleness budget became available to generators. Waiters
 join their run's line *before* they try, so a wake-up that lands between the try and the wait
-is never lost, and a wake-up reaches one waiter at a time (:class:`Waker`). Pub/sub is fire-and-forget, so waiters also re-check at a slow fallback
-interval (not a tight loop).
+is never lost, and a wake-up reaches one waiter at a time (:class:`Waker`). Pub/sub is
+fire-and-forget, so waiters also re-check at a slow fallback interval (not a tight loop).
 """
 
 from __future__ import annotations
