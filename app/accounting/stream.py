@@ -122,7 +122,7 @@ def run_key(prefix: str, run_id: str) -> str:
 def consumers_key(prefix: str) -> str:
     """Sorted set: every drain consumer of the prefix, scored by its last heartbeat (ms).
     Global, like ``<prefix>:runs``; only the drain reads or writes it."""
-    return f"{prefix}:drain:consumers"
+    return keys.drain_consumers_key(prefix)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ __all__ = [
     "LUA_KEYS",
     "active_key",
     "dead_key",
+    "drain_consumers_key",
     "events_key",
     "every_key",
     "layout_key",
@@ -62,6 +63,7 @@ WORK = "w:"  # hash per work lease: state, version, expiry, its passes, groups s
 RUNS = "runs"  # zset: every run id by creation ms (listing); a deleted run leaves it
 ACTIVE = "active"  # zset: the runs the workers visit, by activation token (see store.py)
 LAYOUT = "layout"  # string: "2" once the workers have put every run of RUNS into ACTIVE
+DRAIN_CONSUMERS = "drain:consumers"  # zset: every accounting drain consumer by heartbeat ms
 WAKE = "wake"  # pub/sub channel: "units became ready in a run" for long-polling trainers
 # A wake-up names its run by the run's tag (see run_tag), followed by what woke up: nothing for
 # trainers (units became ready), WORK_WAKE for generators (prompts or staleness budget).
@@ -132,6 +134,10 @@ def active_key(prefix: str) -> str:
 
 def layout_key(prefix: str) -> str:
     return f"{prefix}:{LAYOUT}"
+
+
+def drain_consumers_key(prefix: str) -> str:
+    return f"{prefix}:{DRAIN_CONSUMERS}"
 
 
 def wake_channel(prefix: str) -> str:
