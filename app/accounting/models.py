@@ -12,6 +12,7 @@ from sqlalchemy import (
     Double,
     Index,
     MetaData,
+    Numeric,
     Text,
     func,
 )
@@ -85,7 +86,10 @@ class _Totals:
     tokens_consumed: Mapped[int] = _count()
     wasted_tokens: Mapped[int] = _count()
     lag_samples: Mapped[int] = _count()
-    lag_sum: Mapped[int] = _count()
+    # Σ lag over the samples: lags go up to 2^53, so a BIGINT could overflow (exact numeric).
+    lag_sum: Mapped[int] = mapped_column(
+        Numeric(precision=38, scale=0), nullable=False, server_default="0"
+    )
     lag_max: Mapped[int | None] = mapped_column(BigInteger)
     kl_tokens: Mapped[int] = _count()
     kl_sum: Mapped[float] = _sum()

@@ -15,6 +15,7 @@ import json
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import select, tuple_
@@ -162,7 +163,10 @@ def _common(
         "retired": retired,
         "wasted_tokens": totals.wasted_tokens,
         "lag": LagStats(
-            mean=_ratio(totals.lag_sum, totals.lag_samples),
+            # Divided exactly: the sum may be far beyond a double's 2^53.
+            mean=float(Decimal(totals.lag_sum) / totals.lag_samples)
+            if totals.lag_samples
+            else None,
             max=totals.lag_max,
             histogram=histogram,
         ),

@@ -157,6 +157,23 @@ async def test_an_overflowing_ack_is_counted_exactly(api, redis, prefix, make_ct
     assert rows[second["batch_id"]]["kl_max"] == FIGURE_CAP
 
 
+async def test_lags_whose_sum_passes_int64_are_counted_exactly(api, redis, prefix, make_ctx):
+    """1100 samples of lag 2^53 - 1 (max_staleness at its largest) sum past 2^63: the ledger's
+    BIGINT lag sum refused the acked event, which was dead-lettered with its samples."""
+    await make_run(api, "r1", max_staleness=MAX_VERSION)
+    n = 1100
+    await post(api, "r1", *(rollout(f"x{i}", tokens=1) for i in range(n)))
+    resp = await api.post("/v1/runs/r1/policy", json={"version": MAX_VERSION})
+    assert resp.status_code == 200
+    batch = (await lease(api, "r1", n)).json()
+    assert {r["lag"] for r in batch["rollouts"]} == {MAX_VERSION}
+    assert (await ack(api, "r1", batch["batch_id"])).status_code == 200
+    acc = await _settled(api, redis, prefix, "r1", make_ctx())
+    assert acc["samples_consumed"] == n
+    assert n * MAX_VERSION > 2**63
+    assert acc["lag"]["mean"] == MAX_VERSION and acc["lag"]["max"] == MAX_VERSION
+
+
 # -- the property: extreme but accepted values, through the real drain ------------------------
 
 _run_numbers = itertools.count()
