@@ -45,14 +45,18 @@ def _ids(value: list[int] | bytes | None, what: str, rid: str) -> Int32Array | N
         if arr.size and int(arr.min()) < 0:
             raise ValidationFailed(f"rollout {rid!r}: {what} has a negative token id")
         return arr.astype(np.int32, copy=False)
+    return token_ids(value, f"rollout {rid!r}: {what}")
+
+
+def token_ids(value: list[int], what: str) -> Int32Array:
+    """Token ids given as a list, as int32: each between 0 and MAX_TOKEN_ID, else 422 naming
+    ``what`` (rollouts' and registered prompts' ids follow this one rule)."""
     try:
         arr64 = np.asarray(value, dtype=np.int64)
     except OverflowError:
-        raise ValidationFailed(f"rollout {rid!r}: {what} has a token id out of range") from None
+        raise ValidationFailed(f"{what} has a token id out of range") from None
     if arr64.size and (int(arr64.min()) < 0 or int(arr64.max()) > MAX_TOKEN_ID):
-        raise ValidationFailed(
-            f"rollout {rid!r}: {what} token ids must be between 0 and {MAX_TOKEN_ID}"
-        )
+        raise ValidationFailed(f"{what} token ids must be between 0 and {MAX_TOKEN_ID}")
     return arr64.astype(np.int32)
 
 

@@ -10,16 +10,16 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgpack
 import numpy as np
 import numpy.typing as npt
 import orjson
-from rollout_broker_client.protocol import MAX_TOKEN_ID, new_run_id
+from rollout_broker_client.protocol import new_run_id
 
 from app.accounting.events import Acked, AckedItem, AckStats, AckSums, pack_payload
 from app.broker import keys
@@ -32,6 +32,7 @@ from app.broker.packing import (
     as_logprobs,
     check_logprobs,
     pack_rollout,
+    token_ids,
     unpack_rollouts,
 )
 from app.broker.replies import AckAnswer, ErrorContext, StoreError, error_for
@@ -87,6 +88,19 @@ class LeasedBatch:
     policy_version: int
     lease_expires_at: str
     rollouts: list[tuple[StoredRollout, int, int]]  # (rollout, uses, lag)
+
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True, slots=True)
+class Try:
+    """What one try of a long poll is told: whether it is the last, how long the caller will
+    wait for a wake-up if it finds too little, and how long the request has waited so far."""
+
+    last: bool
+    wait_ms: int
+    waited_ms: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,15 +263,11 @@ class Broker:
         """
         if size > self.max_batch_size:
             raise ValidationFailed(f"size {size} is above the largest batch, {self.max_batch_size}")
-        wait_s = min(max(wait_s, 0.0), self.max_wait_s)
-        started = time.monotonic()
-        deadline = started + wait_s
         bid = batch_id or uuid.uuid4().hex
-        with self.waker.line(run_id, size=size) as ticket:
+
+        async def attempt(t: Try) -> tuple[LeasedBatch | None, int | None]:
+            nonlocal bid
             while True:
-                self.waker.trying(ticket)
-                remaining = deadline - time.monotonic()
-                last = remaining <= 0
                 try:
                     got = await self.store.lease(
                         run_id,
@@ -265,11 +275,10 @@ class Broker:
                         size=size,
                         policy_version=policy_version,
                         # Take a part only once waiting for the whole is over.
-                        partial=partial and last,
+                        partial=partial and t.last,
                         trainer_id=trainer_id,
-                        # Ask for wake-ups for as long as the wait below, with a second to spare.
-                        wait_ms=0 if last else int(self.waker.wait_window(remaining) * 1000) + 1000,
-                        waited_ms=int((time.monotonic() - started) * 1000),
+                        wait_ms=t.wait_ms,
+                        waited_ms=t.waited_ms,
                     )
                 except StoreError as err:
                     if err.code == "lease_lost" and batch_id is None:
@@ -278,9 +287,41 @@ class Broker:
                     ctx = ErrorContext(run_id, bid, size, policy_version, self.retry_after_s)
                     raise error_for(err, ctx) from None
                 if isinstance(got, Lease):
+                    return self._delivered(run_id, got), None
+                return None, got
+
+        return await self._long_poll(run_id, "", size, wait_s, attempt)
+
+    async def _long_poll(
+        self,
+        run_id: str,
+        kind: str,
+        size: int,
+        wait_s: float,
+        attempt: Callable[[Try], Awaitable[tuple[R | None, int | None]]],
+    ) -> R | None:
+        """Try until ``attempt`` gives a result or ``wait_s`` is over, waiting in the run's line
+        for ``kind`` between tries (see app/broker/notify.py). ``attempt`` answers (result,
+        None) or (None, how much it found, if it knows)."""
+        started = time.monotonic()
+        deadline = started + min(max(wait_s, 0.0), self.max_wait_s)
+        with self.waker.line(run_id, kind, size) as ticket:
+            while True:
+                self.waker.trying(ticket)
+                remaining = deadline - time.monotonic()
+                last = remaining <= 0
+                got, found = await attempt(
+                    Try(
+                        last=last,
+                        # Ask for wake-ups for as long as the wait below, with a second to spare.
+                        wait_ms=0 if last else int(self.waker.wait_window(remaining) * 1000) + 1000,
+                        waited_ms=int((time.monotonic() - started) * 1000),
+                    )
+                )
+                if got is not None:
                     self.waker.served(ticket)
-                    return self._delivered(run_id, got)
-                self.waker.short(ticket, got)
+                    return got
+                self.waker.short(ticket, found)
                 if last:
                     return None
                 await self.waker.wait(ticket, remaining)
@@ -393,10 +434,7 @@ class Broker:
                 raise ValidationFailed(
                     f"prompt {pid!r}: {len(ids)} prompt_ids, at most {lim.tokens}"
                 )
-            if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
-                raise ValidationFailed(
-                    f"prompt {pid!r}: token ids must be between 0 and {MAX_TOKEN_ID}"
-                )
+            token_ids(ids, f"prompt {pid!r}: prompt_ids")
         if prompt.data is not None:
             size = len(orjson.dumps(prompt.data))
             if size > lim.data_bytes:
@@ -428,28 +466,20 @@ class Broker:
                 f"{self.prompt_limits.per_lease}"
             )
         lid = body.lease_id or uuid.uuid4().hex
-        started = time.monotonic()
-        deadline = started + min(body.wait_s, self.max_wait_s)
-        with self.waker.line(run_id, keys.WORK_WAKE, body.max_prompts) as ticket:
-            while True:
-                self.waker.trying(ticket)
-                remaining = deadline - time.monotonic()
-                last = remaining <= 0
-                with self._refusals(run_id, lease_id=lid):
-                    got = await self.store.work(
-                        run_id,
-                        lease_id=lid,
-                        max_prompts=body.max_prompts,
-                        generator_id=body.generator_id,
-                        wait_ms=0 if last else int(self.waker.wait_window(remaining) * 1000) + 1000,
-                        waited_ms=int((time.monotonic() - started) * 1000),
-                    )
-                if got is not None:
-                    self.waker.served(ticket)
-                    return _work_out(got)
-                if last:
-                    return None
-                await self.waker.wait(ticket, remaining)
+
+        async def attempt(t: Try) -> tuple[WorkOut | None, int | None]:
+            with self._refusals(run_id, lease_id=lid):
+                got = await self.store.work(
+                    run_id,
+                    lease_id=lid,
+                    max_prompts=body.max_prompts,
+                    generator_id=body.generator_id,
+                    wait_ms=t.wait_ms,
+                    waited_ms=t.waited_ms,
+                )
+            return (None if got is None else _work_out(got)), None
+
+        return await self._long_poll(run_id, keys.WORK_WAKE, body.max_prompts, body.wait_s, attempt)
 
     async def return_work(
         self, run_id: str, lease_id: str, prompt_ids: Sequence[str] | None
