@@ -25,6 +25,7 @@ from app import __version__
 from app.accounting.db import create_sessionmaker, schema_at_head
 from app.api import accounting, batches, health, prompts, rollouts, runs
 from app.api.codec import describe_errors, render
+from app.api.openapi import install_openapi
 from app.errors import OUTAGE_CANDIDATES, BrokerError, Unavailable, outage_of
 from app.settings import Settings
 from app.wiring import broker_for, database_engine, redis_client
@@ -180,9 +181,12 @@ def create_app(
         version=__version__,
         summary="Versioned rollouts in, leased batches out, exact sample accounting.",
         lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.settings = settings
     install_error_handlers(app)
+    install_openapi(app)
     app.include_router(health.router)
     app.include_router(runs.router)
     app.include_router(rollouts.router)

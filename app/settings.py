@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -27,6 +27,24 @@ class Settings(BaseSettings):
         default="rb", description="Prefix of every Redis key and channel this broker owns"
     )
     data_dir: Path | None = Field(default=None, description="Data folder of embedded services")
+
+    auth: bool | None = Field(
+        default=None,
+        description="Require a bearer token on every /v1 request (on/off); unset: on whenever "
+        "the API listens on a non-loopback address",
+    )
+    admin_token: SecretStr | None = Field(
+        default=None,
+        min_length=32,
+        description="Accepted as an admin token named `bootstrap` (at least 32 characters)",
+    )
+    token_cache_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=3600,
+        description="How long a token look-up is trusted without news from Redis (revocations "
+        "reach every process at once through Redis; this bounds a lost subscription)",
+    )
 
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     body_timeout_s: float = Field(
