@@ -53,11 +53,30 @@ class BadRequest(BrokerError):
     status = 400
 
 
+class Unauthorized(BrokerError):
+    """No token, or one the broker does not know (or has revoked)."""
+
+    status = 401
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail, headers={"WWW-Authenticate": "Bearer"})
+
+
+class Forbidden(BrokerError):
+    """The token lacks the scope or the run; or, with auth off, a foreign web page asked."""
+
+    status = 403
+
+
 class NotFound(BrokerError):
     status = 404
 
 
 class RunNotFound(NotFound):
+    pass
+
+
+class TokenNotFound(NotFound):
     pass
 
 

@@ -15,17 +15,20 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import __version__
+from app.access.guard import guard
+from app.access.tokens import TokenCache
 from app.accounting.db import create_sessionmaker, schema_at_head
-from app.api import accounting, batches, health, prompts, rollouts, runs
+from app.api import accounting, batches, health, prompts, rollouts, runs, tokens
 from app.api.codec import describe_errors, render
 from app.api.openapi import install_openapi
+from app.broker import keys
 from app.errors import OUTAGE_CANDIDATES, BrokerError, Unavailable, outage_of
 from app.settings import Settings
 from app.wiring import broker_for, database_engine, redis_client
@@ -161,6 +164,16 @@ def create_app(
             app.state.db_engine = engine
             app.state.db_sessionmaker = create_sessionmaker(engine)
             app.state.readiness_probe = lambda: database_checks(engine)
+        if settings.auth:
+            admin = settings.admin_token
+            app.state.tokens = TokenCache(
+                getattr(app.state, "db_sessionmaker", None),
+                redis,
+                keys.tokens_channel(settings.redis_prefix),
+                settings.token_cache_s,
+                bootstrap=admin.get_secret_value() if admin is not None else None,
+            )
+            await app.state.tokens.start()
         stop = asyncio.Event()
         workers: asyncio.Task[None] | None = None
         if background is not None:
@@ -172,6 +185,8 @@ def create_app(
             if workers is not None:
                 await workers
             await broker.waker.stop()
+            if app.state.tokens is not None:
+                await app.state.tokens.stop()
             await redis.aclose()
             if engine is not None:
                 await engine.dispose()
@@ -183,8 +198,10 @@ def create_app(
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
+        dependencies=[Depends(guard)],
     )
     app.state.settings = settings
+    app.state.tokens = None  # auth off; the lifespan sets it when auth is on
     install_error_handlers(app)
     install_openapi(app)
     app.include_router(health.router)
@@ -193,4 +210,5 @@ def create_app(
     app.include_router(batches.router)
     app.include_router(prompts.router)
     app.include_router(accounting.router)
+    app.include_router(tokens.router)
     return app

@@ -11,6 +11,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
+import app.access.models  # noqa: F401  (registers the access tables on Base.metadata)
 from app.accounting.models import Base
 from app.settings import Settings
 

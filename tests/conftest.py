@@ -5,7 +5,8 @@ served in-process on both."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import httpx
 import pytest
@@ -17,6 +18,7 @@ from app.accounting.db import create_engine, create_sessionmaker, upgrade_to_hea
 from app.broker.store import RedisStore
 from app.main import create_app
 from app.settings import Settings
+from tests.helpers import SecretWatch
 from tests.services import (
     REDIS_URL,
     WAKE_FALLBACK_S,
@@ -28,6 +30,20 @@ from tests.services import (
     rows_left,
     url_of_database,
 )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_secret_in_any_log_line() -> Iterator[SecretWatch]:
+    """Every log record of the session, from INFO up, is checked for token secrets."""
+    watch = SecretWatch()
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(watch)
+    root.setLevel(min(level, logging.INFO))
+    yield watch
+    root.removeHandler(watch)
+    root.setLevel(level)
+    assert not watch.leaks, watch.leaks
 
 
 @pytest_asyncio.fixture(scope="session")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import re
 from typing import Any
 
 import httpx
@@ -86,3 +88,26 @@ async def answered_before(
                 await task
     assert answer in done, "no wake-up: a long poll that nothing wakes ended first"
     return answer.result()
+
+
+SECRET_SHAPE = re.compile(r"rb_[0-9a-f]{16}_[A-Za-z0-9_-]{20,}")
+"""A broker token (app/access/tokens.py)."""
+KNOWN_SECRETS: set[str] = set()
+"""Secrets the tests chose (e.g. a bootstrap admin token): no log line may hold one."""
+
+
+class SecretWatch(logging.Handler):
+    """Collects every log record whose text (message, arguments, traceback) holds a token or a
+    known secret; tests/conftest.py installs one for the whole session."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.leaks: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = logging.Formatter().format(record)
+        except Exception:
+            text = f"{record.msg!r} {record.args!r}"
+        if SECRET_SHAPE.search(text) or any(s in text for s in KNOWN_SECRETS):
+            self.leaks.append(f"{record.name}: {text[:300]}")

@@ -3,9 +3,13 @@ address it listens on (SPEC "Access control")."""
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+import logging
 
 from app.settings import Settings
+
+log = logging.getLogger("rollout_broker")
 
 
 class AuthSetupError(Exception):
@@ -23,17 +27,49 @@ def is_loopback(host: str) -> bool:
 
 def resolve_auth(settings: Settings, host: str) -> Settings:
     """``settings`` with ``auth`` decided for a listener on ``host``: as set, or else on for a
-    non-loopback address. Refuses (:class:`AuthSetupError`) auth on with no way to sign in."""
+    non-loopback address. With auth on, somebody must be able to sign in: refuses
+    (:class:`AuthSetupError`) when there is neither ``BROKER_ADMIN_TOKEN`` nor an admin token
+    in the database, and says how to turn auth on or off."""
     auth = settings.auth if settings.auth is not None else not is_loopback(host)
-    if auth and settings.admin_token is None and not settings.embedded:
-        # Tokens may exist in Postgres already; the guard checks them per request. A fresh
-        # deployment without BROKER_ADMIN_TOKEN could never create the first one.
-        pass
-    if auth and settings.admin_token is None and settings.embedded:
+    if auth and settings.admin_token is None and not _admin_token_stored(settings):
+        why = "BROKER_AUTH=on" if settings.auth else f"the API listens on {host}, not loopback"
         raise AuthSetupError(
-            f"auth is on ({'BROKER_AUTH=on' if settings.auth else f'the API listens on {host}'})"
-            " but nobody could sign in: set BROKER_ADMIN_TOKEN to a secret of at least 32 "
-            "characters (then create tokens with `rollout-broker tokens create`), or set "
+            f"auth is on ({why}) but nobody could sign in: set BROKER_ADMIN_TOKEN to a secret "
+            "of at least 32 characters (e.g. `export BROKER_ADMIN_TOKEN=$(openssl rand -hex "
+            "32)`), then create tokens with `rollout-broker tokens create`; or set "
             "BROKER_AUTH=off to serve without access control"
         )
     return settings.model_copy(update={"auth": auth})
+
+
+def _admin_token_stored(settings: Settings) -> bool:
+    """True when the database holds a live admin token, or cannot say (it is unreachable now:
+    the broker answers 503 until it is back, as for any outage)."""
+    if settings.database_url is None:
+        return False
+    return asyncio.run(_admin_token_in(settings.database_url))
+
+
+async def _admin_token_in(database_url: str) -> bool:
+    from sqlalchemy import select
+    from sqlalchemy.exc import ProgrammingError, SQLAlchemyError
+
+    from app.access.models import ApiToken
+    from app.accounting.db import create_engine
+
+    engine = create_engine(database_url)
+    try:
+        async with engine.connect() as conn:
+            found = await conn.scalar(
+                select(ApiToken.token_id)
+                .where(ApiToken.scopes.contains(["admin"]), ApiToken.revoked_at.is_(None))
+                .limit(1)
+            )
+        return found is not None
+    except ProgrammingError:  # not migrated yet: no token table, so no token
+        return False
+    except (OSError, SQLAlchemyError) as exc:
+        log.warning("could not look for admin tokens (%s); starting anyway", type(exc).__name__)
+        return True
+    finally:
+        await engine.dispose()

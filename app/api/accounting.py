@@ -3,11 +3,9 @@ dead letters."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
-from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.accounting import queries
 from app.accounting.schemas import (
@@ -18,26 +16,17 @@ from app.accounting.schemas import (
     VersionsAccounting,
 )
 from app.accounting.stream import EventStream
-from app.errors import Unavailable
+from app.api.deps import Session
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1/runs/{run_id}", tags=["accounting"])
 
 
-async def _session(request: Request) -> AsyncIterator[AsyncSession]:
-    sessionmaker = getattr(request.app.state, "db_sessionmaker", None)
-    if sessionmaker is None:
-        raise Unavailable("the accounting needs a database: set BROKER_DATABASE_URL")
-    async with sessionmaker() as session:
-        yield session
-
-
 def _stream(request: Request) -> EventStream:
     return EventStream(request.app.state.redis, request.app.state.settings.redis_prefix)
 
 
-Session = Annotated[AsyncSession, Depends(_session)]
 Stream = Annotated[EventStream, Depends(_stream)]
 Limit = Annotated[int, Query(ge=1, le=1000)]
 

@@ -7,10 +7,12 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
+from app.access.guard import caller_of, check_run
 from app.api.codec import parse_body, read_body, render
-from app.api.deps import broker_of, settings_of
+from app.api.deps import broker_of, record_action, settings_of
 from app.broker.config import RunConfigPatch
 from app.broker.schemas import CreateRun, PolicyResult, PolicyUpdate, Run, RunList
+from app.errors import Forbidden
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 
@@ -19,7 +21,16 @@ router = APIRouter(prefix="/v1/runs", tags=["runs"])
 async def create_run(request: Request) -> Response:
     body = await read_body(request, settings_of(request).max_body_bytes)
     req = parse_body(body, request.headers.get("content-type"), CreateRun, CreateRun)
+    caller = caller_of(request)
+    if req.run_id is not None:
+        check_run(caller, req.run_id)
+    elif not caller.every_run:
+        raise Forbidden(f"token {caller.name!r} is limited to some runs: name the run to create")
     run, created = await broker_of(request).create_run(req.run_id, req.config)
+    if created:
+        await record_action(
+            request, "run.create", run.run_id, {"config": run.config.model_dump(mode="json")}
+        )
     return render(run, status_code=201 if created else 200)
 
 
@@ -35,8 +46,13 @@ async def list_runs(
         str | None, Query(max_length=300, description="A previous page's next_cursor")
     ] = None,
 ) -> Response:
-    """Runs newest first, a page at a time."""
-    return render(await broker_of(request).list_runs(status, limit, cursor))
+    """Runs newest first, a page at a time. A token limited to some runs sees only those (its
+    pages may hold fewer than ``limit``; follow ``next_cursor`` to the end)."""
+    page = await broker_of(request).list_runs(status, limit, cursor)
+    caller = caller_of(request)
+    if not caller.every_run:
+        page.runs = [r for r in page.runs if caller.may_touch(r.run_id)]
+    return render(page)
 
 
 @router.get("/{run_id}", response_model=Run)
@@ -48,7 +64,11 @@ async def get_run(run_id: str, request: Request) -> Response:
 async def patch_config(run_id: str, request: Request) -> Response:
     body = await read_body(request, settings_of(request).max_body_bytes)
     patch = parse_body(body, request.headers.get("content-type"), RunConfigPatch, RunConfigPatch)
-    return render(await broker_of(request).patch_config(run_id, patch))
+    run = await broker_of(request).patch_config(run_id, patch)
+    await record_action(
+        request, "run.config", run_id, {"patch": patch.model_dump(mode="json", exclude_unset=True)}
+    )
+    return render(run)
 
 
 @router.delete(
@@ -61,16 +81,21 @@ async def patch_config(run_id: str, request: Request) -> Response:
 async def delete_run(run_id: str, request: Request) -> Response:
     """Delete a closed run's live state once its accounting has caught up."""
     await broker_of(request).delete_run(run_id)
+    await record_action(request, "run.delete", run_id, {})
     return Response(status_code=204)
 
 
 @router.post("/{run_id}/close", response_model=Run)
 async def close_run(run_id: str, request: Request) -> Response:
-    return render(await broker_of(request).close_run(run_id))
+    run = await broker_of(request).close_run(run_id)
+    await record_action(request, "run.close", run_id, {})
+    return render(run)
 
 
 @router.post("/{run_id}/policy", response_model=PolicyResult)
 async def set_policy(run_id: str, request: Request) -> Response:
     body = await read_body(request, settings_of(request).max_body_bytes)
     update = parse_body(body, request.headers.get("content-type"), PolicyUpdate, PolicyUpdate)
-    return render(await broker_of(request).set_policy(run_id, update.version))
+    result = await broker_of(request).set_policy(run_id, update.version)
+    await record_action(request, "run.policy", run_id, {"version": update.version})
+    return render(result)

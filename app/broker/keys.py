@@ -15,6 +15,7 @@ __all__ = [
     "LUA_FAMILIES",
     "LUA_KEYS",
     "active_key",
+    "audit_key",
     "dead_key",
     "drain_consumers_key",
     "events_key",
@@ -27,6 +28,7 @@ __all__ = [
     "run_of_wake",
     "run_tag",
     "runs_key",
+    "tokens_channel",
     "wake_channel",
     "work_wake",
 ]
@@ -64,10 +66,15 @@ RUNS = "runs"  # zset: every run id by creation ms (listing); a deleted run leav
 ACTIVE = "active"  # zset: the runs the workers visit, by activation token (see store.py)
 LAYOUT = "layout"  # string: "2" once the workers have put every run of RUNS into ACTIVE
 DRAIN_CONSUMERS = "drain:consumers"  # zset: every accounting drain consumer by heartbeat ms
+AUDIT = "audit"  # stream: operator actions on their way to Postgres (app/access/audit.py)
+TOKENS = "tokens"  # pub/sub channel: the id of a revoked token, for every process's cache
 WAKE = "wake"  # pub/sub channel: "units became ready in a run" for long-polling trainers
 # A wake-up names its run by the run's tag (see run_tag), followed by what woke up: nothing for
 # trainers (units became ready), WORK_WAKE for generators (prompts or staleness budget).
 WORK_WAKE = "work"
+
+GLOBAL_KEYS = (RUNS, ACTIVE, LAYOUT, DRAIN_CONSUMERS, AUDIT)
+"""The keys of a prefix outside every run (channels aside)."""
 
 # The names the Lua scripts know the keys by: a local holding each fixed key, and a function
 # `name(id)` building each family's key. The scripts spell no key name of their own.
@@ -134,6 +141,14 @@ def active_key(prefix: str) -> str:
 
 def layout_key(prefix: str) -> str:
     return f"{prefix}:{LAYOUT}"
+
+
+def audit_key(prefix: str) -> str:
+    return f"{prefix}:{AUDIT}"
+
+
+def tokens_channel(prefix: str) -> str:
+    return f"{prefix}:{TOKENS}"
 
 
 def drain_consumers_key(prefix: str) -> str:

@@ -14,6 +14,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection
 
+import app.access.models  # noqa: F401  (the access tables share the metadata)
 from app.accounting.db import (
     MIGRATIONS_DIR,
     create_engine,
@@ -32,6 +33,8 @@ TABLES = {
     "lag_counts",
     "batches",
     "processed_events",
+    "api_tokens",
+    "audit_log",
     "prompt_passes",
 }
 

@@ -66,5 +66,5 @@ def test_the_design_notes_list_every_key():
     section = DESIGN.read_text().split("## Redis keys", 1)[1].split("\n## ", 1)[0]
     for suffix in [*keys.LUA_KEYS.values(), *keys.LUA_FAMILIES.values()]:
         assert f"`P:{{R}}:{suffix}" in section, suffix
-    for name in (keys.RUNS, keys.ACTIVE, keys.LAYOUT, keys.DRAIN_CONSUMERS, keys.WAKE):
+    for name in (*keys.GLOBAL_KEYS, keys.WAKE, keys.TOKENS):
         assert f"`P:{name}`" in section, name

@@ -1,0 +1,42 @@
+"""The access tables: tokens (secrets stored only as SHA-256 digests) and the audit log. They
+share the accounting database and its migrations (``migrations/versions/0004_access.py``)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import BigInteger, DateTime, Index, LargeBinary, Text, func
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.orm import Mapped, mapped_column
+
+from app.accounting.models import Base
+
+
+class ApiToken(Base):
+    __tablename__ = "api_tokens"
+
+    token_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    name: Mapped[str] = mapped_column(Text)
+    scopes: Mapped[list[str]] = mapped_column(ARRAY(Text))
+    runs: Mapped[list[str] | None] = mapped_column(ARRAY(Text), nullable=True)
+    secret_sha256: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    created_by: Mapped[str] = mapped_column(Text)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class AuditEntry(Base):
+    __tablename__ = "audit_log"
+    __table_args__ = (Index(None, "run_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    actor: Mapped[str] = mapped_column(Text)
+    token_id: Mapped[str] = mapped_column(Text)
+    action: Mapped[str] = mapped_column(Text)
+    run_id: Mapped[str | None] = mapped_column(Text, nullable=True)
+    detail: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    source: Mapped[str | None] = mapped_column(
+        Text, unique=True, nullable=True, comment="Redis stream id the entry came from"
+    )

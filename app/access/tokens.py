@@ -1,0 +1,239 @@
+"""Bearer tokens: their form, their storage in Postgres (only a SHA-256 digest of the secret)
+and the per-process cache of look-ups, which Redis pub/sub invalidates on every process when a
+token is revoked.
+
+A token reads ``rb_<token_id>_<secret>``: the id (16 hex digits) finds the record without
+depending on the secret, and the secret (32 random bytes, URL-safe base64) is compared with the
+stored digest in constant time (:func:`hmac.compare_digest`). Secrets of 256 random bits need
+no slow hash: nobody can guess one from its SHA-256.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Final
+
+from redis.asyncio import Redis
+from sqlalchemy import select, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from app.access.models import ApiToken
+from app.access.policy import Caller, Scope
+
+log = logging.getLogger("rollout_broker")
+
+TOKEN_PREFIX: Final = "rb_"
+ID_HEX: Final = 16
+SECRET_BYTES: Final = 32
+BOOTSTRAP_NAME: Final = "bootstrap"
+NEGATIVE_S: Final = 1.0
+"""An unknown token id is remembered this long, so a client with a wrong token does not send
+the database one query per request."""
+MAX_CACHED: Final = 10_000
+
+
+def digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode()).digest()
+
+
+def new_token() -> tuple[str, str, bytes]:
+    """A fresh ``(token_id, token, digest of its secret)``."""
+    token_id = secrets.token_hex(ID_HEX // 2)
+    secret = secrets.token_urlsafe(SECRET_BYTES)
+    return token_id, f"{TOKEN_PREFIX}{token_id}_{secret}", digest(secret)
+
+
+def split_token(token: str) -> tuple[str, str] | None:
+    """``(token_id, secret)`` of a well-formed token, else None."""
+    if not token.startswith(TOKEN_PREFIX):
+        return None
+    token_id, sep, secret = token[len(TOKEN_PREFIX) :].partition("_")
+    if not sep or len(token_id) != ID_HEX or not secret:
+        return None
+    return token_id, secret
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRecord:
+    caller: Caller
+    secret_sha256: bytes
+    revoked: bool
+
+
+def _record(row: ApiToken) -> TokenRecord:
+    caller = Caller(
+        token_id=row.token_id,
+        name=row.name,
+        scopes=frozenset(Scope(s) for s in row.scopes),
+        runs=tuple(row.runs) if row.runs is not None else None,
+    )
+    return TokenRecord(caller, row.secret_sha256, row.revoked_at is not None)
+
+
+# -- storage ------------------------------------------------------------------------------------
+
+
+async def insert_token(
+    session: AsyncSession,
+    name: str,
+    scopes: Sequence[Scope],
+    runs: Sequence[str] | None,
+    created_by: str,
+) -> tuple[ApiToken, str]:
+    """Add a token (in the caller's transaction); returns its row and the secret token."""
+    token_id, token, sha = new_token()
+    row = ApiToken(
+        token_id=token_id,
+        name=name,
+        scopes=[str(s) for s in scopes],
+        runs=list(runs) if runs is not None else None,
+        secret_sha256=sha,
+        created_by=created_by,
+    )
+    session.add(row)
+    await session.flush()
+    await session.refresh(row)
+    return row, token
+
+
+async def list_tokens(session: AsyncSession) -> list[ApiToken]:
+    rows = await session.scalars(select(ApiToken).order_by(ApiToken.created_at.desc()))
+    return list(rows)
+
+
+async def revoke_token(session: AsyncSession, token_id: str) -> ApiToken | None:
+    """Mark a token revoked (once; revoking again keeps the first time). None: no such token."""
+    row = await session.get(ApiToken, token_id, with_for_update=True)
+    if row is not None and row.revoked_at is None:
+        await session.execute(
+            update(ApiToken).where(ApiToken.token_id == token_id).values(revoked_at=_now())
+        )
+        await session.refresh(row)
+    return row
+
+
+def _now() -> datetime:
+    from datetime import UTC
+
+    return datetime.now(UTC)
+
+
+# -- look-ups -----------------------------------------------------------------------------------
+
+
+class TokenCache:
+    """Token records by id, as Postgres had them, for at most ``ttl_s`` (a revocation reaches
+    every process at once through :meth:`listen`; the ttl bounds what a lost message costs).
+    While the subscription is down nothing cached is trusted."""
+
+    def __init__(
+        self,
+        sessionmaker: async_sessionmaker[AsyncSession] | None,
+        redis: Redis,
+        channel: str,
+        ttl_s: float,
+        bootstrap: str | None = None,
+    ) -> None:
+        self._sessionmaker = sessionmaker
+        self._redis = redis
+        self._channel = channel
+        self._ttl_s = ttl_s
+        self._bootstrap = digest(bootstrap) if bootstrap else None
+        self._entries: dict[str, tuple[TokenRecord | None, float]] = {}
+        self._subscribed = False
+        self._task: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+
+    # The caller of a presented token, or None for an unknown, wrong or revoked one.
+    async def caller(self, token: str) -> Caller | None:
+        if self._bootstrap is not None and hmac.compare_digest(digest(token), self._bootstrap):
+            return BOOTSTRAP
+        parts = split_token(token)
+        if parts is None:
+            return None
+        token_id, secret = parts
+        record = await self._record(token_id)
+        if record is None or record.revoked:
+            return None
+        if not hmac.compare_digest(digest(secret), record.secret_sha256):
+            return None
+        return record.caller
+
+    async def _record(self, token_id: str) -> TokenRecord | None:
+        now = time.monotonic()
+        hit = self._entries.get(token_id)
+        if hit is not None and hit[1] > now and self._subscribed:
+            return hit[0]
+        if self._sessionmaker is None:
+            return None
+        async with self._sessionmaker() as session:
+            row = await session.get(ApiToken, token_id)
+        record = _record(row) if row is not None else None
+        if len(self._entries) >= MAX_CACHED:
+            self._entries.clear()
+        self._entries[token_id] = (record, now + (self._ttl_s if record else NEGATIVE_S))
+        return record
+
+    def forget(self, token_id: str) -> None:
+        self._entries.pop(token_id, None)
+
+    async def announce_revoked(self, token_id: str) -> None:
+        """Tell every process (this one included) to forget ``token_id``."""
+        self.forget(token_id)
+        await self._redis.publish(self._channel, token_id)
+
+    # -- the subscription --
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._listen(), name="token-revocations")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ready.wait(), timeout=5.0)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _listen(self) -> None:
+        backoff = 0.1
+        while True:
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self._channel)
+                self._entries.clear()  # whatever was revoked while we were away
+                self._subscribed = True
+                self._ready.set()
+                backoff = 0.1
+                while True:
+                    msg = await pubsub.get_message(timeout=30.0)
+                    if msg is not None:
+                        data = msg["data"]
+                        self.forget(data.decode() if isinstance(data, bytes) else str(data))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("token revocation subscription lost; reconnecting", exc_info=True)
+                self._subscribed = False
+                self._ready.set()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            finally:
+                self._subscribed = False
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+BOOTSTRAP: Final = Caller(
+    token_id=BOOTSTRAP_NAME, name=BOOTSTRAP_NAME, scopes=frozenset({Scope.ADMIN}), runs=None
+)
+"""The caller of ``BROKER_ADMIN_TOKEN``."""
