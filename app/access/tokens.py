@@ -10,8 +10,6 @@ no slow hash: nobody can guess one from its SHA-256.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
 import hmac
 import logging
@@ -28,6 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.access.models import ApiToken
 from app.access.policy import Caller, Scope
+from app.pubsub import Subscription
 
 log = logging.getLogger("rollout_broker")
 
@@ -150,8 +149,9 @@ class TokenCache:
         self._bootstrap = digest(bootstrap) if bootstrap else None
         self._entries: dict[str, tuple[TokenRecord | None, float]] = {}
         self._subscribed = False
-        self._task: asyncio.Task[None] | None = None
-        self._ready = asyncio.Event()
+        self._subscription = Subscription(
+            redis, channel, self.forget, on_up=self._up, on_lost=self._lost, name="token-cache"
+        )
 
     # The caller of a presented token, or None for an unknown, wrong or revoked one.
     async def caller(self, token: str) -> Caller | None:
@@ -194,43 +194,17 @@ class TokenCache:
     # -- the subscription --
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._listen(), name="token-revocations")
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._ready.wait(), timeout=5.0)
+        await self._subscription.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._subscription.stop()
 
-    async def _listen(self) -> None:
-        backoff = 0.1
-        while True:
-            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(self._channel)
-                self._entries.clear()  # whatever was revoked while we were away
-                self._subscribed = True
-                self._ready.set()
-                backoff = 0.1
-                while True:
-                    msg = await pubsub.get_message(timeout=30.0)
-                    if msg is not None:
-                        data = msg["data"]
-                        self.forget(data.decode() if isinstance(data, bytes) else str(data))
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.warning("token revocation subscription lost; reconnecting", exc_info=True)
-                self._subscribed = False
-                self._ready.set()
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
-            finally:
-                self._subscribed = False
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+    def _up(self) -> None:
+        self._entries.clear()  # whatever was revoked while nobody listened
+        self._subscribed = True
+
+    def _lost(self) -> None:
+        self._subscribed = False
 
 
 BOOTSTRAP: Final = Caller(

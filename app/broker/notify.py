@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 
 from app.broker import keys
+from app.pubsub import Subscription
 
 log = logging.getLogger(__name__)
 
@@ -53,21 +54,20 @@ class Waker:
         self._channel = channel
         self._prefix = prefix
         self._lines: dict[tuple[str, str], list[Ticket]] = {}
-        self._task: asyncio.Task[None] | None = None
-        self._ready = asyncio.Event()
+        # Waiters fall back to re-checking while it is down.
+        self._subscription = Subscription(
+            redis,
+            channel,
+            lambda base: self.wake(*keys.run_of_wake(prefix, base)),
+            name="broker-waker",
+        )
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._listen(), name="broker-waker")
         # Subscribed before the first request is served, so no early wake-up is missed.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._ready.wait(), timeout=5)
+        await self._subscription.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._subscription.stop()
 
     @contextlib.contextmanager
     def line(self, run_id: str, kind: str = "", size: int = 1) -> Iterator[Ticket]:
@@ -127,29 +127,3 @@ class Waker:
     async def wait(self, ticket: Ticket, at_most_s: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(ticket.event.wait(), timeout=self.wait_window(at_most_s))
-
-    async def _listen(self) -> None:
-        backoff = 0.1
-        while True:
-            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(self._channel)
-                self._ready.set()
-                backoff = 0.1
-                while True:
-                    msg = await pubsub.get_message(timeout=30.0)
-                    if msg is None:
-                        continue
-                    data = msg["data"]
-                    base = data.decode() if isinstance(data, bytes) else str(data)
-                    self.wake(*keys.run_of_wake(self._prefix, base))
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # connection lost: resubscribe; waiters fall back meanwhile
-                log.warning("wake subscription lost; reconnecting", exc_info=True)
-                self._ready.set()
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
