@@ -161,6 +161,24 @@ def test_the_api_health_check_probes_the_published_port(compose: dict[str, Any])
         assert f"127.0.0.1:{port}/readyz" in " ".join(svc["healthcheck"]["test"])
 
 
+def test_the_api_runs_with_auth_on_and_does_not_start_without_its_admin_token(
+    compose: dict[str, Any],
+) -> None:
+    """The API listens on 0.0.0.0 in its container: auth is on, its bootstrap admin token must
+    come from the operator (compose refuses ``${VAR:?...}`` unset), and the port is published
+    on loopback unless the operator chooses otherwise."""
+    served = 0
+    for svc in broker_services(compose).values():
+        if parse_cli(command(svc)[1:])[0] != "serve":
+            continue
+        served += 1
+        env = svc["environment"]
+        assert env["BROKER_AUTH"] == "on"
+        assert re.fullmatch(r"\$\{BROKER_ADMIN_TOKEN:\?.+\}", env["BROKER_ADMIN_TOKEN"])
+        assert all(interpolate(str(p)).startswith("127.0.0.1:") for p in svc["ports"])
+    assert served == 1
+
+
 def test_volumes_are_declared(compose: dict[str, Any]) -> None:
     named = set(compose.get("volumes") or {})
     for svc in services(compose).values():
