@@ -18,6 +18,7 @@ import sqlalchemy.exc
 from fastapi import FastAPI
 from sqlalchemy import text
 
+from app.access import policy
 from app.accounting.db import create_engine
 from app.errors import outage_of
 from app.main import create_app
@@ -100,9 +101,12 @@ BUGS: dict[str, Callable[[], Any]] = {
 
 
 @pytest.fixture
-async def failing(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+async def failing(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[httpx.AsyncClient]:
     """The app with a route ``/fail/{name}`` that runs one of the failures above."""
     app: FastAPI = create_app(settings)
+    monkeypatch.setitem(policy.ROUTES, ("GET", "/fail/{name}"), policy.PUBLIC)
 
     async def fail(name: str) -> None:
         await (OUTAGES[name][0] if name in OUTAGES else BUGS[name])()
