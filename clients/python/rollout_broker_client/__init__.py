@@ -5,7 +5,9 @@ Generators post rollouts through a writer that batches them, retries safely and 
 ``429`` backpressure, or take their prompts from the broker in a loop of work leases that gives
 back every prompt it did not post; trainers lease batches in a context manager that acks on a
 normal exit and nacks on an exception; operators register prompts and read runs and the
-accounting::
+accounting, and manage access tokens and read the audit log of a broker with auth on. A
+client sends ``token=`` (default: the ``BROKER_TOKEN`` environment variable) as a bearer
+token::
 
     from rollout_broker_client import BrokerClient, Rollout
 
@@ -36,6 +38,7 @@ from rollout_broker_client._errors import (
     BrokerHTTPError,
     BrokerUnreachable,
     Conflict,
+    Forbidden,
     InternalError,
     LeaseExpired,
     NotFound,
@@ -45,6 +48,8 @@ from rollout_broker_client._errors import (
     RunConflict,
     RunNotFound,
     ServerError,
+    TokenNotFound,
+    Unauthorized,
     Unavailable,
     UnsupportedMediaType,
     ValidationFailed,
@@ -53,8 +58,11 @@ from rollout_broker_client._errors import (
     WorkLeaseOver,
 )
 from rollout_broker_client._models import (
+    AccessToken,
     Accounting,
     AckResult,
+    AuditEntry,
+    AuditPage,
     Batch,
     BatchCounts,
     BatchStats,
@@ -63,6 +71,7 @@ from rollout_broker_client._models import (
     KlStats,
     LagStats,
     LeasedRollout,
+    NewToken,
     PolicyResult,
     Prompt,
     PromptCounts,
@@ -73,6 +82,7 @@ from rollout_broker_client._models import (
     Rollout,
     Run,
     RunConfig,
+    Scope,
     VersionAccounting,
     WaitStats,
     WorkLease,
@@ -90,6 +100,7 @@ from rollout_broker_client._wire import Retry
 
 __all__ = [
     "DEFAULT_URL",
+    "AccessToken",
     "Accounting",
     "AckResult",
     "AsyncBrokerClient",
@@ -97,6 +108,8 @@ __all__ = [
     "AsyncRolloutWriter",
     "AsyncWork",
     "AsyncWorkLoop",
+    "AuditEntry",
+    "AuditPage",
     "BadRequest",
     "Batch",
     "BatchCounts",
@@ -108,6 +121,7 @@ __all__ = [
     "BrokerHTTPError",
     "BrokerUnreachable",
     "Conflict",
+    "Forbidden",
     "IngestResult",
     "InternalError",
     "IsRatioStats",
@@ -116,6 +130,7 @@ __all__ = [
     "Lease",
     "LeaseExpired",
     "LeasedRollout",
+    "NewToken",
     "NotFound",
     "OverCapacity",
     "PayloadTooLarge",
@@ -134,8 +149,11 @@ __all__ = [
     "RunConfig",
     "RunConflict",
     "RunNotFound",
+    "Scope",
     "ServerError",
     "SyncASGITransport",
+    "TokenNotFound",
+    "Unauthorized",
     "Unavailable",
     "UnsupportedMediaType",
     "ValidationFailed",

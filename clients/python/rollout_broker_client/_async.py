@@ -26,10 +26,14 @@ from rollout_broker_client._errors import (
     Unavailable,
 )
 from rollout_broker_client._models import (
+    AccessToken,
     Accounting,
     AckResult,
+    AuditEntry,
+    AuditPage,
     Batch,
     IngestResult,
+    NewToken,
     PolicyResult,
     PromptState,
     PromptStateName,
@@ -38,18 +42,21 @@ from rollout_broker_client._models import (
     Rollout,
     Run,
     RunConfig,
+    Scope,
     VersionAccounting,
     WorkLease,
     WorkPrompt,
 )
 from rollout_broker_client._wire import (
     Api,
+    BearerToken,
     Call,
     Format,
     PromptLike,
     Retry,
     RolloutLike,
     check,
+    parse_audit_entry,
     parse_prompt_state,
     unreachable,
 )
@@ -65,6 +72,7 @@ __all__ = [
 
 log = logging.getLogger("rollout_broker.client")
 T = TypeVar("T")
+E = TypeVar("E", bound=BrokerError)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -86,6 +94,12 @@ class AsyncBrokerClient:
     logprobs as little-endian int32/float32 bytes, and asks for batches the same way;
     ``format="json"`` uses plain JSON lists throughout. ``trainer_id`` and ``generator_id`` are
     sent with every batch lease and work lease that does not name its own.
+
+    ``token`` is sent as ``Authorization: Bearer <token>`` with every request; when it is not
+    given, the ``BROKER_TOKEN`` environment variable is (``token=""`` sends none). It never
+    shows in the client's repr, in its exceptions or in its log lines. A broker with auth on
+    answers a missing, unknown or revoked token with :class:`Unauthorized` (401) and a token
+    that lacks the scope or the run with :class:`Forbidden` (403); neither is sent again.
     """
 
     def __init__(
@@ -98,7 +112,9 @@ class AsyncBrokerClient:
         format: Format = "msgpack",
         trainer_id: str | None = None,
         generator_id: str | None = None,
+        token: str | None = None,
     ) -> None:
+        self._token = BearerToken.resolve(token)  # checked before anything is opened
         self._owns_http = http is None
         self._http = http if http is not None else httpx.AsyncClient()
         inherited = str(self._http.base_url) if http is not None else ""
@@ -117,6 +133,10 @@ class AsyncBrokerClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def __repr__(self) -> str:
+        token = "None" if self._token is None else "'***'"
+        return f"{type(self).__name__}({self.base_url!r}, token={token})"
+
     async def close(self) -> None:
         """Give back the unposted prompts of the work leases still open, then close the
         connection pool (not one passed in as ``http``)."""
@@ -132,6 +152,7 @@ class AsyncBrokerClient:
         answer, else the exception of the broker's answer (:class:`Unavailable`...)."""
         if self._abandoned:
             await self._give_back_abandoned()
+        headers = call.headers if self._token is None else {**call.headers, **self._token.header()}
         attempt = 0
         started = time.monotonic()
         while True:
@@ -141,23 +162,33 @@ class AsyncBrokerClient:
                     self.base_url + call.path,
                     params=call.params,
                     content=call.content,
-                    headers=call.headers,
+                    headers=headers,
                     timeout=self.timeout + call.extra_timeout,
                 )
             except httpx.TransportError as exc:
                 elapsed = time.monotonic() - started
                 pause = self.retry.pause(call, attempt, elapsed, error=exc)
                 if pause is None:
-                    raise unreachable(call, self.base_url, exc, attempt + 1, elapsed) from exc
+                    err = unreachable(call, self.base_url, exc, attempt + 1, elapsed)
+                    raise self._scrubbed(err) from exc
                 why = type(exc).__name__
             else:
                 pause = self.retry.pause(call, attempt, time.monotonic() - started, response=resp)
                 if pause is None:
-                    return call.read(resp, check(resp))
+                    try:
+                        return call.read(resp, check(resp))
+                    except BrokerError as err:
+                        raise self._scrubbed(err) from None
                 why = f"status {resp.status_code}"
             log.info("%s %s: %s; resending in %.2f s", call.method, call.path, why, pause)
             await asyncio.sleep(pause)
             attempt += 1
+
+    def _scrubbed(self, err: E) -> E:
+        """``err`` with the token masked in its text."""
+        if self._token is not None:
+            self._token.scrub_error(err)
+        return err
 
     async def _give_back_abandoned(self) -> None:
         works, self._abandoned = self._abandoned, []
@@ -428,6 +459,53 @@ class AsyncBrokerClient:
             if not cursor:
                 return out
 
+    async def audit(
+        self, run_id: str | None = None, *, limit: int = 100, cursor: str | None = None
+    ) -> AuditPage:
+        """A page of the audit log (scope ``operate``), newest first: who did what to which
+        run (or token), when. ``run_id`` keeps one run's entries; ``cursor`` is a previous
+        page's ``next_cursor``; ``limit`` is 1 to 1000. A token limited to runs sees only
+        their entries."""
+        return await self.send(self.api.audit(run_id, limit, cursor))
+
+    async def audit_entries(
+        self, run_id: str | None = None, *, page_size: int = 1000
+    ) -> AsyncIterator[AuditEntry]:
+        """Every entry of the audit log (or of one run), newest first, fetched a page at a
+        time."""
+        cursor: str | None = None
+        while True:
+            docs, cursor = await self.send(self.api.audit_docs(run_id, page_size, cursor))
+            for doc in docs:
+                yield parse_audit_entry(doc)
+            if not cursor:
+                return
+
+    # -- access tokens (scope admin) ------------------------------------------------------
+    async def create_token(
+        self,
+        name: str,
+        scopes: Scope | Sequence[Scope],
+        runs: str | Sequence[str] | None = None,
+    ) -> NewToken:
+        """A new token for ``name`` (the audit log names its actions so) with ``scopes``
+        (``generate``, ``train``, ``operate``, ``admin``), limited to ``runs`` (run ids or
+        ``prefix*`` patterns; None: every run). Its secret, ``.token``, is in this answer
+        only: the broker keeps just a digest. A request whose answer may have been lost is
+        not sent again, since the resend would create a second token."""
+        return await self.send(self.api.create_token(name, scopes, runs))
+
+    async def list_tokens(self) -> list[AccessToken]:
+        """Every token, newest first, revoked ones included (``revoked_at`` set); never a
+        secret."""
+        return await self.send(self.api.list_tokens())
+
+    async def revoke_token(self, token_id: str) -> None:
+        """Revoke a token: every API process of the broker refuses it within a second.
+        Revoking it again changes nothing; an unknown id is :class:`TokenNotFound`. Takes the
+        ``token_id`` or the whole token, of which only the id is sent."""
+        await self.send(self.api.revoke_token(token_id))
+
 
 class AsyncRolloutWriter:
     """Batches a generator's rollouts into ingest requests.
@@ -446,8 +524,9 @@ class AsyncRolloutWriter:
     raised carries in ``err.unsent`` every rollout not accepted, and they stay buffered for the
     next flush, which sends them first, ``batch_size`` at a time: when the broker cannot be
     reached, stays unavailable or full past the deadlines, or answers any other ``5xx``. Only a
-    request the broker refused as a whole (``422``, ``404``, ``413``...: sending it again would
-    fail the same way) leaves the buffer; its rollouts are in ``err.unsent`` all the same.
+    request the broker refused as a whole (``422``, ``404``, ``413``, ``401``, ``403``...:
+    sending it again would fail the same way) leaves the buffer; its rollouts are in
+    ``err.unsent`` all the same.
     """
 
     def __init__(

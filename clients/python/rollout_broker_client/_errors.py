@@ -5,9 +5,13 @@ by the body's ``error`` field, carrying the body's ``detail``:
     ├── BrokerUnreachable            no answer (connection refused, timed out), after retries
     └── BrokerHTTPError              an error status; .status, .error, .detail, .headers
         ├── BadRequest (400)
+        ├── Unauthorized (401)       no token, or one the broker does not know or has revoked
+        ├── Forbidden (403)          the token lacks the scope or the run (or, with auth off,
+        │                            a request from another web origin)
         ├── NotFound (404)
         │   ├── RunNotFound
         │   ├── BatchNotFound
+        │   ├── TokenNotFound        no such token id (to revoke)
         │   └── WorkLeaseNotFound    no such work lease (or long forgotten)
         ├── Conflict (409)
         │   ├── RunConflict          same run_id, different config
@@ -24,7 +28,9 @@ by the body's ``error`` field, carrying the body's ``detail``:
             ├── InternalError (500)
             └── Unavailable (503)
 
-An ``error`` name the client does not know falls back to the class of its status.
+An ``error`` name the client does not know falls back to the class of its status. No error
+is ever sent again by the client but those of an outage (``502``, ``503``, ``504``): a ``401``
+or ``403`` is raised at once. An exception's text never holds the client's token.
 
 An error raised by a rollout writer (or a work lease's ``post``) carries in ``unsent`` the
 rollouts of that writer the broker has not accepted, in the order they were added.
@@ -47,6 +53,7 @@ __all__ = [
     "BrokerHTTPError",
     "BrokerUnreachable",
     "Conflict",
+    "Forbidden",
     "InternalError",
     "LeaseExpired",
     "NotFound",
@@ -56,6 +63,8 @@ __all__ = [
     "RunConflict",
     "RunNotFound",
     "ServerError",
+    "TokenNotFound",
+    "Unauthorized",
     "Unavailable",
     "UnsupportedMediaType",
     "ValidationFailed",
@@ -111,6 +120,15 @@ class BadRequest(BrokerHTTPError):
     pass
 
 
+class Unauthorized(BrokerHTTPError):
+    """The broker wants a token (``Authorization: Bearer``) and got none, or one it does not
+    know or has revoked: give the client ``token=`` (or set ``BROKER_TOKEN``)."""
+
+
+class Forbidden(BrokerHTTPError):
+    """The token is valid but lacks the scope the request needs, or may not touch its run."""
+
+
 class NotFound(BrokerHTTPError):
     pass
 
@@ -124,6 +142,10 @@ class BatchNotFound(NotFound):
 
 
 class WorkLeaseNotFound(NotFound):
+    pass
+
+
+class TokenNotFound(NotFound):
     pass
 
 
@@ -191,10 +213,13 @@ _BY_NAME: dict[str, type[BrokerHTTPError]] = {
     cls.__name__: cls
     for cls in (
         BadRequest,
+        Unauthorized,
+        Forbidden,
         NotFound,
         RunNotFound,
         BatchNotFound,
         WorkLeaseNotFound,
+        TokenNotFound,
         Conflict,
         RunConflict,
         RunClosed,
@@ -213,6 +238,8 @@ _BY_NAME: dict[str, type[BrokerHTTPError]] = {
 
 _BY_STATUS: dict[int, type[BrokerHTTPError]] = {
     400: BadRequest,
+    401: Unauthorized,
+    403: Forbidden,
     404: NotFound,
     409: Conflict,
     413: PayloadTooLarge,

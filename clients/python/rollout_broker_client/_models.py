@@ -1,4 +1,5 @@
-"""What the client sends and receives: rollouts with numpy arrays, runs, batches, accounting."""
+"""What the client sends and receives: rollouts with numpy arrays, runs, batches, accounting,
+access tokens and the audit log."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "AccessToken",
     "Accounting",
     "AckArgs",
     "AckResult",
+    "AuditEntry",
+    "AuditPage",
     "Batch",
     "BatchCounts",
     "BatchStats",
@@ -23,6 +27,7 @@ __all__ = [
     "LagStats",
     "LeasedRollout",
     "LiveCounts",
+    "NewToken",
     "PolicyResult",
     "Prompt",
     "PromptCounts",
@@ -33,6 +38,7 @@ __all__ = [
     "Rollout",
     "Run",
     "RunConfig",
+    "Scope",
     "VersionAccounting",
     "WaitStats",
     "WorkLease",
@@ -414,3 +420,73 @@ class VersionAccounting:
     lag: LagStats
     kl: KlStats
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+
+Scope = Literal["generate", "train", "operate", "admin"]
+"""What an access token may do (SPEC "Access control"): ``generate`` posts rollouts and takes
+and returns work; ``train`` leases, acks, nacks and sets the policy version; ``operate``
+creates, changes, closes and deletes runs, registers prompts and reads the accounting and the
+audit log; ``admin`` manages tokens, and may do everything. Any scope reads its runs."""
+
+
+@dataclass(frozen=True, slots=True)
+class AccessToken:
+    """An access token as the broker lists it: never its secret. ``runs`` are the run ids and
+    ``prefix*`` patterns it may touch (None: every run); ``created_by`` names the token that
+    created it; ``revoked_at`` is set once it is revoked."""
+
+    token_id: str
+    name: str
+    scopes: list[Scope]
+    runs: list[str] | None
+    created_at: datetime
+    created_by: str | None
+    revoked_at: datetime | None
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+
+@dataclass(frozen=True, slots=True)
+class NewToken:
+    """A token just created. ``token`` is its secret, to pass as ``token=`` (or
+    ``BROKER_TOKEN``): the broker shows it in this answer only and keeps just a digest. It is
+    left out of the repr, so printing or logging the object does not reveal it."""
+
+    token_id: str
+    token: str = field(repr=False)
+    name: str
+    scopes: list[Scope]
+    runs: list[str] | None
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class AuditEntry:
+    """One operator action: ``actor`` (the name of the token that acted; ``anonymous`` with
+    auth off) did ``action`` (``run.create``, ``run.config``, ``run.close``, ``run.delete``,
+    ``run.policy``, ``token.create``, ``token.revoke``) to ``run_id`` (None for a token
+    action) at ``at``, with ``detail`` (the config, the version, the token id...)."""
+
+    id: int
+    at: datetime
+    actor: str
+    action: str
+    run_id: str | None
+    detail: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class AuditPage:
+    """A page of the audit log, newest first; ``next_cursor`` asks for the next (None: the
+    last page)."""
+
+    entries: list[AuditEntry]
+    next_cursor: str | None
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self) -> Iterator[AuditEntry]:
+        return iter(self.entries)

@@ -1,12 +1,15 @@
 """The requests of the API as data (method, path, body, how to read the answer), shared by the
-sync and the async client, and the codecs: msgpack with binary arrays, or JSON."""
+sync and the async client, the codecs (msgpack with binary arrays, or JSON) and the bearer
+token that the clients send without ever showing it."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Generic, Literal, TypeVar, cast
@@ -17,10 +20,19 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from rollout_broker_client._errors import BrokerUnreachable, error_from_response, parse_retry_after
+from rollout_broker_client._errors import (
+    BrokerError,
+    BrokerHTTPError,
+    BrokerUnreachable,
+    error_from_response,
+    parse_retry_after,
+)
 from rollout_broker_client._models import (
+    AccessToken,
     Accounting,
     AckResult,
+    AuditEntry,
+    AuditPage,
     Batch,
     BatchCounts,
     BatchStats,
@@ -31,6 +43,7 @@ from rollout_broker_client._models import (
     KlStats,
     LagStats,
     LeasedRollout,
+    NewToken,
     PolicyResult,
     Prompt,
     PromptCounts,
@@ -40,6 +53,7 @@ from rollout_broker_client._models import (
     Rollout,
     Run,
     RunConfig,
+    Scope,
     VersionAccounting,
     WaitStats,
     WorkLease,
@@ -54,6 +68,60 @@ except ImportError:  # pragma: no cover - exercised where orjson is absent
 
 T = TypeVar("T")
 Format = Literal["msgpack", "json"]
+
+
+TOKEN_ENV = "BROKER_TOKEN"
+_TOKEN_CHARS = re.compile(r"^[\x21-\x7e]+$")  # printable ASCII, no space: a header's value
+_FULL_TOKEN = re.compile(r"^rb_([0-9a-f]{16})_.+$")  # rb_<token_id>_<secret>
+
+
+class BearerToken:
+    """A client's token, sent as ``Authorization: Bearer <token>``, that never shows itself:
+    its repr and str are masked, and :meth:`scrub` masks it in any text the client raises."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        value = value.strip()
+        if not _TOKEN_CHARS.match(value):
+            # Not a word of the value itself: it is a secret.
+            raise ValueError(
+                "a broker token is printable ASCII without spaces (it is sent as "
+                "'Authorization: Bearer <token>'); check the token= argument or BROKER_TOKEN"
+            )
+        self._value = value
+
+    @classmethod
+    def resolve(cls, token: str | None) -> BearerToken | None:
+        """The token to send: ``token``, or with None the ``BROKER_TOKEN`` environment
+        variable; an empty string (either way) is no token."""
+        if token is None:
+            token = os.environ.get(TOKEN_ENV)
+        return cls(token) if token and token.strip() else None
+
+    def header(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self._value}"}
+
+    def scrub(self, text: str) -> str:
+        return text.replace(self._value, "***")
+
+    def scrub_error(self, err: BrokerError) -> None:
+        """Mask the token in ``err``'s text (a proxy's error page may echo the request)."""
+        err.args = tuple(self.scrub(a) if isinstance(a, str) else a for a in err.args)
+        if isinstance(err, BrokerHTTPError):
+            err.detail = self.scrub(err.detail)
+
+    def __repr__(self) -> str:
+        return "BearerToken('***')"
+
+    __str__ = __repr__
+
+
+def token_id_of(token_id: str) -> str:
+    """``token_id`` itself, or the id part of a whole token ``rb_<token_id>_<secret>``, so
+    that a secret passed by mistake never goes into a URL (and from there into logs)."""
+    m = _FULL_TOKEN.match(token_id)
+    return m.group(1) if m else token_id
 
 
 RolloutLike = Rollout | Mapping[str, Any]
@@ -402,6 +470,64 @@ def parse_versions(body: Any) -> list[VersionAccounting]:
     ]
 
 
+def _scopes(value: Any) -> list[Scope]:
+    return [cast(Scope, str(x)) for x in value]
+
+
+def _runs(value: Any) -> list[str] | None:
+    return None if value is None else [str(x) for x in value]
+
+
+def parse_access_token(doc: Any) -> AccessToken:
+    return AccessToken(
+        token_id=str(doc["token_id"]),
+        name=str(doc["name"]),
+        scopes=_scopes(doc["scopes"]),
+        runs=_runs(doc.get("runs")),
+        created_at=_time(doc["created_at"]),
+        created_by=doc.get("created_by"),
+        revoked_at=_opt_time(doc.get("revoked_at")),
+    )
+
+
+def parse_new_token(doc: Any) -> NewToken:
+    return NewToken(
+        token_id=str(doc["token_id"]),
+        token=str(doc["token"]),
+        name=str(doc["name"]),
+        scopes=_scopes(doc["scopes"]),
+        runs=_runs(doc.get("runs")),
+        created_at=_time(doc["created_at"]),
+    )
+
+
+def parse_audit_entry(doc: Any) -> AuditEntry:
+    return AuditEntry(
+        id=int(doc["id"]),
+        at=_time(doc["at"]),
+        actor=str(doc["actor"]),
+        action=str(doc["action"]),
+        run_id=doc.get("run_id"),
+        detail=dict(doc.get("detail") or {}),
+    )
+
+
+def parse_audit_page(body: Any) -> AuditPage:
+    return AuditPage(
+        entries=[parse_audit_entry(e) for e in body["entries"]],
+        next_cursor=body.get("next_cursor") or None,
+    )
+
+
+def _audit(run_id: str | None, limit: int, cursor: str | None) -> dict[str, str]:
+    params = {"limit": str(int(limit))}
+    if run_id is not None:
+        params["run_id"] = run_id
+    if cursor:
+        params["cursor"] = cursor
+    return params
+
+
 def _ignore(resp: httpx.Response, body: Any) -> Any:
     return body
 
@@ -634,6 +760,52 @@ class Api:
             params,
         )
 
+    # access control: tokens (admin) and the audit log (operate)
+    def create_token(
+        self, name: str, scopes: Scope | Iterable[Scope], runs: str | Iterable[str] | None
+    ) -> Call[NewToken]:
+        doc: dict[str, Any] = {
+            "name": name,
+            "scopes": [scopes] if isinstance(scopes, str) else list(scopes),
+        }
+        if runs is not None:
+            doc["runs"] = [runs] if isinstance(runs, str) else list(runs)
+        content, headers = self._body(doc)
+        # Not idempotent: a resend after a lost answer would create a second token, alive and
+        # with a secret nobody has seen. Only a request that never left is sent again.
+        return Call(
+            "POST",
+            "/v1/tokens",
+            lambda r, b: parse_new_token(b),
+            None,
+            content,
+            headers,
+            idempotent=False,
+        )
+
+    def list_tokens(self) -> Call[list[AccessToken]]:
+        return Call("GET", "/v1/tokens", lambda r, b: [parse_access_token(t) for t in b["tokens"]])
+
+    def revoke_token(self, token_id: str) -> Call[None]:
+        path = "/v1/tokens/" + quote(token_id_of(token_id), safe="")
+        return Call("DELETE", path, lambda r, b: None)
+
+    def audit(self, run_id: str | None, limit: int, cursor: str | None) -> Call[AuditPage]:
+        return Call(
+            "GET", "/v1/audit", lambda r, b: parse_audit_page(b), _audit(run_id, limit, cursor)
+        )
+
+    def audit_docs(
+        self, run_id: str | None, limit: int, cursor: str | None
+    ) -> Call[tuple[list[Any], str | None]]:
+        """One page of the audit log, as documents: the caller parses them one by one."""
+        return Call(
+            "GET",
+            "/v1/audit",
+            lambda r, b: (list(b["entries"]), b.get("next_cursor") or None),
+            _audit(run_id, limit, cursor),
+        )
+
     def healthz(self) -> Call[Any]:
         return Call("GET", "/healthz", _ignore, retry_statuses=())
 
@@ -650,7 +822,8 @@ class Retry:
     one whose answer was lost (the connection dropped, a read timeout) or that met ``502``,
     ``503`` or ``504``, when it is idempotent, as every request of this client is (ingest by
     ``rollout_id``, a lease by the ``batch_id`` and a work lease by the ``lease_id`` the client
-    chose, ...). Not retried: any other status, ``500`` included (a bug, not an outage), and
+    chose, ...) but the creation of a token. Not retried: any other status, ``500`` included (a
+    bug, not an outage), ``401`` and ``403`` (the token will not do better a second time), and
     ``429``, which the writer waits out on its own terms.
 
     The waits grow exponentially from ``backoff_s`` to ``max_backoff_s``, jittered (each is 50
