@@ -1,6 +1,6 @@
 """The ``rollout-broker`` command: run the API, the workers, the migrations, and the operator
-commands (``runs``, ``policy``, ``batches``, ``accounting``, ``prompts``, ``watch``), which go
-through the HTTP client.
+commands (``runs``, ``policy``, ``batches``, ``accounting``, ``prompts``, ``watch``, ``tokens``,
+``audit``), which go through the HTTP client with the token of ``--token`` or ``BROKER_TOKEN``.
 
 Every error ends a command with one line on stderr (``error: ...``) and a non-zero status:
 ``1`` for what went wrong at run time, ``2`` for a bad command line. ``watch`` waits through a
@@ -18,8 +18,9 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
+from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 import typer
 
@@ -28,12 +29,15 @@ from app.settings import Settings
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
     from rollout_broker_client import (
+        AccessToken,
         Accounting,
+        AuditEntry,
         BrokerClient,
         PromptCounts,
         PromptState,
         Retry,
         Run,
+        Scope,
         VersionAccounting,
     )
 
@@ -45,15 +49,53 @@ cli = typer.Typer(
 runs_cli = typer.Typer(help="List, create, show, configure and close runs.", no_args_is_help=True)
 policy_cli = typer.Typer(help="Policy versions of a run.", no_args_is_help=True)
 batches_cli = typer.Typer(help="Leased batches of a run.", no_args_is_help=True)
+tokens_cli = typer.Typer(
+    help="Create, list and revoke the access tokens of a broker with auth on (scope admin).",
+    no_args_is_help=True,
+)
 cli.add_typer(runs_cli, name="runs")
 cli.add_typer(policy_cli, name="policy")
 cli.add_typer(batches_cli, name="batches")
+cli.add_typer(tokens_cli, name="tokens")
 
 Url = Annotated[
     str,
     typer.Option("--url", envvar="BROKER_URL", help="Broker API base URL", show_envvar=True),
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for scripts")]
+_TOKEN_HELP = (
+    "Bearer token for a broker with auth on; BROKER_TOKEN keeps it off the command line, "
+    "where other users of the machine can read it"
+)
+Token = Annotated[
+    str | None,
+    typer.Option(
+        "--token", help=_TOKEN_HELP + " (default: the global --token)", show_default=False
+    ),
+]
+
+
+@dataclasses.dataclass
+class _GlobalOptions:
+    token: str | None = None
+
+
+_global = _GlobalOptions()
+"""The options given before the command's name, set by :func:`_options` at every invocation."""
+
+
+@cli.callback()
+def _options(
+    token: Annotated[
+        str | None,
+        typer.Option(
+            "--token", envvar="BROKER_TOKEN", show_envvar=True, show_default=False, help=_TOKEN_HELP
+        ),
+    ] = None,
+) -> None:
+    # Runs before every command; the commands that call the API take the token from here
+    # unless they are given one of their own.
+    _global.token = token
 
 
 def _run_id(value: str | None) -> str | None:
@@ -95,6 +137,46 @@ Migrate = Annotated[
         "migrate`); the embedded Postgres always is",
     ),
 ]
+
+
+def _settings() -> Settings:
+    """The ``BROKER_*`` settings; one that does not validate ends the command with one line
+    naming the variable and what is wrong, never its value (it may be a secret)."""
+    from pydantic import ValidationError
+
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{_env_name(e['loc'])}: {e['msg']}" for e in exc.errors(include_input=False)
+        )
+        raise _fail(f"invalid settings: {problems}") from None
+
+
+def _env_name(loc: tuple[int | str, ...]) -> str:
+    prefix = str(Settings.model_config.get("env_prefix", ""))
+    return (prefix + "_".join(str(part) for part in loc)).upper() if loc else "settings"
+
+
+def _auth_settings(settings: Settings, host: str) -> Settings:
+    """``settings`` with auth decided for a listener on ``host`` (on, unless BROKER_AUTH says,
+    for a non-loopback address); a set-up nobody could sign in to ends the command with its
+    one line. Says on stderr when auth is on, and when it is off on a non-loopback address."""
+    from app.access.startup import AuthSetupError, is_loopback, resolve_auth
+
+    try:
+        resolved = resolve_auth(settings, host)
+    except AuthSetupError as exc:
+        raise _fail(str(exc)) from None
+    if resolved.auth:
+        typer.echo("auth is on: every /v1 request needs a bearer token", err=True)
+    elif not is_loopback(host):
+        typer.echo(
+            f"warning: auth is off (BROKER_AUTH=off) on {host}: whoever reaches the port may "
+            "do anything",
+            err=True,
+        )
+    return resolved
 
 
 def _embedded_settings(settings: Settings, data_dir: Path | None) -> tuple[Settings, object]:
@@ -159,13 +241,15 @@ def serve(
     migrate: Migrate = False,
 ) -> None:
     """Run the HTTP API. With no BROKER_REDIS_URL / BROKER_DATABASE_URL, start embedded ones
-    (and migrate them); against configured ones, /readyz answers 503 until `migrate` ran."""
+    (and migrate them); against configured ones, /readyz answers 503 until `migrate` ran.
+    Auth (BROKER_AUTH) is on for a non-loopback --host unless set off; with it on, set
+    BROKER_ADMIN_TOKEN (or have an admin token in the database) to create tokens with."""
     import uvicorn
 
     from app.main import create_app
     from workers.runner import run_workers
 
-    settings = Settings()
+    settings = _settings()
     services = None
     if settings.embedded:
         settings, services = _embedded_settings(settings, data_dir)
@@ -182,6 +266,9 @@ def serve(
         if migrate:
             assert settings.database_url is not None
             _upgrade(settings.database_url)
+        # Decided on the final settings (the embedded services' URLs), after any migration,
+        # so that an admin token stored in the database is found.
+        settings = _auth_settings(settings, host)
         app = create_app(settings, background=run_workers if settings.workers_in_process else None)
         uvicorn.run(app, host=host, port=port, log_level="info")
     finally:
@@ -222,7 +309,7 @@ def worker(
     from workers.runner import run_workers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    settings = Settings()
+    settings = _settings()
     if settings.redis_url is None:
         raise typer.BadParameter("set BROKER_REDIS_URL (and BROKER_DATABASE_URL) for `worker`")
     if interval is not None:
@@ -254,7 +341,7 @@ def worker(
 def migrate() -> None:
     """Upgrade the accounting database to the latest schema (Alembic upgrade head); once per
     release, before the new API and worker processes start."""
-    settings = Settings()
+    settings = _settings()
     if settings.database_url is None:
         raise typer.BadParameter("set BROKER_DATABASE_URL for `migrate`")
     _upgrade(settings.database_url)
@@ -271,16 +358,41 @@ def _console() -> Console:
 
 
 @contextlib.contextmanager
-def _broker(url: str, retry: Retry | None = None) -> Iterator[BrokerClient]:
-    """A client for one command; broker errors become one line on stderr and exit status 1.
-    A request is sent again a few times, for a second or so, before the broker counts as
-    unreachable: an operator waits for an answer, not for a minute of retries."""
-    from rollout_broker_client import BrokerClient, BrokerError, BrokerHTTPError, BrokerUnreachable
+def _broker(
+    url: str, token: str | None = None, retry: Retry | None = None
+) -> Iterator[BrokerClient]:
+    """A client for one command, with the command's ``--token``, else the global one (or
+    ``BROKER_TOKEN``); broker errors become one line on stderr and exit status 1. A request is
+    sent again a few times, for a second or so, before the broker counts as unreachable: an
+    operator waits for an answer, not for a minute of retries."""
+    from rollout_broker_client import (
+        BrokerClient,
+        BrokerError,
+        BrokerHTTPError,
+        BrokerUnreachable,
+        Forbidden,
+        Unauthorized,
+    )
     from rollout_broker_client import Retry as RetryPolicy
 
     try:
-        with BrokerClient(url, retry=retry or RetryPolicy(retries=3)) as broker:
+        client = BrokerClient(
+            url, retry=retry or RetryPolicy(retries=3), token=token or _global.token
+        )
+    except ValueError as err:  # a token that cannot be sent; the message does not quote it
+        raise _fail(str(err)) from None
+    try:
+        with client as broker:
             yield broker
+    except Unauthorized as err:
+        raise _fail(
+            f"{err.error}: {err.detail}; pass --token or set BROKER_TOKEN to a token of this broker"
+        ) from None
+    except Forbidden as err:
+        raise _fail(
+            f"{err.error}: {err.detail}; pass --token or set BROKER_TOKEN to a token allowed to "
+            "do this"
+        ) from None
     except BrokerHTTPError as err:
         raise _fail(f"{err.error}: {err.detail}") from None
     except BrokerUnreachable as err:
@@ -380,10 +492,11 @@ def runs_list(
         Literal["open", "closed"] | None, typer.Option(help="Only open or only closed runs")
     ] = None,
     url: Url = "http://127.0.0.1:8000",
+    token: Token = None,
     as_json: AsJson = False,
 ) -> None:
     """Every run (not deleted), newest first."""
-    with _broker(url) as broker:
+    with _broker(url, token) as broker:
         runs = broker.list_runs(status)
     if as_json:
         _print_json(runs)
@@ -406,6 +519,7 @@ def runs_create(
         ),
     ] = None,
     url: Url = "http://127.0.0.1:8000",
+    token: Token = None,
     as_json: AsJson = False,
 ) -> None:
     """Create a run (the same id and config again is a no-op; another config for an existing
@@ -413,7 +527,7 @@ def runs_create(
     from rollout_broker_client import RunConflict
 
     cfg = _parse_config(config or [])
-    with _broker(url) as broker:
+    with _broker(url, token) as broker:
         try:
             run = broker.create_run(run_id, cfg)
         except RunConflict as err:
@@ -435,12 +549,13 @@ def runs_config(
         typer.Option("--config", "-c", help="RunConfig field as KEY=VALUE; repeat for more"),
     ],
     url: Url = "http://127.0.0.1:8000",
+    token: Token = None,
     as_json: AsJson = False,
 ) -> None:
     """Change fields of a run's config (the others keep their values); the rules apply from the
     broker's next decision on."""
     cfg = _parse_config(config)
-    with _broker(url) as broker:
+    with _broker(url, token) as broker:
         run = broker.patch_config(run_id, **cfg)
     if as_json:
         _print_json(run)
@@ -452,10 +567,11 @@ def runs_config(
 def runs_show(
     run_id: RunArg,
     url: Url = "http://127.0.0.1:8000",
+    token: Token = None,
     as_json: AsJson = False,
 ) -> None:
     """A run's status, policy version and config."""
-    with _broker(url) as broker:
+    with _broker(url, token) as broker:
         run = broker.get_run(run_id)
     if as_json:
         _print_json(run)
@@ -467,10 +583,11 @@ def runs_show(
 def runs_close(
     run_id: RunArg,
     url: Url = "http://127.0.0.1:8000",
+    token: Token = None,
     as_json: AsJson = False,
 ) -> None:
     """Close a run: its buffered rollouts retire (run_closed); the accounting stays."""
-    with _broker(url) as broker:
+    with _broker(url, token) as broker:
         run = broker.close_run(run_id)
     if as_json:
         _print_json(run)
@@ -482,11 +599,12 @@ def runs_close(
 def runs_delete(
     run_id: Annotated[str, typer.Argument(help="Run id")],
     url: Url = "http://127.0.0.1:8000",
+    token: Token = None,
 ) -> None:
     """Delete a closed run's live state once its accounting has caught up; the accounting
     stays. Refused (409) while the run is open, or until its leases are back and its events
     applied."""
-    with _broker(url) as broker:
+    with _broker(url, token) as broker:
         broker.delete_run(run_id)
     _console().print(f"run {run_id} deleted")
 
@@ -499,10 +617,11 @@ def policy_set(
     run_id: RunArg,
     version: Annotated[int, typer.Argument(help="The new policy version", min=0)],
     url: Url = "http://127.0.0.1:8000",
+    token: Token = None,
     as_json: AsJson = False,
 ) -> None:
     """Announce a new policy version; rollouts now too stale retire."""
-    with _broker(url) as broker:
+    with _broker(url, token) as broker:
         result = broker.set_policy(run_id, version)
     if as_json:
         _print_json(result)
@@ -521,11 +640,12 @@ def batches_nack(
     run_id: RunArg,
     batch_id: Annotated[str, typer.Argument(help="Batch id (from the lease)")],
     url: Url = "http://127.0.0.1:8000",
+    token: Token = None,
     as_json: AsJson = False,
 ) -> None:
     """Give a leased batch back unused: its rollouts return to the buffer as they were, as when
     its trainer fails (and it does not wait for the lease to expire)."""
-    with _broker(url) as broker:
+    with _broker(url, token) as broker:
         returned = broker.nack(run_id, batch_id)
     if as_json:
         _print_json({"returned": returned})
@@ -713,11 +833,12 @@ def versions_table(rows: list[VersionAccounting]) -> RenderableType:
 def accounting(
     run_id: RunArg,
     url: Url = "http://127.0.0.1:8000",
+    token: Token = None,
     as_json: AsJson = False,
     versions: Annotated[bool, typer.Option("--versions", help="Per policy version")] = False,
 ) -> None:
     """A run's sample/rollout accounting (from Postgres; may trail by a second or two)."""
-    with _broker(url) as broker:
+    with _broker(url, token) as broker:
         if versions:
             rows = broker.accounting_versions(run_id)
             if as_json:
@@ -772,11 +893,12 @@ def prompts(
         int, typer.Option(help="Show at most this many passes (0: all of them)", min=0)
     ] = 50,
     url: Url = "http://127.0.0.1:8000",
+    token: Token = None,
     as_json: AsJson = False,
 ) -> None:
     """A run's prompt passes (runs whose generators take work from the broker): each one's
     state, attempt and tries, in prompt order (from the accounting; may trail by a second)."""
-    with _broker(url) as broker:
+    with _broker(url, token) as broker:
         counts = None if as_json else broker.accounting(run_id).prompts
         page_size = min(limit + 1, 1000) if limit else 1000
         found = broker.prompt_states(run_id, state, page_size=page_size)
@@ -792,6 +914,165 @@ def prompts(
         typer.echo(json.dumps(docs, indent=2))
     else:
         _console().print(prompts_table(run_id, rows, counts, more))
+
+
+# -- access: tokens and the audit log -------------------------------------------------------------
+
+
+class ScopeName(StrEnum):
+    """The scopes of a token (the client's ``Scope``), spelled here for typer to read."""
+
+    GENERATE = "generate"
+    TRAIN = "train"
+    OPERATE = "operate"
+    ADMIN = "admin"
+
+
+SECRET_WARNING = (
+    "warning: the token is shown only this once (the broker keeps only a digest of it): "
+    "store it now"
+)
+
+
+def _when(at: datetime | None) -> str:
+    return at.isoformat(timespec="seconds") if at is not None else "–"
+
+
+def tokens_table(rows: list[AccessToken]) -> RenderableType:
+    """The tokens, newest first, revoked ones marked; never a secret (the broker has none)."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="Tokens", box=box.SIMPLE_HEAD, title_justify="left")
+    for col in ("token_id", "name", "scopes", "runs", "created_at", "created_by", "status"):
+        table.add_column(col)
+    for t in rows:
+        table.add_row(
+            t.token_id,
+            t.name,
+            ",".join(t.scopes),
+            "all" if t.runs is None else ",".join(t.runs),
+            _when(t.created_at),
+            t.created_by or "–",
+            f"revoked {_when(t.revoked_at)}" if t.revoked else "active",
+        )
+    return table
+
+
+@tokens_cli.command("create")
+def tokens_create(
+    name: Annotated[str, typer.Argument(help="Who holds the token: the audit log names it")],
+    scope: Annotated[
+        list[ScopeName],
+        typer.Option(
+            "--scope",
+            "-s",
+            help="What the token may do: generate, train, operate or admin; repeat for more",
+        ),
+    ],
+    run: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--run",
+            "-r",
+            help="A run id or prefix* pattern the token may touch; repeat for more "
+            "(default: every run)",
+        ),
+    ] = None,
+    url: Url = "http://127.0.0.1:8000",
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """Create a token (needs an admin token) and print its id and its secret, once."""
+    with _broker(url, token) as broker:
+        scopes = cast("list[Scope]", [s.value for s in scope])
+        new = broker.create_token(name, scopes, run or None)
+    if as_json:
+        _print_json(new)
+    else:
+        typer.echo(f"token_id: {new.token_id}")
+        typer.echo(f"token:    {new.token}")
+    typer.echo(SECRET_WARNING, err=True)
+
+
+@tokens_cli.command("list")
+def tokens_list(
+    url: Url = "http://127.0.0.1:8000",
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """Every token, newest first, revoked ones included; no secret is ever shown."""
+    with _broker(url, token) as broker:
+        rows = broker.list_tokens()
+    if as_json:
+        _print_json(rows)
+    else:
+        _console().print(tokens_table(rows))
+
+
+@tokens_cli.command("revoke")
+def tokens_revoke(
+    token_id: Annotated[str, typer.Argument(help="The token's id (from `tokens list`)")],
+    url: Url = "http://127.0.0.1:8000",
+    token: Token = None,
+) -> None:
+    """Revoke a token: every API process of the broker refuses it within a second (revoking
+    it again changes nothing)."""
+    from rollout_broker_client._wire import token_id_of
+
+    with _broker(url, token) as broker:
+        broker.revoke_token(token_id)
+    typer.echo(f"token {token_id_of(token_id)} revoked")
+
+
+def audit_table(rows: list[AuditEntry], more: bool) -> RenderableType:
+    from rich import box
+    from rich.table import Table
+
+    table = Table(
+        title="Audit log, newest first",
+        caption=f"{len(rows):,} shown; more with --limit (0: all)" if more else None,
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+    )
+    for col in ("id", "at", "actor", "action", "run_id", "detail"):
+        table.add_column(col, justify="right" if col == "id" else "left")
+    for e in rows:
+        table.add_row(
+            str(e.id),
+            _when(e.at),
+            e.actor,
+            e.action,
+            e.run_id or "–",
+            json.dumps(e.detail, sort_keys=True, separators=(",", ":")),
+        )
+    return table
+
+
+@cli.command()
+def audit(
+    run: Annotated[
+        str | None, typer.Option("--run", help="Only this run's entries", callback=_run_id)
+    ] = None,
+    limit: Annotated[
+        int, typer.Option(help="Show at most this many entries (0: all of them)", min=0)
+    ] = 50,
+    url: Url = "http://127.0.0.1:8000",
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """Operator actions, newest first: who (the token's name) created, changed, closed or
+    deleted which run, set its policy version, or created or revoked a token (scope operate)."""
+    with _broker(url, token) as broker:
+        page_size = min(limit + 1, 1000) if limit else 1000
+        found = broker.audit_entries(run, page_size=page_size)
+        rows = list(itertools.islice(found, limit + 1 if limit else None))
+    more = bool(limit) and len(rows) > limit
+    rows = rows[:limit] if limit else rows
+    if as_json:
+        _print_json(rows)
+    else:
+        _console().print(audit_table(rows, more))
 
 
 # -- watch ---------------------------------------------------------------------------------------
@@ -896,6 +1177,7 @@ def waiting_view(run_id: str, why: str) -> RenderableType:
 def watch(
     run_id: RunArg,
     url: Url = "http://127.0.0.1:8000",
+    token: Token = None,
     interval: Annotated[float, typer.Option(help="Seconds between refreshes", min=0.05)] = 1.0,
     count: Annotated[
         int | None, typer.Option(help="Stop after this many refreshes (default: until Ctrl-C)")
@@ -909,7 +1191,7 @@ def watch(
 
     console = _console()
     # One attempt a refresh: the refreshes are the retries.
-    with _broker(url, retry=Retry(retries=0)) as broker:
+    with _broker(url, token, retry=Retry(retries=0)) as broker:
         before: _Frame | None = None
         shown = 0
         live = Live(console=console, auto_refresh=False) if console.is_terminal else None
