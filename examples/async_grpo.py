@@ -40,6 +40,20 @@ itself (against ``BROKER_REDIS_URL`` / ``BROKER_DATABASE_URL`` when set, else em
 Postgres in a temporary data folder)::
 
     python examples/async_grpo.py
+
+Access control. The broker it starts runs with auth on (``BROKER_AUTH=on``) and a bootstrap
+admin token of its own (``BROKER_ADMIN_TOKEN``), with which it creates one token per role, each
+limited to the runs of this example (``<prefix>-*``): ``<prefix>-setup`` (scope ``operate``)
+creates, closes and reads the accounting of the runs and registers the prompts,
+``<prefix>-trainer`` (``train``) leases, acks and announces policy versions, and
+``<prefix>-generators`` (``generate``) posts rollouts and takes work. The audit log then names
+each role's actions, which the example prints at the end; it revokes the three tokens when it
+is done. Against a broker of yours (``--url``) every role uses the token in ``BROKER_TOKEN``
+(the clients read it by default), which needs the scopes ``operate``, ``train`` and
+``generate`` (or ``admin``) on the runs ``<prefix>-free`` and ``<prefix>-work``; with auth off,
+leave it unset::
+
+    BROKER_TOKEN=rb_... python examples/async_grpo.py --url http://broker:8000
 """
 
 from __future__ import annotations
@@ -51,12 +65,14 @@ import math
 import multiprocessing as mp
 import os
 import re
+import secrets
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.synchronize import Barrier
@@ -73,6 +89,7 @@ from rollout_broker_client import (
     NotFound,
     Rollout,
     RunNotFound,
+    Scope,
 )
 
 FloatArray = npt.NDArray[np.float64]
@@ -83,6 +100,18 @@ PROBLEMS, VOCAB = 16, 8
 MIN_LENGTH, MAX_LENGTH = 4, 64
 GROUP = 8  # responses per prompt (K)
 MODES = {"free": "free-running", "work": "work leases"}
+
+
+@dataclass(frozen=True)
+class Roles:
+    """The token of each role; None: the client's default, ``BROKER_TOKEN`` (or none)."""
+
+    setup: str | None = None  # operate: runs, prompts, accounting
+    trainer: str | None = None  # train: lease, ack, policy versions
+    generators: str | None = None  # generate: rollouts, work leases
+
+
+ROLE_SCOPES: dict[str, Scope] = {"setup": "operate", "trainer": "train", "generators": "generate"}
 
 
 @dataclass(frozen=True)
@@ -218,12 +247,16 @@ def free_generator(
     token_s: float,
     ready: Barrier,
     count: int,
+    token: str | None,
 ) -> None:
     """Walk this generator's share of the prompt list, pass after pass, and post every group
     tagged with the version it was sampled at, until the run closes."""
     task = make_task(seed)
     sampler = Sampler(task, Path(weights), np.random.default_rng([seed, index]), token_s)
-    with BrokerClient(url) as broker, broker.writer(run_id, batch_size=GROUP) as out:
+    with (
+        BrokerClient(url, token=token) as broker,
+        broker.writer(run_id, batch_size=GROUP) as out,
+    ):
         ready.wait()
         n = index
         while True:
@@ -248,12 +281,13 @@ def work_generator(
     token_s: float,
     ready: Barrier,
     max_prompts: int,
+    token: str | None,
 ) -> None:
     """Take work leases until the run closes; post each prompt's group with the lease's
     ``group_id``, sampled at the lease's version or later."""
     task = make_task(seed)
     sampler = Sampler(task, Path(weights), np.random.default_rng([seed, index]), token_s)
-    with BrokerClient(url, generator_id=f"g{index}") as broker:
+    with BrokerClient(url, generator_id=f"g{index}", token=token) as broker:
         ready.wait()
         # Conflict: the run closed, the trainer is done.
         with (
@@ -340,9 +374,11 @@ def run_config(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     return config
 
 
-def train(args: argparse.Namespace, url: str, mode: str) -> dict[str, Any]:
+def train(
+    args: argparse.Namespace, url: str, mode: str, prefix: str, roles: Roles
+) -> dict[str, Any]:
     task = make_task(args.seed)
-    run_id = f"{args.run_prefix or 'grpo-' + uuid.uuid4().hex[:8]}-{mode}"
+    run_id = f"{prefix}-{mode}"
     config = run_config(args, mode)
     size = args.groups_per_step * GROUP
     theta = np.zeros((PROBLEMS, MAX_LENGTH, VOCAB))
@@ -352,13 +388,17 @@ def train(args: argparse.Namespace, url: str, mode: str) -> dict[str, Any]:
     weights = Path(workdir.name) / "policy.npz"
     publish(weights, theta, version)
 
-    with workdir, BrokerClient(url, trainer_id="trainer-0") as broker:
-        broker.create_run(run_id, config)
+    with (
+        workdir,
+        BrokerClient(url, token=roles.setup) as ops,
+        BrokerClient(url, trainer_id="trainer-0", token=roles.trainer) as broker,
+    ):
+        ops.create_run(run_id, config)
         print(f"\n{MODES[mode]}: run {run_id}: {json.dumps(config)}")
         if mode == "work":
             # The same prompt list, every problem once a pass, for more passes than needed.
             epochs = math.ceil(3 * args.steps * args.groups_per_step / PROBLEMS) + 1
-            broker.register_prompts(
+            ops.register_prompts(
                 run_id,
                 [
                     {"prompt_id": prompt_id(p), "prompt_ids": [p], "data": {"problem": p}}
@@ -381,6 +421,7 @@ def train(args: argparse.Namespace, url: str, mode: str) -> dict[str, Any]:
                     token_s,
                     ready,
                     args.generators if mode == "free" else args.max_prompts,
+                    roles.generators,
                 ),
                 daemon=True,
             )
@@ -427,7 +468,7 @@ def train(args: argparse.Namespace, url: str, mode: str) -> dict[str, Any]:
                     )
         finally:
             elapsed = time.monotonic() - t0
-            broker.close_run(run_id)
+            ops.close_run(run_id)
             for p in procs:
                 p.join(30)
                 if p.is_alive():
@@ -447,9 +488,10 @@ def train(args: argparse.Namespace, url: str, mode: str) -> dict[str, Any]:
             "acked_rollouts": acked_sizes,
             "history": history,
             "accounting": None,
+            "audit": audit_summary(ops, run_id),
         }
         try:
-            acc = broker.wait_for_accounting(run_id, timeout_s=60.0)
+            acc = ops.wait_for_accounting(run_id, timeout_s=60.0)
         except RunNotFound:
             raise
         except NotFound as err:
@@ -457,6 +499,13 @@ def train(args: argparse.Namespace, url: str, mode: str) -> dict[str, Any]:
             return summary
         summary["accounting"] = acc.raw
     return summary
+
+
+def audit_summary(ops: BrokerClient, run_id: str) -> dict[str, int]:
+    """How many times each token did each action to the run, from the audit log; printed."""
+    done = Counter(f"{e.actor} {e.action}" for e in ops.audit_entries(run_id))
+    print(f"  audit log of {run_id}: " + ", ".join(f"{k} ×{n}" for k, n in sorted(done.items())))
+    return dict(done)
 
 
 # -- the comparison --------------------------------------------------------------------------
@@ -534,10 +583,11 @@ def compare(summaries: dict[str, dict[str, Any]], log_every: int) -> None:
 
 
 @contextlib.contextmanager
-def own_broker() -> Iterator[str]:
-    """``rollout-broker serve`` on a free port: against BROKER_REDIS_URL/BROKER_DATABASE_URL when
-    set (with the workers in process, migrating the database first), else embedded in a
-    temporary data folder."""
+def own_broker(admin_token: str) -> Iterator[str]:
+    """``rollout-broker serve`` on a free port with auth on and ``admin_token`` as its bootstrap
+    admin token: against BROKER_REDIS_URL/BROKER_DATABASE_URL when set (with the workers in
+    process, migrating the database first), else embedded in a temporary data folder."""
+    env = dict(os.environ, BROKER_AUTH="on", BROKER_ADMIN_TOKEN=admin_token)
     cmd = [sys.executable, "-m", "app.cli", "serve", "--port", "0"]
     data = None
     if os.environ.get("BROKER_REDIS_URL") or os.environ.get("BROKER_DATABASE_URL"):
@@ -546,7 +596,12 @@ def own_broker() -> Iterator[str]:
         data = tempfile.TemporaryDirectory(prefix="rollout-broker-")
         cmd += ["--data-dir", data.name]
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        stdin=subprocess.DEVNULL,
     )
     found: list[str] = []
     ready = threading.Event()
@@ -567,7 +622,7 @@ def own_broker() -> Iterator[str]:
         ready.wait(180)
         if not found:
             raise RuntimeError("the broker did not start:\n" + "".join(lines))
-        print(f"started {' '.join(cmd[2:])} at {found[0]}")
+        print(f"started {' '.join(cmd[2:])} at {found[0]}, auth on")
         yield found[0]
     finally:
         proc.terminate()
@@ -577,6 +632,24 @@ def own_broker() -> Iterator[str]:
             proc.kill()
         if data is not None:
             data.cleanup()
+
+
+@contextlib.contextmanager
+def role_tokens(url: str, admin_token: str, prefix: str) -> Iterator[Roles]:
+    """One token per role, limited to this example's runs, created with the admin token and
+    revoked on the way out."""
+    runs = [f"{prefix}-*"]
+    with BrokerClient(url, token=admin_token) as admin:
+        made = {
+            role: admin.create_token(f"{prefix}-{role}", [scope], runs)
+            for role, scope in ROLE_SCOPES.items()
+        }
+        print("tokens: " + ", ".join(f"{t.name} ({t.scopes[0]})" for t in made.values()))
+        try:
+            yield Roles(**{role: t.token for role, t in made.items()})
+        finally:
+            for t in made.values():
+                admin.revoke_token(t.token_id)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -606,11 +679,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.groups_per_step} groups per step, {args.steps} steps, "
         f"{args.generators} generators at {args.token_ms:g} ms per token"
     )
+    prefix = args.run_prefix or f"grpo-{uuid.uuid4().hex[:8]}"
     summaries: dict[str, dict[str, Any]] = {}
     with contextlib.ExitStack() as stack:
-        url = args.url or stack.enter_context(own_broker())
+        if args.url:
+            url, roles = args.url, Roles()  # every role: BROKER_TOKEN, if set
+        else:
+            admin_token = secrets.token_urlsafe(32)
+            url = stack.enter_context(own_broker(admin_token))
+            roles = stack.enter_context(role_tokens(url, admin_token, prefix))
         for mode in MODES if args.mode == "both" else [args.mode]:
-            summaries[mode] = train(args, url, mode)
+            summaries[mode] = train(args, url, mode, prefix, roles)
     compare(summaries, args.log_every)
     if args.json_out is not None:
         out = {"settings": vars(args), "runs": summaries}

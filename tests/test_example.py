@@ -1,7 +1,8 @@
 """examples/async_grpo.py, short: the same prompts, trainer and number of steps with free-running
 generators and with work leases under the staleness budget. Free-running wastes rollouts to
 staleness and trains on shorter responses than it generates; work leases generate (almost)
-nothing that goes stale, and train on what they generate."""
+nothing that goes stale, and train on what they generate. The broker it starts has auth on, and
+each role works with a token of its own scope."""
 
 from __future__ import annotations
 
@@ -136,3 +137,15 @@ def test_the_comparison_is_printed(run: dict[str, Any]) -> None:
         f"{mean_trained(free):.1f}",
         f"{mean_trained(work):.1f}",
     ]
+
+
+def test_each_role_acts_with_its_own_token(run: dict[str, Any]) -> None:
+    """The example's broker has auth on; the audit log names the token of each role."""
+    assert ", auth on" in run["stdout"]
+    for mode in ("free", "work"):
+        prefix = run["runs"][mode]["run_id"].removesuffix(f"-{mode}")
+        assert run["runs"][mode]["audit"] == {
+            f"{prefix}-setup run.create": 1,
+            f"{prefix}-trainer run.policy": STEPS,
+            f"{prefix}-setup run.close": 1,
+        }, run["stdout"]
