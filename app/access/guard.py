@@ -39,7 +39,7 @@ async def guard(request: Request) -> None:
     if caller is None:
         raise Unauthorized("unknown or revoked token")
     if not caller.has(need):
-        raise Forbidden(f"token {caller.name!r} lacks the scope {need!r}")
+        raise Forbidden(f"token {caller.name!r} lacks the scope {str(need)!r}")
     run_id = request.path_params.get("run_id")
     if run_id is not None:
         check_run(caller, run_id)
