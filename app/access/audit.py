@@ -114,7 +114,7 @@ async def entries(
     """A page of entries, newest first, and the ``before`` of the next page (None: no more).
     A caller sees the entries of the runs it may touch, and those of no run (token actions)
     only when it is not limited to runs; a limited caller's page may hold fewer than ``limit``."""
-    q = select(AuditEntry).order_by(AuditEntry.id.desc()).limit(limit)
+    q = select(AuditEntry).order_by(AuditEntry.id.desc()).limit(limit + 1)
     if run_id is not None:
         q = q.where(AuditEntry.run_id == run_id)
     if before is not None:
@@ -122,5 +122,6 @@ async def entries(
     if not caller.every_run:
         q = q.where(AuditEntry.run_id.is_not(None))
     rows = list(await session.scalars(q))
-    after = rows[-1].id if len(rows) == limit else None
+    after = rows[limit - 1].id if len(rows) > limit else None
+    rows = rows[:limit]
     return [r for r in rows if r.run_id is None or caller.may_touch(r.run_id)], after

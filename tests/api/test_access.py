@@ -368,6 +368,8 @@ async def test_operator_actions_are_in_the_audit_log_with_the_token_name(app_cli
         e["id"] for e in page["entries"]
     ]
     assert rest["next_cursor"] is None
+    exact = (await app_client.get("/v1/audit?limit=6", headers=ops)).json()
+    assert len(exact["entries"]) == 6 and exact["next_cursor"] is None  # no empty last page
     # A caller limited to runs sees entries of its runs, and no token action.
     mine = (
         await app_client.get(
