@@ -3,7 +3,7 @@ dead letters."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 
@@ -17,6 +17,7 @@ from app.accounting.schemas import (
 )
 from app.accounting.stream import EventStream
 from app.api.deps import Session
+from app.api.openapi import errors
 
 __all__ = ["router"]
 
@@ -29,6 +30,8 @@ def _stream(request: Request) -> EventStream:
 
 Stream = Annotated[EventStream, Depends(_stream)]
 Limit = Annotated[int, Query(ge=1, le=1000)]
+# A cursor is what a previous page handed out; any other is refused.
+_CURSOR_400 = errors((400, "The cursor is not one this listing handed out"))
 
 
 @router.get("/accounting", response_model=RunAccounting)
@@ -45,7 +48,7 @@ async def get_version_accounting(
     return await queries.version_accounting(session, stream, run_id)
 
 
-@router.get("/batches", response_model=BatchPage)
+@router.get("/batches", response_model=BatchPage, responses=_CURSOR_400)
 async def list_batches(
     run_id: str,
     session: Session,
@@ -57,13 +60,20 @@ async def list_batches(
     return await queries.list_batches(session, stream, run_id, limit=limit, cursor=cursor)
 
 
-@router.get("/prompts", response_model=PromptPage)
+@router.get(
+    "/prompts",
+    response_model=PromptPage,
+    responses=errors(
+        (422, "A parameter is malformed, or the cursor is not one this listing handed out")
+    ),
+)
 async def list_prompts(
     run_id: str,
     session: Session,
     stream: Stream,
     state: Annotated[
-        str | None, Query(description="queued, in_flight, done or failed; all when absent")
+        Literal["queued", "in_flight", "done", "failed"] | None,
+        Query(description="Only the passes in this state; all when absent"),
     ] = None,
     limit: Limit = 100,
     cursor: str | None = None,
@@ -75,7 +85,7 @@ async def list_prompts(
     )
 
 
-@router.get("/accounting/dead-letters", response_model=DeadLetterPage)
+@router.get("/accounting/dead-letters", response_model=DeadLetterPage, responses=_CURSOR_400)
 async def list_dead_letters(
     run_id: str,
     session: Session,

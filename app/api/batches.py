@@ -9,24 +9,54 @@ from fastapi.responses import Response
 
 from app.api.codec import parse_body, read_body, render, wants_msgpack
 from app.api.deps import broker_of, settings_of
+from app.api.openapi import RAW_ARRAYS, BatchOutMsgpack, errors, msgpack_answer, request_body
 from app.broker.config import MAX_VERSION, ItemId, LeaseId
 from app.broker.schemas import AckBody, AckMsgpack, AckResult, BatchOut, NackResult
 from app.broker.service import LeasedBatch
+from app.errors import ValidationFailed
+from app.settings import Settings
 
 router = APIRouter(prefix="/v1/runs", tags=["batches"])
+
+
+def check_wait(wait_s: float, settings: Settings) -> None:
+    """A long poll waits at most ``BROKER_MAX_WAIT_S``: a longer ``wait_s`` is refused (422),
+    as the API description says, rather than cut short without a word."""
+    if wait_s > settings.max_wait_s:
+        raise ValidationFailed(
+            f"wait_s: {wait_s:g} s is above the longest wait, {settings.max_wait_s:g} s"
+        )
 
 
 @router.get(
     "/{run_id}/batch",
     response_model=BatchOut,
-    responses={204: {"description": "nothing qualified within wait_s"}},
+    responses={
+        200: msgpack_answer(BatchOutMsgpack),
+        204: {"description": "Nothing qualified within wait_s"},
+        **errors(
+            (
+                409,
+                "The client-chosen batch_id names a batch already settled, or the lease ran "
+                "out before it could be delivered",
+            ),
+            (
+                422,
+                "A parameter is malformed, size is not a multiple of the run's group_size, or "
+                "policy_version is above the run's current version",
+            ),
+        ),
+    },
 )
 async def lease_batch(
     run_id: str,
     request: Request,
-    size: Annotated[int, Query(ge=1, le=1_000_000)],
+    # At most BROKER_MAX_BATCH_SIZE (the broker refuses more; the description says this
+    # app's value).
+    size: Annotated[int, Query(ge=1)],
     policy_version: Annotated[int | None, Query(ge=0, le=MAX_VERSION)] = None,
-    wait_s: Annotated[float, Query(ge=0, le=3600, allow_inf_nan=False)] = 0.0,
+    # At most BROKER_MAX_WAIT_S (check_wait).
+    wait_s: Annotated[float, Query(ge=0, allow_inf_nan=False)] = 0.0,
     partial: bool = False,
     trainer_id: Annotated[
         ItemId | None, Query(description="Recorded with the batch in the ledger")
@@ -36,6 +66,7 @@ async def lease_batch(
         Query(description="Client-chosen id: retrying the call returns the same live batch"),
     ] = None,
 ) -> Response:
+    check_wait(wait_s, settings_of(request))
     batch = await broker_of(request).lease(
         run_id,
         size=size,
@@ -80,13 +111,32 @@ def batch_body(batch: LeasedBatch, as_msgpack: bool) -> dict[str, Any]:
     }
 
 
-@router.post("/{run_id}/batches/{batch_id}/ack", response_model=AckResult)
+@router.post(
+    "/{run_id}/batches/{batch_id}/ack",
+    response_model=AckResult,
+    responses=errors(
+        404,
+        (409, "The batch was nacked, or its lease expired"),
+        (
+            422,
+            "The body is malformed, names a rollout the batch does not hold, gives both "
+            "logprobs and kl for one rollout, or logprobs not one per token",
+        ),
+    ),
+    openapi_extra=request_body(
+        AckBody, required=False, description=RAW_ARRAYS.format("each rollout's logprobs")
+    ),
+)
 async def ack_batch(run_id: str, batch_id: str, request: Request) -> Response:
     body = await read_body(request, settings_of(request).max_body_bytes)
     ack = parse_body(body, request.headers.get("content-type"), AckBody, AckMsgpack)
     return render(await broker_of(request).ack(run_id, batch_id, ack))
 
 
-@router.post("/{run_id}/batches/{batch_id}/nack", response_model=NackResult)
+@router.post(
+    "/{run_id}/batches/{batch_id}/nack",
+    response_model=NackResult,
+    responses=errors(404, (409, "The batch was acked, or its lease expired")),
+)
 async def nack_batch(run_id: str, batch_id: str, request: Request) -> Response:
     return render(await broker_of(request).nack(run_id, batch_id))

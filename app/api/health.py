@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from app.api.codec import render
+from app.api.openapi import errors
 
 router = APIRouter(tags=["health"])
 
@@ -17,7 +18,7 @@ async def healthz() -> Response:
     return render({"status": "ok"})
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses=errors((503, "Redis or Postgres is unreachable, or not migrated")))
 async def readyz(request: Request) -> Response:
     checks: dict[str, Any] = {}
     try:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Annotated, TypeVar
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
 
+from app.api.batches import check_wait
 from app.api.codec import parse_body, read_body, render, wants_msgpack
 from app.api.deps import broker_of, settings_of
+from app.api.openapi import errors, msgpack_answer, request_body
+from app.broker.config import LEASE_ID_PATTERN, RUN_ID_PATTERN
 from app.broker.schemas import (
     PromptsBody,
     PromptsResult,
@@ -23,18 +26,6 @@ router = APIRouter(prefix="/v1/runs", tags=["prompts"])
 Body = TypeVar("Body", PromptsBody, WorkBody, ReturnBody)
 
 
-def _doc(model: type[Body], required: bool = True) -> dict[str, Any]:
-    return {
-        "requestBody": {
-            "required": required,
-            "content": {
-                "application/json": {"schema": model.model_json_schema()},
-                "application/msgpack": {"schema": {"type": "string", "format": "binary"}},
-            },
-        }
-    }
-
-
 async def _body(request: Request, model: type[Body]) -> Body:
     raw = await read_body(request, settings_of(request).max_body_bytes)
     return parse_body(raw, request.headers.get("content-type"), model, model)
@@ -44,7 +35,15 @@ async def _body(request: Request, model: type[Body]) -> Body:
     "/{run_id}/prompts",
     status_code=202,
     response_model=PromptsResult,
-    openapi_extra=_doc(PromptsBody),
+    responses=errors(
+        (409, "The run is closed"),
+        (
+            422,
+            "The body is malformed, holds more prompt passes (prompts × epochs) than the "
+            "broker takes in one request, or a prompt's data is too big",
+        ),
+    ),
+    openapi_extra=request_body(PromptsBody),
 )
 async def register_prompts(run_id: str, request: Request) -> Response:
     body = await _body(request, PromptsBody)
@@ -54,11 +53,16 @@ async def register_prompts(run_id: str, request: Request) -> Response:
 @router.post(
     "/{run_id}/work",
     response_model=WorkOut,
-    responses={204: {"description": "no prompt could be handed out within wait_s"}},
-    openapi_extra=_doc(WorkBody),
+    responses={
+        200: msgpack_answer(WorkOut),
+        204: {"description": "No prompt could be handed out within wait_s"},
+        **errors((409, "The run is closed, or the client-chosen lease_id was returned or expired")),
+    },
+    openapi_extra=request_body(WorkBody),
 )
 async def take_work(run_id: str, request: Request) -> Response:
     body = await _body(request, WorkBody)
+    check_wait(body.wait_s, settings_of(request))
     lease = await broker_of(request).work(run_id, body)
     if lease is None:
         return Response(status_code=204)
@@ -68,8 +72,22 @@ async def take_work(run_id: str, request: Request) -> Response:
 @router.post(
     "/{run_id}/work/{lease_id}/return",
     response_model=ReturnResult,
-    openapi_extra=_doc(ReturnBody, required=False),
+    responses=errors(
+        (404, "No such run, or no such work lease in it"),
+        (422, "The body is malformed, or names a prompt the work lease never held"),
+    ),
+    openapi_extra=request_body(ReturnBody, required=False),
 )
-async def return_work(run_id: str, lease_id: str, request: Request) -> Response:
+async def return_work(
+    # The broker answers an empty prompt_ids without a look at the run or the lease: their
+    # ids are checked here, so that one of another shape is 422 as the description says, and
+    # a run that does not exist is 404 whatever the body.
+    run_id: Annotated[str, Path(pattern=RUN_ID_PATTERN)],
+    lease_id: Annotated[str, Path(pattern=LEASE_ID_PATTERN)],
+    request: Request,
+) -> Response:
     body = await _body(request, ReturnBody)
-    return render(await broker_of(request).return_work(run_id, lease_id, body.prompt_ids))
+    broker = broker_of(request)
+    if body.prompt_ids == []:
+        await broker.get_run(run_id)
+    return render(await broker.return_work(run_id, lease_id, body.prompt_ids))

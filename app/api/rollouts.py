@@ -7,26 +7,29 @@ from fastapi.responses import Response
 
 from app.api.codec import pack_items, read_body, render, sized_call
 from app.api.deps import broker_of, settings_of
+from app.api.openapi import RAW_ARRAYS, errors, request_body
 from app.broker.schemas import IngestJSON, IngestMsgpack, IngestResult, RolloutJSON, RolloutMsgpack
 
 router = APIRouter(prefix="/v1/runs", tags=["rollouts"])
-
-_BODY_DOC = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {"schema": IngestJSON.model_json_schema()},
-            "application/msgpack": {"schema": {"type": "string", "format": "binary"}},
-        },
-    }
-}
 
 
 @router.post(
     "/{run_id}/rollouts",
     status_code=202,
     response_model=IngestResult,
-    openapi_extra=_BODY_DOC,
+    responses=errors(
+        (
+            422,
+            "The body is malformed or breaks a rule of the rollouts (logprobs as many as "
+            "response_ids; a group_id when the run's group_size is above 1; no more rollouts "
+            "in a group than group_size, nor any to a group already complete): nothing is "
+            "stored",
+        ),
+        429,
+    ),
+    openapi_extra=request_body(
+        IngestJSON, description=RAW_ARRAYS.format("response_ids, prompt_ids and logprobs")
+    ),
 )
 async def post_rollouts(run_id: str, request: Request) -> Response:
     body = await read_body(request, settings_of(request).max_body_bytes)

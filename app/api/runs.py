@@ -10,14 +10,24 @@ from fastapi.responses import Response
 from app.access.guard import caller_of, check_run
 from app.api.codec import parse_body, read_body, render
 from app.api.deps import broker_of, record_action, settings_of
-from app.broker.config import RunConfigPatch
+from app.api.openapi import NULLABLE_CONFIG, errors, request_body
+from app.broker.config import RUN_ID_PATTERN, RunConfigPatch
 from app.broker.schemas import CreateRun, PolicyResult, PolicyUpdate, Run, RunList
-from app.errors import Forbidden
+from app.errors import Forbidden, ValidationFailed
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 
 
-@router.post("", response_model=Run, status_code=201, responses={200: {"model": Run}})
+@router.post(
+    "",
+    response_model=Run,
+    status_code=201,
+    responses={
+        200: {"model": Run, "description": "The run existed with the same config"},
+        **errors((409, "The id is taken by a run with another config, or by a deleted run")),
+    },
+    openapi_extra=request_body(CreateRun, required=False),
+)
 async def create_run(request: Request) -> Response:
     body = await read_body(request, settings_of(request).max_body_bytes)
     req = parse_body(body, request.headers.get("content-type"), CreateRun, CreateRun)
@@ -35,6 +45,8 @@ async def create_run(request: Request) -> Response:
 
 
 MAX_PAGE = 1000
+# A next_cursor: '<creation ms>:<run id>' (app/broker/store.py); any of this shape is read.
+RUN_CURSOR_PATTERN = r"^(?:0|[1-9][0-9]{0,14}):" + RUN_ID_PATTERN.removeprefix("^")
 
 
 @router.get("", response_model=RunList)
@@ -43,7 +55,8 @@ async def list_runs(
     status: Literal["open", "closed"] | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
     cursor: Annotated[
-        str | None, Query(max_length=300, description="A previous page's next_cursor")
+        str | None,
+        Query(pattern=RUN_CURSOR_PATTERN, description="A previous page's next_cursor"),
     ] = None,
 ) -> Response:
     """Runs newest first, a page at a time. A token limited to some runs sees only those (its
@@ -60,10 +73,21 @@ async def get_run(run_id: str, request: Request) -> Response:
     return render(await broker_of(request).get_run(run_id))
 
 
-@router.patch("/{run_id}/config", response_model=Run)
+@router.patch(
+    "/{run_id}/config",
+    response_model=Run,
+    openapi_extra=request_body(RunConfigPatch, required=False),
+)
 async def patch_config(run_id: str, request: Request) -> Response:
     body = await read_body(request, settings_of(request).max_body_bytes)
     patch = parse_body(body, request.headers.get("content-type"), RunConfigPatch, RunConfigPatch)
+    # null stands for "no value" only where RunConfig has one (step_groups: no staleness
+    # budget); any other null was refused only once merged, with pydantic's raw error text.
+    nulls = sorted(f for f in patch.model_fields_set - NULLABLE_CONFIG if getattr(patch, f) is None)
+    if nulls:
+        raise ValidationFailed(
+            f"{nulls[0]}: may not be null (only {', '.join(sorted(NULLABLE_CONFIG))} may)"
+        )
     run = await broker_of(request).patch_config(run_id, patch)
     await record_action(
         request, "run.config", run_id, {"patch": patch.model_dump(mode="json", exclude_unset=True)}
@@ -74,9 +98,9 @@ async def patch_config(run_id: str, request: Request) -> Response:
 @router.delete(
     "/{run_id}",
     status_code=204,
-    responses={
-        409: {"description": "the run is open, or its live state or accounting has not settled"}
-    },
+    responses=errors(
+        (409, "The run is open, or its live state or accounting has not settled (Retry-After)")
+    ),
 )
 async def delete_run(run_id: str, request: Request) -> Response:
     """Delete a closed run's live state once its accounting has caught up."""
@@ -92,7 +116,12 @@ async def close_run(run_id: str, request: Request) -> Response:
     return render(run)
 
 
-@router.post("/{run_id}/policy", response_model=PolicyResult)
+@router.post(
+    "/{run_id}/policy",
+    response_model=PolicyResult,
+    responses=errors((409, "The version is below the run's current version")),
+    openapi_extra=request_body(PolicyUpdate),
+)
 async def set_policy(run_id: str, request: Request) -> Response:
     body = await read_body(request, settings_of(request).max_body_bytes)
     update = parse_body(body, request.headers.get("content-type"), PolicyUpdate, PolicyUpdate)
