@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 
 from app.api.codec import render
 from app.api.openapi import errors
@@ -13,12 +14,25 @@ from app.api.openapi import errors
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz")
+class Alive(BaseModel):
+    status: Literal["ok"]
+
+
+class Ready(BaseModel):
+    status: Literal["ready"]
+    checks: dict[str, Literal["ok"]]
+
+
+@router.get("/healthz", response_model=Alive)
 async def healthz() -> Response:
     return render({"status": "ok"})
 
 
-@router.get("/readyz", responses=errors((503, "Redis or Postgres is unreachable, or not migrated")))
+@router.get(
+    "/readyz",
+    response_model=Ready,
+    responses=errors((503, "Redis or Postgres is unreachable, or not migrated")),
+)
 async def readyz(request: Request) -> Response:
     checks: dict[str, Any] = {}
     try:
