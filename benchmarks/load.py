@@ -79,13 +79,15 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class Http:
-    """One keep-alive HTTP/1.1 connection with Nagle off, as lean as a client can be."""
+    """One keep-alive HTTP/1.1 connection with Nagle off, as lean as a client can be; with a
+    ``token``, every request carries ``Authorization: Bearer <token>``."""
 
-    def __init__(self, address: Address) -> None:
+    def __init__(self, address: Address, token: str | None = None) -> None:
         self.conn = http.client.HTTPConnection(*address, timeout=120)
         self.conn.connect()
         assert self.conn.sock is not None
         self.conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.auth = {"authorization": f"Bearer {token}"} if token else {}
 
     def call(
         self,
@@ -95,7 +97,7 @@ class Http:
         content_type: str | None = None,
         accept: str | None = None,
     ) -> tuple[int, bytes, str]:
-        headers = {}
+        headers = dict(self.auth)
         if content_type:
             headers["content-type"] = content_type
         if accept:
@@ -142,32 +144,45 @@ def http_ingest(
     duration: float,
     max_ops: int,
     warmup: int = 2,
+    token: str | None = None,
     barrier: Any,
 ) -> Result:
     """A generator posting ``per_req`` rollouts per request (``fmt`` json or msgpack)."""
-    payload = make_payload()
-    http = Http(address)
-    ctype = CONTENT_TYPE[fmt]
-    seq = 0
-
-    def body() -> bytes:
-        nonlocal seq
-        items = [payload.item(fmt, rollout_id(tag, worker, seq + i)) for i in range(per_req)]
-        seq += per_req
-        return ingest_body(fmt, items)
-
+    http, post = ingest_poster(
+        address=address, path=path, fmt=fmt, per_req=per_req, tag=tag, worker=worker, token=token
+    )
     for _ in range(warmup):
-        status, data, _ = http.call("POST", path, body(), ctype)
-        expect(status, data, 202)
-
-    def post() -> int:
-        status, data, _ = http.call("POST", path, body(), ctype)
-        expect(status, data, 202)
-        return per_req
-
+        post()
     res = timed_writes(post, duration=duration, max_ops=max_ops, barrier=barrier)
     http.close()
     return res
+
+
+def ingest_poster(
+    *,
+    address: Address,
+    path: str,
+    fmt: str,
+    per_req: int,
+    tag: str,
+    worker: int,
+    token: str | None = None,
+) -> tuple[Http, Callable[[], int]]:
+    """A connection, and a call posting the next ``per_req`` rollouts on it (returns them)."""
+    payload = make_payload()
+    http = Http(address, token)
+    ctype = CONTENT_TYPE[fmt]
+    seq = 0
+
+    def post() -> int:
+        nonlocal seq
+        items = [payload.item(fmt, rollout_id(tag, worker, seq + i)) for i in range(per_req)]
+        seq += per_req
+        status, data, _ = http.call("POST", path, ingest_body(fmt, items), ctype)
+        expect(status, data, 202)
+        return per_req
+
+    return http, post
 
 
 def naive_ingest(
@@ -276,31 +291,13 @@ def http_lease_ack(
     max_ops: int,
     stop_on_empty: bool,
     warmup: int = 1,
+    token: str | None = None,
     barrier: Any,
 ) -> Result:
     """A trainer: lease a batch (msgpack or JSON response), ack it with the current policy's
     logprobs for every rollout (so the broker computes KL and ratio statistics). Latency is the
     lease call's."""
-    payload = make_payload()
-    http = Http(address)
-    ctype = CONTENT_TYPE[fmt]
-    lease_path = f"/v1/runs/{run_id}/batch?size={size}"
-
-    def lease() -> tuple[str, list[str]] | None:
-        status, data, _ = http.call("GET", lease_path, accept=ctype)
-        if status == 204:
-            return None
-        expect(status, data, 200)
-        doc = msgpack.unpackb(data, raw=False) if fmt == "msgpack" else orjson.loads(data)
-        return doc["batch_id"], [r["rollout_id"] for r in doc["rollouts"]]
-
-    def ack(batch: tuple[str, list[str]]) -> None:
-        bid, rids = batch
-        status, data, _ = http.call(
-            "POST", f"/v1/runs/{run_id}/batches/{bid}/ack", ack_body(fmt, rids, payload), ctype
-        )
-        expect(status, data, 200)
-
+    http, lease, ack = trainer(address=address, run_id=run_id, size=size, fmt=fmt, token=token)
     for _ in range(warmup):
         got = lease()
         if got is not None:
@@ -324,6 +321,129 @@ def http_lease_ack(
         res.rollouts += len(got[1])
     res.t1 = time.perf_counter()
     http.close()
+    return res
+
+
+Batch = tuple[str, list[str]]  # a leased batch's id and its rollout ids
+
+
+def trainer(
+    *, address: Address, run_id: str, size: int, fmt: str, token: str | None = None
+) -> tuple[Http, Callable[[], Batch | None], Callable[[Batch], None]]:
+    """A connection, a lease of ``size`` (None when the run has nothing: 204) and the ack of a
+    batch with the current policy's logprobs for every rollout."""
+    payload = make_payload()
+    http = Http(address, token)
+    ctype = CONTENT_TYPE[fmt]
+    lease_path = f"/v1/runs/{run_id}/batch?size={size}"
+
+    def lease() -> Batch | None:
+        status, data, _ = http.call("GET", lease_path, accept=ctype)
+        if status == 204:
+            return None
+        expect(status, data, 200)
+        doc = msgpack.unpackb(data, raw=False) if fmt == "msgpack" else orjson.loads(data)
+        return doc["batch_id"], [r["rollout_id"] for r in doc["rollouts"]]
+
+    def ack(batch: Batch) -> None:
+        bid, rids = batch
+        status, data, _ = http.call(
+            "POST", f"/v1/runs/{run_id}/batches/{bid}/ack", ack_body(fmt, rids, payload), ctype
+        )
+        expect(status, data, 200)
+
+    return http, lease, ack
+
+
+def lease_acker(
+    *, address: Address, run_id: str, size: int, fmt: str, token: str | None = None
+) -> tuple[Http, Callable[[], int | None]]:
+    """A connection, and a call leasing one batch and acking it (returns its rollouts; None
+    when the run has nothing left)."""
+    http, lease, ack = trainer(address=address, run_id=run_id, size=size, fmt=fmt, token=token)
+
+    def lease_ack() -> int | None:
+        got = lease()
+        if got is None:
+            return None
+        ack(got)
+        return len(got[1])
+
+    return http, lease_ack
+
+
+Cycle = tuple[tuple[int, float], tuple[int, float]]  # (rollouts, seconds) of side A, of side B
+
+
+@dataclass
+class Alternated(Result):
+    """One client's alternation between two servers: ``sides`` holds each one's totals, with
+    ``t0`` 0 and ``t1`` the time spent in its own blocks; ``cycles`` each whole A B B A cycle
+    in which neither side ran out."""
+
+    sides: list[Result] = field(default_factory=list)
+    cycles: list[Cycle] = field(default_factory=list)
+
+
+ABBA = (0, 1, 1, 0)  # one cycle of blocks: a drift that is linear over a cycle weighs alike
+
+
+def http_alternate(
+    *,
+    kind: str,
+    sides: list[dict[str, Any]],
+    block_ops: int,
+    duration: float,
+    warmup: int,
+    barrier: Any,
+) -> Alternated:
+    """One client process driving two servers in turn, ``block_ops`` operations at a time in
+    the order A B B A, in whole cycles, until ``duration`` has passed or both have nothing left
+    (``kind`` lease_ack: a lease answered 204). ``kind`` ingest posts rollouts, each side with
+    the ``ingest_poster`` arguments of its dict; lease_ack leases and acks, with
+    ``lease_acker``'s. Both sides run at the same moments, so that a change of the machine's
+    speed, which on a shared VM is larger than the gap to be measured, falls on both."""
+    if kind not in ("ingest", "lease_ack"):
+        raise ValueError(f"no alternating load {kind!r}")
+    clients: list[tuple[Http, Callable[[], int | None]]] = [
+        ingest_poster(**spec) if kind == "ingest" else lease_acker(**spec) for spec in sides
+    ]
+    if len(clients) != 2:
+        raise ValueError("the alternation is between two servers")
+    for _, step in clients:
+        for _ in range(warmup):
+            step()
+    res = Alternated(sides=[Result(), Result()])
+    done = [False, False]
+    barrier.wait()
+    res.t0 = time.perf_counter()
+    deadline = res.t0 + duration
+    while not all(done) and time.perf_counter() < deadline:
+        moved, spent = [0, 0], [0.0, 0.0]
+        for i in ABBA:
+            if done[i]:
+                continue
+            step, side = clients[i][1], res.sides[i]
+            t = time.perf_counter()
+            for _ in range(block_ops):
+                got = step()
+                if got is None:
+                    side.empty += 1
+                    done[i] = True
+                    break
+                side.ops += 1
+                moved[i] += got
+            spent[i] += time.perf_counter() - t
+        for i, side in enumerate(res.sides):
+            side.rollouts += moved[i]
+            side.t1 += spent[i]
+        if not any(done):
+            res.cycles.append(((moved[0], spent[0]), (moved[1], spent[1])))
+    res.t1 = time.perf_counter()
+    for conn, _ in clients:
+        conn.close()
+    res.ops = sum(s.ops for s in res.sides)
+    res.rollouts = sum(s.rollouts for s in res.sides)
     return res
 
 

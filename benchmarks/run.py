@@ -11,6 +11,11 @@ comes from forked client processes. Baselines measured in the same run:
 * raw Redis: redis-py, pipelined, writing and reading the same rollout bytes with no HTTP, and
   handing out and taking back the same prompts from a queue of the same depth;
 * naive dict: a minimal FastAPI app holding JSON rollouts in a Python dict, one per request.
+
+The access-control rows (``--only auth``) start pairs of brokers alike but for ``BROKER_AUTH``
+(a new pair each round, on one new database of the Postgres server at ``--pg-url``) and drive
+both from one client in alternation, so that auth on is measured against auth off at the same
+moments.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import math
 import multiprocessing as mp
 import os
 import platform
+import secrets
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,10 +46,13 @@ from benchmarks import load
 from benchmarks.load import Group, Http, expect, percentile, run_group
 from benchmarks.payloads import ID_LEN, RAW_BYTES, TOKENS, big_json_body, rollout_id
 from benchmarks.servers import (
+    PG_URL,
     CpuMeter,
     RedisTarget,
     Server,
     peak_rss_bytes,
+    postgres_database,
+    proc_cpu_s,
     redis_server,
     reset_peak_rss,
     rss_bytes,
@@ -51,6 +61,7 @@ from benchmarks.servers import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
+RedisClient = redis.Redis  # Bench.redis shadows the module in the class body
 BIG = 10**9  # "no operation cap": the deadline ends these loops
 
 
@@ -78,6 +89,9 @@ class Sizes:
     work_s: float = 2.0
     big_rollouts: int = 28  # 262,144-token JSON rollouts in the big body: 28 fill 64 MiB
     healthz_s: float = 1.0  # seconds of /healthz probes on an idle server
+    auth_rounds: int = 6  # rounds of the auth rows: a new pair of brokers each, leader alternating
+    auth_s: float = 1.0  # seconds of ingest per side and round of the auth rows
+    auth_lease_fill: int = 6_144  # rollouts per side and round for their lease + ack
 
 
 FULL = Sizes()
@@ -102,6 +116,9 @@ QUICK = Sizes(
     work_s=0.3,
     big_rollouts=3,
     healthz_s=0.2,
+    auth_rounds=2,
+    auth_s=0.25,
+    auth_lease_fill=1024,
 )
 
 
@@ -161,9 +178,12 @@ class Bench:
     broker: Server
     naive: Server
     prefix: str
-    rc: redis.Redis
+    rc: RedisClient
     redis_pid: int | None = None
     runs: int = 0
+    app_dir: Path = ROOT  # the broker tree, for the servers a section starts itself
+    workdir: Path | None = None  # where those servers' logs go
+    pg_url: str = PG_URL  # the Postgres server of the auth rows (they need a database)
 
     @property
     def server_pids(self) -> list[int | None]:
@@ -173,11 +193,13 @@ class Bench:
         print(f"  … {msg}", file=sys.stderr, flush=True)
 
     # broker runs
-    def new_run(self, name: str, **config: Any) -> str:
+    def new_run(
+        self, name: str, *, server: Server | None = None, token: str | None = None, **config: Any
+    ) -> str:
         self.runs += 1
         run_id = f"b{self.runs:02d}-{name}"
         cfg = {"capacity_rollouts": 1_000_000, **config}
-        http = Http(self.broker.address)
+        http = Http((server or self.broker).address, token)
         status, data, _ = http.call(
             "POST",
             "/v1/runs",
@@ -202,7 +224,16 @@ class Bench:
         expect(status, data, 200)
         return int(self.rc.hget(keys.run_key(self.prefix, run_id), "live") or 0)
 
-    def fill(self, run_id: str, n: int, tag: str, per_req: int = 256) -> int:
+    def fill(
+        self,
+        run_id: str,
+        n: int,
+        tag: str,
+        per_req: int = 256,
+        *,
+        server: Server | None = None,
+        token: str | None = None,
+    ) -> int:
         """Ingest ``n`` rollouts (msgpack, ``per_req`` per request) from a few processes."""
         procs = max(1, min(self.sizes.fill_procs, n // per_req))
         reqs = math.ceil(n / per_req)
@@ -211,7 +242,7 @@ class Bench:
             load.http_ingest,
             [
                 dict(
-                    address=self.broker.address,
+                    address=(server or self.broker).address,
                     path=f"/v1/runs/{run_id}/rollouts",
                     fmt="msgpack",
                     per_req=per_req,
@@ -220,6 +251,7 @@ class Bench:
                     duration=600.0,
                     max_ops=k,
                     warmup=0,
+                    token=token,
                 )
                 for w, k in enumerate(per_proc)
             ],
@@ -296,8 +328,10 @@ class Bench:
         fmt: str = "msgpack",
         stop_on_empty: bool = False,
         server: Server | None = None,
+        token: str | None = None,
     ) -> Group:
-        """Trainers leasing and acking against the broker (or ``server``: the HTTP floor)."""
+        """Trainers leasing and acking against the broker (or ``server``: the HTTP floor, or
+        another broker)."""
         return run_group(
             load.http_lease_ack,
             [
@@ -309,6 +343,7 @@ class Bench:
                     duration=duration,
                     max_ops=BIG,
                     stop_on_empty=stop_on_empty,
+                    token=token,
                 )
                 for _ in range(procs)
             ],
@@ -864,6 +899,233 @@ def body_rows(b: Bench) -> list[Row]:
     return [*rows, peak_row]
 
 
+AUTH_SCOPES = ("generate", "train", "operate")
+AUTH_NEED = 0.95  # auth on may cost at most 5 % of the throughput with auth off
+AUTH_SIDES = ("off", "on")
+
+
+@contextlib.contextmanager
+def auth_pair(b: Bench, db_url: str, admin: str) -> Iterator[dict[str, Server]]:
+    """Two brokers on the run's Redis and key prefix and on one migrated database, alike but
+    for ``BROKER_AUTH``: off, and on with ``admin`` as its bootstrap admin token."""
+    workdir = b.workdir or Path(tempfile.gettempdir())
+    env = {
+        "BROKER_REDIS_URL": b.redis.url,
+        "BROKER_REDIS_PREFIX": b.prefix,
+        "BROKER_DATABASE_URL": db_url,
+    }
+
+    def broker(side: str, extra: dict[str, str]) -> contextlib.AbstractContextManager[Server]:
+        return uvicorn_server(
+            f"broker-auth-{side}",
+            "app.main:create_app",
+            cwd=b.app_dir,
+            workdir=workdir,
+            env={**env, **extra},
+            factory=True,
+        )
+
+    with (
+        broker("off", {"BROKER_AUTH": "off"}) as off,
+        broker("on", {"BROKER_AUTH": "on", "BROKER_ADMIN_TOKEN": admin}) as on,
+    ):
+        yield {"off": off, "on": on}
+
+
+def bench_token(server: Server, admin: str) -> str:
+    """A generate/train/operate token made by the admin through ``POST /v1/tokens``, as an
+    operator would make it: the load presents it, so that what is measured is the database
+    token's path (looked up once, then cached), not the bootstrap token's comparison."""
+    http = Http(server.address, admin)
+    body = json.dumps({"name": "bench", "scopes": list(AUTH_SCOPES)}).encode()
+    status, data, _ = http.call("POST", "/v1/tokens", body, "application/json")
+    http.close()
+    expect(status, data, 201)
+    return str(json.loads(data)["token"])
+
+
+def check_auth(servers: dict[str, Server], token: str) -> None:
+    """Auth is on where it should be: ``on`` refuses a request without a token and takes one
+    with it; ``off`` needs none."""
+    for side, presented, want in (("on", None, 401), ("on", token, 200), ("off", None, 200)):
+        http = Http(servers[side].address, presented)
+        status, data, _ = http.call("GET", "/v1/runs")
+        http.close()
+        expect(status, data, want)
+
+
+@dataclass(frozen=True)
+class AuthCase:
+    key: str  # the row ids' middle
+    what: str  # the measure's text
+    kind: str  # the load.http_alternate kind
+    spec: dict[str, Any]  # its per-side arguments, but for address, token, path / run_id
+    per_op: int  # rollouts per operation
+    op: str  # what one operation is, for the notes
+    block_ops: int  # operations per block of the alternation
+    warmup: int  # operations per side before the measured ones
+    config: dict[str, Any] = field(default_factory=dict)  # of the runs
+
+
+def auth_cases(s: Sizes) -> list[AuthCase]:
+    return [
+        AuthCase(
+            "ingest.json.1",
+            "ingest, json, 1/request, 1 generator",
+            "ingest",
+            dict(fmt="json", per_req=1, tag="a1", worker=0),
+            1,
+            "request",
+            16,
+            2,
+        ),
+        AuthCase(
+            "ingest.msgpack.64",
+            "ingest, msgpack, 64/request, 1 generator",
+            "ingest",
+            dict(fmt="msgpack", per_req=64, tag="a64", worker=0),
+            64,
+            "request",
+            2,
+            2,
+        ),
+        AuthCase(
+            f"lease_ack.msgpack.{s.batch}",
+            f"lease + ack, msgpack, batches of {s.batch}, 1 trainer (max_reuse=1)",
+            "lease_ack",
+            dict(fmt="msgpack", size=s.batch),
+            s.batch,
+            "lease + ack",
+            1,
+            1,
+            dict(max_reuse=1),
+        ),
+    ]
+
+
+@dataclass
+class AuthSide:
+    """One side's figures for one case, over every round."""
+
+    rates: list[float] = field(default_factory=list)  # rollouts/s, one per A B B A cycle
+    cpu_s: float = 0.0  # the server's CPU over the rounds' loads, warm-up included
+    cpu_ops: int = 0  # the operations it served in that time
+
+    @property
+    def rate(self) -> float:
+        return statistics.median(self.rates)
+
+    def cpu_per_op_us(self) -> float:
+        return self.cpu_s / self.cpu_ops * 1e6
+
+
+def auth_rows(b: Bench) -> list[Row]:
+    """Ingest (JSON 1 a request, msgpack 64 a request) and lease + ack (msgpack) with auth off
+    and on. One client drives both brokers in turn, a few operations at a time (A B B A), so
+    that both run at the same moments of the machine's drifting speed; each side's figure is
+    the median of its rates over all those cycles. Every round starts a new pair of brokers
+    (a process can be a few per cent faster than its twin for as long as it lives) and the
+    side that leads alternates."""
+    s = b.sizes
+    cases = auth_cases(s)
+    got = {case.key: {side: AuthSide() for side in AUTH_SIDES} for case in cases}
+    admin = secrets.token_urlsafe(32)
+    token: str | None = None
+    with postgres_database(b.pg_url, b.app_dir, b.workdir or Path(tempfile.gettempdir())) as db:
+        for rnd in range(s.auth_rounds):
+            order = AUTH_SIDES if rnd % 2 == 0 else AUTH_SIDES[::-1]
+            b.say(f"auth: round {rnd + 1}/{s.auth_rounds}, a new pair of brokers, {order[0]} leads")
+            with auth_pair(b, db, admin) as servers:
+                token = token or bench_token(servers["on"], admin)  # the database keeps it
+                check_auth(servers, token)
+                tokens = {"off": None, "on": token}
+                for case in cases:
+                    b.say(f"auth: {case.what}, round {rnd + 1}/{s.auth_rounds}")
+                    sides = [(side, servers[side], tokens[side]) for side in order]
+                    auth_round(b, case, sides, got[case.key])
+    rows: list[Row] = []
+    for case in cases:
+        rows += auth_case_rows(case, got[case.key]["off"], got[case.key]["on"])
+    return rows
+
+
+def auth_round(
+    b: Bench,
+    case: AuthCase,
+    sides: list[tuple[str, Server, str | None]],
+    got: dict[str, AuthSide],
+) -> None:
+    """One round of ``case``: a run on each server (filled first for lease + ack), then one
+    client alternating between them; adds each side's figures to ``got``."""
+    s = b.sizes
+    specs, runs = [], []
+    for side, server, token in sides:
+        run = b.new_run(f"auth-{side}", server=server, token=token, **case.config)
+        runs.append(run)
+        where = dict(path=f"/v1/runs/{run}/rollouts") if case.kind == "ingest" else dict(run_id=run)
+        specs.append({**case.spec, **where, "address": server.address, "token": token})
+        if case.kind == "lease_ack":
+            b.fill(run, s.auth_lease_fill, "al", server=server, token=token)
+    duration = 2 * s.auth_s if case.kind == "ingest" else 600.0  # lease + ack: until empty
+    cpu0 = [proc_cpu_s(server.pid) for _, server, _ in sides]
+    g = run_group(
+        load.http_alternate,
+        [
+            dict(
+                kind=case.kind,
+                sides=specs,
+                block_ops=case.block_ops,
+                duration=duration,
+                warmup=case.warmup,
+            )
+        ],
+        timeout=duration + 300,
+    )
+    res = g.results[0]
+    assert isinstance(res, load.Alternated)
+    for i, ((side, server, _), c0, one) in enumerate(zip(sides, cpu0, res.sides, strict=True)):
+        acc = got[side]
+        acc.cpu_s += proc_cpu_s(server.pid) - c0
+        acc.cpu_ops += one.ops + one.empty + case.warmup
+        acc.rates += [cycle[i][0] / cycle[i][1] for cycle in res.cycles]
+    for run in runs:
+        b.drop_run(run)
+
+
+def auth_case_rows(case: AuthCase, off: AuthSide, on: AuthSide) -> list[Row]:
+    paired = sorted(a / b for a, b in zip(on.rates, off.rates, strict=True))
+    n = len(paired)
+    ratio = on.rate / off.rate
+
+    def us_per_op(rate: float) -> float:
+        return case.per_op / rate * 1e6
+
+    off_row = Row(
+        f"auth.{case.key}.off",
+        "Access control overhead",
+        f"{case.what}, auth off",
+        off.rate,
+        "rollouts/s",
+        tokens_per_s=off.rate * TOKENS,
+        note=f"median of {n} cycles; {us_per_op(off.rate):,.0f} µs per {case.op}, "
+        f"server CPU {off.cpu_per_op_us():,.0f} µs",
+    )
+    on_row = Row(
+        f"auth.{case.key}.on",
+        "Access control overhead",
+        f"{case.what}, auth on (a token made through POST /v1/tokens)",
+        on.rate,
+        "rollouts/s",
+        tokens_per_s=on.rate * TOKENS,
+        note=f"on/off ×{ratio:.3f}; the cycles' own on/off: median ×{statistics.median(paired):.3f}"
+        f", middle half ×{paired[n // 4]:.3f} to ×{paired[(3 * n) // 4]:.3f}; "
+        f"{us_per_op(on.rate) - us_per_op(off.rate):+,.0f} µs per {case.op}, "
+        f"server CPU {on.cpu_per_op_us() - off.cpu_per_op_us():+,.0f} µs",
+    )
+    on_row.target(f"≥{AUTH_NEED}× auth off", ratio, AUTH_NEED)
+    return [off_row, on_row]
+
+
 SECTIONS = {
     "memory": memory_rows,
     "ingest": ingest_rows,
@@ -871,6 +1133,7 @@ SECTIONS = {
     "scaling": scaling_rows,
     "work": work_rows,
     "bodies": body_rows,
+    "auth": auth_rows,
 }
 
 
@@ -994,7 +1257,18 @@ def harness(args: argparse.Namespace, sizes: Sizes) -> Iterator[Bench]:
                         "naive", "benchmarks.naive_app:app", cwd=ROOT, workdir=work
                     ) as naive,
                 ):
-                    yield Bench(sizes, rt, broker, naive, prefix, rc, rt.pid)
+                    yield Bench(
+                        sizes,
+                        rt,
+                        broker,
+                        naive,
+                        prefix,
+                        rc,
+                        rt.pid,
+                        app_dir=app_dir,
+                        workdir=work,
+                        pg_url=args.pg_url,
+                    )
             finally:
                 delete_keys(rc, list(rc.scan_iter(match=keys.every_key(prefix), count=2000)))
                 rc.close()
@@ -1006,6 +1280,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write the rows and machine as JSON")
     p.add_argument("--redis-url", help="use this Redis instead of a private redis-server")
     p.add_argument("--app-dir", default=str(ROOT), help="the broker source tree to benchmark")
+    p.add_argument(
+        "--pg-url",
+        default=os.environ.get("BENCH_PG_URL", PG_URL),
+        help="Postgres server (its user may create databases) for the auth rows' brokers; "
+        f"default $BENCH_PG_URL or {PG_URL}",
+    )
     p.add_argument("--only", default=",".join(SECTIONS), help="sections: " + ",".join(SECTIONS))
     p.add_argument("--scale", type=float, default=1.0, help="multiply every duration by this")
     args = p.parse_args(argv)

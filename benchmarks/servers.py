@@ -1,10 +1,13 @@
-"""The processes a benchmark runs against: a private Redis and uvicorn servers, all on 127.0.0.1.
+"""The processes a benchmark runs against: a private Redis and uvicorn servers, all on 127.0.0.1,
+and a database of its own on a Postgres server for the brokers that need one.
 
-Everything started here is stopped by the context managers, by process id.
+Everything started here is stopped by the context managers, by process id; the database is
+dropped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import os
@@ -15,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +26,7 @@ from pathlib import Path
 import redis
 
 HOST = "127.0.0.1"
+PG_URL = "postgresql://postgres@127.0.0.1:5432"  # a server whose user may create databases
 
 
 def free_port() -> int:
@@ -115,6 +120,55 @@ def redis_server(workdir: Path, url: str | None = None) -> Iterator[RedisTarget]
     finally:
         _stop(proc)
         log.close()
+
+
+async def _pg_execute(server_url: str, sql: str) -> None:
+    import asyncpg  # type: ignore[import-untyped]
+
+    conn = await asyncpg.connect(f"{server_url}/postgres")
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+@contextlib.contextmanager
+def postgres_database(server_url: str, app_dir: Path, workdir: Path) -> Iterator[str]:
+    """A new database on the Postgres server at ``server_url`` (libpq form, without a database
+    name; its user may create databases), migrated by the broker tree at ``app_dir``. Yields
+    its SQLAlchemy async URL; the database is dropped afterwards."""
+    base = server_url.rstrip("/")
+    name = f"rbbench_{uuid.uuid4().hex[:12]}"
+    try:
+        asyncio.run(_pg_execute(base, f'CREATE DATABASE "{name}"'))
+    except Exception as exc:  # the driver's errors, or no server there
+        raise RuntimeError(
+            f"cannot create a database on {base} ({type(exc).__name__}: {exc}); the auth rows "
+            "need a Postgres server whose user may create databases: --pg-url or $BENCH_PG_URL"
+        ) from exc
+    try:
+        url = f"postgresql+asyncpg://{base.split('://', 1)[1]}/{name}"
+        migrate = (
+            "import sys; from app.accounting.db import upgrade_to_head_sync; "
+            "upgrade_to_head_sync(sys.argv[1])"
+        )
+        path = os.pathsep.join(p for p in (str(app_dir), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONPATH": path}
+        done = subprocess.run(
+            [sys.executable, "-c", migrate, url],
+            cwd=app_dir,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        (workdir / "migrate.log").write_text(done.stdout + done.stderr)
+        if done.returncode != 0:
+            raise RuntimeError(f"migrating {name} failed:\n{done.stderr[-3000:]}")
+        yield url
+    finally:
+        asyncio.run(_pg_execute(base, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """The benchmark harness end to end at its tiny size: real Redis, the broker and the naive
-baseline under uvicorn, forked load processes; every row is there with a positive figure, its
-ratios are the broker against its baselines, and each target's verdict follows from its ratio."""
+baseline under uvicorn, forked load processes, and for the access-control rows two more brokers
+(auth off, auth on) on a database of the test Postgres; every row is there with a positive
+figure, its ratios are the broker against its baselines, and each target's verdict follows from
+its ratio."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Any
 import pytest
 
 from benchmarks.payloads import RAW_BYTES, big_json_body
-from benchmarks.run import QUICK
+from benchmarks.run import AUTH_NEED, QUICK
 
 RATES = ("rollouts/s", "prompts/s")
 
@@ -39,7 +41,12 @@ def expected_rows() -> list[str]:
     rows += [f"work.queued.{n}.{k}" for n in s.work_levels for k in ("rate", "p50", "p99")]
     rows += ["bodies.healthz.idle.p50", "bodies.healthz.ingest.p50", "bodies.healthz.ingest.max"]
     rows += ["bodies.ingest", "bodies.peak_rss"]
+    rows += [f"auth.{case}.{side}" for case in AUTH_CASES for side in ("off", "on")]
     return rows
+
+
+AUTH_CASES = ("ingest.json.1", "ingest.msgpack.64", f"lease_ack.msgpack.{QUICK.batch}")
+AUTH_TARGET = f"≥{AUTH_NEED}× auth off"
 
 
 def _number(x: object) -> bool:
@@ -49,7 +56,7 @@ def _number(x: object) -> bool:
 def _vs(row: dict[str, Any], base: float) -> float:
     """The broker against a baseline as benchmarks/README.md defines it: above 1 is better, so
     rates are broker ÷ baseline and latencies and bytes baseline ÷ broker."""
-    value = row["value"]
+    value = float(row["value"])
     return value / base if row["unit"] in RATES else base / value
 
 
@@ -79,13 +86,15 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
     env = dict(os.environ)
     if "BROKER_TEST_REDIS_URL" in env:  # used only when no redis-server binary is found
         env.setdefault("BENCH_REDIS_URL", env["BROKER_TEST_REDIS_URL"])
+    if "BROKER_TEST_PG_URL" in env:  # the auth rows' brokers need a database
+        env.setdefault("BENCH_PG_URL", env["BROKER_TEST_PG_URL"])
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--quick", "--json", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=240,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -104,6 +113,8 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
             assert _number(r["raw"]) and _number(r["naive"]), rid
         if rid.startswith(("scale.trainers.", "http_floor.", "memory.memory_usage", "work.")):
             assert _number(r["raw"]), rid
+        if rid.startswith("auth."):  # measured against each other, not against a baseline
+            assert r["raw"] is None and r["naive"] is None, rid
         for base, ratio in (("raw", "vs_raw"), ("naive", "vs_naive")):
             if r[base] is None:
                 assert r[ratio] is None, (rid, ratio)
@@ -119,18 +130,28 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
     assert (f"lease_ack.msgpack.{QUICK.batch}", "≥0.5× raw") in targets
     assert ("memory.used_memory", "≤1.3× raw arrays") in targets
     assert ("bodies.peak_rss", "≤4× body") in targets
+    # Auth on against auth off, the same case of the same run: at most 5 % slower.
+    for case in AUTH_CASES:
+        assert (f"auth.{case}.on", AUTH_TARGET) in targets
+        assert not rows[f"auth.{case}.off"]["targets"]
     big_body = len(big_json_body(QUICK.big_rollouts))
-    for (rid, name), (r, t) in targets.items():
-        want = {
+
+    def expected(rid: str, r: dict[str, Any], name: str) -> tuple[float, float, bool]:
+        if name == AUTH_TARGET:
+            off = rows[rid.removesuffix(".on") + ".off"]
+            return r["value"] / off["value"], AUTH_NEED, False
+        return {
             "≥0.5× raw": (r["vs_raw"], 0.5, False),
             ">1× naive": (r["vs_naive"], 1.0, False),
             "≤1.3× raw arrays": (r["value"] / RAW_BYTES, 1.3, True),
             "≤4× body": (r["value"] / big_body, 4.0, True),
         }[name]
-        ratio, need, at_most = want
-        assert t["ratio"] == pytest.approx(ratio, rel=1e-12), (rid, name)
+
+    for (rid, name), (r, t) in targets.items():
+        want, need, at_most = expected(rid, r, name)
+        assert t["ratio"] == pytest.approx(want, rel=1e-12), (rid, name)
         assert (t["need"], t["at_most"]) == (need, at_most), (rid, name)
-        assert t["ok"] is (ratio <= need if at_most else ratio >= need), (rid, name, t)
+        assert t["ok"] is (want <= need if at_most else want >= need), (rid, name, t)
 
     # The printed table shows each row's figures, ratios and verdicts as the JSON has them.
     printed = _cells(proc.stdout)
