@@ -20,7 +20,7 @@ _DEFAULT_PORTS: Final = {"http": 80, "https": 443}
 async def guard(request: Request) -> None:
     """Let the request through, with ``request.state.caller`` set, or refuse it (401/403)."""
     route = request.scope.get("route")
-    path: str = getattr(route, "path", request.url.path)
+    path: str = route.path if route is not None else request.url.path
     need = need_of(request.method, path)
     if need is None:
         raise Forbidden(f"{request.method} {path} is not in the access table")

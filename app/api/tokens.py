@@ -22,7 +22,9 @@ from app.access.schemas import (
 from app.access.tokens import TokenCache, insert_token, list_tokens, revoke_token
 from app.api.codec import parse_body, read_body, render
 from app.api.deps import Session, sessionmaker_of, settings_of
+from app.api.openapi import request_body
 from app.broker import keys
+from app.broker.config import RUN_ID_PATTERN
 from app.errors import TokenNotFound
 
 router = APIRouter(tags=["access"])
@@ -44,7 +46,12 @@ def _info(row: ApiToken) -> TokenInfo:
     )
 
 
-@router.post("/v1/tokens", response_model=TokenCreated, status_code=201)
+@router.post(
+    "/v1/tokens",
+    response_model=TokenCreated,
+    status_code=201,
+    openapi_extra=request_body(TokenCreate),
+)
 async def create_token(request: Request, session: Session) -> Response:
     """A new token; its secret is in this answer only."""
     body = await read_body(request, settings_of(request).max_body_bytes)
@@ -92,10 +99,10 @@ async def delete_token(token_id: str, request: Request, session: Session) -> Res
 async def get_audit(
     request: Request,
     session: Session,
-    run_id: Annotated[str | None, Query(max_length=128)] = None,
+    run_id: Annotated[str | None, Query(pattern=RUN_ID_PATTERN)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     cursor: Annotated[
-        str | None, Query(pattern=r"^[0-9]{1,19}$", description="A previous page's next_cursor")
+        str | None, Query(pattern=r"^[0-9]{1,18}$", description="A previous page's next_cursor")
     ] = None,
 ) -> Response:
     """Operator actions, newest first: who did what to which run, when, with what."""

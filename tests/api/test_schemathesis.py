@@ -164,14 +164,6 @@ LIMITS = (
         "free-form JSON must fit 64-bit integers and 16 levels of nesting",
     ),
     Limit(
-        REFUSED,
-        r"POST /v1/tokens",
-        422,
-        r"Field required",
-        "app/api/tokens.py does not name its body yet (openapi_extra=request_body(TokenCreate)): "
-        "Schemathesis sends none",
-    ),
-    Limit(
         "ST301",  # a deleted resource still answers
         r"GET /v1/runs/\{run_id\}/(accounting.*|batches|prompts)",
         200,
