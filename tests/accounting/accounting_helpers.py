@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 from redis.asyncio import Redis
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -51,7 +50,7 @@ from app.accounting.events import (
 from app.accounting.stream import events_key, run_key, runs_key
 from app.api.accounting import router
 from app.broker import keys
-from app.errors import BrokerError
+from app.main import install_error_handlers
 from app.settings import Settings
 from workers.drain import DrainContext, drain_once
 
@@ -75,13 +74,7 @@ def build_app(sessionmaker: async_sessionmaker[AsyncSession], redis: Redis, pref
     app.state.settings = Settings(
         redis_prefix=prefix, redis_url="redis://unused", database_url=None
     )
-
-    @app.exception_handler(BrokerError)
-    async def _render(request: Request, exc: BrokerError) -> JSONResponse:
-        return JSONResponse(
-            {"error": exc.name, "detail": exc.detail}, status_code=exc.status, headers=exc.headers
-        )
-
+    install_error_handlers(app)  # the app's one renderer of errors
     return app
 
 
