@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, cast
 
 import typer
 
@@ -417,8 +417,19 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+T = TypeVar("T")
+
+
 def _print_json(value: Any) -> None:
     typer.echo(json.dumps(_jsonable(value), indent=2, sort_keys=True))
+
+
+def _show(value: T, as_json: bool, render: Callable[[T], Any]) -> None:
+    """``value`` as JSON (``--json``), or as what ``render`` makes of it for a person."""
+    if as_json:
+        _print_json(value)
+    else:
+        _console().print(render(value))
 
 
 def _parse_config(items: list[str]) -> dict[str, Any]:
@@ -498,10 +509,7 @@ def runs_list(
     """Every run (not deleted), newest first."""
     with _broker(url, token) as broker:
         runs = broker.list_runs(status)
-    if as_json:
-        _print_json(runs)
-    else:
-        _console().print(_run_table(runs))
+    _show(runs, as_json, _run_table)
 
 
 @runs_cli.command("create")
@@ -535,10 +543,7 @@ def runs_create(
                 f"{err.error}: {err.detail}; change its config with "
                 f"`rollout-broker runs config {run_id} -c KEY=VALUE`"
             ) from None
-    if as_json:
-        _print_json(run)
-    else:
-        _console().print(_run_detail(run))
+    _show(run, as_json, _run_detail)
 
 
 @runs_cli.command("config")
@@ -557,10 +562,7 @@ def runs_config(
     cfg = _parse_config(config)
     with _broker(url, token) as broker:
         run = broker.patch_config(run_id, **cfg)
-    if as_json:
-        _print_json(run)
-    else:
-        _console().print(_run_detail(run))
+    _show(run, as_json, _run_detail)
 
 
 @runs_cli.command("show")
@@ -573,10 +575,7 @@ def runs_show(
     """A run's status, policy version and config."""
     with _broker(url, token) as broker:
         run = broker.get_run(run_id)
-    if as_json:
-        _print_json(run)
-    else:
-        _console().print(_run_detail(run))
+    _show(run, as_json, _run_detail)
 
 
 @runs_cli.command("close")
@@ -589,10 +588,7 @@ def runs_close(
     """Close a run: its buffered rollouts retire (run_closed); the accounting stays."""
     with _broker(url, token) as broker:
         run = broker.close_run(run_id)
-    if as_json:
-        _print_json(run)
-    else:
-        _console().print(_run_detail(run))
+    _show(run, as_json, _run_detail)
 
 
 @runs_cli.command("delete")
@@ -841,10 +837,7 @@ def accounting(
     with _broker(url, token) as broker:
         if versions:
             rows = broker.accounting_versions(run_id)
-            if as_json:
-                _print_json(rows)
-            else:
-                _console().print(versions_table(rows))
+            _show(rows, as_json, versions_table)
             return
         acc = broker.accounting(run_id)
         run = None if as_json else broker.get_run(run_id)
@@ -1004,10 +997,7 @@ def tokens_list(
     """Every token, newest first, revoked ones included; no secret is ever shown."""
     with _broker(url, token) as broker:
         rows = broker.list_tokens()
-    if as_json:
-        _print_json(rows)
-    else:
-        _console().print(tokens_table(rows))
+    _show(rows, as_json, tokens_table)
 
 
 @tokens_cli.command("revoke")
