@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 log = logging.getLogger("rollout_broker")
 
@@ -62,8 +63,13 @@ class Subscription:
     async def _listen(self) -> None:
         backoff = 0.1
         while True:
-            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = None
             try:
+                if isinstance(self._redis, RedisCluster):
+                    # The cluster's pub/sub picks its node from the slot map, which a new
+                    # client has not read until its first command.
+                    await self._redis.initialize()
+                pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
                 await pubsub.subscribe(self._channel)
                 self._on_up()
                 self._ready.set()
@@ -87,5 +93,6 @@ class Subscription:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
             finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        await pubsub.aclose()  # type: ignore[no-untyped-call]

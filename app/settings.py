@@ -19,6 +19,11 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(
         default=None, description="Redis URL; unset (with database_url unset) = embedded Redis"
     )
+    redis_cluster: bool = Field(
+        default=False,
+        description="BROKER_REDIS_URL is any node of a Redis Cluster (the client discovers the "
+        "rest and follows the cluster's redirections)",
+    )
     database_url: str | None = Field(
         default=None,
         description="SQLAlchemy async URL (postgresql+asyncpg://...); unset = embedded Postgres",

@@ -4,7 +4,11 @@ built here from :class:`~app.settings.Settings`. ``workers/`` imports from here;
 
 from __future__ import annotations
 
+from typing import cast
+from urllib.parse import urlsplit
+
 from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.accounting.db import create_engine
@@ -13,7 +17,7 @@ from app.broker.service import Broker, PromptLimits
 from app.broker.store import RedisStore
 from app.settings import Settings
 
-__all__ = ["broker_for", "database_engine", "redis_client"]
+__all__ = ["broker_for", "cluster_client", "database_engine", "redis_client"]
 
 
 def redis_client(settings: Settings) -> Redis:
@@ -23,7 +27,28 @@ def redis_client(settings: Settings) -> Redis:
             "BROKER_REDIS_URL is not set (`rollout-broker serve` starts embedded services)"
         )
     # Blobs and Lua replies are bytes; decoding is the store's business.
+    if settings.redis_cluster:
+        return cast(Redis, cluster_client(settings.redis_url))
     return Redis.from_url(settings.redis_url, decode_responses=False)
+
+
+def cluster_client(url: str) -> RedisCluster:
+    """A Redis Cluster client from any node's URL, or several (``redis://a:7000,b:7001``: the
+    client starts from the first that answers). Every key of a run shares its hash tag, so each
+    script, MGET and XREADGROUP the broker sends touches one slot; the client routes it and
+    follows MOVED and ASK redirections."""
+    first, *more = url.split(",")
+    # from_url adds the first URL's node to the seeds; credentials and TLS of the first URL
+    # apply to every node.
+    seeds = [ClusterNode(*_host_port(part)) for part in more]
+    return RedisCluster.from_url(first, startup_nodes=seeds or None, decode_responses=False)
+
+
+def _host_port(part: str) -> tuple[str, int]:
+    where = urlsplit(part if "//" in part else f"//{part}")
+    if not where.hostname:
+        raise ValueError(f"BROKER_REDIS_URL: no host in {part!r}")
+    return where.hostname, where.port or 6379
 
 
 def broker_for(redis: Redis, settings: Settings) -> Broker:

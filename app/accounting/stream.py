@@ -4,12 +4,15 @@ letters and trimming. Key layout per app/broker/keys.py; every key of a run shar
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
 from app.accounting.events import StreamId
@@ -170,6 +173,17 @@ class LiveSnapshot:
         return self.live - self.leased
 
 
+def _slot_groups(redis: Redis, names: list[str]) -> list[list[str]]:
+    """The keys in groups one command may name together: all of them on one Redis node, the
+    keys of each slot on a cluster."""
+    if not isinstance(redis, RedisCluster):
+        return [names]
+    slots: dict[int, list[str]] = {}
+    for name in names:
+        slots.setdefault(key_slot(name.encode()), []).append(name)
+    return list(slots.values())
+
+
 def _text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
@@ -250,22 +264,36 @@ class EventStream:
     async def read_new(
         self, run_ids: Sequence[str], consumer: str, count: int, block_ms: int | None
     ) -> dict[str, list[Entry]]:
-        """Entries never delivered to the group, from every stream in one call."""
+        """Entries never delivered to the group, from every stream.
+
+        One XREADGROUP may name streams of one cluster slot only, so on a cluster the streams
+        are read with one call per slot, all sent in one pipeline (the client groups them by
+        node). Only a lone call can block: with several, an empty read waits ``block_ms`` here
+        instead, so an idle drain polls its streams every ``block_ms`` rather than spinning."""
         if not run_ids:
             return {}
-        keys = {self.events_key(r): r for r in run_ids}
-        reply: Any = await self.redis.xreadgroup(
-            self.group,
-            consumer,
-            dict.fromkeys(keys, ">"),
-            count=count,
-            block=block_ms,
-        )
+        streams = {self.events_key(r): r for r in run_ids}
+        calls = _slot_groups(self.redis, list(streams))
+        replies: list[Any]
+        if len(calls) == 1:
+            one: Any = dict.fromkeys(calls[0], ">")
+            replies = [
+                await self.redis.xreadgroup(self.group, consumer, one, count=count, block=block_ms)
+            ]
+        else:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for group in calls:
+                    some: Any = dict.fromkeys(group, ">")
+                    pipe.xreadgroup(self.group, consumer, some, count=count)
+                replies = await pipe.execute()
         result: dict[str, list[Entry]] = {}
-        for key, raw in reply or ():
-            entries = _entries(raw)
-            if entries:
-                result[keys[_text(key)]] = entries
+        for reply in replies:
+            for key, raw in reply or ():
+                entries = _entries(raw)
+                if entries:
+                    result[streams[_text(key)]] = entries
+        if not result and len(calls) > 1 and block_ms:
+            await asyncio.sleep(block_ms / 1000)
         return result
 
     async def delivery_counts(self, run_id: str, ids: Sequence[bytes]) -> dict[bytes, int]:
