@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,9 +20,11 @@ from app.broker.store import RedisStore
 from app.main import create_app
 from app.settings import Settings
 from tests.helpers import SecretWatch
+from tests.processes import ROOT, RedisClusterServers
 from tests.services import (
     REDIS_URL,
     WAKE_FALLBACK_S,
+    RedisBackend,
     create_database,
     delete_prefix,
     drop_database,
@@ -93,9 +96,49 @@ def sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     return create_sessionmaker(engine)
 
 
+BOTH_BACKENDS = ("tests/api/", "tests/accounting/", "tests/broker/", "tests/test_chaos.py")
+"""Tests run on one Redis node and on a Redis Cluster: the HTTP contract, the store and its
+scripts, the accounting drain, the chaos suite. The rest run on one node."""
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "backend" in metafunc.fixturenames:
+        where = Path(str(metafunc.definition.path)).relative_to(ROOT).as_posix()
+        if where.startswith(BOTH_BACKENDS) and not metafunc.definition.get_closest_marker(
+            "one_node"
+        ):
+            metafunc.parametrize("backend", ["redis", "cluster"])
+
+
 @pytest.fixture
-async def redis() -> AsyncIterator[Redis]:
-    client = Redis.from_url(REDIS_URL, decode_responses=False)
+def backend() -> str:
+    """``redis`` (one node) or ``cluster``; see BOTH_BACKENDS."""
+    return "redis"
+
+
+@pytest.fixture(scope="session")
+def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A 3-master Redis Cluster of the session's own (started when a test first needs it)."""
+    servers = RedisClusterServers(tmp_path_factory.mktemp("cluster"))
+    try:
+        servers.start()
+        yield servers.url
+    finally:
+        servers.kill()
+
+
+@pytest.fixture
+def redis_backend(request: pytest.FixtureRequest, backend: str) -> RedisBackend:
+    """Where the test's Redis is: its URL, whether it is a cluster, and the ``BROKER_*``
+    variables a broker process needs to use it."""
+    if backend == "cluster":
+        return RedisBackend(request.getfixturevalue("cluster_url"), cluster=True)
+    return RedisBackend(REDIS_URL, cluster=False)
+
+
+@pytest.fixture
+async def redis(redis_backend: RedisBackend) -> AsyncIterator[Redis]:
+    client = redis_backend.client()
     yield client
     await client.aclose()
 
@@ -114,12 +157,15 @@ def store(redis: Redis, prefix: str) -> RedisStore:
 
 
 @pytest.fixture
-def settings(request: pytest.FixtureRequest, prefix: str, database_url: str) -> Settings:
+def settings(
+    request: pytest.FixtureRequest, prefix: str, database_url: str, redis_backend: RedisBackend
+) -> Settings:
     """The app's settings on the test's services. A long poll re-checks only when woken, unless
     the test is marked ``wake_fallback_s(seconds)``: one that counts on the re-check."""
     marker = request.node.get_closest_marker("wake_fallback_s")
     return Settings(
-        redis_url=REDIS_URL,
+        redis_url=redis_backend.url,
+        redis_cluster=redis_backend.cluster,
         database_url=database_url,
         redis_prefix=prefix,
         max_body_bytes=1 << 20,

@@ -10,12 +10,15 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
+from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -25,13 +28,22 @@ from redis.exceptions import ResponseError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    """A free TCP port below 50000 (a cluster bus would use port + 10000)."""
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(*, bus: bool = False) -> int:
+    """A free port below 50000; with ``bus``, one whose cluster bus port (+10000) is free too."""
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
-        if port < 50000:
+        if port < 50000 and (not bus or _port_free(port + 10000)):
             return port
 
 
@@ -167,3 +179,115 @@ class ApiProcess(Process):
 def worker_process(env: dict[str, str], log: Path) -> Process:
     """`rollout-broker worker`: the maintenance sweep and the accounting drain."""
     return Process([sys.executable, "-m", "app.cli", "worker"], env, log)
+
+
+class RedisClusterServers:
+    """A Redis Cluster of the tests' own: ``masters`` redis-servers with ``--cluster-enabled``
+    (and ``replicas`` replicas of each) on free ports whose bus ports (+10000) are free too,
+    joined by ``redis-cli --cluster create``, every slot covered. With ``aof`` every node
+    appends with fsync always. Driven without an event loop, so a session fixture can hold it
+    whatever loop each test runs in; a node can be SIGKILLed and started again on its port
+    with its data and its ``nodes.conf``."""
+
+    def __init__(
+        self, data_dir: Path, masters: int = 3, *, replicas: int = 0, aof: bool = False
+    ) -> None:
+        self.data_dir = data_dir
+        self.masters = masters
+        self.replicas = replicas
+        self.aof = aof
+        self.ports: list[int] = []
+        for _ in range(masters * (1 + replicas)):
+            port = free_port(bus=True)
+            while port in self.ports:
+                port = free_port(bus=True)
+            self.ports.append(port)
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        binary = os.environ.get("BROKER_TEST_REDIS_SERVER") or shutil.which("redis-server")
+        cli = shutil.which("redis-cli")
+        if binary is None or cli is None:
+            pytest.fail("redis-server and redis-cli must be on PATH for the test cluster")
+        self.binary, self.cli = binary, cli
+
+    @property
+    def url(self) -> str:
+        """Any node's URL: the cluster client discovers the others from it."""
+        return f"redis://127.0.0.1:{self.ports[0]}"
+
+    @property
+    def seeds(self) -> str:
+        """Every node, comma-separated: a URL that still works while one node is down."""
+        return "redis://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def start(self) -> None:
+        for port in self.ports:
+            self.start_node(port)
+        created = subprocess.run(
+            [
+                self.cli,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{p}" for p in self.ports),
+                "--cluster-replicas",
+                str(self.replicas),
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            timeout=60,
+        )
+        assert created.returncode == 0, created.stdout.decode(errors="replace")
+        self.wait_ok()
+
+    def start_node(self, port: int) -> None:
+        """Start (or start again) the node of ``port``; returns once it answers PING."""
+        folder = self.data_dir / str(port)
+        folder.mkdir(parents=True, exist_ok=True)
+        persistence = ("--appendonly", "yes", "--appendfsync", "always") if self.aof else ()
+        self.procs[port] = subprocess.Popen(
+            [
+                self.binary,
+                *("--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder)),
+                *("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"),
+                *("--cluster-node-timeout", "1000", "--save", ""),
+                *(persistence or ("--appendonly", "no")),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self._wait(port, lambda c: bool(c.ping()) and not c.info("persistence").get("loading"))
+
+    def kill_node(self, port: int) -> None:
+        proc = self.procs[port]
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+    def wait_ok(self, within: float = 30) -> None:
+        """Until every live node says the cluster is ok and agrees on who serves each slot."""
+        live = [p for p in self.ports if self.procs[p].poll() is None]
+        for port in live:
+            self._wait(port, lambda c: c.cluster("INFO")["cluster_state"] == "ok", within)
+
+        def owners(port: int) -> object:
+            with SyncRedis(port=port) as c:
+                return sorted((s[0], s[1], s[2][1]) for s in c.execute_command("CLUSTER SLOTS"))
+
+        deadline = time.monotonic() + within
+        while len({repr(owners(p)) for p in live}) > 1:
+            assert time.monotonic() < deadline, "the cluster's nodes disagree on its slots"
+            time.sleep(0.05)
+
+    def _wait(self, port: int, ready: Callable[[SyncRedis], bool], within: float = 30) -> None:
+        deadline = time.monotonic() + within
+        with SyncRedis(port=port) as probe:
+            while True:
+                with contextlib.suppress(RedisConnectionError, ResponseError, OSError):
+                    if ready(probe):
+                        return
+                assert time.monotonic() < deadline, f"cluster node {port} is not ready"
+                assert self.procs[port].poll() is None, f"cluster node {port} exited"
+                time.sleep(0.05)
+
+    def kill(self) -> None:
+        for port in self.procs:
+            self.kill_node(port)

@@ -17,10 +17,13 @@ import contextlib
 import os
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import cast
 
 import asyncpg
 import redis
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 REDIS_URL = os.environ.get("BROKER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 PG_URL = os.environ.get("BROKER_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432").rstrip("/")
@@ -31,6 +34,23 @@ WAKE_FALLBACK_S = 3600.0
 
 KEY_PREFIX = "rbt"  # of every test's key prefix
 DATABASE_PREFIX = "rbt_"  # of every test database's name
+
+
+@dataclass(frozen=True)
+class RedisBackend:
+    """The Redis a test runs on: one node, or any node of a cluster."""
+
+    url: str
+    cluster: bool
+
+    def client(self) -> Redis:
+        if self.cluster:
+            return cast(Redis, RedisCluster.from_url(self.url, decode_responses=False))
+        return Redis.from_url(self.url, decode_responses=False)
+
+    def env(self) -> dict[str, str]:
+        """The ``BROKER_*`` variables of a broker process on this Redis."""
+        return {"BROKER_REDIS_URL": self.url, "BROKER_REDIS_CLUSTER": str(int(self.cluster))}
 
 
 def new_prefix() -> str:

@@ -1,6 +1,7 @@
 """Chaos: generators and trainers run through the Python client against two API processes and
 a worker, over a Redis of the test's own (AOF, fsync always), while the worker is SIGKILLed
-twice, an API process once and Redis itself once, each started again.
+twice, an API process once and Redis itself once, each started again. On the cluster backend
+Redis is a 3-master cluster and the node killed is the one serving the run's slot.
 
 An extra consumer group that never reads keeps the whole event stream (the drain trims only
 what every group has read), and the test replays it: no rollout the clients were told was
@@ -12,15 +13,25 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
+from redis import Redis as SyncRedis
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
 from rollout_broker_client import AsyncBrokerClient, Rollout
 
 from app.accounting.events import Acked, Leased, Retired, Returned, decode_entry
 from app.broker import keys
-from tests.processes import ApiProcess, RedisServer, broker_env, worker_process
+from tests.processes import (
+    ApiProcess,
+    RedisClusterServers,
+    RedisServer,
+    broker_env,
+    worker_process,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -49,13 +60,62 @@ def group_of(generator: int, g: int, rng: np.random.Generator) -> list[Rollout]:
     return out
 
 
+class ChaosRedis:
+    """The test's own Redis: one node, or a 3-master cluster of which the node serving the
+    run's slot is the one killed. Both append to an AOF with fsync always."""
+
+    def __init__(self, backend: str, data_dir: Path) -> None:
+        self.node = RedisServer(data_dir) if backend == "redis" else None
+        self.cluster = None if self.node else RedisClusterServers(data_dir, aof=True)
+        self.url = self.node.url if self.node else self.cluster.seeds  # type: ignore[union-attr]
+
+    def env(self) -> dict[str, str]:
+        return {"BROKER_REDIS_URL": self.url, "BROKER_REDIS_CLUSTER": str(int(not self.node))}
+
+    def client(self) -> Redis:
+        if self.cluster is None:
+            return Redis.from_url(self.url)
+        return cast(Redis, RedisCluster.from_url(self.cluster.url))
+
+    async def start(self) -> None:
+        if self.node:
+            await self.node.start()
+        else:
+            await asyncio.to_thread(self.cluster.start)  # type: ignore[union-attr]
+
+    def _run_node(self) -> int:
+        assert self.cluster is not None
+        slot = key_slot(keys.run_key(PREFIX, RUN).encode())
+        with SyncRedis(port=self.cluster.ports[0]) as probe:
+            for first, last, (_, port, *_), *_ in probe.execute_command("CLUSTER SLOTS"):
+                if first <= slot <= last:
+                    return int(port)
+        raise AssertionError(f"no node serves slot {slot}")
+
+    async def kill_and_restart(self) -> None:
+        if self.node:
+            await self.node.kill()
+            await self.node.start()
+            return
+        port = self._run_node()
+        self.cluster.kill_node(port)  # type: ignore[union-attr]
+        await asyncio.to_thread(self.cluster.start_node, port)  # type: ignore[union-attr]
+        await asyncio.to_thread(self.cluster.wait_ok)  # type: ignore[union-attr]
+
+    async def stop(self) -> None:
+        if self.node:
+            await self.node.kill()
+        else:
+            self.cluster.kill()  # type: ignore[union-attr]
+
+
 async def test_nothing_lost_or_doubled_through_worker_replica_and_redis_kills(
-    database_url: str, tmp_path: Path
+    backend: str, database_url: str, tmp_path: Path
 ) -> None:
-    redis_server = RedisServer(tmp_path)
+    redis_server = ChaosRedis(backend, tmp_path)
     await redis_server.start()
     env = broker_env(
-        BROKER_REDIS_URL=redis_server.url,
+        **redis_server.env(),
         BROKER_DATABASE_URL=database_url,
         BROKER_REDIS_PREFIX=PREFIX,
         BROKER_SWEEP_INTERVAL_S="0.2",
@@ -64,7 +124,7 @@ async def test_nothing_lost_or_doubled_through_worker_replica_and_redis_kills(
     )
     apis = [ApiProcess(env, tmp_path / f"api{i}.log") for i in range(2)]
     worker = worker_process(env, tmp_path / "worker.log")
-    redis = Redis.from_url(redis_server.url)
+    redis = redis_server.client()
     clients: list[AsyncBrokerClient] = []
     try:
         await asyncio.gather(*(a.start() for a in apis), worker.start())
@@ -112,8 +172,7 @@ async def test_nothing_lost_or_doubled_through_worker_replica_and_redis_kills(
             await apis[0].kill()
             await apis[0].start()
             await progressed(120)
-            await redis_server.kill()
-            await redis_server.start()
+            await redis_server.kill_and_restart()
             await progressed(160)
             await worker.kill()
             await worker.start()
@@ -128,7 +187,7 @@ async def test_nothing_lost_or_doubled_through_worker_replica_and_redis_kills(
 
         # -- the whole event stream, replayed ---------------------------------------------
         await redis.aclose()  # its connections died with the server it talked to
-        redis = Redis.from_url(redis_server.url)
+        redis = redis_server.client()
         entries = await redis.xrange(keys.events_key(PREFIX, RUN))
         events = [decode_entry(RUN, eid, fields) for eid, fields in entries]
         accepted: Counter[str] = Counter()
@@ -179,4 +238,4 @@ async def test_nothing_lost_or_doubled_through_worker_replica_and_redis_kills(
             await c.close()
         await asyncio.gather(*(a.stop() for a in apis), worker.stop(), return_exceptions=True)
         await redis.aclose()
-        await redis_server.kill()
+        await redis_server.stop()

@@ -25,7 +25,7 @@ from app.accounting.drain import CRASH_EXIT_CODE
 from app.accounting.events import StreamId
 from app.accounting.models import ProcessedEvent
 from app.accounting.stream import CONSUMER_GROUP, events_key
-from tests.services import REDIS_URL
+from tests.services import RedisBackend
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -86,6 +86,7 @@ def _reap(procs: list[subprocess.Popen[bytes]]) -> None:
 @pytest.mark.slow
 async def test_sigkill_many_times_loses_and_doubles_nothing(
     redis: Redis,
+    redis_backend: RedisBackend,
     prefix: str,
     database_url: str,
     sessionmaker: async_sessionmaker[AsyncSession],
@@ -139,7 +140,7 @@ async def test_sigkill_many_times_loses_and_doubles_nothing(
 
     env = {
         **os.environ,
-        "BROKER_REDIS_URL": REDIS_URL,
+        **redis_backend.env(),
         "BROKER_DATABASE_URL": database_url,
         "BROKER_REDIS_PREFIX": prefix,
         "BROKER_DRAIN_CLAIM_IDLE_MS": "150",

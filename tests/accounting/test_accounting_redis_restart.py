@@ -1,5 +1,6 @@
 """Redis restarted under a running drain (AOF, fsync always): nothing Redis acknowledged to
-the producer may be missing from the accounting afterwards."""
+the producer may be missing from the accounting afterwards. On one node of the tests' own: a
+cluster node restarted under traffic is the chaos test's and the failover test's."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ async def _wait_for(condition: Callable[[], Awaitable[bool]], within: float, wha
 
 
 @pytest.mark.slow
+@pytest.mark.one_node
 async def test_redis_restart_loses_nothing_acknowledged(
     own_redis: RedisServer,
     prefix: str,
@@ -163,6 +165,7 @@ async def _has(applied: Callable[[], Awaitable[set[StreamId]]], n: int) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.one_node
 async def test_broker_changes_answered_before_a_restart_are_all_accounted(
     own_redis: RedisServer,
     prefix: str,

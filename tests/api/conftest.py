@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.services import REDIS_URL, WAKE_FALLBACK_S
+from tests.services import WAKE_FALLBACK_S, RedisBackend
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 30.0
@@ -39,10 +39,12 @@ def _read(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
-async def _start_server(prefix: str, database_url: str, log: Path) -> ApiServer:
+async def _start_server(
+    redis_backend: RedisBackend, prefix: str, database_url: str, log: Path
+) -> ApiServer:
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("BROKER_")},
-        "BROKER_REDIS_URL": REDIS_URL,
+        **redis_backend.env(),
         "BROKER_DATABASE_URL": database_url,
         "BROKER_REDIS_PREFIX": prefix,
         "BROKER_WAKE_FALLBACK_S": str(WAKE_FALLBACK_S),
@@ -94,13 +96,15 @@ async def _stop_server(server: ApiServer) -> None:
 
 
 @pytest.fixture
-async def api_servers(prefix: str, database_url: str, tmp_path: Path) -> AsyncIterator[list[str]]:
+async def api_servers(
+    redis_backend: RedisBackend, prefix: str, database_url: str, tmp_path: Path
+) -> AsyncIterator[list[str]]:
     """Two API processes on different ports sharing the test's Redis prefix and database."""
     servers: list[ApiServer] = []
     try:
         started = await asyncio.gather(
-            _start_server(prefix, database_url, tmp_path / "api0.log"),
-            _start_server(prefix, database_url, tmp_path / "api1.log"),
+            _start_server(redis_backend, prefix, database_url, tmp_path / "api0.log"),
+            _start_server(redis_backend, prefix, database_url, tmp_path / "api1.log"),
             return_exceptions=True,
         )
         for s in started:

@@ -26,7 +26,7 @@ from app.settings import Settings
 from tests.api.support import assert_error
 from tests.helpers import KNOWN_SECRETS, SecretWatch, rollout
 from tests.processes import ApiProcess, broker_env
-from tests.services import REDIS_URL
+from tests.services import REDIS_URL, RedisBackend
 
 ADMIN = secrets.token_urlsafe(32)
 KNOWN_SECRETS.add(ADMIN)
@@ -281,10 +281,10 @@ async def test_the_secret_is_compared_in_constant_time(app_client, monkeypatch):
 
 
 async def test_a_revoked_token_stops_working_within_a_second_on_another_replica(
-    database_url: str, prefix: str, tmp_path: Path
+    redis_backend: RedisBackend, database_url: str, prefix: str, tmp_path: Path
 ):
     env = broker_env(
-        BROKER_REDIS_URL=REDIS_URL,
+        **redis_backend.env(),
         BROKER_DATABASE_URL=database_url,
         BROKER_REDIS_PREFIX=prefix,
         BROKER_AUTH="on",

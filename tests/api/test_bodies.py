@@ -381,6 +381,7 @@ def _partial_post(port: int) -> socket.socket:
 
 
 @pytest.mark.slow
+@pytest.mark.one_node
 def test_a_server_closes_stalled_bodies_and_logs_abandoned_ones_once(
     prefix: str, tmp_path: Path
 ) -> None:
@@ -469,6 +470,7 @@ _MEASURE = textwrap.dedent(
 
 
 @pytest.mark.slow
+@pytest.mark.one_node
 async def test_a_maximal_body_peaks_at_a_few_times_its_size(prefix: str) -> None:
     """A 64 MiB JSON ingest of 28 rollouts of 262,144 tokens: the process grows by at most 4×
     the body at its peak (the whole-document parse grew it by about 16×)."""

@@ -9,7 +9,7 @@ import httpx
 from app.accounting.db import upgrade_to_head
 from app.main import create_app
 from app.settings import Settings
-from tests.services import REDIS_URL
+from tests.services import RedisBackend
 
 
 async def test_ready_with_redis_and_a_migrated_database(api: httpx.AsyncClient) -> None:
@@ -23,10 +23,16 @@ async def test_ready_with_redis_and_a_migrated_database(api: httpx.AsyncClient) 
 
 
 async def test_not_ready_until_the_database_is_at_head(
-    database_factory: Callable[[], Awaitable[str]], prefix: str
+    database_factory: Callable[[], Awaitable[str]], redis_backend: RedisBackend, prefix: str
 ) -> None:
     url = await database_factory()  # reachable, but no schema yet
-    app = create_app(Settings(redis_url=REDIS_URL, database_url=url, redis_prefix=prefix))
+    settings = Settings(
+        redis_url=redis_backend.url,
+        redis_cluster=redis_backend.cluster,
+        database_url=url,
+        redis_prefix=prefix,
+    )
+    app = create_app(settings)
     async with (
         app.router.lifespan_context(app),
         httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://b") as c,

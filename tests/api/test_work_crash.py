@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.api.conftest import _start_server, _stop_server
-from tests.services import REDIS_URL
+from tests.services import RedisBackend
 
 pytestmark = pytest.mark.slow
 
@@ -48,11 +48,13 @@ GENERATOR = textwrap.dedent(
 
 
 @contextlib.contextmanager
-def worker(database_url: str, prefix: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def worker(
+    redis_backend: RedisBackend, database_url: str, prefix: str, log: Path
+) -> Iterator[subprocess.Popen[bytes]]:
     """`rollout-broker worker`: the maintenance sweep (work lease expiry) and the drain."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BROKER_")}
     env.update(
-        BROKER_REDIS_URL=REDIS_URL,
+        **redis_backend.env(),
         BROKER_DATABASE_URL=database_url,
         BROKER_REDIS_PREFIX=prefix,
         BROKER_SWEEP_INTERVAL_S="0.1",
@@ -94,7 +96,7 @@ async def train_all(client: httpx.AsyncClient, run: str, groups: int) -> None:
 
 
 async def test_prompts_of_a_sigkilled_generator_come_back_and_are_trained(
-    api_servers, database_url, prefix, tmp_path
+    api_servers, redis_backend, database_url, prefix, tmp_path
 ):
     url = api_servers[0]
     async with httpx.AsyncClient(base_url=url, timeout=60) as api:
@@ -104,7 +106,7 @@ async def test_prompts_of_a_sigkilled_generator_come_back_and_are_trained(
         ).status_code == 201
         body = {"prompts": [{"prompt_id": f"p{i}"} for i in range(4)]}
         assert (await api.post("/v1/runs/r/prompts", json=body)).status_code == 202
-        with worker(database_url, prefix, tmp_path / "worker.log"):
+        with worker(redis_backend, database_url, prefix, tmp_path / "worker.log"):
             gen = await asyncio.create_subprocess_exec(
                 sys.executable, "-c", GENERATOR, url, "r", stdout=asyncio.subprocess.PIPE
             )
@@ -149,11 +151,12 @@ async def test_prompts_of_a_sigkilled_generator_come_back_and_are_trained(
 
 
 async def test_an_api_process_and_a_worker_killed_mid_run_lose_nothing(
-    database_url, prefix, tmp_path
+    redis_backend, database_url, prefix, tmp_path
 ):
     rng = random.Random(7)
     servers = [
-        await _start_server(prefix, database_url, tmp_path / f"api{i}.log") for i in range(2)
+        await _start_server(redis_backend, prefix, database_url, tmp_path / f"api{i}.log")
+        for i in range(2)
     ]
     n_prompts = 48
     clients = [httpx.AsyncClient(base_url=s.url, timeout=30) for s in servers]
@@ -238,14 +241,14 @@ async def test_an_api_process_and_a_worker_killed_mid_run_lose_nothing(
                 version += 1
                 await call("POST", "/v1/runs/r/policy", json={"version": version})
 
-        with worker(database_url, prefix, tmp_path / "worker0.log") as first:
+        with worker(redis_backend, database_url, prefix, tmp_path / "worker0.log") as first:
             tasks = [asyncio.create_task(generator(g)) for g in range(3)]
             tasks.append(asyncio.create_task(trainer()))
             while len(trained) < n_prompts // 3:  # noqa: ASYNC110 - progress made elsewhere
                 await asyncio.sleep(0.05)
             servers[0].proc.send_signal(signal.SIGKILL)  # an API process, mid-run
             first.send_signal(signal.SIGKILL)  # and the worker
-            with worker(database_url, prefix, tmp_path / "worker1.log"):
+            with worker(redis_backend, database_url, prefix, tmp_path / "worker1.log"):
                 await asyncio.wait_for(asyncio.gather(*tasks), 120)
                 acc = await caught_up(clients[1], "r")
         # Every prompt trained exactly once (in whichever attempt), nothing lost or counted twice.
