@@ -6,6 +6,7 @@ served in-process on both."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -118,7 +119,13 @@ def backend() -> str:
 
 @pytest.fixture(scope="session")
 def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A 3-master Redis Cluster of the session's own (started when a test first needs it)."""
+    """The Redis Cluster of ``BROKER_TEST_REDIS_CLUSTER_URL`` (.ci/run starts one), or else a
+    3-master cluster of the session's own, started when a test first needs it. Tests keep to
+    their own key prefixes on it as on the single node."""
+    given = os.environ.get("BROKER_TEST_REDIS_CLUSTER_URL")
+    if given:
+        yield given
+        return
     servers = RedisClusterServers(tmp_path_factory.mktemp("cluster"))
     try:
         servers.start()
