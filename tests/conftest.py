@@ -6,7 +6,6 @@ served in-process on both."""
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from app.settings import Settings
 from tests.helpers import SecretWatch
 from tests.processes import ROOT, RedisClusterServers
 from tests.services import (
+    CLUSTER_URL,
     REDIS_URL,
     WAKE_FALLBACK_S,
     RedisBackend,
@@ -122,9 +122,8 @@ def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The Redis Cluster of ``BROKER_TEST_REDIS_CLUSTER_URL`` (.ci/run starts one), or else a
     3-master cluster of the session's own, started when a test first needs it. Tests keep to
     their own key prefixes on it as on the single node."""
-    given = os.environ.get("BROKER_TEST_REDIS_CLUSTER_URL")
-    if given:
-        yield given
+    if CLUSTER_URL:
+        yield CLUSTER_URL
         return
     servers = RedisClusterServers(tmp_path_factory.mktemp("cluster"))
     try:

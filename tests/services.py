@@ -1,6 +1,7 @@
 """The Redis and Postgres the tests run against, and how each test gets a namespace of its own.
 
-Redis is ``BROKER_TEST_REDIS_URL`` (default ``redis://127.0.0.1:6379/0``); Postgres is the
+Redis is ``BROKER_TEST_REDIS_URL`` (default ``redis://127.0.0.1:6379/0``), and the Redis
+Cluster any node of ``BROKER_TEST_REDIS_CLUSTER_URL`` (unset: the tests start one); Postgres is the
 server at ``BROKER_TEST_PG_URL`` (default ``postgresql://postgres@127.0.0.1:5432``, trust auth),
 whose user may create databases. Every key a test writes starts with a prefix of its own
 (``rbt<hex>:``), deleted afterwards. The databases are ``rbt_<hex>``, made for the tests and
@@ -26,6 +27,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 REDIS_URL = os.environ.get("BROKER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+CLUSTER_URL = os.environ.get("BROKER_TEST_REDIS_CLUSTER_URL")  # None: the tests start their own
 PG_URL = os.environ.get("BROKER_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432").rstrip("/")
 
 # The broker's fallback re-check in tests, far beyond the longest long poll (BROKER_MAX_WAIT_S):
