@@ -43,6 +43,7 @@ import redis
 
 from app.broker import keys
 from benchmarks import load
+from benchmarks.cluster import cluster_rows
 from benchmarks.load import Group, Http, expect, percentile, run_group
 from benchmarks.payloads import ID_LEN, RAW_BYTES, TOKENS, big_json_body, rollout_id
 from benchmarks.servers import (
@@ -1134,6 +1135,7 @@ SECTIONS = {
     "work": work_rows,
     "bodies": body_rows,
     "auth": auth_rows,
+    "cluster": cluster_rows,
 }
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.cluster import BALANCE_NEED, MASTERS, cluster_binaries
 from benchmarks.payloads import RAW_BYTES, big_json_body
 from benchmarks.run import AUTH_NEED, QUICK
 
@@ -42,11 +43,17 @@ def expected_rows() -> list[str]:
     rows += ["bodies.healthz.idle.p50", "bodies.healthz.ingest.p50", "bodies.healthz.ingest.max"]
     rows += ["bodies.ingest", "bodies.peak_rss"]
     rows += [f"auth.{case}.{side}" for case in AUTH_CASES for side in ("off", "on")]
+    if cluster_binaries() is not None:  # the cluster rows are skipped without a redis-server
+        rows += [f"cluster.{key}.{side}" for key in ("ingest", "lease_ack") for side in SIDES]
+        rows += [f"cluster.redis_cpu.{n}" for n in ("single", *CLUSTER_MASTERS, "all")]
     return rows
 
 
 AUTH_CASES = ("ingest.json.1", "ingest.msgpack.64", f"lease_ack.msgpack.{QUICK.batch}")
 AUTH_TARGET = f"≥{AUTH_NEED}× auth off"
+SIDES = ("single", "cluster")
+CLUSTER_MASTERS = [f"master{i + 1}" for i in range(MASTERS)]
+BALANCE_TARGET = f"≤{BALANCE_NEED}× busiest/least busy master"
 
 
 def _number(x: object) -> bool:
@@ -113,7 +120,7 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
             assert _number(r["raw"]) and _number(r["naive"]), rid
         if rid.startswith(("scale.trainers.", "http_floor.", "memory.memory_usage", "work.")):
             assert _number(r["raw"]), rid
-        if rid.startswith("auth."):  # measured against each other, not against a baseline
+        if rid.startswith(("auth.", "cluster.")):  # sides against each other, no baseline
             assert r["raw"] is None and r["naive"] is None, rid
         for base, ratio in (("raw", "vs_raw"), ("naive", "vs_naive")):
             if r[base] is None:
@@ -140,6 +147,10 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
         if name == AUTH_TARGET:
             off = rows[rid.removesuffix(".on") + ".off"]
             return r["value"] / off["value"], AUTH_NEED, False
+        if name == BALANCE_TARGET:  # the cluster's masters' Redis CPU, busiest over least busy
+            cpu = [rows[f"cluster.redis_cpu.{m}"]["value"] for m in CLUSTER_MASTERS]
+            assert rid == "cluster.redis_cpu.all" and r["value"] == pytest.approx(sum(cpu))
+            return max(cpu) / min(cpu), BALANCE_NEED, True
         return {
             "≥0.5× raw": (r["vs_raw"], 0.5, False),
             ">1× naive": (r["vs_naive"], 1.0, False),
