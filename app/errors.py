@@ -221,7 +221,22 @@ def _direct_outage(exc: BaseException) -> str | None:
         return "Postgres"
     if isinstance(exc, OSError):
         return _driver_in(exc.__traceback__)
+    if isinstance(exc, RuntimeError | AttributeError) and _redis_write_in(exc.__traceback__):
+        # redis-py's cluster client may hand out a connection it is closing after an error on
+        # its node (a failover): the write then fails with these, not with ConnectionError.
+        return "Redis"
     return None
+
+
+def _redis_write_in(tb: TracebackType | None) -> bool:
+    """Whether the innermost redis-py frame of the traceback writes a command to a socket."""
+    where = None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if str(tb.tb_frame.f_globals.get("__name__", "")).startswith("redis."):
+            where = code.co_name
+        tb = tb.tb_next
+    return where in ("send_packed_command", "_send_packed_command")
 
 
 def _driver_in(tb: TracebackType | None) -> str | None:

@@ -198,6 +198,19 @@ class Drainer:
     async def drain_once(
         self, *, block_ms: int | None = None, claim: bool | None = None
     ) -> DrainCounts:
+        """One pass (see :meth:`_pass`). After a pass that failed, the next one checks every
+        run's group again and re-reads this consumer's own pending entries of every run: when a
+        Redis master dies before its replica has the acks it was sent, the promoted replica
+        still lists entries this consumer applied as pending here, and nobody else would take
+        them for ``claim_idle_ms``. Re-reading them only acknowledges them (each is applied
+        once, by its stream id)."""
+        try:
+            return await self._pass(block_ms=block_ms, claim=claim)
+        except Exception:
+            self._grouped.clear()
+            raise
+
+    async def _pass(self, *, block_ms: int | None, claim: bool | None) -> DrainCounts:
         """One pass: a heartbeat and the take-over of silent consumers (both every quarter of
         ``heartbeat_timeout_ms``), own pending entries, then entries idle for
         ``claim_idle_ms`` of any consumer (every half ``claim_idle_ms``, or when ``claim`` is

@@ -216,3 +216,41 @@ async def test_a_consumer_that_leaves_holding_entries_is_taken_over(
     assert (await _drain(live)).taken_over == 2
     assert await _consumers(redis, prefix, run_id) == {"live": 0}
     assert await _applied(sessionmaker, run_id) == {StreamId.parse(i) for i in ids}
+
+
+async def test_acks_a_failed_master_lost_are_made_again_after_the_failed_pass(
+    redis: Redis,
+    prefix: str,
+    run_id: str,
+    make_ctx: Callable[..., DrainContext],
+    sessionmaker: async_sessionmaker[AsyncSession],
+    monkeypatch: Any,
+) -> None:
+    ids = await _run_with_events(redis, prefix, run_id)
+    ctx = make_ctx(consumer="c")  # claim_idle_ms: the 30 s default, far away
+    stream = ctx.drainer.stream
+
+    async def lost(run_id: str, entry_ids: Any) -> int:
+        return len(entry_ids)  # the master answered, then died before its replica had them
+
+    with monkeypatch.context() as m:
+        m.setattr(stream, "ack", lost)
+        await _drain(ctx)
+    applied = await _applied(sessionmaker, run_id)
+    assert len(applied) == len(ids)
+    assert (await _consumers(redis, prefix, run_id))["c"] == len(ids)
+
+    async def down() -> list[str]:
+        raise ConnectionError("Connection closed by server.")
+
+    with monkeypatch.context() as m:  # the failover, as the drain sees it
+        m.setattr(stream, "run_ids", down)
+        try:
+            await drain_once(ctx)
+        except ConnectionError:
+            pass
+        else:
+            raise AssertionError("the pass did not fail")
+    await _drain(ctx)
+    assert (await _consumers(redis, prefix, run_id))["c"] == 0
+    assert await _applied(sessionmaker, run_id) == applied
