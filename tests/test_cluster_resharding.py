@@ -1,0 +1,301 @@
+"""Resharding: a live run's slot moves to another node of a Redis Cluster, twice, while
+generators and trainers go on through the Python client against two API processes and a worker.
+
+The move is the one an operator should make: the target is told it imports the slot, then ONE
+script on the source lists every key of the slot, marks it migrating and MIGRATEs all of them in
+one call, so no command is served between the first key leaving and the last, and no broker
+script ever meets a run that is partly on each node; then the slot is given to the target on the
+target, the source and the third node. Between the script and the target taking the slot (a few
+ms: the target writes its nodes.conf) the source answers ASK, which the broker's Redis client
+retries through; the nodes' error counters printed at the end show that requests met it. (A move
+that marks the slot migrating and then moves its keys a few at a time, like ``redis-cli
+--cluster reshard``, is not safe: on a migrating source a script that touches a key the source
+does not hold, one already moved or one that does not exist yet, fails with "Lua script
+attempted to access a non local key" after its earlier writes were made.)
+
+As in the chaos test, a consumer group that never reads keeps the whole event stream; it moves
+with the run and is replayed at the end: no rollout the clients were told was accepted is
+missing, none was in two live leases at once, each was used exactly once, and the ledger, the
+live state and what the clients were told all agree."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import cast
+
+import numpy as np
+import pytest
+from redis import Redis as SyncRedis
+from redis.asyncio import Redis
+from redis.crc import key_slot
+from rollout_broker_client import AsyncBrokerClient, Rollout
+
+from app.accounting.events import Acked, Leased, Retired, Returned, decode_entry
+from app.broker import keys
+from app.wiring import cluster_client
+from tests.processes import ApiProcess, RedisClusterServers, broker_env, worker_process
+
+pytestmark = pytest.mark.slow
+
+PREFIX = "reshard"
+RUN = "reshard-run"
+GROUP = 2
+MIN_PER_GENERATOR = 160  # rollouts; generators go on until the last move is well behind them
+AUDIT = "audit"  # the consumer group that never reads
+
+# On the source, atomically: every key of the slot, the slot marked migrating to the target,
+# and all the keys MIGRATEd in one call (they leave together). Replies the number of keys moved
+# and the number left behind (none: nothing else ran in between).
+MOVE_KEYS = """
+redis.replicate_commands()
+local slot, host, port, target, timeout = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local held = redis.call('CLUSTER', 'COUNTKEYSINSLOT', slot)
+local names = redis.call('CLUSTER', 'GETKEYSINSLOT', slot, held)
+redis.call('CLUSTER', 'SETSLOT', slot, 'MIGRATING', target)
+if #names > 0 then
+  redis.call('MIGRATE', host, port, '', 0, timeout, 'KEYS', unpack(names))
+end
+return {#names, redis.call('CLUSTER', 'COUNTKEYSINSLOT', slot)}
+"""
+
+
+def group_of(generator: int, g: int, rng: np.random.Generator) -> list[Rollout]:
+    gid = f"g{generator}-{g}"
+    out = []
+    for k in range(GROUP):
+        n = int(rng.integers(2, 12))
+        out.append(
+            Rollout(
+                rollout_id=f"{gid}-{k}",
+                group_id=gid,
+                policy_version=0,
+                response_ids=rng.integers(0, 32_000, size=n),
+                logprobs=-rng.random(n).astype(np.float32),
+                reward=float(k),
+            )
+        )
+    return out
+
+
+# The operator's move of a slot, as a program of its own: the traffic of the test's event loop
+# (and the GIL) does not stretch the moments between its steps. argv: slot, source port, target
+# port, every port; prints the keys moved, how long the move took and how long the source
+# redirected with ASK (ms).
+MOVE_SLOT = """
+import sys, time
+from redis import Redis
+slot, source, target = (int(a) for a in sys.argv[1:4])
+ports = [int(p) for p in sys.argv[4].split(",")]
+conn = {p: Redis(port=p, decode_responses=True) for p in ports}
+ids = {p: c.execute_command("CLUSTER MYID") for p, c in conn.items()}
+started = time.monotonic()
+conn[target].execute_command("CLUSTER SETSLOT", slot, "IMPORTING", ids[source])
+moved, left = conn[source].eval(
+    sys.stdin.read(), 0, slot, "127.0.0.1", target, ids[target], 10_000
+)
+asking = time.monotonic()
+# The target first: it takes the slot (and a new epoch); then the others hear of it.
+conn[target].execute_command("CLUSTER SETSLOT", slot, "NODE", ids[target])
+done = time.monotonic()
+for p in [source] + [p for p in ports if p not in (source, target)]:
+    conn[p].execute_command("CLUSTER SETSLOT", slot, "NODE", ids[target])
+assert left == 0, left
+print(moved, 1000 * (done - started), 1000 * (done - asking))
+"""
+
+
+async def move_slot(slot: int, source: int, target: int, ports: list[int]) -> tuple[int, str]:
+    """Move ``slot`` with all its keys from the node of ``source`` to that of ``target``: the
+    keys moved, and how long it took / how long the source redirected with ASK (ms)."""
+    argv = [str(slot), str(source), str(target), ",".join(map(str, ports))]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        *("-c", MOVE_SLOT, *argv),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(MOVE_KEYS.encode()), 30)
+    assert proc.returncode == 0, out.decode(errors="replace")
+    moved, took, asked = out.split()
+    return int(moved), f"{float(took):.1f}/{float(asked):.2f}"
+
+
+def owner(ports: list[int], slot: int) -> int:
+    """The port of the node serving ``slot``, as every node sees it."""
+    seen = set()
+    for port in ports:
+        with SyncRedis(port=port) as node:
+            for first, last, master, *_ in node.execute_command("CLUSTER SLOTS"):
+                if first <= slot <= last:
+                    seen.add(int(master[1]))
+    assert len(seen) == 1, f"the nodes disagree on who serves slot {slot}: {seen}"
+    return seen.pop()
+
+
+def redirections(ports: list[int]) -> dict[str, int]:
+    """The error replies of every node by kind (MOVED, ASK, TRYAGAIN, ...), summed."""
+    seen: Counter[str] = Counter()
+    for port in ports:
+        with SyncRedis(port=port) as node:
+            for name, stat in node.info("errorstats").items():
+                seen[name.removeprefix("errorstat_")] += int(stat["count"])
+    return dict(seen)
+
+
+def keys_held(port: int, slot: int) -> int:
+    with SyncRedis(port=port) as node:
+        return int(node.execute_command("CLUSTER COUNTKEYSINSLOT", slot))
+
+
+async def test_a_live_runs_slot_moves_twice_and_nothing_is_lost_or_doubled(
+    database_url: str, tmp_path: Path
+) -> None:
+    cluster = RedisClusterServers(tmp_path / "cluster", masters=3)
+    redis = cast(Redis, cluster_client(cluster.seeds))
+    apis: list[ApiProcess] = []
+    worker = None
+    clients: list[AsyncBrokerClient] = []
+    try:
+        await asyncio.to_thread(cluster.start)
+        env = broker_env(
+            BROKER_REDIS_URL=cluster.seeds,
+            BROKER_REDIS_CLUSTER="1",
+            BROKER_DATABASE_URL=database_url,
+            BROKER_REDIS_PREFIX=PREFIX,
+            BROKER_SWEEP_INTERVAL_S="0.2",
+            BROKER_DRAIN_BLOCK_MS="50",
+            BROKER_WAKE_FALLBACK_S="0.5",
+        )
+        apis = [ApiProcess(env, tmp_path / f"api{i}.log") for i in range(2)]
+        worker = worker_process(env, tmp_path / "worker.log")
+        await asyncio.gather(*(a.start() for a in apis), worker.start())
+        clients = [AsyncBrokerClient(a.url) for a in apis]
+        await clients[0].create_run(
+            RUN, {"group_size": GROUP, "max_staleness": 1000, "lease_timeout_s": 60}
+        )
+        events_key = keys.events_key(PREFIX, RUN)
+        await redis.xgroup_create(events_key, AUDIT, id="0", mkstream=True)
+        slot = key_slot(events_key.encode())
+        first = owner(cluster.ports, slot)
+
+        sent: dict[str, int] = {}  # rollout_id -> tokens, of every rollout a generator sent
+        acked: list[int] = []  # sizes of the batches the trainers were told are acknowledged
+        calm = asyncio.Event()  # the last move is behind us
+        generating = 2
+        moves: list[tuple[int, int, int, int]] = []  # (from, to, keys moved, acked by then)
+        times: list[str] = []  # of each move: all of it, the ASK window (ms)
+
+        async def generate(i: int) -> None:
+            nonlocal generating
+            rng = np.random.default_rng(i)
+            g = 0
+            async with clients[i].writer(RUN, batch_size=2 * GROUP) as writer:
+                while not calm.is_set() or g * GROUP < MIN_PER_GENERATOR:
+                    for r in group_of(i, g, rng):
+                        sent[r.rollout_id] = len(r.response_ids)  # type: ignore[arg-type]
+                        await writer.add(r)
+                    g += 1
+                    await asyncio.sleep(0.005)  # traffic goes on through every move
+            generating -= 1
+
+        async def train(i: int) -> None:
+            while generating or sum(acked) < len(sent):
+                batch = await clients[i].lease_batch(RUN, 4 * GROUP, wait_s=0.5, partial=True)
+                if batch is None:
+                    continue
+                result = await clients[i].ack(RUN, batch.batch_id)
+                acked.append(result.consumed)
+
+        async def progressed(rollouts: int) -> None:
+            while sum(acked) < rollouts:  # noqa: ASYNC110 - the trainers make progress
+                await asyncio.sleep(0.02)
+
+        async def reshard() -> None:
+            source = first  # to a second node, then to the third, each under traffic
+            for _ in range(2):
+                await progressed(sum(acked) + 60)
+                target = next(p for p in cluster.ports if p not in (source, first))
+                moved, took = await move_slot(slot, source, target, cluster.ports)
+                times.append(took)
+                moves.append((source, target, moved, sum(acked)))
+                assert owner(cluster.ports, slot) == target
+                source = target
+            await progressed(sum(acked) + 80)  # and traffic goes on where the run now is
+            calm.set()
+
+        traffic = time.monotonic()
+        await asyncio.wait_for(
+            asyncio.gather(generate(0), generate(1), train(0), train(1), reshard()), 40
+        )
+        traffic = time.monotonic() - traffic
+        total = len(sent)
+        acc = await clients[1].wait_for_accounting(RUN, timeout_s=30)
+
+        # -- the slot is where it was moved, whole -------------------------------------------
+        last = moves[-1][1]
+        assert owner(cluster.ports, slot) == last
+        for port in cluster.ports:
+            held = keys_held(port, slot)
+            assert (held > 0) == (port == last), (port, held)
+
+        # -- the whole event stream, replayed ---------------------------------------------
+        entries: list[tuple[bytes, dict[bytes, bytes]]] = await redis.xrange(events_key)  # type: ignore[assignment]
+        events = [decode_entry(RUN, eid, fields) for eid, fields in entries]
+        accepted: Counter[str] = Counter()
+        uses: Counter[str] = Counter()
+        live_lease: dict[str, str] = {}  # rollout_id -> batch holding it
+        double_leases = 0
+        for e in events:
+            body = e.body
+            if e.type == "accepted":
+                accepted.update(i.rollout_id for i in body.items)  # type: ignore[union-attr]
+            elif isinstance(body, Leased):
+                for item in body.items:
+                    if item.rollout_id in live_lease:
+                        double_leases += 1
+                    live_lease[item.rollout_id] = body.batch_id
+            elif isinstance(body, Acked):
+                for a in body.items:
+                    uses[a.rollout_id] += 1
+                    live_lease.pop(a.rollout_id, None)
+            elif isinstance(body, Returned):
+                for r in body.items:
+                    live_lease.pop(r.rollout_id, None)
+            elif isinstance(body, Retired):
+                for t in body.items:
+                    live_lease.pop(t.rollout_id, None)
+        lost = set(sent) - set(accepted)
+        print(
+            f"resharding: {len(sent)} rollouts sent, {sum(accepted.values())} accepted, "
+            f"{len(lost)} lost, {double_leases} double leases, {len(acked)} batches acked, "
+            f"{len(entries)} events in {traffic:.1f} s; slot {slot} moves (from, to, keys, acked "
+            f"by then): {moves}, ms (move/ASK window): {times}; error replies of the "
+            f"nodes: {redirections(cluster.ports)}"
+        )
+        assert len(moves) == 2 and all(m[2] > 0 for m in moves)
+        assert total >= 2 * MIN_PER_GENERATOR
+        assert not lost
+        assert set(accepted.values()) == {1}  # accepted once, whatever was retried
+        assert double_leases == 0
+        assert uses == Counter(dict.fromkeys(sent, 1))  # each used exactly once (max_reuse 1)
+
+        # -- ledger == live == what the clients were told ------------------------------------
+        assert acc.rollouts_received == total
+        assert acc.samples_consumed == sum(acked) == total
+        assert acc.tokens_generated == sum(sent.values())
+        assert acc.buffered == acc.leased == 0
+        assert acc.live is not None and (acc.live.buffered, acc.live.leased) == (0, 0)
+        assert acc.dead_letters == 0
+        assert acc.batches.acked == len(acked)
+    finally:
+        for client in clients:
+            await client.close()
+        stopping = [a.stop() for a in apis] + ([worker.stop()] if worker else [])
+        await asyncio.gather(*stopping, return_exceptions=True)
+        await redis.aclose()
+        cluster.kill()
