@@ -164,6 +164,9 @@ _REDIS_OUTAGES: tuple[type[BaseException], ...] = (
     redis.exceptions.TimeoutError,
     redis.exceptions.ClusterDownError,
     redis.exceptions.TryAgainError,
+    # Redirections that did not settle within the cluster client's tries (TTL exhausted),
+    # as while a slot is being moved.
+    redis.exceptions.ClusterError,
 )
 
 # Postgres that cannot be reached or cannot serve: connection failures and lost connections

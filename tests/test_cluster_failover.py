@@ -99,13 +99,13 @@ T = TypeVar("T")
 
 
 async def through_stale_connections(errors: list[str], call: Callable[[], Awaitable[T]]) -> T:
-    """``call()``, sent again after a ``500`` of a known redis-py race: after a connection
-    error on a node, the async cluster client closes that node's idle connections
-    (``ClusterNode.disconnect_free_connections``) while they stay in its free queue; a command
-    that takes one meanwhile writes to a closed transport: RuntimeError "the handler is
-    closed" under uvloop (what uvicorn runs on), AttributeError on plain asyncio. Neither is
-    a ConnectionError, so the cluster client does not retry and the broker answers 500, which
-    a client does not resend. The test resends and counts them."""
+    """``call()``, sent again after a ``500`` that names a RuntimeError or AttributeError,
+    which the test then fails on. After a connection error on a node, redis-py's async cluster
+    client closes that node's idle connections while they stay in its free queue; a command
+    that takes one meanwhile writes to a closed transport (RuntimeError "the handler is closed"
+    under uvloop, AttributeError on plain asyncio). The broker answers that 503 (app/errors.py),
+    which the client resends by itself; were it a 500 again, the run goes on to measure the
+    rest and the test fails at the end."""
     while True:
         try:
             return await call()
@@ -268,9 +268,6 @@ async def test_master_failover_loses_at_most_the_unreplicated_writes(
             BROKER_SWEEP_INTERVAL_S="0.2",
             BROKER_DRAIN_BLOCK_MS="50",
             BROKER_WAKE_FALLBACK_S="0.5",
-            # The drain's XACKs the failover rolled back leave entries pending in its group
-            # until they are claimed: after this idle time (30 s by default).
-            BROKER_DRAIN_CLAIM_IDLE_MS="2000",
         )
         apis = [ApiProcess(env, tmp_path / f"api{i}.log") for i in range(2)]
         worker = worker_process(env, tmp_path / "worker.log")
@@ -464,7 +461,7 @@ async def test_master_failover_loses_at_most_the_unreplicated_writes(
             f"matches live: {acc.matches_live}; batches acked: ledger {acc.batches.acked}, "
             f"stream {len(stream_acked)}, stream + rolled back {len(union.acked)}; "
             f"dead letters {acc.dead_letters}\n"
-            f"  500s sent again: {len(server_errors)} {sorted(set(server_errors))}; WAIT calls "
+            f"  500s: {len(server_errors)} {sorted(set(server_errors))}; WAIT calls "
             f"on the live nodes: {waits}"
         )
 
@@ -480,7 +477,7 @@ async def test_master_failover_loses_at_most_the_unreplicated_writes(
         assert in_victim_aof == len(lost)  # fsync always kept them, on the dead master only
         assert uses == Counter(dict.fromkeys(accepted, 1))  # each present one used once
         assert stream_acked <= set(acked_batches)  # no ack nobody was told of
-        assert len(server_errors) <= 8  # a few stale connections, not an API that stays broken
+        assert not server_errors  # a connection closed under a command is a 503, resent
         # -- the ledger: exactly the stream plus the events it applied that were rolled back --
         assert acc.pending_events == 0 and acc.dead_letters == 0
         assert ledger == (sum(union.accepted.values()), sum(union.uses.values()), union.tokens)

@@ -28,6 +28,7 @@ __all__ = [
     "run_of_wake",
     "run_tag",
     "runs_key",
+    "script_keys",
     "tokens_channel",
     "wake_channel",
     "work_wake",
@@ -49,6 +50,10 @@ PROMPT_QUEUE = "pq"  # zset: queued prompt passes, by (pass, registration seq)
 PROMPTS_SEEN = "pseen"  # set: every prompt_id ever registered (idempotency)
 WORK_LEASES = "wleases"  # zset: live work leases by expiry ms
 WORK_WAITING = "wwaiting"  # string with a TTL: a generator is long-polling the run
+# Never written. Every script declares it beside RUN (see script_keys): while the run's slot is
+# being moved between cluster nodes, a script that declares a key the node lacks is refused
+# before it runs (TRYAGAIN or ASK), instead of failing half-way on a key already moved.
+GUARD = "guard"
 
 # Families: the suffix is followed by an id (a version, unit, rollout or batch id).
 VERSION_QUEUE = "qv:"  # zset per version: its ready units by arrival seq
@@ -116,6 +121,12 @@ def run_base(prefix: str, run_id: str) -> str:
 def run_key(prefix: str, run_id: str, suffix: str = RUN) -> str:
     """One of the run's fixed keys (by default the run hash, the key scripts are given)."""
     return run_base(prefix, run_id) + suffix
+
+
+def script_keys(prefix: str, run_id: str) -> list[str]:
+    """The keys a broker script is given: the run hash, which it derives every other key of
+    the run from, and the never-written ``GUARD``."""
+    return [run_key(prefix, run_id), run_key(prefix, run_id, GUARD)]
 
 
 def member_key(prefix: str, run_id: str, family: str, member_id: str) -> str:

@@ -329,7 +329,7 @@ class RedisStore:
         woken first (and the call made again)."""
         for _ in range(_WAKE_TRIES):
             reply = await self._scripts[name](
-                keys=[self.run_key(run_id)], args=[self.wake_channel, *args]
+                keys=keys.script_keys(self.prefix, run_id), args=[self.wake_channel, *args]
             )
             try:
                 return decode(name, reply)
@@ -361,7 +361,7 @@ class RedisStore:
         decode(
             "wake_run",
             await self._scripts["wake_run"](
-                keys=[self.run_key(run_id)], args=[self.wake_channel, token]
+                keys=keys.script_keys(self.prefix, run_id), args=[self.wake_channel, token]
             ),
         )
 

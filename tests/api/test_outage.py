@@ -63,6 +63,11 @@ async def _redis_loading() -> None:
     raise redis.exceptions.BusyLoadingError("Redis is loading the dataset in memory")
 
 
+async def _redis_slot_moving() -> None:
+    # The cluster client's redirections did not settle (a slot being moved).
+    raise redis.exceptions.ClusterError("TTL exhausted.")
+
+
 async def _redis_in_a_group() -> None:
     raise ExceptionGroup("tasks", [redis.exceptions.ConnectionError("reset")])
 
@@ -88,6 +93,7 @@ OUTAGES: dict[str, tuple[Callable[[], Any], str]] = {
     "redis_timeout": (_redis_timeout, "Redis"),
     "redis_loading": (_redis_loading, "Redis"),
     "redis_in_a_group": (_redis_in_a_group, "Redis"),
+    "redis_slot_moving": (_redis_slot_moving, "Redis"),
     "asyncpg_connect": (_asyncpg_connect, "Postgres"),
     "sqlalchemy_connect": (_sqlalchemy_connect, "Postgres"),
     "lost_postgres_connection": (_lost_postgres_connection, "Postgres"),

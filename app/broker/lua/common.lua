@@ -1,6 +1,8 @@
 -- Shared prologue of every broker script. KEYS[1] is the run hash "<prefix>:{<run_id>}:run";
 -- every other key of the run is derived from it, so all of them share the {<run_id>} hash tag
--- and the scripts run unchanged on Redis Cluster. The key locals (RUN, B, TAG, EV, Q, VS, OPEN,
+-- and the scripts run unchanged on Redis Cluster. KEYS[2] is the run's never-written guard
+-- key: declared so that a cluster refuses a script while the run's slot is being moved
+-- (app/broker/keys.py, GUARD), never read or written here. The key locals (RUN, B, TAG, EV, Q, VS, OPEN,
 -- OV, LEASES, SEEN, GDONE, WAITING, PQ, PSEEN, WLEASES, WWAITING) and key functions (qvkey, ukey,
 -- mkey, rkey, dkey, bkey, ppkey, pbkey, wkey) come before this file, generated from
 -- app/broker/keys.py.
