@@ -46,27 +46,22 @@ import pytest
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 from redis.crc import key_slot
-from rollout_broker_client import AsyncBrokerClient, BrokerError, InternalError, Retry, Rollout
+from rollout_broker_client import AsyncBrokerClient, BrokerError, InternalError, Retry
 
 from app.accounting.events import (
-    Accepted,
-    Acked,
     Event,
-    Leased,
-    Retired,
-    Returned,
     StreamId,
     decode_entry,
 )
 from app.broker import keys
 from app.wiring import cluster_client
 from tests.processes import ApiProcess, RedisClusterServers, broker_env, worker_process
+from tests.traffic import GROUP, Replay, group_of
 
 pytestmark = pytest.mark.slow
 
 PREFIX = "failover"
 RUN = "failover-run"
-GROUP = 2
 AUDIT = "audit"  # the consumer group that never reads
 BEFORE_KILL = 60  # rollouts acked before the master is killed
 AFTER_PROMOTION = 80  # and after its replica took over
@@ -75,24 +70,6 @@ XADD = re.compile(rb"\*\d+\r\n\$4\r\n(?i:xadd)\r\n")  # the start of an XADD in 
 WAIT_STATS = ("cmdstat_wait", "cmdstat_waitaof")  # INFO commandstats of WAIT and WAITAOF
 LEASE_TIMEOUT_S = 3  # a batch whose ack was lost comes back after this
 CUT_S = 0.3  # link-cut: how long before the kill the replica stops hearing from its master
-
-
-def group_of(generator: int, g: int, rng: np.random.Generator) -> list[Rollout]:
-    gid = f"g{generator}-{g}"
-    out = []
-    for k in range(GROUP):
-        n = int(rng.integers(2, 12))
-        out.append(
-            Rollout(
-                rollout_id=f"{gid}-{k}",
-                group_id=gid,
-                policy_version=0,
-                response_ids=rng.integers(0, 32_000, size=n),
-                logprobs=-rng.random(n).astype(np.float32),
-                reward=float(k),
-            )
-        )
-    return out
 
 
 T = TypeVar("T")
@@ -144,49 +121,6 @@ def wait_replicas_in_sync(servers: RedisClusterServers, within: float = 30) -> N
                             break
                 assert time.monotonic() < deadline, f"replica {port} not in sync: {info}"
                 time.sleep(0.05)
-
-
-class Replay:
-    """The counts of a sequence of events, folded the way the ledger folds them (additive:
-    a rollout leased is out of the buffer until acked, returned or retired)."""
-
-    def __init__(self, events: list[Event]) -> None:
-        self.accepted: Counter[str] = Counter()
-        self.uses: Counter[str] = Counter()
-        self.tokens = 0
-        self.acked: set[str] = set()
-        self.leased = self.retired = 0
-        self.double_leases = 0
-        live_lease: dict[str, str] = {}  # rollout_id -> batch holding it
-        for e in events:
-            body = e.body
-            if isinstance(body, Accepted):
-                self.accepted.update(i.rollout_id for i in body.items)
-                self.tokens += sum(i.tokens for i in body.items)
-            elif isinstance(body, Leased):
-                self.leased += len(body.items)
-                for item in body.items:
-                    if item.rollout_id in live_lease:
-                        self.double_leases += 1
-                    live_lease[item.rollout_id] = body.batch_id
-            elif isinstance(body, Acked):
-                self.leased -= len(body.items)
-                self.acked.add(body.batch_id)
-                for a in body.items:
-                    self.uses[a.rollout_id] += 1
-                    live_lease.pop(a.rollout_id, None)
-            elif isinstance(body, Returned):
-                self.leased -= len(body.items)
-                for r in body.items:
-                    live_lease.pop(r.rollout_id, None)
-            elif isinstance(body, Retired):
-                self.retired += len(body.items)
-                for t in body.items:
-                    live_lease.pop(t.rollout_id, None)
-
-    @property
-    def buffered(self) -> int:
-        return sum(self.accepted.values()) - self.leased - self.retired
 
 
 async def applied_event_ids(database_url: str, run_id: str) -> set[StreamId]:

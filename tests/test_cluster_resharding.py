@@ -35,23 +35,22 @@ from collections import Counter
 from pathlib import Path
 from typing import cast
 
-import numpy as np
 import pytest
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 from redis.crc import key_slot
-from rollout_broker_client import AsyncBrokerClient, Rollout
+from rollout_broker_client import AsyncBrokerClient
 
-from app.accounting.events import Acked, Leased, Retired, Returned, decode_entry
+from app.accounting.events import decode_entry
 from app.broker import keys
 from app.wiring import cluster_client
 from tests.processes import ApiProcess, RedisClusterServers, broker_env, worker_process
+from tests.traffic import GROUP, Replay, Traffic
 
 pytestmark = pytest.mark.slow
 
 PREFIX = "reshard"
 RUN = "reshard-run"
-GROUP = 2
 MIN_PER_GENERATOR = 160  # rollouts; generators go on until the last move is well behind them
 AUDIT = "audit"  # the consumer group that never reads
 
@@ -69,24 +68,6 @@ if #names > 0 then
 end
 return {#names, redis.call('CLUSTER', 'COUNTKEYSINSLOT', slot)}
 """
-
-
-def group_of(generator: int, g: int, rng: np.random.Generator) -> list[Rollout]:
-    gid = f"g{generator}-{g}"
-    out = []
-    for k in range(GROUP):
-        n = int(rng.integers(2, 12))
-        out.append(
-            Rollout(
-                rollout_id=f"{gid}-{k}",
-                group_id=gid,
-                policy_version=0,
-                response_ids=rng.integers(0, 32_000, size=n),
-                logprobs=-rng.random(n).astype(np.float32),
-                reward=float(k),
-            )
-        )
-    return out
 
 
 # The operator's move of a slot, as a program of its own: the traffic of the test's event loop
@@ -203,57 +184,26 @@ async def test_a_live_runs_slot_moves_twice_and_nothing_is_lost_or_doubled(
         slot = key_slot(events_key.encode())
         first = owner(cluster.ports, slot)
 
-        sent: dict[str, int] = {}  # rollout_id -> tokens, of every rollout a generator sent
-        acked: list[int] = []  # sizes of the batches the trainers were told are acknowledged
-        calm = asyncio.Event()  # the last move is behind us
-        generating = 2
+        traffic = Traffic(clients, RUN, MIN_PER_GENERATOR, pause_s=0.005)
         moves: list[tuple[int, int, int, int]] = []  # (from, to, keys moved, acked by then)
         times: list[str] = []  # of each move: all of it, the ASK window (ms)
-
-        async def generate(i: int) -> None:
-            nonlocal generating
-            rng = np.random.default_rng(i)
-            g = 0
-            async with clients[i].writer(RUN, batch_size=2 * GROUP) as writer:
-                while not calm.is_set() or g * GROUP < MIN_PER_GENERATOR:
-                    for r in group_of(i, g, rng):
-                        sent[r.rollout_id] = len(r.response_ids)  # type: ignore[arg-type]
-                        await writer.add(r)
-                    g += 1
-                    await asyncio.sleep(0.005)  # traffic goes on through every move
-            generating -= 1
-
-        async def train(i: int) -> None:
-            while generating or sum(acked) < len(sent):
-                batch = await clients[i].lease_batch(RUN, 4 * GROUP, wait_s=0.5, partial=True)
-                if batch is None:
-                    continue
-                result = await clients[i].ack(RUN, batch.batch_id)
-                acked.append(result.consumed)
-
-        async def progressed(rollouts: int) -> None:
-            while sum(acked) < rollouts:  # noqa: ASYNC110 - the trainers make progress
-                await asyncio.sleep(0.02)
 
         async def reshard() -> None:
             source = first  # to a second node, then to the third, each under traffic
             for _ in range(2):
-                await progressed(sum(acked) + 60)
+                await traffic.progressed(sum(traffic.acked) + 60)
                 target = next(p for p in cluster.ports if p not in (source, first))
                 moved, took = await move_slot(slot, source, target, cluster.ports, how)
                 times.append(took)
-                moves.append((source, target, moved, sum(acked)))
+                moves.append((source, target, moved, sum(traffic.acked)))
                 assert owner(cluster.ports, slot) == target
                 source = target
-            await progressed(sum(acked) + 80)  # and traffic goes on where the run now is
-            calm.set()
+            await traffic.progressed(sum(traffic.acked) + 80)  # and on where the run now is
+            traffic.calm.set()
 
-        traffic = time.monotonic()
-        await asyncio.wait_for(
-            asyncio.gather(generate(0), generate(1), train(0), train(1), reshard()), 40
-        )
-        traffic = time.monotonic() - traffic
-        total = len(sent)
+        started = time.monotonic()
+        await traffic.run(reshard(), 40)
+        span = time.monotonic() - started
         acc = await clients[1].wait_for_accounting(RUN, timeout_s=30)
 
         # -- the slot is where it was moved, whole -------------------------------------------
@@ -266,52 +216,15 @@ async def test_a_live_runs_slot_moves_twice_and_nothing_is_lost_or_doubled(
         # -- the whole event stream, replayed ---------------------------------------------
         entries: list[tuple[bytes, dict[bytes, bytes]]] = await redis.xrange(events_key)  # type: ignore[assignment]
         events = [decode_entry(RUN, eid, fields) for eid, fields in entries]
-        accepted: Counter[str] = Counter()
-        uses: Counter[str] = Counter()
-        live_lease: dict[str, str] = {}  # rollout_id -> batch holding it
-        double_leases = 0
-        for e in events:
-            body = e.body
-            if e.type == "accepted":
-                accepted.update(i.rollout_id for i in body.items)  # type: ignore[union-attr]
-            elif isinstance(body, Leased):
-                for item in body.items:
-                    if item.rollout_id in live_lease:
-                        double_leases += 1
-                    live_lease[item.rollout_id] = body.batch_id
-            elif isinstance(body, Acked):
-                for a in body.items:
-                    uses[a.rollout_id] += 1
-                    live_lease.pop(a.rollout_id, None)
-            elif isinstance(body, Returned):
-                for r in body.items:
-                    live_lease.pop(r.rollout_id, None)
-            elif isinstance(body, Retired):
-                for t in body.items:
-                    live_lease.pop(t.rollout_id, None)
-        lost = set(sent) - set(accepted)
+        replay = Replay(events)
         print(
-            f"resharding ({how}): {len(sent)} rollouts sent, {sum(accepted.values())} accepted, "
-            f"{len(lost)} lost, {double_leases} double leases, {len(acked)} batches acked, "
-            f"{len(entries)} events in {traffic:.1f} s; slot {slot} moves (from, to, keys, acked "
-            f"by then): {moves}, ms (move/ASK window): {times}; error replies of the "
-            f"nodes: {redirections(cluster.ports)}"
+            f"resharding ({how}): {traffic.summary(replay)}, {len(entries)} events in "
+            f"{span:.1f} s; slot {slot} moves (from, to, keys, acked by then): {moves}, ms "
+            f"(move/ASK window): {times}; error replies of the nodes: "
+            f"{redirections(cluster.ports)}"
         )
         assert len(moves) == 2 and all(m[2] > 0 for m in moves)
-        assert total >= 2 * MIN_PER_GENERATOR
-        assert not lost
-        assert set(accepted.values()) == {1}  # accepted once, whatever was retried
-        assert double_leases == 0
-        assert uses == Counter(dict.fromkeys(sent, 1))  # each used exactly once (max_reuse 1)
-
-        # -- ledger == live == what the clients were told ------------------------------------
-        assert acc.rollouts_received == total
-        assert acc.samples_consumed == sum(acked) == total
-        assert acc.tokens_generated == sum(sent.values())
-        assert acc.buffered == acc.leased == 0
-        assert acc.live is not None and (acc.live.buffered, acc.live.leased) == (0, 0)
-        assert acc.dead_letters == 0
-        assert acc.batches.acked == len(acked)
+        traffic.check(replay, acc)
     finally:
         for client in clients:
             await client.close()
