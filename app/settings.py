@@ -89,6 +89,13 @@ class Settings(BaseSettings):
     workers_in_process: bool = Field(
         default=False, description="Run the background workers inside the API process"
     )
+    metrics_max_runs: int = Field(
+        default=100,
+        ge=0,
+        le=100_000,
+        description="Open runs with a `run` label in GET /metrics (the newest first); the "
+        "others are left out and counted in rollout_broker_metrics_runs_omitted",
+    )
 
     # The accounting drain (``BROKER_DRAIN_*``); see docs/accounting.md.
     drain_batch_size: int = Field(

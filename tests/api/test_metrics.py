@@ -1,0 +1,245 @@
+"""``GET /metrics`` (SPEC "Observability"): Prometheus text that parses, broker figures that
+follow the traffic and agree with the run's accounting, the request histogram by route
+template, the bounded run labels, and who may read it."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import SecretStr
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from app.broker.service import Broker
+from app.broker.store import RedisStore
+from app.main import create_app
+from app.settings import Settings
+from tests.api.support import assert_error
+from tests.helpers import KNOWN_SECRETS, ack, lease, make_run, post, rollout
+from workers.drain import DrainContext, drain_once
+
+ADMIN = secrets.token_urlsafe(32)
+KNOWN_SECRETS.add(ADMIN)
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+async def scrape(client: httpx.AsyncClient, **headers: str) -> Samples:
+    resp = await client.get("/metrics", headers=headers)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["content-type"].startswith("text/plain; version=0.0.4")
+    out: Samples = {}
+    for family in text_string_to_metric_families(resp.text):
+        assert family.name.startswith("rollout_broker_"), family.name
+        assert family.documentation, family.name
+        for s in family.samples:
+            key = (s.name, frozenset(s.labels.items()))
+            assert key not in out, key
+            out[key] = s.value
+    return out
+
+
+def value(samples: Samples, name: str, **labels: str) -> float | None:
+    return samples.get((name, frozenset(labels.items())))
+
+
+def runs_of(samples: Samples) -> set[str]:
+    """Every value of a ``run`` label in the scrape."""
+    return {v for (_, labels) in samples for k, v in labels if k == "run"}
+
+
+@pytest.fixture
+def drain(redis, prefix, sessionmaker):
+    return DrainContext.create(redis, sessionmaker, prefix, consumer="test-drain")
+
+
+def per_run(samples: Samples, run: str) -> dict[str, Any]:
+    return {
+        "buffered": value(samples, "rollout_broker_rollouts_buffered", run=run),
+        "leased": value(samples, "rollout_broker_rollouts_leased", run=run),
+        "received": value(samples, "rollout_broker_rollouts_received_total", run=run),
+        "consumed": value(samples, "rollout_broker_samples_consumed_total", run=run),
+        "pending": value(samples, "rollout_broker_accounting_pending_events", run=run),
+        "dead": value(samples, "rollout_broker_accounting_dead_letters", run=run),
+        "retired": {
+            dict(labels)["reason"]: v
+            for (name, labels), v in samples.items()
+            if name == "rollout_broker_rollouts_retired_total" and ("run", run) in labels
+        },
+    }
+
+
+def from_accounting(acc: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "buffered": acc["live"]["buffered"],
+        "leased": acc["live"]["leased"],
+        "received": acc["rollouts_received"],
+        "consumed": acc["samples_consumed"],
+        "pending": acc["pending_events"],
+        "dead": acc["dead_letters"],
+        "retired": acc["retired"],
+    }
+
+
+async def test_broker_figures_follow_the_traffic_and_agree_with_the_accounting(api, drain):
+    async def both(run: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        acc = (await api.get(f"/v1/runs/{run}/accounting")).json()
+        return per_run(await scrape(api), run), from_accounting(acc)
+
+    await make_run(api, "m1", max_reuse=1, max_staleness=0)
+    empty, acc = await both("m1")
+    assert empty == acc
+    assert empty["buffered"] == 0 and empty["received"] == 0 and empty["retired"] == {}
+
+    assert (await post(api, "m1", *(rollout(f"r{i}") for i in range(5)))).status_code == 202
+    posted, acc = await both("m1")
+    assert posted == acc
+    assert posted["buffered"] == 5 and posted["leased"] == 0
+    assert posted["pending"] > 0 and posted["received"] == 0  # not drained yet
+
+    await drain_once(drain)
+    drained, acc = await both("m1")
+    assert drained == acc
+    assert (drained["received"], drained["pending"]) == (5, 0)
+
+    batch = (await lease(api, "m1", 3)).json()
+    leased, acc = await both("m1")
+    assert leased == acc
+    assert (leased["buffered"], leased["leased"]) == (2, 3)
+
+    resp = await ack(api, "m1", batch["batch_id"], step=1)
+    assert resp.status_code == 200, resp.text
+    # The version moves on: with max_staleness 0 the two left go stale.
+    assert (await api.post("/v1/runs/m1/policy", json={"version": 1})).status_code == 200
+    await drain_once(drain)
+    acked, acc = await both("m1")
+    assert acked == acc
+    assert (acked["buffered"], acked["leased"], acked["consumed"]) == (0, 0, 3)
+    assert acked["retired"] == acc["retired"] and sum(acked["retired"].values()) == 5
+    samples = await scrape(api)
+    assert value(samples, "rollout_broker_open_runs") == 1
+    assert value(samples, "rollout_broker_metrics_runs_omitted") == 0
+    assert value(samples, "rollout_broker_state_up") == 1
+
+
+async def test_the_request_histogram_counts_requests_by_route_template(api):
+    name = "rollout_broker_http_request_duration_seconds_count"
+    template = {"route": "/v1/runs/{run_id}", "method": "GET", "status_class": "2xx"}
+    before = await scrape(api)
+    assert value(before, name, **template) is None
+    for run in ("h1", "h2", "h3"):
+        await make_run(api, run)
+        assert (await api.get(f"/v1/runs/{run}")).status_code == 200
+    assert (await api.get("/v1/runs/h1")).status_code == 200
+    assert (await api.get("/v1/runs/nope")).status_code == 404
+    assert (await api.get("/no/such/path")).status_code == 404
+    after = await scrape(api)
+    assert value(after, name, **template) == 4
+    assert value(after, name, **{**template, "status_class": "4xx"}) == 1
+    assert value(after, name, route="/v1/runs", method="POST", status_class="2xx") == 3
+    assert value(after, name, route="unmatched", method="GET", status_class="4xx") == 1
+    assert value(after, name, route="/metrics", method="GET", status_class="2xx") == 1
+    # Templates only, never a raw path.
+    routes = {dict(labels)["route"] for (n, labels) in after if n == name}
+    assert not any(r.startswith(("/v1/runs/h", "/v1/runs/nope", "/no/")) for r in routes), routes
+    buckets = {
+        dict(labels)["le"]: v
+        for (n, labels), v in after.items()
+        if n == "rollout_broker_http_request_duration_seconds_bucket"
+        and {("route", "/v1/runs/{run_id}"), ("status_class", "2xx")} <= labels
+    }
+    assert buckets["+Inf"] == 4 and buckets["60.0"] <= 4
+
+
+async def test_run_labels_stay_bounded_with_more_runs_than_the_cap(settings: Settings):
+    app = create_app(settings.model_copy(update={"metrics_max_runs": 3}))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://broker") as c:
+            for i in range(7):
+                await make_run(c, f"cap{i}")
+            samples = await scrape(c)
+    assert len(runs_of(samples)) == 3
+    assert runs_of(samples) == {"cap6", "cap5", "cap4"}  # the newest, as GET /v1/runs lists
+    assert value(samples, "rollout_broker_open_runs") == 7
+    assert value(samples, "rollout_broker_metrics_runs_omitted") == 4
+    buffered = [k for k in samples if k[0] == "rollout_broker_rollouts_buffered"]
+    assert len(buffered) == 3
+
+
+async def test_closed_runs_have_no_run_label(api):
+    await make_run(api, "open1")
+    await make_run(api, "shut1")
+    assert (await post(api, "shut1", rollout("s1"))).status_code == 202
+    assert runs_of(await scrape(api)) == {"open1", "shut1"}
+    assert (await api.post("/v1/runs/shut1/close")).status_code == 200
+    samples = await scrape(api)
+    assert runs_of(samples) == {"open1"}
+    assert value(samples, "rollout_broker_open_runs") == 1
+
+
+@pytest.mark.one_node
+async def test_an_operate_token_reads_it_and_sees_only_the_runs_it_may_touch(settings: Settings):
+    app = create_app(settings.model_copy(update={"auth": True, "admin_token": SecretStr(ADMIN)}))
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://broker") as c:
+            for run in ("math-1", "math-2", "code-1"):
+                resp = await c.post("/v1/runs", json={"run_id": run}, headers=admin)
+                assert resp.status_code == 201, resp.text
+            made = {}
+            for name, scopes in (("ops", ["operate"]), ("gen", ["generate", "train"])):
+                resp = await c.post(
+                    "/v1/tokens",
+                    json={"name": name, "scopes": scopes, "runs": ["math-*"]},
+                    headers=admin,
+                )
+                assert resp.status_code == 201, resp.text
+                made[name] = resp.json()["token"]
+                KNOWN_SECRETS.add(made[name])
+            limited = made["ops"]
+            assert_error(await c.get("/metrics"), 401, "Unauthorized")
+            gen = await c.get("/metrics", headers={"Authorization": f"Bearer {made['gen']}"})
+            assert_error(gen, 403, "Forbidden")  # the ledger's figures are operate's to read
+            assert runs_of(await scrape(c, **admin)) == {"math-1", "math-2", "code-1"}
+            mine = await scrape(c, Authorization=f"Bearer {limited}")
+    assert runs_of(mine) == {"math-1", "math-2"}
+    assert value(mine, "rollout_broker_open_runs") == 2
+
+
+@pytest.mark.one_node
+async def test_an_unreachable_store_keeps_the_request_metrics(api, monkeypatch):
+    async def down(*_: Any, **__: Any) -> Any:
+        raise RedisConnectionError("gone")
+
+    await make_run(api, "u1")
+    monkeypatch.setattr(RedisStore, "list_runs", down)
+    samples = await scrape(api)
+    assert value(samples, "rollout_broker_state_up") == 0
+    assert runs_of(samples) == set()
+    assert (
+        value(
+            samples,
+            "rollout_broker_http_request_duration_seconds_count",
+            route="/v1/runs",
+            method="POST",
+            status_class="2xx",
+        )
+        == 1
+    )
+
+
+@pytest.mark.one_node
+async def test_a_request_that_raises_is_counted_as_5xx(api, monkeypatch):
+    async def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(Broker, "get_run", broken)
+    assert_error(await api.get("/v1/runs/x1"), 500, "InternalError")
+    samples = await scrape(api)
+    count = "rollout_broker_http_request_duration_seconds_count"
+    assert value(samples, count, route="/v1/runs/{run_id}", method="GET", status_class="5xx") == 1
