@@ -188,6 +188,10 @@ OUTAGE_CANDIDATES: tuple[type[Exception], ...] = (
     asyncpg.exceptions.InterfaceError,
     OSError,  # builtin TimeoutError and ConnectionError included
     ExceptionGroup,
+    # A write on a connection redis-py's cluster client closed under the command (outage_of
+    # counts only these, by where they were raised).
+    RuntimeError,
+    AttributeError,
 )
 
 # The packages whose frames make an OSError a store's connection failure.

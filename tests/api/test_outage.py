@@ -13,6 +13,7 @@ from typing import Any
 import asyncpg
 import httpx
 import pytest
+import redis.asyncio
 import redis.exceptions
 import sqlalchemy.exc
 from fastapi import FastAPI
@@ -25,6 +26,7 @@ from app.main import create_app
 from app.settings import Settings
 from tests.api.support import assert_error
 from tests.processes import ApiProcess, RedisServer, broker_env
+from tests.services import REDIS_URL
 
 
 def _closed_port() -> int:
@@ -68,6 +70,31 @@ async def _redis_slot_moving() -> None:
     raise redis.exceptions.ClusterError("TTL exhausted.")
 
 
+class _ClosedTransportWriter:
+    """A stream writer over a transport that was closed under it, as uvloop's raises."""
+
+    def writelines(self, _: object) -> None:
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
+
+    def close(self) -> None:
+        pass
+
+    async def wait_closed(self) -> None:
+        pass
+
+
+async def _redis_connection_closed_under_a_write() -> None:
+    # What redis-py's cluster client meets when it hands out a connection it is closing.
+    conn = redis.asyncio.ConnectionPool.from_url(REDIS_URL).make_connection()
+    await conn.connect()
+    open_writer, conn._writer = conn._writer, _ClosedTransportWriter()  # type: ignore[assignment]
+    try:
+        await conn.send_packed_command(b"PING\r\n", check_health=False)
+    finally:
+        assert open_writer is not None
+        open_writer.close()
+
+
 async def _redis_in_a_group() -> None:
     raise ExceptionGroup("tasks", [redis.exceptions.ConnectionError("reset")])
 
@@ -94,6 +121,7 @@ OUTAGES: dict[str, tuple[Callable[[], Any], str]] = {
     "redis_loading": (_redis_loading, "Redis"),
     "redis_in_a_group": (_redis_in_a_group, "Redis"),
     "redis_slot_moving": (_redis_slot_moving, "Redis"),
+    "redis_closed_under_a_write": (_redis_connection_closed_under_a_write, "Redis"),
     "asyncpg_connect": (_asyncpg_connect, "Postgres"),
     "sqlalchemy_connect": (_sqlalchemy_connect, "Postgres"),
     "lost_postgres_connection": (_lost_postgres_connection, "Postgres"),
