@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -237,6 +238,11 @@ class RedisClusterServers:
         )
         assert created.returncode == 0, created.stdout.decode(errors="replace")
         self.wait_ok()
+        # Replicas are known to the others by gossip, a moment later than the masters.
+        deadline = time.monotonic() + 30
+        while not all(all(len(r) - 3 == self.replicas for r in self._slots(p)) for p in self.ports):
+            assert time.monotonic() < deadline, "the replicas are not known to every node"
+            time.sleep(0.05)
 
     def start_node(self, port: int) -> None:
         """Start (or start again) the node of ``port``; returns once it answers PING."""
@@ -269,13 +275,17 @@ class RedisClusterServers:
             self._wait(port, lambda c: c.cluster("INFO")["cluster_state"] == "ok", within)
 
         def owners(port: int) -> object:
-            with SyncRedis(port=port) as c:
-                return sorted((s[0], s[1], s[2][1]) for s in c.execute_command("CLUSTER SLOTS"))
+            return sorted((s[0], s[1], s[2][1]) for s in self._slots(port))
 
         deadline = time.monotonic() + within
         while len({repr(owners(p)) for p in live}) > 1:
             assert time.monotonic() < deadline, "the cluster's nodes disagree on its slots"
             time.sleep(0.05)
+
+    def _slots(self, port: int) -> list[list[Any]]:
+        """CLUSTER SLOTS as the node of ``port`` sees it: (first, last, master, *replicas)."""
+        with SyncRedis(port=port) as c:
+            return list(c.execute_command("CLUSTER SLOTS"))
 
     def _wait(self, port: int, ready: Callable[[SyncRedis], bool], within: float = 30) -> None:
         deadline = time.monotonic() + within

@@ -24,13 +24,10 @@ from rollout_broker_client import AsyncBrokerClient
 from app.accounting.events import decode_entry
 from app.broker import keys
 from tests.processes import (
-    ApiProcess,
     RedisClusterServers,
     RedisServer,
-    broker_env,
-    worker_process,
 )
-from tests.traffic import GROUP, Replay, Traffic
+from tests.traffic import GROUP, Replay, Traffic, brokers
 
 pytestmark = pytest.mark.slow
 
@@ -94,16 +91,7 @@ async def test_nothing_lost_or_doubled_through_worker_replica_and_redis_kills(
 ) -> None:
     redis_server = ChaosRedis(backend, tmp_path)
     await redis_server.start()
-    env = broker_env(
-        **redis_server.env(),
-        BROKER_DATABASE_URL=database_url,
-        BROKER_REDIS_PREFIX=PREFIX,
-        BROKER_SWEEP_INTERVAL_S="0.2",
-        BROKER_DRAIN_BLOCK_MS="50",
-        BROKER_WAKE_FALLBACK_S="0.5",
-    )
-    apis = [ApiProcess(env, tmp_path / f"api{i}.log") for i in range(2)]
-    worker = worker_process(env, tmp_path / "worker.log")
+    apis, worker = brokers(redis_server.env(), database_url, PREFIX, tmp_path)
     redis = redis_server.client()
     clients: list[AsyncBrokerClient] = []
     try:

@@ -55,8 +55,8 @@ from app.accounting.events import (
 )
 from app.broker import keys
 from app.wiring import cluster_client
-from tests.processes import ApiProcess, RedisClusterServers, broker_env, worker_process
-from tests.traffic import GROUP, Replay, group_of
+from tests.processes import ApiProcess, RedisClusterServers
+from tests.traffic import GROUP, Replay, brokers, group_of
 
 pytestmark = pytest.mark.slow
 
@@ -194,17 +194,8 @@ async def test_master_failover_loses_at_most_the_unreplicated_writes(
         heir = replicas[0]
         survivor = next(p for p in servers.ports if p not in (victim, heir))
 
-        env = broker_env(
-            BROKER_REDIS_URL=servers.seeds,
-            BROKER_REDIS_CLUSTER="1",
-            BROKER_DATABASE_URL=database_url,
-            BROKER_REDIS_PREFIX=PREFIX,
-            BROKER_SWEEP_INTERVAL_S="0.2",
-            BROKER_DRAIN_BLOCK_MS="50",
-            BROKER_WAKE_FALLBACK_S="0.5",
-        )
-        apis = [ApiProcess(env, tmp_path / f"api{i}.log") for i in range(2)]
-        worker = worker_process(env, tmp_path / "worker.log")
+        cluster_env = {"BROKER_REDIS_URL": servers.seeds, "BROKER_REDIS_CLUSTER": "1"}
+        apis, worker = brokers(cluster_env, database_url, PREFIX, tmp_path)
         await asyncio.gather(*(a.start() for a in apis), worker.start())
         # Short, frequent resends: the time until service resumes is measured through them.
         retry = Retry(deadline_s=45.0, backoff_s=0.05, max_backoff_s=0.5)

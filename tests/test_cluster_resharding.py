@@ -44,8 +44,8 @@ from rollout_broker_client import AsyncBrokerClient
 from app.accounting.events import decode_entry
 from app.broker import keys
 from app.wiring import cluster_client
-from tests.processes import ApiProcess, RedisClusterServers, broker_env, worker_process
-from tests.traffic import GROUP, Replay, Traffic
+from tests.processes import ApiProcess, RedisClusterServers
+from tests.traffic import GROUP, Replay, Traffic, brokers
 
 pytestmark = pytest.mark.slow
 
@@ -163,17 +163,8 @@ async def test_a_live_runs_slot_moves_twice_and_nothing_is_lost_or_doubled(
     clients: list[AsyncBrokerClient] = []
     try:
         await asyncio.to_thread(cluster.start)
-        env = broker_env(
-            BROKER_REDIS_URL=cluster.seeds,
-            BROKER_REDIS_CLUSTER="1",
-            BROKER_DATABASE_URL=database_url,
-            BROKER_REDIS_PREFIX=PREFIX,
-            BROKER_SWEEP_INTERVAL_S="0.2",
-            BROKER_DRAIN_BLOCK_MS="50",
-            BROKER_WAKE_FALLBACK_S="0.5",
-        )
-        apis = [ApiProcess(env, tmp_path / f"api{i}.log") for i in range(2)]
-        worker = worker_process(env, tmp_path / "worker.log")
+        cluster_env = {"BROKER_REDIS_URL": cluster.seeds, "BROKER_REDIS_CLUSTER": "1"}
+        apis, worker = brokers(cluster_env, database_url, PREFIX, tmp_path)
         await asyncio.gather(*(a.start() for a in apis), worker.start())
         clients = [AsyncBrokerClient(a.url) for a in apis]
         await clients[0].create_run(

@@ -6,13 +6,32 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Awaitable
+from pathlib import Path
 
 import numpy as np
 from rollout_broker_client import Accounting, AsyncBrokerClient, Rollout
 
 from app.accounting.events import Accepted, Acked, Event, Leased, Retired, Returned
+from tests.processes import ApiProcess, Process, broker_env, worker_process
 
 GROUP = 2  # rollouts per group
+
+
+def brokers(
+    redis_env: dict[str, str], database_url: str, prefix: str, logs: Path
+) -> tuple[list[ApiProcess], Process]:
+    """Two API processes and a worker on the given Redis (``BROKER_REDIS_*``), not started,
+    with brisk sweeps, drain reads and long-poll re-checks, so a disturbance is over soon."""
+    env = broker_env(
+        **redis_env,
+        BROKER_DATABASE_URL=database_url,
+        BROKER_REDIS_PREFIX=prefix,
+        BROKER_SWEEP_INTERVAL_S="0.2",
+        BROKER_DRAIN_BLOCK_MS="50",
+        BROKER_WAKE_FALLBACK_S="0.5",
+    )
+    apis = [ApiProcess(env, logs / f"api{i}.log") for i in range(2)]
+    return apis, worker_process(env, logs / "worker.log")
 
 
 def group_of(generator: int, g: int, rng: np.random.Generator) -> list[Rollout]:
