@@ -54,6 +54,7 @@ from benchmarks.servers import (
     find_redis_server,
     proc_cpu_s,
     uvicorn_server,
+    wait_ping,
 )
 
 if TYPE_CHECKING:
@@ -143,24 +144,6 @@ def cluster_ports(n: int) -> list[int]:
     raise RuntimeError("no free ports for the cluster's nodes (P and P + 10000)")
 
 
-def wait_ping(node: Node, proc: subprocess.Popen[bytes], log: Path) -> None:
-    r = node.client()
-    try:
-        for _ in range(500):
-            try:
-                r.ping()
-                return
-            except redis.ConnectionError:
-                if proc.poll() is not None:
-                    tail = log.read_text(errors="replace")[-2000:]
-                    raise RuntimeError(f"redis-server exited:\n{tail}") from None
-                time.sleep(0.02)
-        tail = log.read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"redis-server on port {node.port} did not answer:\n{tail}")
-    finally:
-        r.close()
-
-
 @contextlib.contextmanager
 def redis_nodes(
     binary: str, ports: list[int], workdir: Path, *, cluster: bool
@@ -183,7 +166,11 @@ def redis_nodes(
             )
             procs.append((proc, log))
             node = Node(port, proc.pid)
-            wait_ping(node, proc, log_path)
+            client = node.client()
+            try:
+                wait_ping(client, proc, log_path)
+            finally:
+                client.close()
             nodes.append(node)
         yield nodes
     finally:

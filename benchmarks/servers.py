@@ -104,22 +104,28 @@ def redis_server(workdir: Path, url: str | None = None) -> Iterator[RedisTarget]
     url = f"redis://{HOST}:{port}/0"
     try:
         client = redis.Redis.from_url(url)
-        for _ in range(200):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if proc.poll() is not None:
-                    raise RuntimeError(
-                        f"redis-server exited: see {workdir / 'redis.log'}"
-                    ) from None
-                time.sleep(0.02)
+        wait_ping(client, proc, workdir / "redis.log")
         version = str(client.info("server")["redis_version"])
         client.close()
         yield RedisTarget(url, True, version, proc.pid)
     finally:
         _stop(proc)
         log.close()
+
+
+def wait_ping(client: redis.Redis, proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Until the redis-server ``proc`` (writing to ``log``) answers PING on ``client``."""
+    for _ in range(500):
+        try:
+            client.ping()
+            return
+        except redis.ConnectionError:
+            if proc.poll() is not None:
+                tail = log.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"redis-server exited:\n{tail}") from None
+            time.sleep(0.02)
+    tail = log.read_text(errors="replace")[-2000:]
+    raise RuntimeError(f"redis-server did not answer PING:\n{tail}")
 
 
 async def _pg_execute(server_url: str, sql: str) -> None:

@@ -19,12 +19,13 @@ import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import cast
 
 import asyncpg
 import redis
 from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
+
+from app.settings import Settings
+from app.wiring import redis_client
 
 REDIS_URL = os.environ.get("BROKER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 CLUSTER_URL = os.environ.get("BROKER_TEST_REDIS_CLUSTER_URL")  # None: the tests start their own
@@ -46,9 +47,8 @@ class RedisBackend:
     cluster: bool
 
     def client(self) -> Redis:
-        if self.cluster:
-            return cast(Redis, RedisCluster.from_url(self.url, decode_responses=False))
-        return Redis.from_url(self.url, decode_responses=False)
+        """The broker's own kind of client for this Redis (app/wiring.py)."""
+        return redis_client(Settings(redis_url=self.url, redis_cluster=self.cluster))
 
     def env(self) -> dict[str, str]:
         """The ``BROKER_*`` variables of a broker process on this Redis."""

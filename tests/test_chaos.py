@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import cast
 
 import pytest
 from redis import Redis as SyncRedis
-from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 from rollout_broker_client import AsyncBrokerClient
 
@@ -27,6 +24,7 @@ from tests.processes import (
     RedisClusterServers,
     RedisServer,
 )
+from tests.services import RedisBackend
 from tests.traffic import GROUP, Replay, Traffic, brokers
 
 pytestmark = pytest.mark.slow
@@ -44,15 +42,8 @@ class ChaosRedis:
     def __init__(self, backend: str, data_dir: Path) -> None:
         self.node = RedisServer(data_dir) if backend == "redis" else None
         self.cluster = None if self.node else RedisClusterServers(data_dir, aof=True)
-        self.url = self.node.url if self.node else self.cluster.seeds  # type: ignore[union-attr]
-
-    def env(self) -> dict[str, str]:
-        return {"BROKER_REDIS_URL": self.url, "BROKER_REDIS_CLUSTER": str(int(not self.node))}
-
-    def client(self) -> Redis:
-        if self.cluster is None:
-            return Redis.from_url(self.url)
-        return cast(Redis, RedisCluster.from_url(self.cluster.url))
+        url = self.node.url if self.node else self.cluster.seeds  # type: ignore[union-attr]
+        self.backend = RedisBackend(url, cluster=self.node is None)
 
     async def start(self) -> None:
         if self.node:
@@ -91,8 +82,8 @@ async def test_nothing_lost_or_doubled_through_worker_replica_and_redis_kills(
 ) -> None:
     redis_server = ChaosRedis(backend, tmp_path)
     await redis_server.start()
-    apis, worker = brokers(redis_server.env(), database_url, PREFIX, tmp_path)
-    redis = redis_server.client()
+    apis, worker = brokers(redis_server.backend.env(), database_url, PREFIX, tmp_path)
+    redis = redis_server.backend.client()
     clients: list[AsyncBrokerClient] = []
     try:
         await asyncio.gather(*(a.start() for a in apis), worker.start())
@@ -124,7 +115,7 @@ async def test_nothing_lost_or_doubled_through_worker_replica_and_redis_kills(
 
         # -- the whole event stream, replayed ---------------------------------------------
         await redis.aclose()  # its connections died with the server it talked to
-        redis = redis_server.client()
+        redis = redis_server.backend.client()
         entries = await redis.xrange(keys.events_key(PREFIX, RUN))
         replay = Replay([decode_entry(RUN, eid, fields) for eid, fields in entries])
         print(

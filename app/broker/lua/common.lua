@@ -2,10 +2,10 @@
 -- every other key of the run is derived from it, so all of them share the {<run_id>} hash tag
 -- and the scripts run unchanged on Redis Cluster. KEYS[2] is the run's never-written guard
 -- key: declared so that a cluster refuses a script while the run's slot is being moved
--- (app/broker/keys.py, GUARD), never read or written here. The key locals (RUN, B, TAG, EV, Q, VS, OPEN,
--- OV, LEASES, SEEN, GDONE, WAITING, PQ, PSEEN, WLEASES, WWAITING) and key functions (qvkey, ukey,
--- mkey, rkey, dkey, bkey, ppkey, pbkey, wkey) come before this file, generated from
--- app/broker/keys.py.
+-- (app/broker/keys.py, GUARD), never read or written here. The key locals (RUN, B, TAG, EV, Q,
+-- VS, OPEN, OV, LEASES, SEEN, GDONE, WAITING, PQ, PSEEN, WLEASES, WWAITING) and key functions
+-- (qvkey, ukey, mkey, rkey, dkey, bkey, ppkey, pbkey, wkey) come before this file, generated
+-- from app/broker/keys.py.
 --
 -- Replies: every script returns ok(...) or err(code, ...); app/broker/replies.py decodes them
 -- and maps each code to an HTTP error. Outcomes the caller tells apart ('created' or 'exists')
