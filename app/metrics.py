@@ -22,12 +22,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Final
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal
 
-from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -35,34 +40,236 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.access.policy import Caller
 from app.accounting import queries
+from app.accounting.models import RunTotals
+from app.accounting.schemas import RunAccounting
 from app.accounting.stream import EventStream
 from app.broker.store import RedisStore, RunState
 from app.errors import RunNotFound, outage_of
 
 __all__ = [
+    "CATALOGUE",
     "CONTENT_TYPE",
     "LATENCY_BUCKETS_S",
     "BrokerFigures",
+    "MetricSpec",
     "ProcessMetrics",
     "RequestMetrics",
     "collect_broker",
     "render_metrics",
 ]
 
+# No ``_created`` series: in the text format they are families of their own, which the
+# catalogue does not declare and dashboards do not use.
+disable_created_metrics()
+
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 
 NAMESPACE: Final = "rollout_broker"
+
+MetricKind = Literal["counter", "gauge", "histogram"]
+Source = Literal["process", "state", "ledger"]
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One exposed metric family: its name as scraped (a counter's ends in ``_total``, a
+    histogram's has no suffix), kind, labels, help text, and where its figures come from:
+    this API process, the broker's live state in Redis, or the accounting ledger (absent when
+    the broker runs without a database)."""
+
+    name: str
+    kind: MetricKind
+    labels: tuple[str, ...]
+    help: str
+    source: Source
+
+
+def _m(
+    name: str, kind: MetricKind, labels: tuple[str, ...], help: str, source: Source = "ledger"
+) -> MetricSpec:
+    return MetricSpec(f"{NAMESPACE}_{name}", kind, labels, help, source)
+
+
+_RUN = ("run",)
+_LEDGER = "from the accounting ledger"
+
+CATALOGUE: Final[tuple[MetricSpec, ...]] = (
+    _m(
+        "http_request_duration_seconds",
+        "histogram",
+        ("route", "method", "status_class"),
+        "Time from the arrival of an HTTP request to the end of its answer, in this API "
+        "process, by route template, method and status class",
+        "process",
+    ),
+    _m(
+        "state_up",
+        "gauge",
+        (),
+        "1 when this scrape read the broker's state from Redis and Postgres, 0 when one of "
+        "them was unreachable (the broker figures are then absent)",
+        "state",
+    ),
+    _m("open_runs", "gauge", (), "Open runs (the token's, when it is limited to some)", "state"),
+    _m(
+        "metrics_runs_omitted",
+        "gauge",
+        (),
+        "Open runs left out of the per-run figures by BROKER_METRICS_MAX_RUNS",
+        "state",
+    ),
+    _m("run_policy_version", "gauge", _RUN, "The run's current policy version", "state"),
+    _m(
+        "capacity_rollouts",
+        "gauge",
+        _RUN,
+        "The run's capacity_rollouts: buffered + leased rollouts above which ingest answers 429",
+        "state",
+    ),
+    _m(
+        "rollouts_buffered",
+        "gauge",
+        _RUN,
+        "Rollouts stored and not leased, from the live state",
+        "state",
+    ),
+    _m("rollouts_leased", "gauge", _RUN, "Rollouts in live leases, from the live state", "state"),
+    _m("rollouts_received_total", "counter", _RUN, f"Rollouts accepted at ingest, {_LEDGER}"),
+    _m(
+        "rollouts_duplicate_total",
+        "counter",
+        _RUN,
+        f"Rollouts posted again under an id already accepted (not stored twice), {_LEDGER}",
+    ),
+    _m(
+        "rollouts_rejected_total",
+        "counter",
+        ("run", "reason"),
+        f"Rollouts refused at ingest by a policy rule, by reason, {_LEDGER}",
+    ),
+    _m(
+        "lease_rollouts_total",
+        "counter",
+        ("run", "outcome"),
+        "Rollouts handed out in leases (outcome=leased) and how their leases ended (acked, "
+        f"nacked, expired), {_LEDGER}",
+    ),
+    _m(
+        "batches_total",
+        "counter",
+        ("run", "outcome"),
+        f"Batches leased, and acked, nacked or expired, {_LEDGER}",
+    ),
+    _m(
+        "samples_consumed_total",
+        "counter",
+        _RUN,
+        f"Samples that reached a gradient (rollouts in acknowledged batches), {_LEDGER}",
+    ),
+    _m(
+        "rollouts_retired_total",
+        "counter",
+        ("run", "reason"),
+        f"Rollouts retired, by reason, {_LEDGER}",
+    ),
+    _m("tokens_generated_total", "counter", _RUN, f"Tokens of the received rollouts, {_LEDGER}"),
+    _m(
+        "tokens_consumed_total",
+        "counter",
+        _RUN,
+        f"Tokens of the samples that reached a gradient, {_LEDGER}",
+    ),
+    _m(
+        "tokens_wasted_total",
+        "counter",
+        _RUN,
+        f"Tokens of rollouts that retired with no use, {_LEDGER}",
+    ),
+    _m(
+        "sample_lag_versions",
+        "histogram",
+        _RUN,
+        "Lag of the consumed samples in policy versions (the trainer's version at lease minus "
+        f"the version that generated the rollout), {_LEDGER}",
+    ),
+    _m("kl_mean", "gauge", _RUN, "Token-weighted mean KL of the acknowledged samples measured"),
+    _m("kl_max", "gauge", _RUN, "Largest per-rollout KL measured in an acknowledgement"),
+    _m(
+        "importance_ratio_mean",
+        "gauge",
+        _RUN,
+        "Mean importance ratio pi_theta/pi_old over the tokens acknowledged with logprobs",
+    ),
+    _m(
+        "importance_ratio_clip_fraction",
+        "gauge",
+        _RUN,
+        "Share of those tokens whose importance ratio was outside [1-eps, 1+eps]",
+    ),
+    _m(
+        "prompt_passes",
+        "gauge",
+        ("run", "state"),
+        "Prompt passes by state: queued, in_flight (in a generator's work lease), done, "
+        f"failed, {_LEDGER}",
+    ),
+    _m(
+        "prompt_passes_registered_total",
+        "counter",
+        _RUN,
+        f"Prompt passes registered (a prompt counts once per epoch), {_LEDGER}",
+    ),
+    _m(
+        "prompt_retries_total",
+        "counter",
+        _RUN,
+        f"Attempts of prompt passes after their first, {_LEDGER}",
+    ),
+    _m(
+        "generator_wait_seconds_total",
+        "counter",
+        _RUN,
+        f"Time generators' requests waited for prompts or staleness budget, {_LEDGER}",
+    ),
+    _m(
+        "trainer_wait_seconds_total",
+        "counter",
+        _RUN,
+        f"Time trainers' lease requests waited for rollouts, {_LEDGER}",
+    ),
+    _m(
+        "accounting_pending_events",
+        "gauge",
+        _RUN,
+        "Accounting events not yet drained into Postgres (the drain backlog)",
+    ),
+    _m(
+        "accounting_drain_delay_seconds",
+        "gauge",
+        _RUN,
+        "Age of the oldest accounting event not yet drained into Postgres; 0 when none is",
+    ),
+    _m(
+        "accounting_dead_letters",
+        "gauge",
+        _RUN,
+        "Accounting events the ledger could not apply (see /accounting/dead-letters)",
+    ),
+    _m(
+        "ledger_mismatch",
+        "gauge",
+        _RUN,
+        "1 when nothing is pending and the ledger's buffered or leased rollouts differ from "
+        "the live state's, else 0",
+    ),
+)
+"""Every metric ``GET /metrics`` exposes: the one list of names, kinds, labels and help."""
+
+SPECS: Final[dict[str, MetricSpec]] = {spec.name: spec for spec in CATALOGUE}
 REQUEST_SECONDS: Final = f"{NAMESPACE}_http_request_duration_seconds"
-OPEN_RUNS: Final = f"{NAMESPACE}_open_runs"
-RUNS_OMITTED: Final = f"{NAMESPACE}_metrics_runs_omitted"
-STATE_UP: Final = f"{NAMESPACE}_state_up"
-BUFFERED: Final = f"{NAMESPACE}_rollouts_buffered"
-LEASED: Final = f"{NAMESPACE}_rollouts_leased"
-RECEIVED: Final = f"{NAMESPACE}_rollouts_received"  # a counter: exposed with _total
-CONSUMED: Final = f"{NAMESPACE}_samples_consumed"
-RETIRED: Final = f"{NAMESPACE}_rollouts_retired"
-PENDING: Final = f"{NAMESPACE}_accounting_pending_events"
-DEAD_LETTERS: Final = f"{NAMESPACE}_accounting_dead_letters"
+
+LAG_BUCKETS: Final = (0, 1, 2, 4, 8, 16, 32, 64)
+"""Upper bounds of ``sample_lag_versions``'s buckets, in policy versions."""
 
 LATENCY_BUCKETS_S: Final = (
     0.001,
@@ -104,11 +311,11 @@ class ProcessMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
+        spec = SPECS[REQUEST_SECONDS]
         self.requests = Histogram(
-            REQUEST_SECONDS,
-            "Time from the arrival of an HTTP request to the end of its answer, in this API "
-            "process, by route template, method and status class",
-            ("route", "method", "status_class"),
+            spec.name,
+            spec.help,
+            spec.labels,
             buckets=LATENCY_BUCKETS_S,
             registry=self.registry,
         )
@@ -164,15 +371,20 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True, slots=True)
+class LedgerFigures:
+    """A run's figures read from the accounting: its answer to ``GET .../accounting``, the
+    rollouts of each lease outcome, the drain's delay and the ledger check."""
+
+    accounting: RunAccounting
+    lease_rollouts: dict[str, int]
+    drain_delay_s: float
+    mismatch: bool
+
+
+@dataclass(frozen=True, slots=True)
 class RunFigures:
-    run_id: str
-    buffered: int
-    leased: int
-    received: int | None = None  # None: no accounting database
-    consumed: int = 0
-    retired: dict[str, int] = field(default_factory=dict)
-    pending_events: int = 0
-    dead_letters: int = 0
+    state: RunState
+    ledger: LedgerFigures | None  # None: no accounting database
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +392,7 @@ class BrokerFigures:
     """What one scrape read from the stores; ``up`` is False when they could not be read."""
 
     up: bool
+    ledger: bool = False  # the broker keeps an accounting ledger (a database is configured)
     open_runs: int = 0
     omitted: int = 0
     runs: Sequence[RunFigures] = ()
@@ -200,43 +413,76 @@ async def collect_broker(
         states = [s for s in page.runs if caller.may_touch(s.run_id)]
         shown = states[:max_runs]
         gate = asyncio.Semaphore(_CONCURRENT_RUNS)
+        seconds, micros = await stream.redis.time()  # the clock the stream ids were cut by
+        now_ms = seconds * 1000 + micros // 1000
 
         async def one(state: RunState) -> RunFigures | None:
+            if sessionmaker is None:
+                return RunFigures(state, None)
             async with gate:
-                return await _run_figures(state, stream, sessionmaker)
+                ledger = await _ledger_figures(state.run_id, stream, sessionmaker, now_ms)
+            return None if ledger is None else RunFigures(state, ledger)
 
         got = await asyncio.gather(*(one(s) for s in shown))
     except Exception as exc:
         if outage_of(exc) is None:
             raise
         return BrokerFigures(up=False)
-    runs = [f for f in got if f is not None]
     return BrokerFigures(
-        up=True, open_runs=len(states), omitted=len(states) - len(shown), runs=runs
+        up=True,
+        ledger=sessionmaker is not None,
+        open_runs=len(states),
+        omitted=len(states) - len(shown),
+        runs=[f for f in got if f is not None],
     )
 
 
-async def _run_figures(
-    state: RunState, stream: EventStream, sessionmaker: async_sessionmaker[AsyncSession] | None
-) -> RunFigures | None:
-    buffered, leased = state.live - state.leased, state.leased
-    if sessionmaker is None:
-        return RunFigures(state.run_id, buffered, leased)
+async def _ledger_figures(
+    run_id: str,
+    stream: EventStream,
+    sessionmaker: async_sessionmaker[AsyncSession],
+    now_ms: int,
+) -> LedgerFigures | None:
+    """None when the run was deleted since it was listed."""
     try:
         async with sessionmaker() as session:
-            acc = await queries.run_accounting(session, stream, state.run_id)
-    except RunNotFound:  # deleted since it was listed
+            acc = await queries.run_accounting(session, stream, run_id)
+            # The row run_accounting read, from the session's identity map: the same snapshot.
+            totals = await session.get(RunTotals, run_id)
+        async with sessionmaker() as session:
+            check = await queries.check_ledger(session, stream, run_id)
+    except RunNotFound:
         return None
-    return RunFigures(
-        state.run_id,
-        buffered,
-        leased,
-        received=acc.rollouts_received,
-        consumed=acc.samples_consumed,
-        retired=acc.retired,
-        pending_events=acc.pending_events,
-        dead_letters=acc.dead_letters,
+    oldest = await stream.oldest_undrained(run_id) if acc.pending_events else None
+    return LedgerFigures(
+        accounting=acc,
+        lease_rollouts={
+            "leased": totals.rollouts_leased if totals else 0,
+            "acked": totals.rollouts_acked if totals else 0,
+            "nacked": totals.rollouts_nacked if totals else 0,
+            "expired": totals.rollouts_expired if totals else 0,
+        },
+        drain_delay_s=max(0, now_ms - oldest.ms) / 1000 if oldest is not None else 0.0,
+        mismatch=check.mismatch,
     )
+
+
+def _family(spec: MetricSpec) -> Any:  # a MetricFamily; their add_metric()s differ
+    if spec.kind == "counter":
+        return CounterMetricFamily(spec.name, spec.help, labels=spec.labels)
+    if spec.kind == "gauge":
+        return GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
+    return HistogramMetricFamily(spec.name, spec.help, labels=spec.labels)
+
+
+def _lag_buckets(histogram: dict[int, int]) -> tuple[list[tuple[str, float]], float]:
+    """Cumulative ``le`` buckets of a lag -> samples histogram, and Σ lag."""
+    buckets = [
+        (str(float(bound)), float(sum(n for lag, n in histogram.items() if lag <= bound)))
+        for bound in LAG_BUCKETS
+    ]
+    buckets.append(("+Inf", float(sum(histogram.values()))))
+    return buckets, float(sum(lag * n for lag, n in histogram.items()))
 
 
 class _BrokerCollector(Collector):
@@ -246,72 +492,68 @@ class _BrokerCollector(Collector):
         self.figures = figures
 
     def collect(self) -> Iterable[Metric]:
-        return list(self._metrics())
-
-    def _metrics(self) -> Iterator[Metric]:
         f = self.figures
-        yield GaugeMetricFamily(
-            STATE_UP,
-            "1 when this scrape read the broker's state from Redis and Postgres, 0 when one of "
-            "them was unreachable (the broker figures are then absent)",
-            value=1 if f.up else 0,
-        )
+        families: dict[str, Any] = {s.name: _family(s) for s in CATALOGUE if s.source != "process"}
+
+        def put(name: str, value: float, *labels: str) -> None:
+            families[f"{NAMESPACE}_{name}"].add_metric(list(labels), value)
+
+        put("state_up", 1 if f.up else 0)
         if not f.up:
-            return
-        yield GaugeMetricFamily(
-            OPEN_RUNS, "Open runs (the token's, when it is limited to some)", value=f.open_runs
-        )
-        yield GaugeMetricFamily(
-            RUNS_OMITTED,
-            "Open runs left out of the per-run figures by BROKER_METRICS_MAX_RUNS",
-            value=f.omitted,
-        )
-        buffered = GaugeMetricFamily(
-            BUFFERED, "Rollouts stored and not leased, from the run's live state", labels=["run"]
-        )
-        leased = GaugeMetricFamily(
-            LEASED, "Rollouts in live leases, from the run's live state", labels=["run"]
-        )
-        received = CounterMetricFamily(
-            RECEIVED, "Rollouts accepted at ingest, from the accounting ledger", labels=["run"]
-        )
-        consumed = CounterMetricFamily(
-            CONSUMED,
-            "Samples consumed (rollouts in acknowledged batches), from the accounting ledger",
-            labels=["run"],
-        )
-        retired = CounterMetricFamily(
-            RETIRED,
-            "Rollouts retired, by reason, from the accounting ledger",
-            labels=["run", "reason"],
-        )
-        pending = GaugeMetricFamily(
-            PENDING,
-            "Accounting events not yet drained into Postgres (the drain backlog)",
-            labels=["run"],
-        )
-        dead = GaugeMetricFamily(
-            DEAD_LETTERS,
-            "Accounting events the ledger could not apply (see /accounting/dead-letters)",
-            labels=["run"],
-        )
-        ledger = False
+            return [families[f"{NAMESPACE}_state_up"]]
+        put("open_runs", f.open_runs)
+        put("metrics_runs_omitted", f.omitted)
         for r in f.runs:
-            buffered.add_metric([r.run_id], r.buffered)
-            leased.add_metric([r.run_id], r.leased)
-            if r.received is None:
-                continue
-            ledger = True
-            received.add_metric([r.run_id], r.received)
-            consumed.add_metric([r.run_id], r.consumed)
-            for reason, n in r.retired.items():
-                retired.add_metric([r.run_id, reason], n)
-            pending.add_metric([r.run_id], r.pending_events)
-            dead.add_metric([r.run_id], r.dead_letters)
-        yield buffered
-        yield leased
-        if ledger or not f.runs:
-            yield from (received, consumed, retired, pending, dead)
+            run, state = r.state.run_id, r.state
+            put("run_policy_version", state.policy_version, run)
+            put("capacity_rollouts", state.config.capacity_rollouts, run)
+            put("rollouts_buffered", state.live - state.leased, run)
+            put("rollouts_leased", state.leased, run)
+            if r.ledger is not None:
+                self._ledger(put, families, run, r.ledger)
+        return [
+            family
+            for name, family in families.items()
+            if f.ledger or SPECS[name].source != "ledger"
+        ]
+
+    @staticmethod
+    def _ledger(put: Any, families: dict[str, Any], run: str, ledger: LedgerFigures) -> None:
+        acc = ledger.accounting
+        put("rollouts_received_total", acc.rollouts_received, run)
+        put("rollouts_duplicate_total", acc.duplicates, run)
+        for reason, n in acc.rejected.items():
+            put("rollouts_rejected_total", n, run, reason)
+        for outcome, n in ledger.lease_rollouts.items():
+            put("lease_rollouts_total", n, run, outcome)
+        for outcome, n in acc.batches.model_dump().items():
+            put("batches_total", n, run, outcome)
+        put("samples_consumed_total", acc.samples_consumed, run)
+        for reason, n in acc.retired.items():
+            put("rollouts_retired_total", n, run, reason)
+        put("tokens_generated_total", acc.tokens_generated, run)
+        put("tokens_consumed_total", acc.tokens_consumed, run)
+        put("tokens_wasted_total", acc.wasted_tokens, run)
+        buckets, lag_sum = _lag_buckets(acc.lag.histogram)
+        families[f"{NAMESPACE}_sample_lag_versions"].add_metric([run], buckets, lag_sum)
+        for name, figure in (
+            ("kl_mean", acc.kl.mean),
+            ("kl_max", acc.kl.max),
+            ("importance_ratio_mean", acc.is_ratio.mean),
+            ("importance_ratio_clip_fraction", acc.is_ratio.clip_fraction),
+        ):
+            if figure is not None:  # not measured yet: no sample rather than a made-up 0
+                put(name, figure, run)
+        for state in ("queued", "in_flight", "done", "failed"):
+            put("prompt_passes", getattr(acc.prompts, state), run, state)
+        put("prompt_passes_registered_total", acc.prompts.registered, run)
+        put("prompt_retries_total", acc.prompts.retried, run)
+        put("generator_wait_seconds_total", acc.wait.generator_s, run)
+        put("trainer_wait_seconds_total", acc.wait.trainer_s, run)
+        put("accounting_pending_events", acc.pending_events, run)
+        put("accounting_drain_delay_seconds", ledger.drain_delay_s, run)
+        put("accounting_dead_letters", acc.dead_letters, run)
+        put("ledger_mismatch", 1 if ledger.mismatch else 0, run)
 
 
 def render_metrics(request_registry: CollectorRegistry, figures: BrokerFigures) -> bytes:

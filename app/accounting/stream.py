@@ -371,6 +371,26 @@ class EventStream:
         """
         return await self.pending_of(run_id, await self.live_snapshot(run_id))
 
+    async def oldest_undrained(self, run_id: str) -> StreamId | None:
+        """The id of the run's oldest event not yet drained (its ``ms`` is when it was
+        written), or None when nothing is pending: the group's oldest pending entry, else the
+        first entry it has not been delivered, else (no group yet) the stream's first."""
+        key = self.events_key(run_id)
+        try:
+            groups: Any = await self.redis.xinfo_groups(key)
+        except ResponseError:  # no stream: nothing was written
+            return None
+        ours = next((g for g in groups if _text(g["name"]) == self.group), None)
+        after = "-"
+        if ours is not None:
+            if int(ours["pending"]) > 0:
+                summary = await self.redis.xpending(key, self.group)
+                if summary["min"] is not None:
+                    return StreamId.parse(summary["min"])
+            after = "(" + _text(ours["last-delivered-id"])
+        first: Any = await self.redis.xrange(key, min=after, count=1)
+        return StreamId.parse(first[0][0]) if first else None
+
     async def undelivered(self, run_id: str, last_delivered: bytes) -> int:
         """Entries after ``last_delivered``, counted from the (short) delivered side."""
         key = self.events_key(run_id)

@@ -13,9 +13,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from app.accounting.stream import EventStream, run_key
 from app.broker.service import Broker
 from app.broker.store import RedisStore
 from app.main import create_app
+from app.metrics import CATALOGUE
 from app.settings import Settings
 from tests.api.support import assert_error
 from tests.helpers import KNOWN_SECRETS, ack, lease, make_run, post, rollout
@@ -243,3 +245,162 @@ async def test_a_request_that_raises_is_counted_as_5xx(api, monkeypatch):
     samples = await scrape(api)
     count = "rollout_broker_http_request_duration_seconds_count"
     assert value(samples, count, route="/v1/runs/{run_id}", method="GET", status_class="5xx") == 1
+
+
+def families_of(text: str) -> dict[str, Any]:
+    """The scrape's families by their name as the catalogue gives it (a counter's with
+    ``_total``)."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        name = f"{family.name}_total" if family.type == "counter" else family.name
+        out[name] = family
+    return out
+
+
+async def test_every_metric_of_the_catalogue_is_exposed_as_declared(api, drain):
+    await make_run(api, "c1", max_reuse=1)
+    resp = await api.post("/v1/runs/c1/prompts", json={"prompts": [{"prompt_id": "p1"}]})
+    assert resp.status_code == 202, resp.text
+    assert (await api.post("/v1/runs/c1/work", json={"max_prompts": 1})).status_code == 200
+    assert (await post(api, "c1", rollout("a"), rollout("b"))).status_code == 202
+    batch = (await lease(api, "c1", 2)).json()
+    new = {item["rollout_id"]: [-0.25] * 4 for item in batch["rollouts"]}
+    assert (await ack(api, "c1", batch["batch_id"], logprobs=new)).status_code == 200
+    await drain_once(drain)
+
+    resp = await api.get("/metrics")
+    families = families_of(resp.text)
+    assert set(families) == {spec.name for spec in CATALOGUE}
+    for spec in CATALOGUE:
+        family = families[spec.name]
+        assert family.type == spec.kind, spec.name
+        assert family.documentation == spec.help, spec.name
+        for sample in family.samples:
+            extra = {"le"} if sample.name.endswith("_bucket") else set()
+            assert set(sample.labels) == set(spec.labels) | extra, (spec.name, sample)
+
+
+async def test_the_ledger_figures_equal_the_accounting(api, drain):
+    """Each per-run figure against the same figure of GET /accounting, after traffic of every
+    kind: prompts in work leases, duplicates, rejections, acks with logprobs, a nack, lag."""
+    await make_run(api, "f1", max_reuse=1, max_staleness=4)
+    resp = await api.post(
+        "/v1/runs/f1/prompts", json={"prompts": [{"prompt_id": f"p{i}"} for i in range(3)]}
+    )
+    assert resp.status_code == 202, resp.text
+    assert (await api.post("/v1/runs/f1/work", json={"max_prompts": 2})).status_code == 200
+    assert (
+        await post(api, "f1", *(rollout(f"r{i}", tokens=3 + i) for i in range(6)))
+    ).status_code == 202
+    assert (await post(api, "f1", rollout("r0"), rollout("late", version=9))).status_code == 202
+    assert (await api.post("/v1/runs/f1/policy", json={"version": 2})).status_code == 200
+    first = (await lease(api, "f1", 3)).json()
+    new = {item["rollout_id"]: [-0.1] * len(item["response_ids"]) for item in first["rollouts"]}
+    assert (await ack(api, "f1", first["batch_id"], logprobs=new)).status_code == 200
+    second = (await lease(api, "f1", 2)).json()
+    resp = await api.post(f"/v1/runs/f1/batches/{second['batch_id']}/nack", json={})
+    assert resp.status_code == 200, resp.text
+    await drain_once(drain)
+
+    acc = (await api.get("/v1/runs/f1/accounting")).json()
+    s = await scrape(api)
+
+    def one(name: str, **labels: str) -> float | None:
+        return value(s, f"rollout_broker_{name}", run="f1", **labels)
+
+    def by(name: str, label: str) -> dict[str, float]:
+        return {
+            dict(labels)[label]: v
+            for (n, labels), v in s.items()
+            if n == f"rollout_broker_{name}" and ("run", "f1") in labels
+        }
+
+    assert acc["pending_events"] == 0 and acc["duplicates"] == 1 and acc["rejected"]
+    assert one("rollouts_received_total") == acc["rollouts_received"] == 6
+    assert one("rollouts_duplicate_total") == acc["duplicates"]
+    assert by("rollouts_rejected_total", "reason") == acc["rejected"]
+    assert by("batches_total", "outcome") == acc["batches"]
+    assert by("lease_rollouts_total", "outcome") == {
+        "leased": 5,
+        "acked": 3,
+        "nacked": 2,
+        "expired": 0,
+    }
+    assert one("samples_consumed_total") == acc["samples_consumed"] == 3
+    assert by("rollouts_retired_total", "reason") == acc["retired"]
+    assert one("tokens_generated_total") == acc["tokens_generated"]
+    assert one("tokens_consumed_total") == acc["tokens_consumed"]
+    assert one("tokens_wasted_total") == acc["wasted_tokens"]
+    assert one("kl_mean") == pytest.approx(acc["kl"]["mean"])
+    assert one("kl_max") == pytest.approx(acc["kl"]["max"])
+    assert one("importance_ratio_mean") == pytest.approx(acc["is_ratio"]["mean"])
+    assert one("importance_ratio_clip_fraction") == pytest.approx(acc["is_ratio"]["clip_fraction"])
+    assert by("prompt_passes", "state") == {
+        k: acc["prompts"][k] for k in ("queued", "in_flight", "done", "failed")
+    }
+    assert one("prompt_passes", state="in_flight") == 2
+    assert one("prompt_passes_registered_total") == acc["prompts"]["registered"] == 3
+    assert one("prompt_retries_total") == acc["prompts"]["retried"]
+    assert one("generator_wait_seconds_total") == acc["wait"]["generator_s"]
+    assert one("trainer_wait_seconds_total") == acc["wait"]["trainer_s"]
+    assert one("run_policy_version") == 2
+    assert one("capacity_rollouts") == 100_000
+    assert (one("accounting_drain_delay_seconds"), one("ledger_mismatch")) == (0, 0)
+    # The lag histogram: cumulative buckets of acc's lag -> samples, its sum and count.
+    lags = {int(k): n for k, n in acc["lag"]["histogram"].items()}
+    assert lags == {2: 3}
+    buckets = by("sample_lag_versions_bucket", "le")
+    assert buckets == {
+        le: sum(n for lag, n in lags.items() if le == "+Inf" or lag <= float(le))
+        for le in [*(f"{b}.0" for b in (0, 1, 2, 4, 8, 16, 32, 64)), "+Inf"]
+    }
+    assert one("sample_lag_versions_sum") == sum(lag * n for lag, n in lags.items())
+    assert one("sample_lag_versions_count") == acc["samples_consumed"]
+
+
+async def test_the_drain_delay_is_the_age_of_the_oldest_event_not_drained(
+    api, drain, redis, prefix
+):
+    await make_run(api, "d1")
+    assert (await post(api, "d1", rollout("a"))).status_code == 202
+    events = EventStream(redis, prefix)
+
+    async def delay_between_clock_reads() -> tuple[float, float, float]:
+        before = await redis.time()
+        got = value(await scrape(api), "rollout_broker_accounting_drain_delay_seconds", run="d1")
+        after = await redis.time()
+        assert got is not None
+        return before[0] + before[1] / 1e6, got, after[0] + after[1] / 1e6
+
+    async def oldest_ms() -> int:
+        first = await redis.xrange(events.events_key("d1"), count=1)
+        return int(first[0][0].split(b"-")[0])
+
+    # Nothing read yet: the oldest event is the stream's first.
+    written = await oldest_ms() / 1000
+    before, delay, after = await delay_between_clock_reads()
+    assert before - written - 0.001 <= delay <= after - written + 0.001
+    await drain_once(drain)
+    assert (await delay_between_clock_reads())[1] == 0
+
+    # Delivered to a drain that died before applying it: the group's oldest pending entry.
+    assert (await post(api, "d1", rollout("b"))).status_code == 202
+    await events.ensure_group("d1")
+    read = await redis.xreadgroup(events.group, "dead-drain", {events.events_key("d1"): ">"})
+    pending_id = read[0][1][0][0]
+    assert (await post(api, "d1", rollout("c"))).status_code == 202  # newer, undelivered
+    written = int(pending_id.split(b"-")[0]) / 1000
+    before, delay, after = await delay_between_clock_reads()
+    assert before - written - 0.001 <= delay <= after - written + 0.001
+
+
+async def test_a_ledger_that_disagrees_with_the_live_state_is_flagged(api, drain, redis, prefix):
+    await make_run(api, "x1")
+    assert (await post(api, "x1", rollout("a"), rollout("b"))).status_code == 202
+    await drain_once(drain)
+    assert value(await scrape(api), "rollout_broker_ledger_mismatch", run="x1") == 0
+    # A live count the ledger never heard of (as after a failover lost acknowledged writes).
+    await redis.hincrby(run_key(prefix, "x1"), "live", 1)
+    acc = (await api.get("/v1/runs/x1/accounting")).json()
+    assert acc["buffered"] != acc["live"]["buffered"]
+    assert value(await scrape(api), "rollout_broker_ledger_mismatch", run="x1") == 1

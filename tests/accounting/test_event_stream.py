@@ -1,0 +1,31 @@
+"""``EventStream.oldest_undrained``: the event whose age is the drain's delay (GET /metrics),
+on a stream written with known ids."""
+
+from __future__ import annotations
+
+from app.accounting.events import StreamId
+from app.accounting.stream import EventStream
+
+
+async def test_the_oldest_undrained_event_is_the_oldest_pending_then_the_first_undelivered(
+    redis, prefix, run_id
+):
+    stream = EventStream(redis, prefix)
+    key = stream.events_key(run_id)
+    assert await stream.oldest_undrained(run_id) is None  # nothing written
+
+    for ms in (1000, 2000, 3000):
+        await redis.xadd(key, {"e": "x"}, id=f"{ms}-0")
+    # No group yet: nothing was read, the stream's first entry is the oldest.
+    assert await stream.oldest_undrained(run_id) == StreamId(1000, 0)
+
+    await stream.ensure_group(run_id)
+    await redis.xreadgroup(stream.group, "drain-a", {key: ">"}, count=2)
+    assert await stream.oldest_undrained(run_id) == StreamId(1000, 0)  # pending, oldest first
+    await stream.ack(run_id, [b"1000-0"])
+    assert await stream.oldest_undrained(run_id) == StreamId(2000, 0)  # still pending
+    await stream.ack(run_id, [b"2000-0"])
+    assert await stream.oldest_undrained(run_id) == StreamId(3000, 0)  # never delivered
+    await redis.xreadgroup(stream.group, "drain-a", {key: ">"})
+    await stream.ack(run_id, [b"3000-0"])
+    assert await stream.oldest_undrained(run_id) is None  # all drained
