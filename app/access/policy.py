@@ -55,6 +55,7 @@ ROUTES: Final[dict[tuple[str, str], Need]] = {
     ("POST", "/v1/runs/{run_id}/work/{lease_id}/return"): Scope.GENERATE,
     ("GET", "/v1/runs/{run_id}/accounting"): Scope.OPERATE,
     ("GET", "/v1/runs/{run_id}/accounting/versions"): Scope.OPERATE,
+    ("GET", "/v1/runs/{run_id}/accounting/training"): Scope.OPERATE,
     ("GET", "/v1/runs/{run_id}/batches"): Scope.OPERATE,
     ("GET", "/v1/runs/{run_id}/accounting/dead-letters"): Scope.OPERATE,
     ("POST", "/v1/tokens"): Scope.ADMIN,

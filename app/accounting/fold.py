@@ -45,6 +45,7 @@ __all__ = [
     "RunSnapshot",
     "RunTotalsDelta",
     "TotalsDelta",
+    "TrainingDelta",
     "fold_events",
 ]
 
@@ -101,6 +102,22 @@ class RunTotalsDelta(TotalsDelta):
     prompts_registered: int = 0  # Σ passes of the registered prompts
     trainer_wait_ms: int = 0
     generator_wait_ms: int = 0
+
+
+@dataclass
+class TrainingDelta:
+    """What the acknowledged batches of one trainer version (the ``policy_version`` V of their
+    lease) add: batches, samples and tokens, and the exact KL and ratio sums of their acks."""
+
+    batches: int = 0
+    samples: int = 0
+    tokens: int = 0
+    kl_tokens: int = 0
+    kl_sum: float = 0.0
+    kl_max: float | None = None
+    ratio_tokens: int = 0
+    ratio_sum: float = 0.0
+    ratio_clipped: int = 0
 
 
 # Columns merged with GREATEST / LEAST instead of addition.
@@ -264,6 +281,7 @@ class Fold:
 
     run: RunTotalsDelta = field(default_factory=RunTotalsDelta)
     versions: dict[int, TotalsDelta] = field(default_factory=dict)
+    trainings: dict[int, TrainingDelta] = field(default_factory=dict)  # by the batches' V
     reasons: dict[tuple[int, str, str], ReasonDelta] = field(default_factory=dict)
     lags: dict[tuple[int, int], int] = field(default_factory=dict)
     batches: dict[str, BatchPatch] = field(default_factory=dict)
@@ -274,6 +292,12 @@ class Fold:
         delta = self.versions.get(policy_version)
         if delta is None:
             delta = self.versions[policy_version] = TotalsDelta()
+        return delta
+
+    def training(self, policy_version: int) -> TrainingDelta:
+        delta = self.trainings.get(policy_version)
+        if delta is None:
+            delta = self.trainings[policy_version] = TrainingDelta()
         return delta
 
     def reason(self, policy_version: int, kind: str, reason: str) -> ReasonDelta:
@@ -421,6 +445,18 @@ def _fold_acked(fold: Fold, event: Event, body: Acked) -> None:
     run.ratio_tokens += body.sums.ratio_tokens
     run.ratio_sum += body.sums.ratio_sum
     run.ratio_clipped += body.sums.clipped
+    # The same exact sums per trainer version (the V of the lease), which the per-version
+    # totals above cannot give: those are keyed by the version that generated the rollouts.
+    training = fold.training(body.policy_version)
+    training.batches += 1
+    training.samples += len(body.items)
+    training.tokens += sum(item.tokens for item in body.items)
+    training.kl_tokens += body.sums.kl_tokens
+    training.kl_sum += body.sums.kl_sum
+    training.kl_max = _max(training.kl_max, body.stats.kl_max)
+    training.ratio_tokens += body.sums.ratio_tokens
+    training.ratio_sum += body.sums.ratio_sum
+    training.ratio_clipped += body.sums.clipped
     fold.batch(
         BatchPatch(
             first_event=event.stream_id,

@@ -30,6 +30,7 @@ __all__ = [
     "ReasonTotals",
     "Run",
     "RunTotals",
+    "TrainingTotals",
     "VersionTotals",
 ]
 
@@ -135,6 +136,25 @@ class VersionTotals(_Totals, Base):
 
     run_id: Mapped[str] = mapped_column(Text, primary_key=True)
     policy_version: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+
+
+class TrainingTotals(Base):
+    """One row per (run, policy version of the trainer): the acknowledged batches leased at
+    that version V, and the exact KL and importance-ratio sums of their acks."""
+
+    __tablename__ = "training_totals"
+
+    run_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    policy_version: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    batches: Mapped[int] = _count()
+    samples: Mapped[int] = _count()
+    tokens: Mapped[int] = _count()
+    kl_tokens: Mapped[int] = _count()
+    kl_sum: Mapped[float] = _sum()
+    kl_max: Mapped[float | None] = mapped_column(Double)
+    ratio_tokens: Mapped[int] = _count()
+    ratio_sum: Mapped[float] = _sum()
+    ratio_clipped: Mapped[int] = _count()
 
 
 class ReasonTotals(Base):

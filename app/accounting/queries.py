@@ -1,6 +1,7 @@
-"""Read side of the accounting, for the operator API: totals, per-version rows, the batch
-ledger, the prompt ledger and dead letters; and the check of the ledger against the broker's
-live counts (:func:`check_ledger`), which the drain runs once a run has gone quiet.
+"""Read side of the accounting, for the operator API: totals, rows per version of the rollouts
+and of the trainer, the batch ledger, the prompt ledger and dead letters; and the check of the
+ledger against the broker's live counts (:func:`check_ledger`), which the drain runs once a run
+has gone quiet.
 
 The ledger's ``buffered`` and ``leased`` are its own flow counts (:func:`ledger_counts`). They
 are checked against ``live``, the broker's counts in Redis, which no event goes through: an
@@ -31,6 +32,7 @@ from app.accounting.models import (
     ReasonTotals,
     Run,
     RunTotals,
+    TrainingTotals,
     VersionTotals,
 )
 from app.accounting.repository import ms_to_datetime
@@ -48,6 +50,8 @@ from app.accounting.schemas import (
     PromptPage,
     PromptPassRecord,
     RunAccounting,
+    TrainingAccounting,
+    TrainingVersion,
     VersionAccounting,
     VersionsAccounting,
     WaitStats,
@@ -63,6 +67,7 @@ __all__ = [
     "list_batches",
     "list_prompts",
     "run_accounting",
+    "training_accounting",
     "version_accounting",
 ]
 
@@ -353,6 +358,37 @@ async def version_accounting(
     return VersionsAccounting(
         versions=versions,
         as_of=ms_to_datetime(totals.last_event_ms if totals is not None else None),
+        pending_events=pending,
+    )
+
+
+async def training_accounting(
+    session: AsyncSession, stream: EventStream, run_id: str
+) -> TrainingAccounting:
+    """Per policy version of the trainer (the V of the acknowledged batches' leases)."""
+    pending = await stream.pending_events(run_id)  # first, as in run_accounting
+    await _one_snapshot(session)
+    if await session.get(RunTotals, run_id) is None:
+        await _require_run(session, stream, run_id)
+    rows = await session.scalars(
+        select(TrainingTotals)
+        .where(TrainingTotals.run_id == run_id)
+        .order_by(TrainingTotals.policy_version)
+    )
+    return TrainingAccounting(
+        versions=[
+            TrainingVersion(
+                policy_version=row.policy_version,
+                batches=row.batches,
+                samples=row.samples,
+                tokens=row.tokens,
+                kl_mean=_ratio(row.kl_sum, row.kl_tokens),
+                kl_max=row.kl_max,
+                is_ratio_mean=_ratio(row.ratio_sum, row.ratio_tokens),
+                clip_fraction=_ratio(row.ratio_clipped, row.ratio_tokens),
+            )
+            for row in rows.all()
+        ],
         pending_events=pending,
     )
 

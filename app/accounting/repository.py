@@ -25,6 +25,7 @@ from app.accounting.fold import (
     PassCounts,
     PassState,
     TotalsDelta,
+    TrainingDelta,
     fold_events,
 )
 from app.accounting.models import (
@@ -36,6 +37,7 @@ from app.accounting.models import (
     ReasonTotals,
     Run,
     RunTotals,
+    TrainingTotals,
     VersionTotals,
 )
 
@@ -141,7 +143,7 @@ def _table(model: type[Base]) -> Table:
     return cast(Table, model.__table__)
 
 
-def _totals_row(delta: TotalsDelta | PassCounts) -> dict[str, Any]:
+def _totals_row(delta: TotalsDelta | TrainingDelta | PassCounts) -> dict[str, Any]:
     return {f.name: getattr(delta, f.name) for f in fields(delta)}
 
 
@@ -164,6 +166,15 @@ async def apply_fold(session: AsyncSession, run_id: str, fold: Fold) -> None:
         [
             {"run_id": run_id, "policy_version": v, **_totals_row(fold.versions[v])}
             for v in sorted(fold.versions)
+        ],
+    )
+    await _upsert_add(
+        session,
+        _table(TrainingTotals),
+        ["run_id", "policy_version"],
+        [
+            {"run_id": run_id, "policy_version": v, **_totals_row(fold.trainings[v])}
+            for v in sorted(fold.trainings)
         ],
     )
     await _upsert_add(

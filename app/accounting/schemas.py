@@ -20,6 +20,8 @@ __all__ = [
     "PromptPage",
     "PromptPassRecord",
     "RunAccounting",
+    "TrainingAccounting",
+    "TrainingVersion",
     "VersionAccounting",
     "VersionsAccounting",
     "WaitStats",
@@ -135,6 +137,32 @@ class VersionsAccounting(BaseModel):
     versions: list[VersionAccounting]
     as_of: datetime | None
     pending_events: int
+
+
+class TrainingVersion(BaseModel):
+    """The acknowledged batches leased at one policy version of the trainer (the batches' V),
+    with the KL and importance ratios of their acks, token-weighted over the measured tokens."""
+
+    policy_version: int = Field(description="The trainer's version V of the leases")
+    batches: int = Field(description="Acknowledged batches")
+    samples: int = Field(description="Rollouts in them (uses)")
+    tokens: int = Field(description="Their tokens")
+    kl_mean: float | None = Field(description="Token-weighted mean KL; null when none measured")
+    kl_max: float | None = Field(description="Largest per-rollout KL measured")
+    is_ratio_mean: float | None = Field(
+        description="Mean importance ratio over measured tokens; null when none measured"
+    )
+    clip_fraction: float | None = Field(
+        description="Share of measured tokens outside [1-eps, 1+eps]; null when none measured"
+    )
+
+
+class TrainingAccounting(BaseModel):
+    """Per policy version of the trainer; batches, samples and tokens sum to the run's acked
+    batches, samples_consumed and tokens_consumed."""
+
+    versions: list[TrainingVersion] = Field(description="Ascending policy_version")
+    pending_events: int = Field(description="Stream entries not yet drained into Postgres")
 
 
 class BatchRecord(BaseModel):

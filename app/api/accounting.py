@@ -1,5 +1,5 @@
-"""Operator endpoints of the accounting: totals, per-version rows, batch ledger, prompt ledger,
-dead letters."""
+"""Operator endpoints of the accounting: totals, per-version rows (of the rollouts and of the
+trainer), batch ledger, prompt ledger, dead letters."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from app.accounting.schemas import (
     DeadLetterPage,
     PromptPage,
     RunAccounting,
+    TrainingAccounting,
     VersionsAccounting,
 )
 from app.accounting.stream import EventStream
@@ -46,6 +47,15 @@ async def get_version_accounting(
 ) -> VersionsAccounting:
     """The same accounting per policy version of the rollouts."""
     return await queries.version_accounting(session, stream, run_id)
+
+
+@router.get("/accounting/training", response_model=TrainingAccounting)
+async def get_training_accounting(
+    run_id: str, session: Session, stream: Stream
+) -> TrainingAccounting:
+    """KL, importance ratio and clip fraction per policy version of the trainer: the acknowledged
+    batches grouped by the version V of their lease, not by the rollouts' versions."""
+    return await queries.training_accounting(session, stream, run_id)
 
 
 @router.get("/batches", response_model=BatchPage, responses=_CURSOR_400)

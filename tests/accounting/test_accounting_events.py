@@ -39,6 +39,7 @@ from app.accounting.models import (
     ReasonTotals,
     Run,
     RunTotals,
+    TrainingTotals,
     VersionTotals,
 )
 
@@ -198,7 +199,16 @@ def test_rejects_malformed_entries() -> None:
 async def _rows(sm: async_sessionmaker[AsyncSession], run_id: str) -> dict[str, list[Any]]:
     out: dict[str, list[Any]] = {}
     async with sm() as s:
-        for model in (Run, RunTotals, VersionTotals, ReasonTotals, LagCount, Batch, PromptPass):
+        for model in (
+            Run,
+            RunTotals,
+            VersionTotals,
+            TrainingTotals,
+            ReasonTotals,
+            LagCount,
+            Batch,
+            PromptPass,
+        ):
             rows = (await s.scalars(select(model).where(model.run_id == run_id))).all()
             out[model.__tablename__] = sorted(
                 (

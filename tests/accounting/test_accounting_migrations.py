@@ -36,6 +36,7 @@ TABLES = {
     "api_tokens",
     "audit_log",
     "prompt_passes",
+    "training_totals",
 }
 
 
