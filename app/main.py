@@ -25,7 +25,7 @@ from app import __version__
 from app.access.guard import guard
 from app.access.tokens import TokenCache
 from app.accounting.db import create_sessionmaker, schema_at_head
-from app.api import accounting, batches, health, metrics, prompts, rollouts, runs, tokens
+from app.api import accounting, batches, health, metrics, prompts, rollouts, runs, tokens, ui
 from app.api.codec import describe_errors, render
 from app.api.openapi import install_openapi
 from app.broker import keys
@@ -212,8 +212,10 @@ def create_app(
     app.include_router(prompts.router)
     app.include_router(accounting.router)
     app.include_router(tokens.router)
-    app.include_router(metrics.router)
-    # This process's request metrics, in a registry of the app's own (GET /metrics).
-    app.state.metrics = ProcessMetrics()
-    app.add_middleware(RequestMetrics, metrics=app.state.metrics)
+    app.include_router(ui.router)
+    if settings.metrics:
+        # This process's request metrics, in a registry of the app's own (GET /metrics).
+        app.include_router(metrics.router)
+        app.state.metrics = ProcessMetrics()
+        app.add_middleware(RequestMetrics, metrics=app.state.metrics)
     return app

@@ -37,6 +37,7 @@ ROUTES: Final[dict[tuple[str, str], Need]] = {
     ("GET", "/openapi.json"): PUBLIC,
     ("GET", "/docs"): PUBLIC,
     ("GET", "/redoc"): PUBLIC,
+    ("GET", "/ui"): PUBLIC,
     ("GET", "/metrics"): Scope.OPERATE,
     ("POST", "/v1/runs"): Scope.OPERATE,
     ("GET", "/v1/runs"): READ,
