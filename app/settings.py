@@ -89,6 +89,10 @@ class Settings(BaseSettings):
     workers_in_process: bool = Field(
         default=False, description="Run the background workers inside the API process"
     )
+    metrics: bool = Field(
+        default=True,
+        description="Serve GET /metrics and time every request for it (off: /metrics is 404)",
+    )
     metrics_max_runs: int = Field(
         default=100,
         ge=0,

@@ -12,10 +12,10 @@ comes from forked client processes. Baselines measured in the same run:
   handing out and taking back the same prompts from a queue of the same depth;
 * naive dict: a minimal FastAPI app holding JSON rollouts in a Python dict, one per request.
 
-The access-control rows (``--only auth``) start pairs of brokers alike but for ``BROKER_AUTH``
-(a new pair each round, on one new database of the Postgres server at ``--pg-url``) and drive
-both from one client in alternation, so that auth on is measured against auth off at the same
-moments.
+The access-control and metrics rows (``--only auth``, ``--only metrics``) start pairs of brokers
+alike but for ``BROKER_AUTH`` or ``BROKER_METRICS`` (a new pair each round, on one new database
+of the Postgres server at ``--pg-url``) and drive both from one client in alternation, so that
+on is measured against off at the same moments.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,7 @@ class Sizes:
     work_s: float = 2.0
     big_rollouts: int = 28  # 262,144-token JSON rollouts in the big body: 28 fill 64 MiB
     healthz_s: float = 1.0  # seconds of /healthz probes on an idle server
-    auth_rounds: int = 6  # rounds of the auth rows: a new pair of brokers each, leader alternating
+    auth_rounds: int = 6  # rounds of the auth and metrics rows: a new pair of brokers each
     auth_s: float = 1.0  # seconds of ingest per side and round of the auth rows
     auth_lease_fill: int = 6_144  # rollouts per side and round for their lease + ack
 
@@ -902,13 +903,48 @@ def body_rows(b: Bench) -> list[Row]:
 
 AUTH_SCOPES = ("generate", "train", "operate")
 AUTH_NEED = 0.95  # auth on may cost at most 5 % of the throughput with auth off
-AUTH_SIDES = ("off", "on")
+METRICS_NEED = 0.97  # metrics on may cost at most 3 % of the throughput with metrics off
+PAIR_SIDES = ("off", "on")
+SCRAPE_EVERY_S = 1.0  # GET /metrics on the metrics-on broker while it is measured
+
+
+@dataclass(frozen=True)
+class Toggle:
+    """A setting measured off against on by a pair of brokers alike but for it."""
+
+    key: str  # the section and the row ids' first part
+    title: str  # the rows' section title
+    setting: str  # its env var, for the rows' text
+    need: float  # on ÷ off at least
+    env: dict[str, dict[str, str]]  # per side, the env that sets it
+    on_text: str  # how the on side is described in its row
+
+
+def auth_toggle(admin: str) -> Toggle:
+    return Toggle(
+        "auth",
+        "Access control overhead",
+        "BROKER_AUTH",
+        AUTH_NEED,
+        {"off": {"BROKER_AUTH": "off"}, "on": {"BROKER_AUTH": "on", "BROKER_ADMIN_TOKEN": admin}},
+        "auth on (a token made through POST /v1/tokens)",
+    )
+
+
+METRICS_TOGGLE = Toggle(
+    "metrics",
+    "Metrics overhead",
+    "BROKER_METRICS",
+    METRICS_NEED,
+    {"off": {"BROKER_METRICS": "off"}, "on": {"BROKER_METRICS": "on"}},
+    f"metrics on (requests timed; GET /metrics every {SCRAPE_EVERY_S:g} s)",
+)
 
 
 @contextlib.contextmanager
-def auth_pair(b: Bench, db_url: str, admin: str) -> Iterator[dict[str, Server]]:
+def broker_pair(b: Bench, db_url: str, toggle: Toggle) -> Iterator[dict[str, Server]]:
     """Two brokers on the run's Redis and key prefix and on one migrated database, alike but
-    for ``BROKER_AUTH``: off, and on with ``admin`` as its bootstrap admin token."""
+    for ``toggle``'s setting."""
     workdir = b.workdir or Path(tempfile.gettempdir())
     env = {
         "BROKER_REDIS_URL": b.redis.url,
@@ -916,20 +952,17 @@ def auth_pair(b: Bench, db_url: str, admin: str) -> Iterator[dict[str, Server]]:
         "BROKER_DATABASE_URL": db_url,
     }
 
-    def broker(side: str, extra: dict[str, str]) -> contextlib.AbstractContextManager[Server]:
+    def broker(side: str) -> contextlib.AbstractContextManager[Server]:
         return uvicorn_server(
-            f"broker-auth-{side}",
+            f"broker-{toggle.key}-{side}",
             "app.main:create_app",
             cwd=b.app_dir,
             workdir=workdir,
-            env={**env, **extra},
+            env={**env, **toggle.env[side]},
             factory=True,
         )
 
-    with (
-        broker("off", {"BROKER_AUTH": "off"}) as off,
-        broker("on", {"BROKER_AUTH": "on", "BROKER_ADMIN_TOKEN": admin}) as on,
-    ):
+    with broker("off") as off, broker("on") as on:
         yield {"off": off, "on": on}
 
 
@@ -955,8 +988,39 @@ def check_auth(servers: dict[str, Server], token: str) -> None:
         expect(status, data, want)
 
 
+def check_metrics(servers: dict[str, Server]) -> None:
+    """Metrics are on where they should be: ``on`` serves /metrics, ``off`` answers 404."""
+    for side, want in (("on", 200), ("off", 404)):
+        http = Http(servers[side].address)
+        status, data, _ = http.call("GET", "/metrics")
+        http.close()
+        expect(status, data, want)
+
+
+@contextlib.contextmanager
+def scraping(server: Server, every_s: float) -> Iterator[None]:
+    """GET /metrics on ``server`` every ``every_s`` seconds, as Prometheus would (only more
+    often than its default 15 s), until the block ends."""
+    stop = threading.Event()
+
+    def scrape() -> None:
+        http = Http(server.address)
+        while not stop.wait(every_s):
+            status, data, _ = http.call("GET", "/metrics")
+            expect(status, data, 200)
+        http.close()
+
+    thread = threading.Thread(target=scrape, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 @dataclass(frozen=True)
-class AuthCase:
+class PairCase:
     key: str  # the row ids' middle
     what: str  # the measure's text
     kind: str  # the load.http_alternate kind
@@ -968,9 +1032,9 @@ class AuthCase:
     config: dict[str, Any] = field(default_factory=dict)  # of the runs
 
 
-def auth_cases(s: Sizes) -> list[AuthCase]:
+def pair_cases(s: Sizes) -> list[PairCase]:
     return [
-        AuthCase(
+        PairCase(
             "ingest.json.1",
             "ingest, json, 1/request, 1 generator",
             "ingest",
@@ -980,7 +1044,7 @@ def auth_cases(s: Sizes) -> list[AuthCase]:
             16,
             2,
         ),
-        AuthCase(
+        PairCase(
             "ingest.msgpack.64",
             "ingest, msgpack, 64/request, 1 generator",
             "ingest",
@@ -990,7 +1054,7 @@ def auth_cases(s: Sizes) -> list[AuthCase]:
             2,
             2,
         ),
-        AuthCase(
+        PairCase(
             f"lease_ack.msgpack.{s.batch}",
             f"lease + ack, msgpack, batches of {s.batch}, 1 trainer (max_reuse=1)",
             "lease_ack",
@@ -1005,7 +1069,7 @@ def auth_cases(s: Sizes) -> list[AuthCase]:
 
 
 @dataclass
-class AuthSide:
+class PairSide:
     """One side's figures for one case, over every round."""
 
     rates: list[float] = field(default_factory=list)  # rollouts/s, one per A B B A cycle
@@ -1021,47 +1085,81 @@ class AuthSide:
 
 
 def auth_rows(b: Bench) -> list[Row]:
-    """Ingest (JSON 1 a request, msgpack 64 a request) and lease + ack (msgpack) with auth off
-    and on. One client drives both brokers in turn, a few operations at a time (A B B A), so
-    that both run at the same moments of the machine's drifting speed; each side's figure is
-    the median of its rates over all those cycles. Every round starts a new pair of brokers
-    (a process can be a few per cent faster than its twin for as long as it lives) and the
-    side that leads alternates."""
-    s = b.sizes
-    cases = auth_cases(s)
-    got = {case.key: {side: AuthSide() for side in AUTH_SIDES} for case in cases}
+    """Ingest and lease + ack with auth off and on (see :func:`paired_rows`); the on side's
+    load presents a token made through ``POST /v1/tokens``."""
     admin = secrets.token_urlsafe(32)
     token: str | None = None
+
+    def prepare(servers: dict[str, Server]) -> dict[str, str | None]:
+        nonlocal token
+        token = token or bench_token(servers["on"], admin)  # the database keeps it
+        check_auth(servers, token)
+        return {"off": None, "on": token}
+
+    return paired_rows(b, auth_toggle(admin), prepare, lambda _: contextlib.nullcontext())
+
+
+def metrics_rows(b: Bench) -> list[Row]:
+    """Ingest and lease + ack with metrics off and on (see :func:`paired_rows`), the on side
+    scraped every ``SCRAPE_EVERY_S`` while it is measured."""
+
+    def prepare(servers: dict[str, Server]) -> dict[str, str | None]:
+        check_metrics(servers)
+        return {"off": None, "on": None}
+
+    return paired_rows(
+        b, METRICS_TOGGLE, prepare, lambda servers: scraping(servers["on"], SCRAPE_EVERY_S)
+    )
+
+
+def paired_rows(
+    b: Bench,
+    toggle: Toggle,
+    prepare: Callable[[dict[str, Server]], dict[str, str | None]],  # -> each side's token
+    during: Callable[[dict[str, Server]], contextlib.AbstractContextManager[None]],
+) -> list[Row]:
+    """Ingest (JSON 1 a request, msgpack 64 a request) and lease + ack (msgpack) with
+    ``toggle`` off and on. One client drives both brokers in turn, a few operations at a time
+    (A B B A), so that both run at the same moments of the machine's drifting speed; each side's
+    figure is the median of its rates over all those cycles. Every round starts a new pair of
+    brokers (a process can be a few per cent faster than its twin for as long as it lives) and
+    the side that leads alternates."""
+    s = b.sizes
+    cases = pair_cases(s)
+    got = {case.key: {side: PairSide() for side in PAIR_SIDES} for case in cases}
     with postgres_database(b.pg_url, b.app_dir, b.workdir or Path(tempfile.gettempdir())) as db:
         for rnd in range(s.auth_rounds):
-            order = AUTH_SIDES if rnd % 2 == 0 else AUTH_SIDES[::-1]
-            b.say(f"auth: round {rnd + 1}/{s.auth_rounds}, a new pair of brokers, {order[0]} leads")
-            with auth_pair(b, db, admin) as servers:
-                token = token or bench_token(servers["on"], admin)  # the database keeps it
-                check_auth(servers, token)
-                tokens = {"off": None, "on": token}
+            order = PAIR_SIDES if rnd % 2 == 0 else PAIR_SIDES[::-1]
+            b.say(
+                f"{toggle.key}: round {rnd + 1}/{s.auth_rounds}, a new pair of brokers, "
+                f"{order[0]} leads"
+            )
+            with broker_pair(b, db, toggle) as servers:
+                tokens = prepare(servers)
                 for case in cases:
-                    b.say(f"auth: {case.what}, round {rnd + 1}/{s.auth_rounds}")
+                    b.say(f"{toggle.key}: {case.what}, round {rnd + 1}/{s.auth_rounds}")
                     sides = [(side, servers[side], tokens[side]) for side in order]
-                    auth_round(b, case, sides, got[case.key])
+                    with during(servers):
+                        pair_round(b, toggle, case, sides, got[case.key])
     rows: list[Row] = []
     for case in cases:
-        rows += auth_case_rows(case, got[case.key]["off"], got[case.key]["on"])
+        rows += pair_case_rows(toggle, case, got[case.key]["off"], got[case.key]["on"])
     return rows
 
 
-def auth_round(
+def pair_round(
     b: Bench,
-    case: AuthCase,
+    toggle: Toggle,
+    case: PairCase,
     sides: list[tuple[str, Server, str | None]],
-    got: dict[str, AuthSide],
+    got: dict[str, PairSide],
 ) -> None:
     """One round of ``case``: a run on each server (filled first for lease + ack), then one
     client alternating between them; adds each side's figures to ``got``."""
     s = b.sizes
     specs, runs = [], []
     for side, server, token in sides:
-        run = b.new_run(f"auth-{side}", server=server, token=token, **case.config)
+        run = b.new_run(f"{toggle.key}-{side}", server=server, token=token, **case.config)
         runs.append(run)
         where = dict(path=f"/v1/runs/{run}/rollouts") if case.kind == "ingest" else dict(run_id=run)
         specs.append({**case.spec, **where, "address": server.address, "token": token})
@@ -1093,18 +1191,19 @@ def auth_round(
         b.drop_run(run)
 
 
-def auth_case_rows(case: AuthCase, off: AuthSide, on: AuthSide) -> list[Row]:
+def pair_case_rows(toggle: Toggle, case: PairCase, off: PairSide, on: PairSide) -> list[Row]:
     paired = sorted(a / b for a, b in zip(on.rates, off.rates, strict=True))
     n = len(paired)
     ratio = on.rate / off.rate
+    name = toggle.key
 
     def us_per_op(rate: float) -> float:
         return case.per_op / rate * 1e6
 
     off_row = Row(
-        f"auth.{case.key}.off",
-        "Access control overhead",
-        f"{case.what}, auth off",
+        f"{name}.{case.key}.off",
+        toggle.title,
+        f"{case.what}, {name} off",
         off.rate,
         "rollouts/s",
         tokens_per_s=off.rate * TOKENS,
@@ -1112,9 +1211,9 @@ def auth_case_rows(case: AuthCase, off: AuthSide, on: AuthSide) -> list[Row]:
         f"server CPU {off.cpu_per_op_us():,.0f} µs",
     )
     on_row = Row(
-        f"auth.{case.key}.on",
-        "Access control overhead",
-        f"{case.what}, auth on (a token made through POST /v1/tokens)",
+        f"{name}.{case.key}.on",
+        toggle.title,
+        f"{case.what}, {toggle.on_text}",
         on.rate,
         "rollouts/s",
         tokens_per_s=on.rate * TOKENS,
@@ -1123,7 +1222,7 @@ def auth_case_rows(case: AuthCase, off: AuthSide, on: AuthSide) -> list[Row]:
         f"{us_per_op(on.rate) - us_per_op(off.rate):+,.0f} µs per {case.op}, "
         f"server CPU {on.cpu_per_op_us() - off.cpu_per_op_us():+,.0f} µs",
     )
-    on_row.target(f"≥{AUTH_NEED}× auth off", ratio, AUTH_NEED)
+    on_row.target(f"≥{toggle.need}× {name} off", ratio, toggle.need)
     return [off_row, on_row]
 
 
@@ -1135,6 +1234,7 @@ SECTIONS = {
     "work": work_rows,
     "bodies": body_rows,
     "auth": auth_rows,
+    "metrics": metrics_rows,
     "cluster": cluster_rows,
 }
 

@@ -5,6 +5,7 @@ template, the bounded run labels, and who may read it."""
 from __future__ import annotations
 
 import secrets
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -404,3 +405,26 @@ async def test_a_ledger_that_disagrees_with_the_live_state_is_flagged(api, drain
     acc = (await api.get("/v1/runs/x1/accounting")).json()
     assert acc["buffered"] != acc["live"]["buffered"]
     assert value(await scrape(api), "rollout_broker_ledger_mismatch", run="x1") == 1
+
+
+@pytest.mark.one_node
+async def test_metrics_off_serves_no_metrics_and_times_nothing(settings: Settings):
+    app = create_app(settings.model_copy(update={"metrics": False}))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://broker") as c:
+            await make_run(c, "off1")
+            assert_error(await c.get("/metrics"), 404, "NotFound")
+    assert not hasattr(app.state, "metrics")
+
+
+@pytest.mark.one_node
+def test_the_readme_lists_the_catalogue():
+    """The README's table of metrics is the catalogue's: every name, type and label set."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme[readme.index("| metric | type | labels | from | what |") :].split("\n\n")[0]
+    listed = {}
+    for line in table.splitlines()[2:]:
+        name, kind, labels = (cell.strip() for cell in line.split("|")[1:4])
+        listed[name.strip("`")] = (kind, tuple(x.strip(" `") for x in labels.split(",") if x))
+    assert listed == {spec.name: (spec.kind, spec.labels) for spec in CATALOGUE}
