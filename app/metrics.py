@@ -40,7 +40,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.access.policy import Caller
 from app.accounting import queries
-from app.accounting.models import RunTotals
 from app.accounting.schemas import RunAccounting
 from app.accounting.stream import EventStream
 from app.broker.store import RedisStore, RunState
@@ -60,7 +59,7 @@ __all__ = [
 
 # No ``_created`` series: in the text format they are families of their own, which the
 # catalogue does not declare and dashboards do not use.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -446,24 +445,21 @@ async def _ledger_figures(
     """None when the run was deleted since it was listed."""
     try:
         async with sessionmaker() as session:
-            acc = await queries.run_accounting(session, stream, run_id)
-            # The row run_accounting read, from the session's identity map: the same snapshot.
-            totals = await session.get(RunTotals, run_id)
-        async with sessionmaker() as session:
-            check = await queries.check_ledger(session, stream, run_id)
+            got = await queries.checked_accounting(session, stream, run_id)
     except RunNotFound:
         return None
+    acc, totals = got.accounting, got.totals
     oldest = await stream.oldest_undrained(run_id) if acc.pending_events else None
     return LedgerFigures(
         accounting=acc,
         lease_rollouts={
-            "leased": totals.rollouts_leased if totals else 0,
-            "acked": totals.rollouts_acked if totals else 0,
-            "nacked": totals.rollouts_nacked if totals else 0,
-            "expired": totals.rollouts_expired if totals else 0,
+            "leased": totals.rollouts_leased,
+            "acked": totals.rollouts_acked,
+            "nacked": totals.rollouts_nacked,
+            "expired": totals.rollouts_expired,
         },
         drain_delay_s=max(0, now_ms - oldest.ms) / 1000 if oldest is not None else 0.0,
-        mismatch=check.mismatch,
+        mismatch=got.check.mismatch,
     )
 
 

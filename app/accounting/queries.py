@@ -60,8 +60,10 @@ from app.accounting.stream import EventStream, LiveSnapshot
 from app.errors import BadRequest, RunNotFound, ValidationFailed
 
 __all__ = [
+    "CheckedAccounting",
     "LedgerCheck",
     "check_ledger",
+    "checked_accounting",
     "dead_letters",
     "ledger_counts",
     "list_batches",
@@ -265,9 +267,7 @@ def _live_counts(snapshot: LiveSnapshot) -> LiveCounts | None:
     return LiveCounts(buffered=buffered, leased=snapshot.leased)
 
 
-async def check_ledger(session: AsyncSession, stream: EventStream, run_id: str) -> LedgerCheck:
-    """Compare the run's ledger with the live counts in Redis (see :class:`LedgerCheck`)."""
-    settled = await _read_settled(session, stream, run_id)
+def _check(run_id: str, settled: _Settled) -> LedgerCheck:
     buffered, leased = ledger_counts(settled.totals or _zero_totals())
     return LedgerCheck(
         run_id=run_id,
@@ -280,7 +280,28 @@ async def check_ledger(session: AsyncSession, stream: EventStream, run_id: str) 
     )
 
 
+async def check_ledger(session: AsyncSession, stream: EventStream, run_id: str) -> LedgerCheck:
+    """Compare the run's ledger with the live counts in Redis (see :class:`LedgerCheck`)."""
+    return _check(run_id, await _read_settled(session, stream, run_id))
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedAccounting:
+    """A run's accounting with the check of its ledger and its totals row, from one read."""
+
+    accounting: RunAccounting
+    check: LedgerCheck
+    totals: RunTotals  # zeros when nothing was drained yet
+
+
 async def run_accounting(session: AsyncSession, stream: EventStream, run_id: str) -> RunAccounting:
+    return (await checked_accounting(session, stream, run_id)).accounting
+
+
+async def checked_accounting(
+    session: AsyncSession, stream: EventStream, run_id: str
+) -> CheckedAccounting:
+    """:func:`run_accounting`, and :func:`check_ledger` of the same read (``GET /metrics``)."""
     settled = await _read_settled(session, stream, run_id)
     totals = settled.totals
     if totals is None:
@@ -291,7 +312,7 @@ async def run_accounting(session: AsyncSession, stream: EventStream, run_id: str
     for lags in (await _lags(session, run_id)).values():
         for lag, samples in lags.items():
             histogram[lag] += samples
-    return RunAccounting(
+    accounting = RunAccounting(
         **_common(
             totals,
             _sum_by_reason(reasons, "rejected"),
@@ -326,6 +347,7 @@ async def run_accounting(session: AsyncSession, stream: EventStream, run_id: str
         dead_letters=settled.snapshot.dead_letters,
         live=_live_counts(settled.snapshot),
     )
+    return CheckedAccounting(accounting, _check(run_id, settled), totals)
 
 
 async def version_accounting(
