@@ -48,6 +48,7 @@ def expected_rows() -> list[str]:
         for case in AUTH_CASES
         for side in ("off", "on")
     ]
+    rows += [f"metrics.scrape.{n}" for n in s.scrape_runs]
     if cluster_binaries() is not None:  # the cluster rows are skipped without a redis-server
         rows += [f"cluster.{key}.{side}" for key in ("ingest", "lease_ack") for side in SIDES]
         rows += [f"cluster.redis_cpu.{n}" for n in ("single", *CLUSTER_MASTERS, "all")]
