@@ -38,6 +38,7 @@ if TYPE_CHECKING:
         Retry,
         Run,
         Scope,
+        TrainingVersion,
         VersionAccounting,
     )
 
@@ -825,19 +826,61 @@ def versions_table(rows: list[VersionAccounting]) -> RenderableType:
     return table
 
 
+def training_table(rows: list[TrainingVersion]) -> RenderableType:
+    from rich import box
+    from rich.table import Table
+
+    table = Table(
+        title="Training by policy version",
+        caption="acknowledged batches by the trainer's version V of their lease",
+        box=box.SIMPLE_HEAD,
+    )
+    for col in ("version", "batches", "samples", "tokens", "KL mean", "KL max", "IS mean", "clip"):
+        table.add_column(col, justify="right")
+    for v in rows:
+        table.add_row(
+            str(v.policy_version),
+            _fmt(v.batches),
+            _fmt(v.samples),
+            _fmt(v.tokens),
+            _fmt(v.kl_mean, 3),
+            _fmt(v.kl_max, 3),
+            _fmt(v.is_ratio_mean, 4),
+            _fmt(v.clip_fraction, 3),
+        )
+    return table
+
+
 @cli.command()
 def accounting(
     run_id: RunArg,
     url: Url = "http://127.0.0.1:8000",
     token: Token = None,
     as_json: AsJson = False,
-    versions: Annotated[bool, typer.Option("--versions", help="Per policy version")] = False,
+    versions: Annotated[
+        bool, typer.Option("--versions", help="Per policy version of the rollouts")
+    ] = False,
+    training: Annotated[
+        bool,
+        typer.Option(
+            "--training",
+            help="Per policy version of the trainer: batches, samples, tokens, KL, IS ratio, clip",
+        ),
+    ] = False,
 ) -> None:
     """A run's sample/rollout accounting (from Postgres; may trail by a second or two)."""
+    if versions and training:
+        raise typer.BadParameter(
+            "they cannot be used together: give one", param_hint="'--versions' / '--training'"
+        )
     with _broker(url, token) as broker:
         if versions:
             rows = broker.accounting_versions(run_id)
             _show(rows, as_json, versions_table)
+            return
+        if training:
+            trained = broker.accounting_training(run_id)
+            _show(trained, as_json, training_table)
             return
         acc = broker.accounting(run_id)
         run = None if as_json else broker.get_run(run_id)

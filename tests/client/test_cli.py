@@ -130,6 +130,36 @@ def test_accounting_table_and_json(live_server: LiveServer, trained_run: str) ->
 
 
 @pytest.mark.slow
+def test_accounting_training_table_and_json(live_server: LiveServer, trained_run: str) -> None:
+    code, out, err = invoke(live_server, "accounting", trained_run, "--training", "--json")
+    assert code == 0, err
+    # Acked with the behaviour's own logprobs: no KL, every ratio 1, nothing clipped.
+    assert json.loads(out) == [
+        {
+            "policy_version": 0,
+            "batches": 1,
+            "samples": 2,
+            "tokens": 6,
+            "kl_mean": 0.0,
+            "kl_max": 0.0,
+            "is_ratio_mean": 1.0,
+            "clip_fraction": 0.0,
+        }
+    ]
+
+    code, out, err = invoke(live_server, "accounting", trained_run, "--training")
+    assert code == 0, err
+    assert "Training by policy version" in out
+    assert "KL mean" in out and "IS mean" in out and "clip" in out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("0 ")]
+    assert rows == [["0", "1", "2", "6", "0", "0", "1", "0"]]
+
+    code, out, err = invoke(live_server, "accounting", trained_run, "--versions", "--training")
+    assert code == 2 and out == ""
+    assert "--versions" in err and "--training" in err and "cannot be used together" in err
+
+
+@pytest.mark.slow
 def test_watch_refreshes(live_server: LiveServer, trained_run: str) -> None:
     code, out, err = invoke(live_server, "watch", trained_run, "--count", "2", "--interval", "0.05")
     assert code == 0, err

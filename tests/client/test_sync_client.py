@@ -3,6 +3,7 @@ in-process through SyncASGITransport."""
 
 from __future__ import annotations
 
+import math
 import uuid
 
 import httpx
@@ -16,6 +17,7 @@ from rollout_broker_client import (
     Rollout,
     RunNotFound,
     SyncASGITransport,
+    TrainingVersion,
     ValidationFailed,
 )
 
@@ -123,6 +125,39 @@ def test_accounting_over_the_network(sync_broker: BrokerClient) -> None:
     assert acc.retired == {"max_reuse": 4}
     assert acc.unaccounted == 0
     assert acc.batches.acked == 1 and acc.lag.histogram == {0: 4}
+
+
+@pytest.mark.slow
+def test_training_accounting_over_the_network(sync_broker: BrokerClient) -> None:
+    run = rid()
+    sync_broker.create_run(run, {"max_reuse": 1})
+    old = [-1.0, -0.5, -0.25]  # exact in float32, and so are the shifted logprobs below
+    sync_broker.post_rollouts(run, [Rollout(f"a{i}", 0, [1, 2, 3], 0.0, old) for i in range(2)])
+    with sync_broker.lease(run, size=2) as batch:
+        assert batch is not None
+        # The policy moved by 0.25 on every token of one rollout, not at all on the other's.
+        batch.ack_with([[x + 0.25 for x in old], old])
+    sync_broker.set_policy(run, 1)
+    sync_broker.post_rollouts(run, [Rollout("b", 0, [1, 2], 0.0)])
+    with sync_broker.lease(run, size=1) as batch:  # acked with nothing: counted, not measured
+        assert batch is not None
+    sync_broker.wait_for_accounting(run, timeout_s=20)
+
+    rows = sync_broker.accounting_training(run)
+    assert all(isinstance(r, TrainingVersion) for r in rows)
+    # By the trainer's version: the v0 rollout "b" counts under version 1, where it was leased.
+    assert [(r.policy_version, r.batches, r.samples, r.tokens) for r in rows] == [
+        (0, 1, 2, 6),
+        (1, 1, 1, 2),
+    ]
+    kl = math.expm1(0.25) - 0.25  # k3 of every token of the moved rollout
+    v0 = rows[0]
+    assert v0.kl_mean == pytest.approx(kl / 2) and v0.kl_max == pytest.approx(kl)
+    assert v0.is_ratio_mean == pytest.approx((math.exp(0.25) + 1) / 2)
+    assert v0.clip_fraction == pytest.approx(0.5)  # e^0.25 - 1 > the default clip epsilon 0.2
+    v1 = rows[1]
+    assert (v1.kl_mean, v1.kl_max, v1.is_ratio_mean, v1.clip_fraction) == (None,) * 4
+    assert v1.raw["policy_version"] == 1
 
 
 def test_sync_client_in_process(settings: Settings) -> None:

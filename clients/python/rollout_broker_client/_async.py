@@ -43,6 +43,7 @@ from rollout_broker_client._models import (
     Run,
     RunConfig,
     Scope,
+    TrainingVersion,
     VersionAccounting,
     WorkLease,
     WorkPrompt,
@@ -447,6 +448,11 @@ class AsyncBrokerClient:
 
     async def accounting_versions(self, run_id: str) -> list[VersionAccounting]:
         return await self.send(self.api.accounting_versions(run_id))
+
+    async def accounting_training(self, run_id: str) -> list[TrainingVersion]:
+        """Per policy version of the trainer: the acknowledged batches grouped by the version V
+        of their lease, with their KL, importance ratio and clip fraction."""
+        return await self.send(self.api.accounting_training(run_id))
 
     async def batches(self, run_id: str) -> list[dict[str, Any]]:
         """The batch ledger of a run, every page."""

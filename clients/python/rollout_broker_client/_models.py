@@ -39,6 +39,7 @@ __all__ = [
     "Run",
     "RunConfig",
     "Scope",
+    "TrainingVersion",
     "VersionAccounting",
     "WaitStats",
     "WorkLease",
@@ -419,6 +420,23 @@ class VersionAccounting:
     wasted_tokens: int
     lag: LagStats
     kl: KlStats
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingVersion:
+    """The acknowledged batches leased at one policy version of the trainer (the batches' V,
+    whatever versions their rollouts came from), with the KL and importance ratios of their
+    acks; the means and ``clip_fraction`` are None when no token was measured."""
+
+    policy_version: int
+    batches: int
+    samples: int
+    tokens: int
+    kl_mean: float | None
+    kl_max: float | None
+    is_ratio_mean: float | None
+    clip_fraction: float | None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 

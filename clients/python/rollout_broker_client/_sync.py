@@ -43,6 +43,7 @@ from rollout_broker_client._models import (
     Run,
     RunConfig,
     Scope,
+    TrainingVersion,
     VersionAccounting,
     WorkLease,
     WorkPrompt,
@@ -445,6 +446,11 @@ class BrokerClient:
 
     def accounting_versions(self, run_id: str) -> list[VersionAccounting]:
         return self.send(self.api.accounting_versions(run_id))
+
+    def accounting_training(self, run_id: str) -> list[TrainingVersion]:
+        """Per policy version of the trainer: the acknowledged batches grouped by the version V
+        of their lease, with their KL, importance ratio and clip fraction."""
+        return self.send(self.api.accounting_training(run_id))
 
     def batches(self, run_id: str) -> list[dict[str, Any]]:
         """The batch ledger of a run, every page."""

@@ -54,6 +54,7 @@ from rollout_broker_client._models import (
     Run,
     RunConfig,
     Scope,
+    TrainingVersion,
     VersionAccounting,
     WaitStats,
     WorkLease,
@@ -470,6 +471,24 @@ def parse_versions(body: Any) -> list[VersionAccounting]:
     ]
 
 
+def parse_training(body: Any) -> list[TrainingVersion]:
+    rows = body.get("versions", []) if isinstance(body, Mapping) else body
+    return [
+        TrainingVersion(
+            policy_version=int(v["policy_version"]),
+            batches=int(v["batches"]),
+            samples=int(v["samples"]),
+            tokens=int(v.get("tokens", 0)),
+            kl_mean=v.get("kl_mean"),
+            kl_max=v.get("kl_max"),
+            is_ratio_mean=v.get("is_ratio_mean"),
+            clip_fraction=v.get("clip_fraction"),
+            raw=dict(v),
+        )
+        for v in rows
+    ]
+
+
 def _scopes(value: Any) -> list[Scope]:
     return [cast(Scope, str(x)) for x in value]
 
@@ -750,6 +769,9 @@ class Api:
 
     def accounting_versions(self, run_id: str) -> Call[list[VersionAccounting]]:
         return Call("GET", _p(run_id) + "/accounting/versions", lambda r, b: parse_versions(b))
+
+    def accounting_training(self, run_id: str) -> Call[list[TrainingVersion]]:
+        return Call("GET", _p(run_id) + "/accounting/training", lambda r, b: parse_training(b))
 
     def batches_page(self, run_id: str, cursor: str | None) -> Call[dict[str, Any]]:
         params = {"cursor": cursor} if cursor else None
