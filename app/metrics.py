@@ -43,7 +43,7 @@ from app.accounting import queries
 from app.accounting.schemas import RunAccounting
 from app.accounting.stream import EventStream
 from app.broker.store import RedisStore, RunState
-from app.errors import RunNotFound, outage_of
+from app.errors import outage_of
 
 __all__ = [
     "CATALOGUE",
@@ -297,8 +297,10 @@ _METHODS: Final = {
 }  # any other method is labelled "other"
 _STATUS_CLASSES: Final = ("1xx", "1xx", "2xx", "3xx", "4xx", "5xx")
 
-# Runs whose accounting is read at once during a scrape (one database session each).
-_CONCURRENT_RUNS: Final = 4
+# A scrape reads the open runs' accounting this many runs at a time, in one database snapshot
+# each, and this many such reads at once (one database session each).
+_RUNS_PER_READ: Final = 25
+_CONCURRENT_READS: Final = 4
 
 
 # -- this process's requests ---------------------------------------------------------------
@@ -411,18 +413,11 @@ async def collect_broker(
         page = await store.list_runs("open", limit=1 << 30)
         states = [s for s in page.runs if caller.may_touch(s.run_id)]
         shown = states[:max_runs]
-        gate = asyncio.Semaphore(_CONCURRENT_RUNS)
-        seconds, micros = await stream.redis.time()  # the clock the stream ids were cut by
-        now_ms = seconds * 1000 + micros // 1000
-
-        async def one(state: RunState) -> RunFigures | None:
-            if sessionmaker is None:
-                return RunFigures(state, None)
-            async with gate:
-                ledger = await _ledger_figures(state.run_id, stream, sessionmaker, now_ms)
-            return None if ledger is None else RunFigures(state, ledger)
-
-        got = await asyncio.gather(*(one(s) for s in shown))
+        runs: list[RunFigures] = [RunFigures(s, None) for s in shown]
+        if sessionmaker is not None:
+            ledgers = await _ledgers(stream, sessionmaker, [s.run_id for s in shown])
+            # A run deleted since it was listed has no ledger read: left out.
+            runs = [RunFigures(s, ledgers[s.run_id]) for s in shown if s.run_id in ledgers]
     except Exception as exc:
         if outage_of(exc) is None:
             raise
@@ -432,35 +427,41 @@ async def collect_broker(
         ledger=sessionmaker is not None,
         open_runs=len(states),
         omitted=len(states) - len(shown),
-        runs=[f for f in got if f is not None],
+        runs=runs,
     )
 
 
-async def _ledger_figures(
-    run_id: str,
-    stream: EventStream,
-    sessionmaker: async_sessionmaker[AsyncSession],
-    now_ms: int,
-) -> LedgerFigures | None:
-    """None when the run was deleted since it was listed."""
-    try:
-        async with sessionmaker() as session:
-            got = await queries.checked_accounting(session, stream, run_id)
-    except RunNotFound:
-        return None
-    acc, totals = got.accounting, got.totals
-    oldest = await stream.oldest_undrained(run_id) if acc.pending_events else None
-    return LedgerFigures(
-        accounting=acc,
-        lease_rollouts={
-            "leased": totals.rollouts_leased,
-            "acked": totals.rollouts_acked,
-            "nacked": totals.rollouts_nacked,
-            "expired": totals.rollouts_expired,
-        },
-        drain_delay_s=max(0, now_ms - oldest.ms) / 1000 if oldest is not None else 0.0,
-        mismatch=got.check.mismatch,
-    )
+async def _ledgers(
+    stream: EventStream, sessionmaker: async_sessionmaker[AsyncSession], run_ids: list[str]
+) -> dict[str, LedgerFigures]:
+    """The ledger figures of ``run_ids``, read ``_RUNS_PER_READ`` runs at a time
+    (:func:`app.accounting.queries.checked_accounting_of`), ``_CONCURRENT_READS`` reads at once."""
+    seconds, micros = await stream.redis.time()  # the clock the stream ids were cut by
+    now_ms = seconds * 1000 + micros // 1000
+    gate = asyncio.Semaphore(_CONCURRENT_READS)
+
+    async def read(chunk: list[str]) -> dict[str, queries.CheckedAccounting]:
+        async with gate, sessionmaker() as session:
+            return await queries.checked_accounting_of(session, stream, chunk)
+
+    chunks = [run_ids[i : i + _RUNS_PER_READ] for i in range(0, len(run_ids), _RUNS_PER_READ)]
+    out: dict[str, LedgerFigures] = {}
+    for got in await asyncio.gather(*(read(chunk) for chunk in chunks)):
+        for run_id, checked in got.items():
+            acc, totals = checked.accounting, checked.totals
+            oldest = await stream.oldest_undrained(run_id) if acc.pending_events else None
+            out[run_id] = LedgerFigures(
+                accounting=acc,
+                lease_rollouts={
+                    "leased": totals.rollouts_leased,
+                    "acked": totals.rollouts_acked,
+                    "nacked": totals.rollouts_nacked,
+                    "expired": totals.rollouts_expired,
+                },
+                drain_delay_s=max(0, now_ms - oldest.ms) / 1000 if oldest is not None else 0.0,
+                mismatch=checked.check.mismatch,
+            )
+    return out
 
 
 def _family(spec: MetricSpec) -> Any:  # a MetricFamily; their add_metric()s differ

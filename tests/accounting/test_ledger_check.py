@@ -21,7 +21,7 @@ from app.accounting import drain as drain_module
 from app.accounting import queries
 from app.accounting.drain import DrainCounts
 from app.accounting.events import EventError
-from app.accounting.stream import EventStream, LiveSnapshot
+from app.accounting.stream import EventStream, LiveSnapshot, run_key
 from tests.helpers import ack, lease, make_run, post, rollout
 from workers.drain import DrainContext, drain_once
 
@@ -192,3 +192,53 @@ async def test_the_live_counts_and_the_ledger_describe_one_moment(
     async with sessionmaker() as session:
         check = await queries.check_ledger(session, stream, RUN)
     assert check.settled and not check.mismatch
+
+
+async def test_runs_read_together_answer_as_each_read_alone(
+    api: httpx.AsyncClient,
+    make_ctx: Callable[..., DrainContext],
+    redis: Redis,
+    prefix: str,
+    sessionmaker: async_sessionmaker[AsyncSession],
+) -> None:
+    """``checked_accounting_of`` (GET /metrics) against ``checked_accounting``, run by run:
+    a drained run with reasons and lags, one whose ledger disagrees with live, one whose read
+    raced the drain (read again on its own), one with an event pending, and one that does not
+    exist."""
+    await _workload(api)  # RUN: retired, buffered and leased, with lags
+    for run_id in ("off", "other", "pending"):
+        await make_run(api, run_id)
+        assert (await post(api, run_id, rollout(f"{run_id}-0", 0))).status_code == 202
+    ctx = make_ctx()
+    await drain_all(ctx)
+    await redis.hincrby(run_key(prefix, "off"), "live", 1)  # live no longer what the ledger says
+    raced = False
+
+    class PostedAndDrainedMeanwhile(EventStream):
+        async def live_snapshot(self, run_id: str) -> LiveSnapshot:
+            nonlocal raced
+            snapshot = await super().live_snapshot(run_id)
+            if run_id == "other" and not raced:  # its batched read is not of one moment
+                raced = True
+                assert (await post(api, "other", rollout("meanwhile", 0))).status_code == 202
+                await drain_all(ctx)
+                assert (await post(api, "pending", rollout("pending-1", 0))).status_code == 202
+            return snapshot
+
+    ids = [RUN, "off", "other", "pending", "missing"]
+    stream = PostedAndDrainedMeanwhile(redis, prefix)
+    async with sessionmaker() as session:
+        together = await queries.checked_accounting_of(session, stream, ids)
+    assert raced
+    alone = {}
+    for run_id in ids[:-1]:
+        async with sessionmaker() as session:
+            alone[run_id] = await queries.checked_accounting(session, stream, run_id)
+    assert list(together) == ids[:-1]  # in order, the missing run left out
+    for run_id in ids[:-1]:
+        assert together[run_id].accounting == alone[run_id].accounting, run_id
+        assert together[run_id].check == alone[run_id].check, run_id
+    assert together[RUN].accounting.lag.histogram and together[RUN].accounting.retired
+    assert together["off"].check.mismatch
+    assert together["other"].check.settled and together["other"].accounting.rollouts_received == 2
+    assert together["pending"].accounting.pending_events == 1
