@@ -14,7 +14,9 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
@@ -240,6 +242,15 @@ def serve(
         bool, typer.Option(help="Also run the background workers in this process")
     ] = False,
     migrate: Migrate = False,
+    api_processes: Annotated[
+        int,
+        typer.Option(
+            "--workers",
+            min=1,
+            help="API processes serving the port, one core each (the background workers "
+            "still run once, in this command's own process)",
+        ),
+    ] = 1,
 ) -> None:
     """Run the HTTP API. With no BROKER_REDIS_URL / BROKER_DATABASE_URL, start embedded ones
     (and migrate them); against configured ones, /readyz answers 503 until `migrate` ran.
@@ -270,11 +281,118 @@ def serve(
         # Decided on the final settings (the embedded services' URLs), after any migration,
         # so that an admin token stored in the database is found.
         settings = _auth_settings(settings, host)
+        if api_processes > 1:
+            _serve_processes(settings, host, port, api_processes)
+            return
         app = create_app(settings, background=run_workers if settings.workers_in_process else None)
         uvicorn.run(app, host=host, port=port, log_level="info")
     finally:
         if services is not None:
             services.stop()  # type: ignore[attr-defined]
+
+
+def _serve_processes(settings: Settings, host: str, port: int, processes: int) -> None:
+    """``processes`` uvicorn workers on one port. Each builds its app from the environment
+    (``app.main:create_app``), where the final settings are put for it; the background workers,
+    if any, run once, here beside uvicorn's supervisor, never in the API processes. Their
+    request metrics are summed through a folder of this command's own, removed at exit."""
+    import shutil
+    import tempfile
+
+    import uvicorn
+
+    from app.metrics import MULTIPROC_DIR
+
+    metrics_dir = tempfile.mkdtemp(prefix="rollout-broker-metrics-")
+    api = settings.model_copy(update={"workers_in_process": False})
+    try:
+        with _environment({**_settings_env(api), MULTIPROC_DIR: metrics_dir}):
+            read = Settings()  # what every API process will read
+            if wrong := [n for n in Settings.model_fields if getattr(read, n) != getattr(api, n)]:
+                raise _fail(f"settings lost on their way to the API processes: {wrong}")
+            typer.echo(
+                f"{processes} API processes; their request metrics are summed in {metrics_dir}",
+                err=True,
+            )
+            with _workers_beside(settings if settings.workers_in_process else None):
+                uvicorn.run(
+                    "app.main:create_app",
+                    factory=True,
+                    host=host,
+                    port=port,
+                    workers=processes,
+                    log_level="info",
+                )
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _settings_env(settings: Settings) -> dict[str, str | None]:
+    """``settings`` as the ``BROKER_*`` variables that :class:`Settings` reads back; ``None``
+    for a variable to unset. Secrets among them stay in the processes' memory, never on disk."""
+    from pydantic import SecretStr
+
+    out: dict[str, str | None] = {}
+    for name in Settings.model_fields:
+        value = getattr(settings, name)
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        elif isinstance(value, bool):
+            value = "true" if value else "false"
+        out[_env_name((name,))] = None if value is None else str(value)
+    return out
+
+
+@contextlib.contextmanager
+def _environment(variables: dict[str, str | None]) -> Iterator[None]:
+    """This process's environment (which the processes it starts inherit) with ``variables``
+    set or unset, whatever their case (Settings reads them case-insensitively); restored after."""
+    names = {name.upper() for name in variables}
+    saved = {k: v for k, v in os.environ.items() if k.upper() in names}
+    for key in saved:
+        del os.environ[key]
+    os.environ.update({k: v for k, v in variables.items() if v is not None})
+    try:
+        yield
+    finally:
+        for key in names:
+            os.environ.pop(key, None)
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def _workers_beside(settings: Settings | None) -> Iterator[None]:
+    """The background workers on a thread of this process while the block runs (nothing when
+    ``settings`` is None). If they fail, this process gets SIGTERM, which stops the API
+    processes, and the command ends with the reason."""
+    if settings is None:
+        yield
+        return
+    from workers.runner import run_workers
+
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            loop.run_until_complete(run_workers(settings, stop))
+        except Exception as exc:
+            failed.append(exc)
+            logging.getLogger("rollout_broker").exception("the background workers failed")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=run, name="broker-workers")
+    thread.start()
+    try:
+        yield
+    finally:
+        if thread.is_alive():
+            loop.call_soon_threadsafe(stop.set)
+        thread.join()
+        loop.close()
+    if failed:
+        raise _fail(f"the background workers stopped: {_reason(failed[0])}")
 
 
 async def _schema_missing(database_url: str) -> bool:

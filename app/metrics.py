@@ -5,7 +5,9 @@ Two kinds of figures, rendered together in the Prometheus text format:
 - **This process's requests**: :class:`RequestMetrics`, an ASGI middleware, observes every HTTP
   request's latency in ``rollout_broker_http_request_duration_seconds`` by route template
   (``/v1/runs/{run_id}/batch``, never the raw path), method and status class. Each API process
-  counts its own requests: scrape every process.
+  counts its own requests: scrape every process. The processes of one port
+  (``rollout-broker serve --workers N``) count theirs in the files of ``PROMETHEUS_MULTIPROC_DIR``
+  (prometheus-client's multiprocess mode), and any of them answers with the sum over all.
 - **The broker's figures**, read at scrape time from Redis and Postgres by
   :func:`collect_broker`: the open runs' buffered and leased rollouts (their live state) and
   their ledger figures (:func:`app.accounting.queries.run_accounting`, what
@@ -21,6 +23,7 @@ the async handler, and then renders a registry built for that one response.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -34,6 +37,7 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.exposition import generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -49,6 +53,7 @@ __all__ = [
     "CATALOGUE",
     "CONTENT_TYPE",
     "LATENCY_BUCKETS_S",
+    "MULTIPROC_DIR",
     "BrokerFigures",
     "MetricSpec",
     "ProcessMetrics",
@@ -62,6 +67,10 @@ __all__ = [
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+
+MULTIPROC_DIR: Final = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus-client's variable: set (before the process starts), every process writes its
+request histogram to files in that folder and reads all of them for ``GET /metrics``."""
 
 NAMESPACE: Final = "rollout_broker"
 
@@ -308,18 +317,43 @@ _CONCURRENT_READS: Final = 4
 
 class ProcessMetrics:
     """This process's metrics (one per app): a registry of its own and the request
-    histogram. Built by ``create_app``; the middleware and ``GET /metrics`` share it."""
+    histogram. Built by ``create_app``; the middleware and ``GET /metrics`` share it.
+
+    With ``PROMETHEUS_MULTIPROC_DIR`` set, prometheus-client keeps the histogram's values in a
+    file of that folder per process, and the registry holds instead the histogram summed over
+    every file: the requests of all the processes of one port, whichever of them is scraped."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         spec = SPECS[REQUEST_SECONDS]
+        folder = os.environ.get(MULTIPROC_DIR)
         self.requests = Histogram(
             spec.name,
             spec.help,
             spec.labels,
             buckets=LATENCY_BUCKETS_S,
-            registry=self.registry,
+            registry=None if folder else self.registry,
         )
+        if folder:
+            self.registry.register(_AllProcesses(folder))
+
+
+class _AllProcesses(Collector):
+    """The process metrics summed over the files of every process in ``folder``, with the
+    catalogue's help texts (prometheus-client's merge calls each one "Multiprocess metric").
+
+    Counts of a process that has exited stay in its file and in the sum, as a counter must;
+    ``multiprocess.mark_process_dead`` only concerns live gauges, which there are none of."""
+
+    def __init__(self, folder: str) -> None:
+        self._merged = MultiProcessCollector(None, folder)  # type: ignore[no-untyped-call]
+
+    def collect(self) -> Iterable[Metric]:
+        for metric in self._merged.collect():  # type: ignore[no-untyped-call]
+            spec = SPECS.get(metric.name)
+            if spec is not None:
+                metric.documentation = spec.help
+            yield metric
 
 
 class RequestMetrics:

@@ -235,6 +235,67 @@ def uvicorn_server(
         log.close()
 
 
+@contextlib.contextmanager
+def cli_server(
+    name: str,
+    *args: str,
+    cwd: Path,
+    workdir: Path,
+    env: dict[str, str],
+    processes: int = 1,
+) -> Iterator[Server]:
+    """``rollout-broker serve <args>`` (as ``python -m app.cli``) on a free port in a
+    subprocess, with ``env`` over this environment, ready once ``/healthz`` answers and its
+    ``processes`` API processes (``--workers``) have started. ``Server.pid`` is the serve
+    process's. It runs in a session of its own: whatever is left of it after the stop is
+    killed by that session's process group."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "app.cli", "serve", "--host", HOST, "--port", str(port), *args]
+    full_env = {**os.environ, **env}
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(cwd), full_env.get("PYTHONPATH", "")) if p
+    )
+    log_path = workdir / f"{name}.log"
+    log = open(log_path, "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited at start:\n{log_path.read_text()[-3000:]}")
+            started = log_path.read_text(errors="replace").count("Application startup complete")
+            if started >= processes and _healthy(port):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not start:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.05)
+        yield Server(name, port, proc.pid)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # an API process the serve process left behind
+        log.close()
+
+
+def _healthy(port: int) -> bool:
+    try:
+        conn = http.client.HTTPConnection(HOST, port, timeout=2)
+        conn.request("GET", "/healthz")
+        ok = conn.getresponse().status == 200
+        conn.close()
+        return ok
+    except OSError:
+        return False
+
+
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
