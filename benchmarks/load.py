@@ -24,6 +24,7 @@ import redis
 
 from benchmarks.payloads import (
     CONTENT_TYPE,
+    TOKENS,
     ack_body,
     big_json_body,
     ingest_body,
@@ -145,11 +146,20 @@ def http_ingest(
     max_ops: int,
     warmup: int = 2,
     token: str | None = None,
+    tokens: int = TOKENS,
     barrier: Any,
 ) -> Result:
-    """A generator posting ``per_req`` rollouts per request (``fmt`` json or msgpack)."""
+    """A generator posting ``per_req`` rollouts of ``tokens`` tokens per request (``fmt`` json
+    or msgpack)."""
     http, post = ingest_poster(
-        address=address, path=path, fmt=fmt, per_req=per_req, tag=tag, worker=worker, token=token
+        address=address,
+        path=path,
+        fmt=fmt,
+        per_req=per_req,
+        tag=tag,
+        worker=worker,
+        token=token,
+        tokens=tokens,
     )
     for _ in range(warmup):
         post()
@@ -167,9 +177,10 @@ def ingest_poster(
     tag: str,
     worker: int,
     token: str | None = None,
+    tokens: int = TOKENS,
 ) -> tuple[Http, Callable[[], int]]:
     """A connection, and a call posting the next ``per_req`` rollouts on it (returns them)."""
-    payload = make_payload()
+    payload = make_payload(tokens=tokens)
     http = Http(address, token)
     ctype = CONTENT_TYPE[fmt]
     seq = 0
@@ -186,10 +197,17 @@ def ingest_poster(
 
 
 def naive_ingest(
-    *, address: Address, tag: str, worker: int, duration: float, max_ops: int, barrier: Any
+    *,
+    address: Address,
+    tag: str,
+    worker: int,
+    duration: float,
+    max_ops: int,
+    tokens: int = TOKENS,
+    barrier: Any,
 ) -> Result:
     """A generator of the naive buffer: one JSON rollout per request."""
-    payload = make_payload()
+    payload = make_payload(tokens=tokens)
     http = Http(address)
     seq = 0
     for _ in range(2):
@@ -221,11 +239,12 @@ def redis_write(
     worker: int,
     duration: float,
     max_ops: int,
+    tokens: int = TOKENS,
     barrier: Any,
 ) -> Result:
     """The write ceiling: per rollout ``SET <id> <msgpack rollout>`` and ``RPUSH <queue> <id>``,
     ``per_pipe`` rollouts per pipelined round trip. Same bytes as the msgpack request items."""
-    payload = make_payload()
+    payload = make_payload(tokens=tokens)
     r = redis.Redis.from_url(url)
     queue = f"{key_prefix}:q"
     seq = 0
@@ -292,12 +311,15 @@ def http_lease_ack(
     stop_on_empty: bool,
     warmup: int = 1,
     token: str | None = None,
+    tokens: int = TOKENS,
     barrier: Any,
 ) -> Result:
     """A trainer: lease a batch (msgpack or JSON response), ack it with the current policy's
-    logprobs for every rollout (so the broker computes KL and ratio statistics). Latency is the
-    lease call's."""
-    http, lease, ack = trainer(address=address, run_id=run_id, size=size, fmt=fmt, token=token)
+    logprobs for every rollout (so the broker computes KL and ratio statistics; ``tokens`` of
+    them, as many as the rollouts have). Latency is the lease call's."""
+    http, lease, ack = trainer(
+        address=address, run_id=run_id, size=size, fmt=fmt, token=token, tokens=tokens
+    )
     for _ in range(warmup):
         got = lease()
         if got is not None:
@@ -328,11 +350,17 @@ Batch = tuple[str, list[str]]  # a leased batch's id and its rollout ids
 
 
 def trainer(
-    *, address: Address, run_id: str, size: int, fmt: str, token: str | None = None
+    *,
+    address: Address,
+    run_id: str,
+    size: int,
+    fmt: str,
+    token: str | None = None,
+    tokens: int = TOKENS,
 ) -> tuple[Http, Callable[[], Batch | None], Callable[[Batch], None]]:
     """A connection, a lease of ``size`` (None when the run has nothing: 204) and the ack of a
-    batch with the current policy's logprobs for every rollout."""
-    payload = make_payload()
+    batch with the current policy's logprobs for every rollout (``tokens`` of them)."""
+    payload = make_payload(tokens=tokens)
     http = Http(address, token)
     ctype = CONTENT_TYPE[fmt]
     lease_path = f"/v1/runs/{run_id}/batch?size={size}"

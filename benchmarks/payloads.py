@@ -2,7 +2,8 @@
 
 Bodies are built from byte templates split around the rollout id, so building a request of 64
 rollouts costs a join rather than a fresh encode of 64 x 2048 numbers: the client stays cheap
-and the figures measure the server. Every rollout of a request still has its own id.
+and the figures measure the server. Every rollout of a request still has its own id. The
+long-rollout rows build the same payload at ``LONG_TOKENS`` (``make_payload(tokens=...)``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import orjson
 TOKENS = 1024
 VOCAB = 151_936  # a current LLM vocabulary size (token ids need 18 bits)
 RAW_BYTES = TOKENS * 4 + TOKENS * 4  # int32 ids + float32 logprobs
+LONG_TOKENS = 32_768  # a reasoning run's rollout: the long-rollout rows
 ID_LEN = 32  # the length of a uuid4 hex, a common rollout id
 _PLACEHOLDER = "Q" * ID_LEN
 
@@ -57,13 +59,18 @@ def _split(blob: bytes, marker: bytes) -> tuple[bytes, bytes]:
     return pre, post
 
 
-def make_payload(seed: int = 0) -> Payload:
+def raw_bytes(tokens: int) -> int:
+    """The raw array bytes of a rollout of ``tokens`` tokens: int32 ids + float32 logprobs."""
+    return tokens * 4 + tokens * 4
+
+
+def make_payload(seed: int = 0, tokens: int = TOKENS) -> Payload:
     rng = np.random.default_rng(seed)
-    ids = rng.integers(0, VOCAB, TOKENS, dtype=np.int64).astype("<i4")
+    ids = rng.integers(0, VOCAB, tokens, dtype=np.int64).astype("<i4")
     # Sampled-token logprobs: mostly near 0, a tail of unlikely tokens.
-    logprobs = (-rng.exponential(0.7, TOKENS)).astype("<f4")
+    logprobs = (-rng.exponential(0.7, tokens)).astype("<f4")
     # The current policy after one small step: KL far below kl_max, nothing retires for KL.
-    ack_lp = np.minimum(logprobs + rng.normal(0.0, 0.01, TOKENS), 0.0).astype("<f4")
+    ack_lp = np.minimum(logprobs + rng.normal(0.0, 0.01, tokens), 0.0).astype("<f4")
     base = {
         "rollout_id": _PLACEHOLDER,
         "policy_version": 0,

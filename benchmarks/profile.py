@@ -6,6 +6,7 @@ SLOWLOG (threshold 0 on the private server) times every command, and both are su
     python -m benchmarks.profile lease              # lease 256 + ack with logprobs
     python -m benchmarks.profile lease --out /tmp/prof   # keep the raw (collapsed) stacks
     python -m benchmarks.profile work               # work lease of 64 prompts + return
+    python -m benchmarks.profile lease --tokens 32768 --size 16   # long rollouts
 
 Needs ``py-spy`` (pip install py-spy) and root or ptrace rights over the server process.
 """
@@ -24,9 +25,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from app.broker import keys
+from app.broker.store import _load_scripts
 from benchmarks import load
 from benchmarks.load import run_group
-from benchmarks.run import BIG, ROOT, Bench, Sizes, delete_keys
+from benchmarks.payloads import TOKENS
+from benchmarks.run import BIG, ROOT, Bench, Sizes, delete_keys, long_fill
 from benchmarks.servers import proc_cpu_s, redis_server, uvicorn_server
 
 
@@ -42,6 +45,9 @@ def script_names(app_dir: Path) -> dict[str, str]:
         body = f.read_text()
         for src in (keys.lua_prologue() + common + "\n" + body, common + "\n" + body, body):
             names[hashlib.sha1(src.encode()).hexdigest()] = f.stem
+    if app_dir.resolve() == ROOT:  # this tree: the exact texts its store loads
+        for name, src in _load_scripts().items():
+            names[hashlib.sha1(src.encode()).hexdigest()] = name
     return names
 
 
@@ -89,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("workload", choices=["ingest", "lease", "work"])
     p.add_argument("--fmt", choices=["msgpack", "json"], default="msgpack")
     p.add_argument("--per-req", type=int, default=64, help="rollouts per ingest request")
+    p.add_argument("--tokens", type=int, default=TOKENS, help="response tokens per rollout")
     p.add_argument(
         "--size", type=int, default=None, help="lease batch size (256), work lease size (64)"
     )
@@ -138,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                         worker=0,
                         duration=args.seconds,
                         max_ops=BIG,
+                        tokens=args.tokens,
                     )
                 elif args.workload == "work":
                     run = bench.new_run("prof-work", step_groups=1_000_000)
@@ -153,7 +161,12 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     args.size = args.size or 256
                     run = bench.new_run("prof-lease", max_reuse=10_000)
-                    bench.fill(run, max(4096, 4 * args.size), "p")
+                    # As many rollout bytes buffered as 4,096 rollouts of 1,024 tokens.
+                    n = max(4096 * TOKENS // args.tokens, 4 * args.size)
+                    if args.tokens == TOKENS:
+                        bench.fill(run, n, "p")
+                    else:
+                        long_fill(bench, run, n, args.size, tokens=args.tokens)
                     fn = load.http_lease_ack
                     kw = dict(
                         address=broker.address,
@@ -163,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                         duration=args.seconds,
                         max_ops=BIG,
                         stop_on_empty=False,
+                        tokens=args.tokens,
                     )
                 rc.config_set("slowlog-log-slower-than", args.slowlog_us)
                 rc.config_set("slowlog-max-len", 1_000_000)

@@ -46,7 +46,16 @@ from app.broker import keys
 from benchmarks import load
 from benchmarks.cluster import cluster_rows
 from benchmarks.load import Group, Http, expect, percentile, run_group
-from benchmarks.payloads import ID_LEN, RAW_BYTES, TOKENS, big_json_body, rollout_id
+from benchmarks.payloads import (
+    ID_LEN,
+    LONG_TOKENS,
+    RAW_BYTES,
+    TOKENS,
+    big_json_body,
+    make_payload,
+    raw_bytes,
+    rollout_id,
+)
 from benchmarks.servers import (
     PG_URL,
     CpuMeter,
@@ -96,6 +105,15 @@ class Sizes:
     auth_lease_fill: int = 6_144  # rollouts per side and round for their lease + ack
     scrape_runs: tuple[int, ...] = (1, 10, 100)  # open runs of the scrape-cost rows
     scrapes: int = 20  # scrapes measured at each
+    long_per_req: int = 4  # 32,768-token rollouts per ingest request (msgpack)
+    long_ingest_s: float = 1.5  # seconds per long-rollout ingest measurement
+    long_ceiling_s: float = 1.0  # seconds per long-rollout raw-Redis measurement
+    long_naive_s: float = 1.0  # seconds per long-rollout naive-buffer measurement
+    long_batch: int = 16  # long-rollout lease + ack batch size
+    long_fill: int = 1024  # long rollouts buffered for one lease + ack measurement
+    long_lease_s: float = 2.5
+    workers_s: float = 2.0  # seconds per measurement of the --workers rows
+    workers_lease_fill: int = 8_192  # rollouts cycling through their lease + ack (max_reuse high)
 
 
 FULL = Sizes()
@@ -125,6 +143,14 @@ QUICK = Sizes(
     auth_lease_fill=1024,
     scrape_runs=(1, 3),
     scrapes=3,
+    long_ingest_s=0.25,
+    long_ceiling_s=0.2,
+    long_naive_s=0.25,
+    long_batch=8,
+    long_fill=96,
+    long_lease_s=0.5,
+    workers_s=0.25,
+    workers_lease_fill=1024,
 )
 
 
@@ -905,6 +931,230 @@ def body_rows(b: Bench) -> list[Row]:
     return [*rows, peak_row]
 
 
+LONG_NEED = 0.6  # issue 14: lease + ack of 32,768-token rollouts at least 0.6× the raw ceiling
+LONG_SECTION = "Long rollouts (32,768 tokens)"
+
+
+def long_rows(b: Bench) -> list[Row]:
+    """32,768-token rollouts with logprobs, as reasoning runs make them: msgpack ingest a few a
+    request with 1 and 4 generators, JSON ingest one a request, and lease + ack of whole batches
+    (max_reuse=1), each beside its raw-Redis ceiling and the naive dict moving the same
+    rollouts, interleaved and repeated, best of each kept. The rows are rollouts/s; every
+    rollout has the same raw array bytes, so ×raw is also the ratio in bytes/s (in the note)."""
+    s = b.sizes
+    tokens, per, size = LONG_TOKENS, s.long_per_req, s.long_batch
+    payload = make_payload(tokens=tokens)
+    item = len(payload.msgpack_item(rollout_id("l", 0, 0)))
+    json_item = len(payload.json_item(rollout_id("l", 0, 0)))
+    got: dict[str, list[Group]] = {}
+
+    def keep(key: str, g: Group) -> None:
+        got.setdefault(key, []).append(g)
+
+    for rep in range(s.repeats):
+        for procs in (1, 4):
+            b.say(f"long: raw Redis writes, {per}/pipeline, {procs} proc (#{rep + 1})")
+            keep(f"raw{per}.p{procs}", long_raw_write(b, per, procs, s.long_ceiling_s, BIG))
+            b.raw_clear()
+            b.say(f"long: naive dict, json, 1/request, {procs} proc (#{rep + 1})")
+            keep(f"naive.p{procs}", long_naive_ingest(b, procs, s.long_naive_s))
+            b.say(f"long: broker, msgpack, {per}/request, {procs} proc (#{rep + 1})")
+            run = b.new_run(f"long-msgpack-{procs}")
+            keep(f"msgpack.p{procs}", long_ingest(b, run, "msgpack", per, procs, s.long_ingest_s))
+            b.drop_run(run)
+        b.say(f"long: raw Redis writes, 1/pipeline, 1 proc (#{rep + 1})")
+        keep("raw1.p1", long_raw_write(b, 1, 1, s.long_ceiling_s, BIG))
+        b.raw_clear()
+        b.say(f"long: broker, json, 1/request, 1 proc (#{rep + 1})")
+        run = b.new_run("long-json")
+        keep("json.p1", long_ingest(b, run, "json", 1, 1, s.long_ingest_s))
+        b.drop_run(run)
+
+        b.say(f"long: raw Redis reads of {size} (#{rep + 1})")
+        long_raw_write(b, size, 1, 600.0, 4)  # a pool of 5 batches (one more to warm up)
+        keep("raw_read", b.raw_read(size, 1, s.long_ceiling_s))
+        b.raw_clear()
+        b.say(f"long: naive dict, batches of {size} pops (#{rep + 1})")
+        keep("naive_pop", long_naive_pop(b, size, s.long_naive_s))
+        run = b.new_run("long-lease", max_reuse=1)
+        b.say(f"long: filling {s.long_fill:,} rollouts (#{rep + 1})")
+        long_fill(b, run, s.long_fill, size)
+        b.say(f"long: broker, lease + ack, msgpack, batches of {size} (#{rep + 1})")
+        keep("lease", long_lease_ack(b, run, size, s.long_lease_s))
+        b.drop_run(run)
+
+    def mb_s(rate: float) -> str:
+        return f"{rate * raw_bytes(tokens) / 1e6:,.0f} MB/s"
+
+    rows: list[Row] = []
+    for fmt, n, procs, raw_key in (
+        ("msgpack", per, 1, f"raw{per}.p1"),
+        ("msgpack", per, 4, f"raw{per}.p4"),
+        ("json", 1, 1, "raw1.p1"),
+    ):
+        g, raw = best_rate(got[f"{fmt}.p{procs}"]), best_rate(got[raw_key]).rate
+        body = n * (item if fmt == "msgpack" else json_item)
+        row = Row(
+            f"long.ingest.{fmt}.{n}.p{procs}",
+            LONG_SECTION,
+            f"ingest of 32,768-token rollouts, {fmt}, {n}/request, "
+            f"{procs} generator{'s' if procs > 1 else ''}",
+            g.rate,
+            "rollouts/s",
+            raw=raw,
+            naive=best_rate(got[f"naive.p{procs}"]).rate,
+            tokens_per_s=g.rate * tokens,
+            note=f"{mb_s(g.rate)} of raw arrays, raw Redis {mb_s(raw)}; "
+            f"{g.ops / g.span:,.1f} requests/s of {body / 1e6:.2f} MB",
+        )
+        row.target(">1× naive", row.vs_naive, 1.0)
+        rows.append(row)
+    g, raw = best_rate(got["lease"]), best_rate(got["raw_read"]).rate
+    row = Row(
+        f"long.lease_ack.msgpack.{size}",
+        LONG_SECTION,
+        f"lease + ack of 32,768-token rollouts, msgpack, batches of {size}, 1 trainer "
+        "(max_reuse=1)",
+        g.rate,
+        "rollouts/s",
+        raw=raw,
+        naive=best_rate(got["naive_pop"]).rate,
+        tokens_per_s=g.rate * tokens,
+        note=f"{mb_s(g.rate)} of raw arrays, raw Redis {mb_s(raw)}; {g.ops} batches; "
+        f"lease p50 {percentile(g.latencies, 50) * 1e3:.1f} ms",
+    )
+    row.target(f"≥{LONG_NEED}× raw", row.vs_raw, LONG_NEED)
+    row.target(">1× naive", row.vs_naive, 1.0)
+    return [*rows, row]
+
+
+def long_raw_write(b: Bench, per_pipe: int, procs: int, duration: float, max_ops: int) -> Group:
+    """:meth:`Bench.raw_write` of 32,768-token rollouts."""
+    return run_group(
+        load.redis_write,
+        [
+            dict(
+                url=b.redis.url,
+                key_prefix=b.raw_prefix,
+                per_pipe=per_pipe,
+                tag=f"lw{per_pipe}",
+                worker=w,
+                duration=duration,
+                max_ops=max_ops,
+                tokens=LONG_TOKENS,
+            )
+            for w in range(procs)
+        ],
+        timeout=duration + 120,
+    )
+
+
+def long_ingest(b: Bench, run: str, fmt: str, per_req: int, procs: int, duration: float) -> Group:
+    """Generators posting 32,768-token rollouts, ``per_req`` a request, to ``run``."""
+    return run_group(
+        load.http_ingest,
+        [
+            dict(
+                address=b.broker.address,
+                path=f"/v1/runs/{run}/rollouts",
+                fmt=fmt,
+                per_req=per_req,
+                tag=f"l{fmt[0]}{per_req}",
+                worker=w,
+                duration=duration,
+                max_ops=BIG,
+                tokens=LONG_TOKENS,
+            )
+            for w in range(procs)
+        ],
+        timeout=duration + 300,
+    )
+
+
+def long_fill(b: Bench, run: str, n: int, per_req: int, *, tokens: int = LONG_TOKENS) -> None:
+    """Buffer ``n`` rollouts of ``tokens`` tokens in ``run`` (msgpack, ``per_req`` a request),
+    the requests split over ``fill_procs`` generators."""
+    reqs = math.ceil(n / per_req)
+    procs = max(1, min(b.sizes.fill_procs, reqs))
+    run_group(
+        load.http_ingest,
+        [
+            dict(
+                address=b.broker.address,
+                path=f"/v1/runs/{run}/rollouts",
+                fmt="msgpack",
+                per_req=per_req,
+                tag="lf",
+                worker=w,
+                duration=600.0,
+                max_ops=reqs // procs + (1 if w < reqs % procs else 0),
+                warmup=0,
+                tokens=tokens,
+            )
+            for w in range(procs)
+        ],
+        timeout=660,
+    )
+
+
+def long_naive_ingest(b: Bench, procs: int, duration: float) -> Group:
+    """The naive dict's generators: one JSON 32,768-token rollout a request; emptied after."""
+    g = run_group(
+        load.naive_ingest,
+        [
+            dict(
+                address=b.naive.address,
+                tag=f"ln{procs}",
+                worker=w,
+                duration=duration,
+                max_ops=BIG,
+                tokens=LONG_TOKENS,
+            )
+            for w in range(procs)
+        ],
+        timeout=duration + 120,
+    )
+    b.naive_call("POST", "/_bench/clear")
+    return g
+
+
+def long_naive_pop(b: Bench, size: int, duration: float) -> Group:
+    """The naive dict's trainer popping batches of ``size`` 32,768-token rollouts; emptied
+    after."""
+    b.naive_call("POST", "/_bench/clear")
+    item = make_payload(tokens=LONG_TOKENS).json_item(rollout_id("lp", 0, 0))
+    b.naive_call("POST", "/rollouts", item)
+    b.naive_call("POST", f"/_bench/replicate?n={max(20 * size, 400)}&prefix=lp-")
+    g = run_group(
+        load.naive_pop,
+        [dict(address=b.naive.address, size=size, duration=duration, max_ops=BIG)],
+        timeout=duration + 120,
+    )
+    b.naive_call("POST", "/_bench/clear")
+    return g
+
+
+def long_lease_ack(b: Bench, run: str, size: int, duration: float) -> Group:
+    """One trainer leasing and acking 32,768-token rollouts until ``run`` is empty or
+    ``duration`` has passed."""
+    return run_group(
+        load.http_lease_ack,
+        [
+            dict(
+                address=b.broker.address,
+                run_id=run,
+                size=size,
+                fmt="msgpack",
+                duration=duration,
+                max_ops=BIG,
+                stop_on_empty=True,
+                tokens=LONG_TOKENS,
+            )
+        ],
+        timeout=duration + 300,
+    )
+
+
 AUTH_SCOPES = ("generate", "train", "operate")
 AUTH_NEED = 0.95  # auth on may cost at most 5 % of the throughput with auth off
 METRICS_NEED = 0.97  # metrics on may cost at most 3 % of the throughput with metrics off
@@ -1331,6 +1581,117 @@ def pair_case_rows(toggle: Toggle, case: PairCase, off: PairSide, on: PairSide) 
     return [off_row, on_row]
 
 
+WORKERS = (1, 2)  # the API processes (serve --workers) of the brokers compared
+WORKERS_SECTION = "API processes (serve --workers)"
+WORKERS_PROCS = 4  # generators and trainers of the --workers rows
+
+
+def workers_rows(b: Bench) -> list[Row]:
+    """Ingest (JSON 1 a request, msgpack 64 a request) from 4 generators and lease + ack (msgpack)
+    by 4 trainers against ``rollout-broker serve --workers 1`` and ``--workers 2``, both
+    started through the CLI on the run's Redis (a key prefix each) and one new database, with
+    no background workers. The two are measured in turn, the side that leads alternating, and
+    repeated; the best of each is kept, and the ``--workers 2`` rows' notes give the ratio."""
+    from benchmarks.servers import cli_server
+
+    s = b.sizes
+    size = s.batch
+    workdir = b.workdir or Path(tempfile.gettempdir())
+    cases = (("json", 1), ("msgpack", 64))
+    got: dict[str, list[Group]] = {}
+    with postgres_database(b.pg_url, b.app_dir, workdir) as db, contextlib.ExitStack() as stack:
+        servers: dict[int, Server] = {}
+        prefixes: dict[int, str] = {}
+        for n in WORKERS:
+            prefix = prefixes[n] = f"{b.prefix}w{n}"
+            stack.callback(
+                lambda p=prefix: delete_keys(
+                    b.rc, list(b.rc.scan_iter(match=keys.every_key(p), count=2000))
+                )
+            )
+            env = {
+                "BROKER_REDIS_URL": b.redis.url,
+                "BROKER_REDIS_PREFIX": prefix,
+                "BROKER_DATABASE_URL": db,
+            }
+            b.say(f"workers: starting `serve --workers {n}`")
+            servers[n] = stack.enter_context(
+                cli_server(
+                    f"broker-workers-{n}",
+                    "--workers",
+                    str(n),
+                    cwd=b.app_dir,
+                    workdir=workdir,
+                    env=env,
+                    processes=n,
+                )
+            )
+
+        def drop(n: int, run: str) -> None:
+            delete_keys(b.rc, list(b.rc.scan_iter(match=keys.run_base(prefixes[n], run) + "*")))
+
+        pools: dict[int, str] = {}
+        for n, server in servers.items():
+            pools[n] = b.new_run(f"workers{n}-lease", server=server, max_reuse=10_000)
+            b.fill(pools[n], s.workers_lease_fill, f"wl{n}", server=server)
+        for rep in range(s.repeats):
+            for n in WORKERS if rep % 2 == 0 else WORKERS[::-1]:
+                server = servers[n]
+                for fmt, per in cases:
+                    b.say(f"workers: --workers {n}, ingest {fmt} {per}/request (#{rep + 1})")
+                    run = b.new_run(f"workers{n}-{fmt}-{per}", server=server)
+                    g = run_group(
+                        load.http_ingest,
+                        [
+                            dict(
+                                address=server.address,
+                                path=f"/v1/runs/{run}/rollouts",
+                                fmt=fmt,
+                                per_req=per,
+                                tag=f"w{per}",
+                                worker=w,
+                                duration=s.workers_s,
+                                max_ops=BIG,
+                            )
+                            for w in range(WORKERS_PROCS)
+                        ],
+                        timeout=s.workers_s + 300,
+                    )
+                    got.setdefault(f"ingest.{fmt}.{per}.w{n}", []).append(g)
+                    drop(n, run)
+                b.say(f"workers: --workers {n}, lease + ack of {size} (#{rep + 1})")
+                g = b.lease_ack(pools[n], size, WORKERS_PROCS, s.workers_s, server=server)
+                got.setdefault(f"lease_ack.msgpack.{size}.w{n}", []).append(g)
+
+    def what(key: str) -> str:
+        if key.startswith("ingest."):
+            _, fmt, per = key.split(".")
+            return f"ingest, {fmt}, {per}/request, {WORKERS_PROCS} generators"
+        return f"lease + ack, msgpack, batches of {size}, {WORKERS_PROCS} trainers"
+
+    rows: list[Row] = []
+    one = WORKERS[0]
+    for key in (*(f"ingest.{fmt}.{per}" for fmt, per in cases), f"lease_ack.msgpack.{size}"):
+        best = {n: best_rate(got[f"{key}.w{n}"]) for n in WORKERS}
+        ops = "requests" if key.startswith("ingest") else "batches"
+        for n, g in best.items():
+            note = f"{g.ops / g.span:,.0f} {ops}/s"
+            if n != one:
+                note += f"; --workers {n} / --workers {one}: ×{g.rate / best[one].rate:.2f}"
+            rows.append(
+                Row(
+                    f"workers.{key}.w{n}",
+                    WORKERS_SECTION,
+                    f"{what(key)}, serve --workers {n}",
+                    g.rate,
+                    "rollouts/s",
+                    tokens_per_s=g.rate * TOKENS,
+                    note=note,
+                )
+            )
+    return rows
+
+
 SECTIONS = {
     "memory": memory_rows,
     "ingest": ingest_rows,
@@ -1338,8 +1699,10 @@ SECTIONS = {
     "scaling": scaling_rows,
     "work": work_rows,
     "bodies": body_rows,
+    "long": long_rows,
     "auth": auth_rows,
     "metrics": metrics_rows,
+    "workers": workers_rows,
     "cluster": cluster_rows,
 }
 

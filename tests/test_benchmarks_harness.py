@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks.cluster import BALANCE_NEED, MASTERS, cluster_binaries
 from benchmarks.payloads import RAW_BYTES, big_json_body
-from benchmarks.run import AUTH_NEED, METRICS_NEED, QUICK
+from benchmarks.run import AUTH_NEED, LONG_NEED, METRICS_NEED, QUICK
 
 RATES = ("rollouts/s", "prompts/s")
 
@@ -42,6 +42,8 @@ def expected_rows() -> list[str]:
     rows += [f"work.queued.{n}.{k}" for n in s.work_levels for k in ("rate", "p50", "p99")]
     rows += ["bodies.healthz.idle.p50", "bodies.healthz.ingest.p50", "bodies.healthz.ingest.max"]
     rows += ["bodies.ingest", "bodies.peak_rss"]
+    rows += [f"long.ingest.msgpack.{s.long_per_req}.p{n}" for n in (1, 4)]
+    rows += ["long.ingest.json.1.p1", f"long.lease_ack.msgpack.{s.long_batch}"]
     rows += [
         f"{toggle}.{case}.{side}"
         for toggle in ("auth", "metrics")
@@ -49,6 +51,11 @@ def expected_rows() -> list[str]:
         for side in ("off", "on")
     ]
     rows += [f"metrics.scrape.{n}" for n in s.scrape_runs]
+    rows += [
+        f"workers.{key}.w{n}"
+        for key in ("ingest.json.1", "ingest.msgpack.64", f"lease_ack.msgpack.{s.batch}")
+        for n in (1, 2)
+    ]
     if cluster_binaries() is not None:  # the cluster rows are skipped without a redis-server
         rows += [f"cluster.{key}.{side}" for key in ("ingest", "lease_ack") for side in SIDES]
         rows += [f"cluster.redis_cpu.{n}" for n in ("single", *CLUSTER_MASTERS, "all")]
@@ -61,6 +68,7 @@ METRICS_TARGET = f"≥{METRICS_NEED}× metrics off"
 SIDES = ("single", "cluster")
 CLUSTER_MASTERS = [f"master{i + 1}" for i in range(MASTERS)]
 BALANCE_TARGET = f"≤{BALANCE_NEED}× busiest/least busy master"
+LONG_TARGET = f"≥{LONG_NEED}× raw"  # 32,768-token lease + ack against the raw read ceiling
 
 
 def _number(x: object) -> bool:
@@ -123,7 +131,9 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
     # Every comparable row carries its baselines, measured in the same run, and its ratios are
     # the broker against them.
     for rid, r in rows.items():
-        if rid.startswith(("ingest.", "lease_ack.", "lease_latency.", "memory.used_memory")):
+        if rid.startswith(
+            ("ingest.", "lease_ack.", "lease_latency.", "memory.used_memory", "long.")
+        ):
             assert _number(r["raw"]) and _number(r["naive"]), rid
         if rid.startswith(("scale.trainers.", "http_floor.", "memory.memory_usage", "work.")):
             assert _number(r["raw"]), rid
@@ -144,6 +154,7 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
     assert (f"lease_ack.msgpack.{QUICK.batch}", "≥0.5× raw") in targets
     assert ("memory.used_memory", "≤1.3× raw arrays") in targets
     assert ("bodies.peak_rss", "≤4× body") in targets
+    assert (f"long.lease_ack.msgpack.{QUICK.long_batch}", LONG_TARGET) in targets
     # Auth (metrics) on against off, the same case of the same run: at most 5 % (3 %) slower.
     for case in AUTH_CASES:
         for toggle, target in (("auth", AUTH_TARGET), ("metrics", METRICS_TARGET)):
@@ -165,6 +176,7 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
             return max(cpu) / min(cpu), BALANCE_NEED, True
         return {
             "≥0.5× raw": (r["vs_raw"], 0.5, False),
+            LONG_TARGET: (r["vs_raw"], LONG_NEED, False),
             ">1× naive": (r["vs_naive"], 1.0, False),
             "≤1.3× raw arrays": (r["value"] / RAW_BYTES, 1.3, True),
             "≤4× body": (r["value"] / big_body, 4.0, True),
