@@ -21,7 +21,7 @@ from fastapi.responses import Response
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app import __version__
+from app import __version__, allocator
 from app.access.guard import guard
 from app.access.tokens import TokenCache
 from app.accounting.db import create_sessionmaker, schema_at_head
@@ -146,6 +146,7 @@ def create_app(
     """The API app. ``background`` runs for the app's lifetime; it is required when
     ``settings.workers_in_process`` asks for the workers in this process."""
     settings = settings or Settings()
+    allocator.keep_freed_pages(settings.keep_freed_bytes)
     if settings.workers_in_process and background is None:
         raise ValueError(
             "workers_in_process is set but no workers were given: run `rollout-broker serve "

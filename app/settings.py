@@ -52,6 +52,13 @@ class Settings(BaseSettings):
     )
 
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    keep_freed_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=0,
+        description="Freed memory each API process keeps for its next requests rather than "
+        "returning it to the OS, so that requests of megabytes do not fault in fresh pages each "
+        "time (glibc's trim threshold; 0: the C library's defaults)",
+    )
     body_timeout_s: float = Field(
         default=30.0,
         gt=0,

@@ -10,7 +10,6 @@ item at a time (:func:`pack_items`), with exactly the answers the whole-document
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -24,6 +23,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 from rollout_broker_client.protocol import MSGPACK, MSGPACK_TYPES
 
+from app import allocator
 from app.errors import BrokerError, PayloadTooLarge, UnsupportedMediaType, ValidationFailed
 
 if TYPE_CHECKING:
@@ -127,17 +127,6 @@ async def read_body(request: Request, limit: int, *, timeout_s: float | None = N
             return body
 
 
-def _libc_malloc_trim() -> Callable[[int], int] | None:
-    try:
-        trim: Callable[[int], int] = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-    return trim
-
-
-_malloc_trim = _libc_malloc_trim()
-
-
 async def sized_call(size: int, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """``fn(*args, **kwargs)`` for a body of ``size`` bytes: here when it is small, in a worker
     thread from :data:`STREAM_BYTES` on, so that parsing it does not stall the event loop.
@@ -153,8 +142,7 @@ async def sized_call(size: int, fn: Callable[P, T], *args: P.args, **kwargs: P.k
         try:
             return fn(*args, **kwargs)
         finally:
-            if _malloc_trim is not None:
-                _malloc_trim(0)
+            allocator.release()
 
     return await asyncio.to_thread(work)
 
