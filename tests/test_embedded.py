@@ -93,8 +93,10 @@ async def _roundtrip(services: EmbeddedServices, *, first: bool) -> None:
         async with engine.begin() as conn:
             assert (await conn.execute(text("select 1"))).scalar_one() == 1
             if first:
-                await conn.execute(text("create table kept (x int)"))
-                await conn.execute(text("insert into kept values (42)"))
+                await conn.execute(text("create table if not exists kept (x int)"))
+                await conn.execute(
+                    text("insert into kept select 42 where not exists (select 1 from kept)")
+                )
             assert (await conn.execute(text("select x from kept"))).scalar_one() == 42
     finally:
         await engine.dispose()
@@ -135,6 +137,7 @@ def _python(code: str) -> subprocess.Popen[str]:
 @pytest.mark.slow
 async def test_second_owner_is_refused(data_dir: Path) -> None:
     with start_embedded(data_dir) as services:
+        await _roundtrip(services, first=True)
         with pytest.raises(DataDirInUseError, match=f"pid {os.getpid()}"):
             start_embedded(data_dir)
 
@@ -155,6 +158,8 @@ async def test_second_owner_is_refused(data_dir: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux")
 async def test_servers_stop_when_the_owner_is_killed(data_dir: Path) -> None:
+    with start_embedded(data_dir) as before:  # data for the restart after the kill to find
+        await _roundtrip(before, first=True)
     owner = _python(
         "import json, sys\n"
         "from pathlib import Path\n"
