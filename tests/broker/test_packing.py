@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from app.broker.packing import (
     pack_ids,
@@ -22,6 +24,17 @@ def test_ids_use_the_narrowest_width_and_round_trip(top, width):
     assert w == width
     assert len(data) == width * arr.size
     assert unpack_ids(data, w).tolist() == arr.tolist()
+
+
+@given(st.lists(st.integers(0, 2**24 - 1), max_size=300).map(lambda ids: [*ids, 2**16]))
+def test_three_byte_ids_round_trip_whatever_their_neighbours(ids):
+    """The 3-byte unpacking reads 4 bytes an id and masks off its neighbour's first byte."""
+    arr = np.array(ids, dtype=np.int32)
+    data, width = pack_ids(arr)
+    assert width == 3
+    got = unpack_ids(data, width)
+    assert got.dtype == np.int32 and got.tolist() == ids
+    assert unpack_ids(b"", 3).tolist() == []
 
 
 def _pack(**kw):
