@@ -1,6 +1,6 @@
 """Rollout Broker benchmarks: one command, one table, every figure beside its baselines.
 
-    python -m benchmarks            # full run (about 3 minutes on 2 cores)
+    python -m benchmarks            # full run (about 9 minutes on 2 cores)
     python -m benchmarks --quick    # tiny sizes, a smoke test of the harness (about 15 s)
 
 It starts a private redis-server on a free port (``--redis-url`` to use another one, with a key
