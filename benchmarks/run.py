@@ -265,8 +265,10 @@ class Bench:
         *,
         server: Server | None = None,
         token: str | None = None,
+        tokens: int = TOKENS,
     ) -> int:
-        """Ingest ``n`` rollouts (msgpack, ``per_req`` per request) from a few processes."""
+        """Ingest ``n`` rollouts of ``tokens`` tokens (msgpack, ``per_req`` per request) from a
+        few processes."""
         procs = max(1, min(self.sizes.fill_procs, n // per_req))
         reqs = math.ceil(n / per_req)
         per_proc = [reqs // procs + (1 if i < reqs % procs else 0) for i in range(procs)]
@@ -284,6 +286,7 @@ class Bench:
                     max_ops=k,
                     warmup=0,
                     token=token,
+                    tokens=tokens,
                 )
                 for w, k in enumerate(per_proc)
             ],
@@ -978,7 +981,7 @@ def long_rows(b: Bench) -> list[Row]:
         keep("naive_pop", long_naive_pop(b, size, s.long_naive_s))
         run = b.new_run("long-lease", max_reuse=1)
         b.say(f"long: filling {s.long_fill:,} rollouts (#{rep + 1})")
-        long_fill(b, run, s.long_fill, size)
+        b.fill(run, s.long_fill, "lf", size, tokens=LONG_TOKENS)
         b.say(f"long: broker, lease + ack, msgpack, batches of {size} (#{rep + 1})")
         keep("lease", long_lease_ack(b, run, size, s.long_lease_s))
         b.drop_run(run)
@@ -1068,32 +1071,6 @@ def long_ingest(b: Bench, run: str, fmt: str, per_req: int, procs: int, duration
             for w in range(procs)
         ],
         timeout=duration + 300,
-    )
-
-
-def long_fill(b: Bench, run: str, n: int, per_req: int, *, tokens: int = LONG_TOKENS) -> None:
-    """Buffer ``n`` rollouts of ``tokens`` tokens in ``run`` (msgpack, ``per_req`` a request),
-    the requests split over ``fill_procs`` generators."""
-    reqs = math.ceil(n / per_req)
-    procs = max(1, min(b.sizes.fill_procs, reqs))
-    run_group(
-        load.http_ingest,
-        [
-            dict(
-                address=b.broker.address,
-                path=f"/v1/runs/{run}/rollouts",
-                fmt="msgpack",
-                per_req=per_req,
-                tag="lf",
-                worker=w,
-                duration=600.0,
-                max_ops=reqs // procs + (1 if w < reqs % procs else 0),
-                warmup=0,
-                tokens=tokens,
-            )
-            for w in range(procs)
-        ],
-        timeout=660,
     )
 
 
