@@ -67,6 +67,7 @@ from benchmarks.servers import (
     redis_server,
     reset_peak_rss,
     rss_bytes,
+    tree_env,
     uvicorn_server,
     uvicorn_stack,
 )
@@ -318,7 +319,14 @@ class Bench:
         delete_keys(self.rc, list(self.rc.scan_iter(match=f"{self.raw_prefix}:*", count=2000)))
 
     def raw_write(
-        self, per_pipe: int, procs: int, duration: float, max_ops: int, tag: str
+        self,
+        per_pipe: int,
+        procs: int,
+        duration: float,
+        max_ops: int,
+        tag: str,
+        *,
+        tokens: int = TOKENS,
     ) -> Group:
         return run_group(
             load.redis_write,
@@ -331,6 +339,7 @@ class Bench:
                     worker=w,
                     duration=duration,
                     max_ops=max_ops,
+                    tokens=tokens,
                 )
                 for w in range(procs)
             ],
@@ -364,6 +373,7 @@ class Bench:
         stop_on_empty: bool = False,
         server: Server | None = None,
         token: str | None = None,
+        tokens: int = TOKENS,
     ) -> Group:
         """Trainers leasing and acking against the broker (or ``server``: the HTTP floor, or
         another broker)."""
@@ -379,6 +389,7 @@ class Bench:
                     max_ops=BIG,
                     stop_on_empty=stop_on_empty,
                     token=token,
+                    tokens=tokens,
                 )
                 for _ in range(procs)
             ],
@@ -957,7 +968,8 @@ def long_rows(b: Bench) -> list[Row]:
     for rep in range(s.repeats):
         for procs in (1, 4):
             b.say(f"long: raw Redis writes, {per}/pipeline, {procs} proc (#{rep + 1})")
-            keep(f"raw{per}.p{procs}", long_raw_write(b, per, procs, s.long_ceiling_s, BIG))
+            ceiling = b.raw_write(per, procs, s.long_ceiling_s, BIG, f"lw{per}", tokens=tokens)
+            keep(f"raw{per}.p{procs}", ceiling)
             b.raw_clear()
             b.say(f"long: naive dict, json, 1/request, {procs} proc (#{rep + 1})")
             keep(f"naive.p{procs}", long_naive_ingest(b, procs, s.long_naive_s))
@@ -966,7 +978,7 @@ def long_rows(b: Bench) -> list[Row]:
             keep(f"msgpack.p{procs}", long_ingest(b, run, "msgpack", per, procs, s.long_ingest_s))
             b.drop_run(run)
         b.say(f"long: raw Redis writes, 1/pipeline, 1 proc (#{rep + 1})")
-        keep("raw1.p1", long_raw_write(b, 1, 1, s.long_ceiling_s, BIG))
+        keep("raw1.p1", b.raw_write(1, 1, s.long_ceiling_s, BIG, "lw1", tokens=tokens))
         b.raw_clear()
         b.say(f"long: broker, json, 1/request, 1 proc (#{rep + 1})")
         run = b.new_run("long-json")
@@ -974,7 +986,8 @@ def long_rows(b: Bench) -> list[Row]:
         b.drop_run(run)
 
         b.say(f"long: raw Redis reads of {size} (#{rep + 1})")
-        long_raw_write(b, size, 1, 600.0, 4)  # a pool of 5 batches (one more to warm up)
+        # A pool of 5 batches (one more to warm up).
+        b.raw_write(size, 1, 600.0, 4, f"lw{size}", tokens=tokens)
         keep("raw_read", b.raw_read(size, 1, s.long_ceiling_s))
         b.raw_clear()
         b.say(f"long: naive dict, batches of {size} pops (#{rep + 1})")
@@ -983,7 +996,8 @@ def long_rows(b: Bench) -> list[Row]:
         b.say(f"long: filling {s.long_fill:,} rollouts (#{rep + 1})")
         b.fill(run, s.long_fill, "lf", size, tokens=LONG_TOKENS)
         b.say(f"long: broker, lease + ack, msgpack, batches of {size} (#{rep + 1})")
-        keep("lease", long_lease_ack(b, run, size, s.long_lease_s))
+        lease = b.lease_ack(run, size, 1, s.long_lease_s, stop_on_empty=True, tokens=tokens)
+        keep("lease", lease)
         b.drop_run(run)
 
     def mb_s(rate: float) -> str:
@@ -1029,27 +1043,6 @@ def long_rows(b: Bench) -> list[Row]:
     row.target(f"≥{LONG_NEED}× raw", row.vs_raw, LONG_NEED)
     row.target(">1× naive", row.vs_naive, 1.0)
     return [*rows, row]
-
-
-def long_raw_write(b: Bench, per_pipe: int, procs: int, duration: float, max_ops: int) -> Group:
-    """:meth:`Bench.raw_write` of 32,768-token rollouts."""
-    return run_group(
-        load.redis_write,
-        [
-            dict(
-                url=b.redis.url,
-                key_prefix=b.raw_prefix,
-                per_pipe=per_pipe,
-                tag=f"lw{per_pipe}",
-                worker=w,
-                duration=duration,
-                max_ops=max_ops,
-                tokens=LONG_TOKENS,
-            )
-            for w in range(procs)
-        ],
-        timeout=duration + 120,
-    )
 
 
 def long_ingest(b: Bench, run: str, fmt: str, per_req: int, procs: int, duration: float) -> Group:
@@ -1109,27 +1102,6 @@ def long_naive_pop(b: Bench, size: int, duration: float) -> Group:
     )
     b.naive_call("POST", "/_bench/clear")
     return g
-
-
-def long_lease_ack(b: Bench, run: str, size: int, duration: float) -> Group:
-    """One trainer leasing and acking 32,768-token rollouts until ``run`` is empty or
-    ``duration`` has passed."""
-    return run_group(
-        load.http_lease_ack,
-        [
-            dict(
-                address=b.broker.address,
-                run_id=run,
-                size=size,
-                fmt="msgpack",
-                duration=duration,
-                max_ops=BIG,
-                stop_on_empty=True,
-                tokens=LONG_TOKENS,
-            )
-        ],
-        timeout=duration + 300,
-    )
 
 
 AUTH_SCOPES = ("generate", "train", "operate")
@@ -1388,12 +1360,11 @@ def scrape_cost_rows(b: Bench) -> list[Row]:
 @contextlib.contextmanager
 def drain_worker(app_dir: Path, workdir: Path, env: dict[str, str]) -> Iterator[None]:
     """``rollout-broker worker`` (the accounting drain and the sweeps) in a subprocess."""
-    path = os.pathsep.join(p for p in (str(app_dir), os.environ.get("PYTHONPATH", "")) if p)
     with open(workdir / "worker-scrape.log", "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "app.cli", "worker"],
             cwd=app_dir,
-            env={**os.environ, **env, "PYTHONPATH": path},
+            env=tree_env(app_dir, env),
             stdout=log,
             stderr=subprocess.STDOUT,
         )

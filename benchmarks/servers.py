@@ -158,8 +158,7 @@ def postgres_database(server_url: str, app_dir: Path, workdir: Path) -> Iterator
             "import sys; from app.accounting.db import upgrade_to_head_sync; "
             "upgrade_to_head_sync(sys.argv[1])"
         )
-        path = os.pathsep.join(p for p in (str(app_dir), os.environ.get("PYTHONPATH", "")) if p)
-        env = {**os.environ, "PYTHONPATH": path}
+        env = tree_env(app_dir)
         done = subprocess.run(
             [sys.executable, "-c", migrate, url],
             cwd=app_dir,
@@ -188,6 +187,14 @@ class Server:
         return HOST, self.port
 
 
+def tree_env(tree: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment with ``env`` over it and the broker tree ``tree`` first on
+    ``PYTHONPATH``: what a subprocess running that tree's code gets."""
+    full = {**os.environ, **(env or {})}
+    full["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), full.get("PYTHONPATH", "")) if p)
+    return full
+
+
 @contextlib.contextmanager
 def uvicorn_server(
     name: str,
@@ -204,26 +211,18 @@ def uvicorn_server(
     cmd += ["--log-level", "warning", "--no-access-log"]
     if factory:
         cmd.append("--factory")
-    full_env = {**os.environ, **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(cwd), full_env.get("PYTHONPATH", "")) if p
-    )
     log_path = workdir / f"{name}.log"
     log = open(log_path, "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=tree_env(cwd, env), stdout=log, stderr=subprocess.STDOUT
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited at start:\n{log_path.read_text()[-3000:]}")
-            try:
-                conn = http.client.HTTPConnection(HOST, port, timeout=2)
-                conn.request("GET", "/healthz")
-                if conn.getresponse().status == 200:
-                    conn.close()
-                    break
-            except OSError:
-                pass
+            if _healthy(port):
+                break
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"{name} did not answer /healthz:\n{log_path.read_text()[-3000:]}"
@@ -251,14 +250,15 @@ def cli_server(
     killed by that session's process group."""
     port = free_port()
     cmd = [sys.executable, "-m", "app.cli", "serve", "--host", HOST, "--port", str(port), *args]
-    full_env = {**os.environ, **env}
-    full_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(cwd), full_env.get("PYTHONPATH", "")) if p
-    )
     log_path = workdir / f"{name}.log"
     log = open(log_path, "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        cmd, cwd=cwd, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        cmd,
+        cwd=cwd,
+        env=tree_env(cwd, env),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 60
