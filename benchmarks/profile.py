@@ -29,7 +29,7 @@ from app.broker.store import _load_scripts
 from benchmarks import load
 from benchmarks.load import run_group
 from benchmarks.payloads import TOKENS
-from benchmarks.run import BIG, ROOT, Bench, Sizes, delete_keys, long_fill
+from benchmarks.run import BIG, ROOT, Bench, Sizes, delete_keys
 from benchmarks.servers import proc_cpu_s, redis_server, uvicorn_server
 
 
@@ -163,10 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                     run = bench.new_run("prof-lease", max_reuse=10_000)
                     # As many rollout bytes buffered as 4,096 rollouts of 1,024 tokens.
                     n = max(4096 * TOKENS // args.tokens, 4 * args.size)
-                    if args.tokens == TOKENS:
-                        bench.fill(run, n, "p")
-                    else:
-                        long_fill(bench, run, n, args.size, tokens=args.tokens)
+                    bench.fill(run, n, "p", per_req=min(256, args.size), tokens=args.tokens)
                     fn = load.http_lease_ack
                     kw = dict(
                         address=broker.address,
