@@ -43,6 +43,7 @@ VERSIONS = "vs"  # zset: versions that have ready units, score = version
 OPEN = "open"  # zset: incomplete groups by creation ms
 OPEN_VERSIONS = "ov"  # zset: incomplete groups by (oldest) version
 LEASES = "leases"  # zset: live batches by expiry ms
+UNITS = "units"  # hash: every complete unit (ready or leased) -> its record (see common.lua)
 SEEN = "seen"  # set: every rollout_id ever received (idempotency)
 GROUPS_DONE = "gdone"  # set: groups that completed or retired: they take no new members
 WAITING = "waiting"  # string with a TTL: a trainer is long-polling the run
@@ -57,11 +58,11 @@ GUARD = "guard"
 
 # Families: the suffix is followed by an id (a version, unit, rollout or batch id).
 VERSION_QUEUE = "qv:"  # zset per version: its ready units by arrival seq
-UNIT = "u:"  # hash per unit: need, have, v, seq, uses, st, kl, rmin/rmax, b
-MEMBERS = "m:"  # list per group unit: its rollout ids in arrival order
-ROLLOUT = "r:"  # hash per rollout: v (version), n (tokens)
+UNIT = "u:"  # hash per group still filling: need, have, v, seq, rmin/rmax, pk/att
+MEMBERS = "m:"  # list per group unit: '<version> <tokens> <rollout_id>' in arrival order
+ROLLOUT = "r:"  # hash per rollout (v, n) of the earlier layout: read only by its upgrade
 BLOB = "d:"  # string per rollout: the packed rollout (read with MGET outside the scripts)
-BATCH = "b:"  # hash per batch: state, units, size, version, stored ack answer
+BATCH = "b:"  # hash per batch: state, its units and rollouts, size, version, stored ack answer
 PASS = "pp:"  # hash per prompt pass '<prompt_id>#<pass>': st, att, tries, lease, seq
 PROMPT = "pb:"  # string per prompt: the packed prompt (prompt_ids and data)
 WORK = "w:"  # hash per work lease: state, version, expiry, its passes, groups still open
@@ -92,6 +93,7 @@ LUA_KEYS: dict[str, str] = {
     "OPEN": OPEN,
     "OV": OPEN_VERSIONS,
     "LEASES": LEASES,
+    "US": UNITS,
     "SEEN": SEEN,
     "GDONE": GROUPS_DONE,
     "WAITING": WAITING,
@@ -130,7 +132,7 @@ def script_keys(prefix: str, run_id: str) -> list[str]:
 
 
 def member_key(prefix: str, run_id: str, family: str, member_id: str) -> str:
-    """The key of one member of a family (``BLOB``, ``ROLLOUT``, ``BATCH``, ...)."""
+    """The key of one member of a family (``BLOB``, ``BATCH``, ...)."""
     return run_base(prefix, run_id) + family + member_id
 
 

@@ -239,6 +239,21 @@ async def test_kl_flush_retires_older_versions_and_raises_the_floor(store):
     assert out.rejected == [("late", "stale")] and out.accepted == 1
 
 
+async def test_a_flush_and_a_random_lease_past_a_script_page_of_units(store):
+    # A script can pass at most about 8,000 values to one command (Lua's stack): a random
+    # lease of 4,100 (a sample of 8,232 candidates) and a flush of 9,000 go page by page.
+    await new_run(store, max_staleness=10, max_reuse=5, kl_flush=0.1, order="random")
+    for part in range(9):
+        await store.ingest("r", [packed(f"old{part}.{i}", 0) for i in range(1000)])
+    await store.set_policy("r", 1)
+    got = await lease(store, 4100, version=1)
+    assert len(set(ids(got))) == 4100 and {x.lag for x in got.rollouts} == {1}
+    outcome, answer = await ack(store, got, kl_mean=0.5)
+    assert outcome == "acked"
+    # Every version-0 unit goes, those of this batch too once they are back.
+    assert answer.flushed == 9000 and len(set((await retired(store))["kl_flush"])) == 9000
+
+
 async def test_a_lowered_limit_retires_lazily_at_lease(store):
     await new_run(store, max_reuse=3, max_staleness=5)
     await store.set_policy("r", 4)

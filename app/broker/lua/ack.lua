@@ -12,66 +12,58 @@
 if not load_run() then return err('run_missing') end
 local bid = ARGV[2]
 local bk = bkey(bid)
-local f = redis.call('HMGET', bk, 'st', 'units', 'n', 'v', 'exp', 'ans')
+local f = redis.call('HMGET', bk, 'st', 'units', 'rows', 'n', 'v', 'exp', 'ans')
 if not f[1] then return err('batch_missing') end
-if f[1] == 'a' then return ok('repeat', f[6]) end
+if f[1] == 'a' then return ok('repeat', f[7]) end
 if f[1] == 'n' then return err('batch_nacked') end
 if f[1] == 'e' then return err('lease_expired') end
-if tonumber(f[5]) <= NOW then
+if tonumber(f[6]) <= NOW then
   expire_batch(bid)
   finish()
   return err('lease_expired')
 end
 
-local acked = cmsgpack.unpack(ARGV[4])  -- before the first write: it may fail
+-- Before the first write: either may fail.
+local acked, event = cmsgpack.unpack(ARGV[4]), timed(ARGV[4])
 redis.call('ZREM', LEASES, bid)
-emit('acked', acked)
+emit_timed('acked', event)
 
 local kl = {}
 for _, item in ipairs(acked.items or {}) do
   if item[4] then kl[item[1]] = item[4] end
 end
 
-local units = cjson.decode(f[2])
-for _, u in ipairs(units) do
-  local uk = ukey(u)
-  local uf = redis.call('HMGET', uk, 'v', 'seq', 'uses', 'pk', 'att')
-  local uses = tonumber(uf[3]) + 1
-  if uses == 1 and uf[4] then  -- the first use of a prompt attempt's group: its pass is done
-    local pf = pass_fields(uf[4])
-    if pf[1] == 'b' and tonumber(pf[2]) == tonumber(uf[5]) then
-      redis.call('HSET', ppkey(uf[4]), 'st', 'd')
-      note_pass('acked', nil, uf[4], tonumber(uf[5]), 'd', tonumber(pf[3]))
+each_unit(cmsgpack.unpack(f[2]), cmsgpack.unpack(f[3]), function(u, r, part)
+  r.uses = r.uses + 1
+  if r.uses == 1 and r.pk then  -- the first use of a prompt attempt's group: its pass is done
+    local pf = pass_fields(r.pk)
+    if pf[1] == 'b' and tonumber(pf[2]) == r.att then
+      redis.call('HSET', ppkey(r.pk), 'st', 'd')
+      note_pass('acked', nil, r.pk, r.att, 'd', tonumber(pf[3]))
     end
   end
-  -- A group is handed out whole, so its gate is its worst member's KL.
+  -- A group is handed out whole, so its gate is its worst member's KL; a unit not measured
+  -- this time has no KL gate.
   local worst = nil
-  for _, rid in ipairs(members(u)) do
-    local x = kl[rid]
+  for _, row in ipairs(part) do
+    local x = kl[row[1]]
     if x and (not worst or x > worst) then worst = x end
   end
-  -- As settle() does for a nack or an expiry, with this use and this KL counted: a unit that
-  -- retires is deleted, so only one that stays has them written.
-  local v = tonumber(uf[1])
-  local reason = permanent_reason(uses, v, worst)
+  r.kl = worst
+  -- As settle() does for a nack or an expiry, with this use and this KL counted.
+  local reason = permanent_reason(r.uses, r.v, worst)
   if reason then
-    retire(u, reason, { 'l', uf[1], uses })
+    retire_unit(u, reason, r, false, part)
   else
-    if worst then
-      redis.call('HSET', uk, 'uses', uses, 'kl', worst)  -- Redis writes a double exactly
-      redis.call('HDEL', uk, 'b')
-    else
-      redis.call('HSET', uk, 'uses', uses)
-      redis.call('HDEL', uk, 'b', 'kl')  -- not measured this time: no KL gate
-    end
-    make_ready(u, v, tonumber(uf[2]))
+    set_unit(u, r)
+    make_ready(u, r.v, r.seq)
   end
-end
+end)
 local retired = RETIRED_N
 
 local flushed = 0
 if ARGV[3] ~= '' and tonumber(ARGV[3]) > CFG.kl_flush then
-  local V = tonumber(f[4])
+  local V = tonumber(f[5])
   if V > R.floor then
     redis.call('HSET', RUN, 'floor', I(V))
     R.floor = V
@@ -80,7 +72,7 @@ if ARGV[3] ~= '' and tonumber(ARGV[3]) > CFG.kl_flush then
   flushed = RETIRED_N - retired
 end
 
-redis.call('HINCRBY', RUN, 'leased', -tonumber(f[3]))
+redis.call('HINCRBY', RUN, 'leased', -tonumber(f[4]))
 local ans = cmsgpack.pack({ retired = retired, flushed = flushed, stats = ARGV[5] })
 redis.call('HSET', bk, 'st', 'a', 'ans', ans, 'end', I(NOW))
 redis.call('PEXPIRE', bk, 86400000)

@@ -10,6 +10,6 @@ if f[1] then
   return err('run_conflict')
 end
 redis.call('HSET', RUN, 'id', ARGV[2], 'cfg', ARGV[3], 'ver', 0, 'st', 'open', 'created', ARGV[4],
-  'floor', 0, 'seq', 0, 'live', 0, 'leased', 0, 'batches', 0, 'tok', 0)
+  'floor', 0, 'seq', 0, 'live', 0, 'leased', 0, 'batches', 0, 'tok', 0, 'lay', LAYOUT)
 run_snapshot('created')
 return ok('created')

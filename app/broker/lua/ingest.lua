@@ -38,10 +38,19 @@ local function attempt_of(gid)
   return a
 end
 
+-- Which ids were received before: one SMISMEMBER for the request.
+local ids = {}
+for i = 1, n do ids[i] = ARGV[2 + (i - 1) * 6 + 1] end
+local known = {}
+for i = 1, n, 1000 do
+  local part = redis.call('SMISMEMBER', SEEN, unpack(ids, i, math.min(i + 999, n)))
+  for j, x in ipairs(part) do known[i + j - 1] = x == 1 end
+end
+
 for i = 1, n do
   local o = 2 + (i - 1) * 6
   local rid, gid, v = ARGV[o + 1], ARGV[o + 2], tonumber(ARGV[o + 3])
-  if in_req[rid] or redis.call('SISMEMBER', SEEN, rid) == 1 then
+  if in_req[rid] or known[i] then
     fate[i] = 'dup'
   else
     in_req[rid] = true
@@ -62,11 +71,13 @@ for i = 1, n do
       if gs > 1 or work then  -- a prompt attempt's rollouts are a group even of one
         if gid == '' then return err('group_missing', rid) end
         u = 'g:' .. gid
-        local f = redis.call('HMGET', ukey(u), 'st', 'have', 'need')
+        local f = redis.call('HMGET', ukey(u), 'have', 'need')
         local have, need = 0, gs
         if f[1] then
-          if f[1] ~= 'o' then return err('group_overflow', gid, I(tonumber(f[3]) + 1), f[3]) end
-          have, need = tonumber(f[2]), tonumber(f[3])
+          have, need = tonumber(f[1]), tonumber(f[2])
+        elseif redis.call('HEXISTS', US, u) == 1 then  -- complete: buffered or leased
+          local k = redis.call('LLEN', mkey(u))
+          return err('group_overflow', gid, I(k + 1), I(k))
         elseif redis.call('SISMEMBER', GDONE, u) == 1 then
           return err('group_done', gid)
         end
@@ -86,9 +97,15 @@ if accepted > 0 and live + accepted > CFG.capacity_rollouts then
   return err('over_capacity', I(live), I(CFG.capacity_rollouts))
 end
 
--- Phase 2: write.
+-- Phase 2: write. Ids, blobs and new single units are written a few commands for the request.
 redis.call('HINCRBY', RUN, 'live', accepted)
 local acc_items, rej_items, dup_ids, out = {}, {}, {}, {}
+local seen, blobs = {}, {}
+local seq = nil  -- the run's arrival counter, read once and written back once
+local function next_seq()
+  seq = (seq or tonumber(redis.call('HGET', RUN, 'seq') or '0')) + 1
+  return seq
+end
 for i = 1, n do
   local o = 2 + (i - 1) * 6
   local rid, gid, vs, ntok, rw, blob =
@@ -97,75 +114,79 @@ for i = 1, n do
   if fate[i] == 'dup' then
     table.insert(dup_ids, rid)
   elseif fate[i] ~= 'ok' then
-    redis.call('SADD', SEEN, rid)
+    table.insert(seen, rid)
     table.insert(rej_items, { rid, fate[i], v, tokens })
     table.insert(out, { rid, fate[i] })
   else
-    redis.call('SADD', SEEN, rid)
+    table.insert(seen, rid)
+    table.insert(blobs, dkey(rid))
+    table.insert(blobs, blob)
     local u = unit[i]
-    local uk = ukey(u)
-    local grouped = string.sub(u, 1, 2) == 'g:'
-    local work = grouped and attempt_of(gid)
-    redis.call('SET', dkey(rid), blob)
-    redis.call('HSET', rkey(rid), 'v', vs, 'n', ntok)
-    local f = {}  -- a single rollout is a new unit of its own, with no member list
-    if grouped then
-      redis.call('RPUSH', mkey(u), rid)
-      f = redis.call('HMGET', uk, 'have', 'need', 'v', 'rmin', 'rmax', 'seq')
-    end
-    local new_unit = 0
-    local have, need, uv, seq
-    if not f[1] then
-      new_unit = 1
-      seq = work and work[4] or redis.call('HINCRBY', RUN, 'seq', 1)
-      have, need, uv = 1, gs, v
-      redis.call('HSET', uk, 'need', gs, 'have', 1, 'v', vs, 'seq', seq, 'uses', 0, 'st', 'o')
-      if work then
-        redis.call('HSET', uk, 'pk', work[1], 'att', work[2])  -- admitted when handed out
-      else
-        ADM_DELTA = ADM_DELTA + 1
-      end
-      if gs > 1 then
-        redis.call('HSET', uk, 'rmin', rw, 'rmax', rw)
+    if string.sub(u, 1, 2) == 'r:' then  -- a single rollout: a new complete unit
+      ADM_DELTA = ADM_DELTA + 1
+      local us = next_seq()
+      set_unit(u, { v = v, seq = us, uses = 0, k = 1, n = tokens })
+      make_ready(u, v, us)
+      table.insert(acc_items, { rid, rid, v, tokens, 1 })
+    else
+      local uk = ukey(u)
+      local work = attempt_of(gid)
+      redis.call('RPUSH', mkey(u), member_entry(v, tokens, rid))
+      local f = redis.call('HMGET', uk, 'have', 'need', 'v', 'rmin', 'rmax', 'seq')
+      local new_unit = 0
+      local have, need, uv, useq
+      if not f[1] then
+        new_unit = 1
+        useq = work and work[4] or next_seq()
+        have, need, uv = 1, gs, v
+        redis.call('HSET', uk, 'need', gs, 'have', 1, 'v', vs, 'seq', useq, 'rmin', rw, 'rmax', rw)
+        if work then
+          redis.call('HSET', uk, 'pk', work[1], 'att', work[2])  -- admitted when handed out
+        else
+          ADM_DELTA = ADM_DELTA + 1
+        end
         redis.call('ZADD', OPEN, NOW, u)
         redis.call('ZADD', OV, vs, u)
+      else
+        have = redis.call('HINCRBY', uk, 'have', 1)
+        need, uv, useq = tonumber(f[2]), tonumber(f[3]), tonumber(f[6])
+        if v < uv then
+          uv = v
+          redis.call('HSET', uk, 'v', vs)
+          redis.call('ZADD', OV, vs, u)
+        end
+        -- Compare as doubles, keep the exact text: Lua would print doubles with 14 digits.
+        if tonumber(rw) < tonumber(f[4]) then redis.call('HSET', uk, 'rmin', rw) end
+        if tonumber(rw) > tonumber(f[5]) then redis.call('HSET', uk, 'rmax', rw) end
       end
-    else
-      have = redis.call('HINCRBY', uk, 'have', 1)
-      need, uv, seq = tonumber(f[2]), tonumber(f[3]), tonumber(f[6])
-      if v < uv then
-        uv = v
-        redis.call('HSET', uk, 'v', vs)
-        redis.call('ZADD', OV, vs, u)
-      end
-      -- Compare as doubles, keep the exact text: Lua would print doubles with 14 digits.
-      if tonumber(rw) < tonumber(f[4]) then redis.call('HSET', uk, 'rmin', rw) end
-      if tonumber(rw) > tonumber(f[5]) then redis.call('HSET', uk, 'rmax', rw) end
-    end
-    table.insert(acc_items, { rid, grouped and gid or rid, v, tokens, new_unit })
-    if have == need then
-      if need > 1 then
+      table.insert(acc_items, { rid, gid, v, tokens, new_unit })
+      if have == need then  -- complete: from its own hash to a record in US
         redis.call('ZREM', OPEN, u)
         redis.call('ZREM', OV, u)
-      end
-      if work then  -- the attempt's group is in: it counts no more toward its work lease
-        local lid = redis.call('HGET', ppkey(work[1]), 'lease')
-        redis.call('HSET', ppkey(work[1]), 'st', 'b')
-        if lid then work_settled(lid) end
-      end
-      if need > 1 and CFG.drop_zero_variance_groups then
-        local rr = redis.call('HMGET', uk, 'rmin', 'rmax')
-        if tonumber(rr[1]) == tonumber(rr[2]) then
-          retire(u, 'zero_variance')
-        else
-          make_ready(u, uv, seq)
+        if work then  -- the attempt's group is in: it counts no more toward its work lease
+          local lid = redis.call('HGET', ppkey(work[1]), 'lease')
+          redis.call('HSET', ppkey(work[1]), 'st', 'b')
+          if lid then work_settled(lid) end
         end
-      else
-        make_ready(u, uv, seq)
+        local rr = redis.call('HMGET', uk, 'rmin', 'rmax')
+        if need > 1 and CFG.drop_zero_variance_groups and tonumber(rr[1]) == tonumber(rr[2]) then
+          retire_open(u, 'zero_variance')
+        else
+          table.insert(DELS, uk)
+          set_unit(u, {
+            v = uv, seq = useq, uses = 0, k = need, n = 0,
+            att = work and work[2] or nil, pk = work and work[1] or nil,
+          })
+          make_ready(u, uv, useq)
+        end
       end
     end
   end
 end
+if seq then redis.call('HSET', RUN, 'seq', I(seq)) end
+each_chunk(seen, 1000, function(...) redis.call('SADD', SEEN, ...) end)
+-- Written before finish() deletes the blobs of any group this request completed and retired.
+each_chunk(blobs, 200, function(...) redis.call('MSET', ...) end)
 
 if #acc_items > 0 then emit('accepted', { items = acc_items }) end
 if #dup_ids > 0 then emit('duplicate', { n = #dup_ids, ids = dup_ids }) end

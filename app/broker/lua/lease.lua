@@ -18,18 +18,15 @@ if N % CFG.group_size ~= 0 then return err('batch_size', I(CFG.group_size)) end 
 
 -- The reply of a live batch: also what a retried lease with the same batch_id gets back.
 local function reply(f)
-  local V, units = tonumber(f[2]), cjson.decode(f[3])
+  local V = tonumber(f[2])
   local rows = {}
-  for _, u in ipairs(units) do
-    local uses = tonumber(redis.call('HGET', ukey(u), 'uses'))
-    for _, rid in ipairs(members(u)) do
-      table.insert(rows, { uses, I(V - tonumber(redis.call('HGET', rkey(rid), 'v'))), rid })
-    end
-  end
+  each_unit(cmsgpack.unpack(f[3]), cmsgpack.unpack(f[6]), function(_, r, part)
+    for _, row in ipairs(part) do table.insert(rows, { r.uses, V - row[2], row[1] }) end
+  end)
   return ok('leased', bid, f[2], f[4], rows)
 end
 
-local known = redis.call('HMGET', bkey(bid), 'st', 'v', 'units', 'exp', 'n')
+local known = redis.call('HMGET', bkey(bid), 'st', 'v', 'units', 'exp', 'n', 'rows')
 if known[1] then
   if known[1] == 'l' and tonumber(known[4]) > NOW then return reply(known) end
   return err('batch_id_taken', BATCH_STATE[known[1]])
@@ -47,17 +44,28 @@ local scan_limit = tonumber(ARGV[8])
 local picked, picked_n, scanned = {}, 0, 0
 local function full() return picked_n >= N or scanned >= scan_limit end
 
-local function consider(u)
+-- A ready unit and its record (nil: none, which no ready unit lacks).
+local function consider(u, text)
   scanned = scanned + 1
-  local f = redis.call('HMGET', ukey(u), 'v', 'uses', 'kl', 'have')
-  if not f[1] then return end
-  local v, uses, have = tonumber(f[1]), tonumber(f[2]), tonumber(f[4])
-  local reason = permanent_reason(uses, v, tonumber(f[3]))
+  if not text then return end
+  local r = parse_unit(text)
+  local reason = permanent_reason(r.uses, r.v, r.kl)
   if reason then
-    retire(u, reason)
-  elseif v <= V and have <= N - picked_n then  -- a trainer at V gets no rollouts of later policies
-    table.insert(picked, { u, v, uses })
-    picked_n = picked_n + have
+    retire_unit(u, reason, r, true)
+  elseif r.v <= V and r.k <= N - picked_n then  -- a trainer at V gets no rollouts of later policies
+    table.insert(picked, { u, r, text })
+    picked_n = picked_n + r.k
+  end
+end
+
+-- Consider units in the order given, their records read 256 to a command.
+local function consider_all(units)
+  for i = 1, #units, 256 do
+    local recs = redis.call('HMGET', US, unpack(units, i, math.min(i + 255, #units)))
+    for j, rec in ipairs(recs) do
+      consider(units[i + j - 1], rec)
+      if full() then return end
+    end
   end
 end
 
@@ -67,11 +75,10 @@ local function walk(key)
   while not full() do
     local page = redis.call('ZRANGEBYSCORE', key, after, '+inf', 'WITHSCORES', 'LIMIT', 0, 64)
     if #page == 0 then return end
-    for i = 1, #page, 2 do
-      consider(page[i])
-      after = '(' .. page[i + 1]
-      if full() then return end
-    end
+    local units = {}
+    for i = 1, #page, 2 do table.insert(units, page[i]) end
+    after = '(' .. page[#page]
+    consider_all(units)
   end
 end
 
@@ -88,10 +95,7 @@ elseif order == 'random' then
     local j = math.random(i)
     sample[i], sample[j] = sample[j], sample[i]
   end
-  for _, u in ipairs(sample) do
-    consider(u)
-    if full() then break end
-  end
+  consider_all(sample)
 else -- freshest: highest version first, oldest arrival within a version
   local versions = redis.call('ZREVRANGEBYSCORE', VS, I(V), '-inf')
   for _, v in ipairs(versions) do
@@ -114,26 +118,34 @@ if picked_n == 0 or (picked_n < N and not partial) then
 end
 
 local exp = NOW + CFG.lease_timeout_s * 1000
-local units, items, emptied = {}, {}, {}
-local rows = {}
+local units, brows, items, rows, taken, by_v = {}, {}, {}, {}, {}, {}
 local tokens = 0
 for _, p in ipairs(picked) do
-  local u, v, uses = p[1], p[2], p[3]
-  unready(u, v, emptied)
-  redis.call('HSET', ukey(u), 'st', 'l', 'b', bid)
-  table.insert(units, u)
-  for _, rid in ipairs(members(u)) do
-    local rf = redis.call('HMGET', rkey(rid), 'v', 'n')
-    local rv, rn = tonumber(rf[1]), tonumber(rf[2])
+  local u, r = p[1], p[2]
+  local part = rollouts_of(u, r)
+  table.insert(units, u) table.insert(units, p[3]) table.insert(units, #part)
+  table.insert(taken, u)
+  local l = by_v[r.v]
+  if not l then l = {} by_v[r.v] = l end
+  table.insert(l, u)
+  for _, row in ipairs(part) do
+    local rid, rv, rn = row[1], row[2], row[3]
     tokens = tokens + rn
-    table.insert(items, { rid, rv, rn, V - rv, uses })
-    table.insert(rows, { uses, I(V - rv), rid })
+    table.insert(brows, rid) table.insert(brows, rv) table.insert(brows, rn)
+    table.insert(items, { rid, rv, rn, V - rv, r.uses })
+    table.insert(rows, { r.uses, V - rv, rid })
   end
 end
+-- Out of the ready indexes, a few commands for the whole batch.
+each_chunk(taken, 1000, function(...) redis.call('ZREM', Q, ...) end)
+local emptied = {}
+for v, l in pairs(by_v) do
+  each_chunk(l, 1000, function(...) redis.call('ZREM', qv(v), ...) end)
+  emptied[v] = true
+end
 prune_versions(emptied)
-local units_json = cjson.encode(units)
-redis.call('HSET', bkey(bid), 'st', 'l', 'v', I(V), 'exp', I(exp), 'units', units_json,
-  'n', picked_n, 'tok', I(tokens), 'tr', ARGV[6], 't', I(NOW))
+redis.call('HSET', bkey(bid), 'st', 'l', 'v', I(V), 'exp', I(exp), 'units', cmsgpack.pack(units),
+  'rows', cmsgpack.pack(brows), 'n', picked_n, 'tok', I(tokens), 'tr', ARGV[6], 't', I(NOW))
 redis.call('ZADD', LEASES, I(exp), bid)
 redis.call('HINCRBY', RUN, 'leased', picked_n)
 local ev = {

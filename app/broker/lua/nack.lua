@@ -5,22 +5,17 @@
 if not load_run() then return err('run_missing') end
 local bid = ARGV[2]
 local bk = bkey(bid)
-local f = redis.call('HMGET', bk, 'st', 'units', 'n', 'exp')
+local f = redis.call('HMGET', bk, 'st', 'units', 'rows', 'n', 'exp')
 if not f[1] then return err('batch_missing') end
-if f[1] == 'n' then return ok('repeat', tonumber(f[3])) end
+if f[1] == 'n' then return ok('repeat', tonumber(f[4])) end
 if f[1] == 'a' then return err('batch_acked') end
 if f[1] == 'e' then return err('lease_expired') end
-if tonumber(f[4]) <= NOW then
+if tonumber(f[5]) <= NOW then
   expire_batch(bid)
   finish()
   return err('lease_expired')
 end
 redis.call('ZREM', LEASES, bid)
-local units = cjson.decode(f[2])
-emit('nacked', { batch_id = bid, items = batch_items(units) })
-for _, u in ipairs(units) do settle(u) end
-redis.call('HINCRBY', RUN, 'leased', -tonumber(f[3]))
-redis.call('HSET', bk, 'st', 'n', 'end', I(NOW))
-redis.call('PEXPIRE', bk, 86400000)
+return_batch(bid, f, 'n', 'nacked')
 finish()
-return ok('nacked', tonumber(f[3]))
+return ok('nacked', tonumber(f[4]))

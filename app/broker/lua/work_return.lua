@@ -30,7 +30,7 @@ for _, item in ipairs(items) do
     local pf = pass_fields(pk)
     if pf[1] == 'w' and pf[4] == lid and tonumber(pf[2]) == att then
       requeue(pk, pf, 'returned', lid, false)
-      retire('g:' .. attempt_group(pk, att), 'incomplete_group')
+      retire_open('g:' .. attempt_group(pk, att), 'incomplete_group')
       returned = returned + 1
     end
   end
