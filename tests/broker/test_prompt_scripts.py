@@ -42,7 +42,9 @@ async def recount(store: RedisStore, run: str) -> dict[str, Any]:
     """The run's prompt passes by state, read key by key (not from the scripts' counters)."""
     r = store.redis
     states: dict[str, list[str]] = {}
-    async for key in r.scan_iter(match=keys.member_key(store.prefix, run, keys.PASS, "*")):
+    # SCAN may return a key more than once (while the keyspace is rehashed).
+    found = {k async for k in r.scan_iter(match=keys.member_key(store.prefix, run, keys.PASS, "*"))}
+    for key in sorted(found):
         st = (await r.hget(key, "st")).decode()
         states.setdefault(st, []).append(key.decode())
     adm = int(await r.hget(store.run_key(run), "adm") or 0)
