@@ -87,7 +87,7 @@ def _body_timeout_s(request: Request) -> float:
 
 async def read_body(request: Request, limit: int, *, timeout_s: float | None = None) -> Body:
     """The request's body, at most ``limit`` bytes (413 beyond), gathered in one buffer (no
-    second copy to join chunks).
+    second copy to join chunks; a body that comes in one message is that message's bytes).
 
     A client that sends no byte for ``timeout_s`` (default: the app's ``body_timeout_s``) is
     answered 408 and its connection closed; one that disconnects mid-body ends the request with
@@ -97,34 +97,47 @@ async def read_body(request: Request, limit: int, *, timeout_s: float | None = N
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"body of {declared} bytes is above the limit of {limit} bytes")
     wait_s = _body_timeout_s(request) if timeout_s is None else timeout_s
-    where = f"{request.method} {request.url.path}"
-    of = f" of {declared}" if declared is not None else ""
-    body = bytearray()
+    body: bytearray | None = None
     while True:
         try:
             async with asyncio.timeout(wait_s):
                 message = await request.receive()
         except TimeoutError:
+            got, of = len(body or b""), _of(declared)
             log.warning(
                 "%s: no body byte for %g s after %d%s bytes; answered 408, connection closed",
-                where,
+                _where(request),
                 wait_s,
-                len(body),
+                got,
                 of,
             )
             raise RequestTimeout(
-                f"the body stalled: no byte for {wait_s:g} s after {len(body)}{of} bytes",
+                f"the body stalled: no byte for {wait_s:g} s after {got}{of} bytes",
                 headers={"Connection": "close"},
             ) from None
         if message["type"] == "http.disconnect":
-            log.warning("%s: the client went away after %d%s body bytes", where, len(body), of)
-            raise ClientClosedRequest(f"the client went away after {len(body)}{of} body bytes")
-        chunk = message.get("body", b"")
+            got, of = len(body or b""), _of(declared)
+            log.warning("%s: the client went away after %d%s body bytes", _where(request), got, of)
+            raise ClientClosedRequest(f"the client went away after {got}{of} body bytes")
+        chunk: bytes = message.get("body", b"")
+        more = message.get("more_body", False)
+        if body is None and not more and len(chunk) <= limit:
+            return chunk  # the whole body in one message: no copy
+        if body is None:
+            body = bytearray()
         if len(body) + len(chunk) > limit:
             raise PayloadTooLarge(f"body is above the limit of {limit} bytes")
         body += chunk
-        if not message.get("more_body", False):
+        if not more:
             return body
+
+
+def _where(request: Request) -> str:
+    return f"{request.method} {request.url.path}"
+
+
+def _of(declared: str | None) -> str:
+    return f" of {declared}" if declared is not None else ""
 
 
 async def sized_call(size: int, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
@@ -444,11 +457,11 @@ def render(content: Any, *, status_code: int = 200, as_msgpack: bool = False) ->
     if isinstance(content, BaseModel):
         content = content.model_dump()
     if as_msgpack:
-        return Response(
-            msgpack.packb(content, use_bin_type=True, default=_msgpack_default),
-            status_code=status_code,
-            media_type=MSGPACK,
-        )
+        # The packer's own buffer is the body, not a copy of it in a bytes object: a lease of
+        # long rollouts answers megabytes.
+        packer = msgpack.Packer(use_bin_type=True, default=_msgpack_default, autoreset=False)
+        packer.pack(content)
+        return Response(packer.getbuffer(), status_code=status_code, media_type=MSGPACK)
     return Response(
         orjson.dumps(content, default=_default, option=orjson.OPT_SERIALIZE_NUMPY),
         status_code=status_code,
