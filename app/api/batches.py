@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
@@ -82,11 +83,27 @@ async def lease_batch(
     return render(batch_body(batch, as_msgpack), as_msgpack=as_msgpack)
 
 
+# Byte orders that are little-endian here ('|': a single byte; '=': this machine's own).
+_LITTLE = ("<", "|", "=") if sys.byteorder == "little" else ("<", "|")
+
+
+def _raw(a: Any) -> Any:
+    """An array as msgpack carries it: its little-endian bytes. A little-endian C-contiguous
+    array (what the broker reads back) is handed over as a memoryview, packed without a copy
+    of its own."""
+    if a is None:
+        return None
+    if a.flags.c_contiguous and a.dtype.byteorder in _LITTLE:
+        return memoryview(a)
+    return a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+def _same(a: Any) -> Any:
+    return a
+
+
 def batch_body(batch: LeasedBatch, as_msgpack: bool) -> dict[str, Any]:
-    def arr(a: Any) -> Any:
-        if a is None:
-            return None
-        return a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes() if as_msgpack else a
+    arr = _raw if as_msgpack else _same
 
     return {
         "batch_id": batch.batch_id,

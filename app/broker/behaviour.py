@@ -11,7 +11,7 @@ batch's rollouts are fixed when it is leased, so both give the same answer.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -21,9 +21,9 @@ __all__ = ["BatchRow", "BehaviourCache"]
 _ROW_BYTES = 128  # what a row costs besides its logprobs, roughly: ids, ints, the object
 
 
-@dataclass(frozen=True, slots=True)
-class BatchRow:
-    """One rollout of a leased batch, as the ack measures it."""
+class BatchRow(NamedTuple):
+    """One rollout of a leased batch, as the ack measures it (a named tuple: one is built per
+    rollout of every lease)."""
 
     rollout_id: str
     policy_version: int

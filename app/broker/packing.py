@@ -8,7 +8,7 @@ inside jemalloc's 8 KiB size class instead of spilling into the 10 KiB one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -71,6 +71,11 @@ def as_logprobs(value: list[float] | bytes, what: str) -> npt.NDArray[np.floatin
 
 def check_logprobs(arr: npt.NDArray[np.floating[Any]], what: str) -> Float32Array:
     """Validate per-token logprobs: finite, ≤ 0, representable as float32."""
+    # Valid logprobs pass with two reductions: a NaN makes the maximum NaN, an infinity makes
+    # the maximum or the minimum fail its bound. Anything else is looked at check by check,
+    # in the order that names the first rule broken.
+    if not arr.size or (float(arr.max()) <= 0.0 and float(arr.min()) >= _F32_MIN):
+        return arr.astype(np.float32, copy=False)
     if not np.isfinite(arr).all():
         raise ValidationFailed(f"{what}: logprobs must be finite (no NaN or Infinity)")
     if arr.size and float(arr.max()) > 0.0:
@@ -99,28 +104,46 @@ def pack_ids(arr: Int32Array) -> tuple[bytes, int]:
 
 
 def unpack_ids(data: bytes, width: int) -> Int32Array:
+    if width == 3:
+        return _unpack_u24(bytes(data) + b"\0", len(data) // 3)
     if width == 2:
         return np.frombuffer(data, dtype="<u2").astype(np.int32)
-    if width == 3:
-        # Each id read as the 4 bytes from its own first one (a stride of 3, over one byte of
-        # padding at the end), the next id's first byte masked off: 4× faster than copying
-        # the 3-byte fields into 4-byte slots.
-        n = len(data) // 3
-        overlapping = np.ndarray((n,), dtype="<u4", buffer=bytes(data) + b"\0", strides=(3,))
-        return (overlapping & 0xFFFFFF).astype(np.int32)
     return np.frombuffer(data, dtype="<i4").astype(np.int32, copy=False)
+
+
+def _unpack_u24(padded: bytes, n: int) -> Int32Array:
+    """``n`` 3-byte ids from ``padded``, their bytes followed by at least one more byte.
+
+    Each id is read as the 4 bytes from its own first one (a stride of 3, over the byte of
+    padding at the end), the next id's first byte masked off: 4× faster than copying the
+    3-byte fields into 4-byte slots. The mask writes straight into the int32 result."""
+    overlapping = np.ndarray((n,), dtype="<u4", buffer=padded, strides=(3,))
+    out = np.empty(n, dtype=np.int32)
+    np.bitwise_and(overlapping, 0xFFFFFF, out=out.view(np.uint32))
+    return out
 
 
 def unpack_many_ids(parts: list[tuple[bytes, int]]) -> list[Int32Array]:
     """Unpack many (data, width) arrays: one numpy pass per width over their concatenation
     rather than several calls per array; the results are views into that pass's output."""
     out: list[Int32Array] = [_EMPTY_IDS] * len(parts)
-    for width in {w for _, w in parts}:
-        idx = [i for i, (_, w) in enumerate(parts) if w == width]
-        flat = unpack_ids(b"".join(parts[i][0] for i in idx), width)
-        bounds = np.cumsum([len(parts[i][0]) // width for i in idx[:-1]], dtype=np.int64)
-        for i, arr in zip(idx, np.split(flat, bounds), strict=True):
-            out[i] = arr
+    widths = {w for _, w in parts}
+    for width in widths:
+        idx = (
+            range(len(parts))
+            if len(widths) == 1
+            else [i for i, (_, w) in enumerate(parts) if w == width]
+        )
+        datas = [parts[i][0] for i in idx]
+        if width == 3:
+            flat = _unpack_u24(b"".join([*datas, b"\0"]), sum(map(len, datas)) // 3)
+        else:
+            flat = unpack_ids(b"".join(datas), width)
+        at = 0
+        for i, data in zip(idx, datas, strict=True):
+            end = at + len(data) // width
+            out[i] = flat[at:end]
+            at = end
     return out
 
 
@@ -178,9 +201,9 @@ def pack_rollout(
     return PackedRollout(rid, group_id, policy_version, int(resp.size), repr(float(reward)), blob)
 
 
-@dataclass(frozen=True, slots=True)
-class StoredRollout:
-    """A rollout read back from Redis, arrays unpacked."""
+class StoredRollout(NamedTuple):
+    """A rollout read back from Redis, arrays unpacked (a named tuple, quicker to build than a
+    frozen dataclass: a lease builds one per rollout)."""
 
     rollout_id: str
     group_id: str | None
@@ -195,24 +218,27 @@ class StoredRollout:
 
 def unpack_rollouts(blobs: list[bytes]) -> list[StoredRollout]:
     """Rollouts read back from Redis; the id arrays of all of them are unpacked together."""
-    docs = [msgpack.unpackb(blob, raw=False) for blob in blobs]
+    unpackb = msgpack.unpackb
+    docs = [unpackb(blob, raw=False) for blob in blobs]
     responses = unpack_many_ids([(d["r"], d["rw"]) for d in docs])
-    with_prompt = [i for i, d in enumerate(docs) if "p" in d]
     prompts: list[Int32Array | None] = [None] * len(docs)
-    unpacked = unpack_many_ids([(docs[i]["p"], docs[i]["pw"]) for i in with_prompt])
-    for i, arr in zip(with_prompt, unpacked, strict=True):
-        prompts[i] = arr
+    with_prompt = [i for i, d in enumerate(docs) if "p" in d]
+    if with_prompt:
+        unpacked = unpack_many_ids([(docs[i]["p"], docs[i]["pw"]) for i in with_prompt])
+        for i, arr in zip(with_prompt, unpacked, strict=True):
+            prompts[i] = arr
+    frombuffer = np.frombuffer
     return [
         StoredRollout(
-            rollout_id=doc["i"],
-            group_id=doc.get("g"),
-            policy_version=doc["v"],
-            prompt_ids=prompt,
-            response_ids=response,
-            logprobs=np.frombuffer(doc["l"], dtype="<f4") if "l" in doc else None,
-            reward=doc["w"],
-            finish_reason=doc.get("f"),
-            metadata=doc.get("m"),
+            doc["i"],
+            doc.get("g"),
+            doc["v"],
+            prompt,
+            response,
+            frombuffer(doc["l"], dtype="<f4") if "l" in doc else None,
+            doc["w"],
+            doc.get("f"),
+            doc.get("m"),
         )
         for doc, response, prompt in zip(docs, responses, prompts, strict=True)
     ]

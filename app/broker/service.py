@@ -328,7 +328,8 @@ class Broker:
 
     def _delivered(self, run_id: str, got: Lease) -> LeasedBatch:
         """A lease as the API hands it out; its behaviour logprobs are kept for the ack."""
-        rollouts = unpack_rollouts([r.blob for r in got.rollouts])
+        leased = got.rollouts
+        rollouts = unpack_rollouts([r.blob for r in leased])
         self.behaviour.put(
             run_id,
             got.batch_id,
@@ -341,14 +342,7 @@ class Broker:
             batch_id=got.batch_id,
             policy_version=got.policy_version,
             lease_expires_at=iso_ms(got.expires_at_ms),
-            rollouts=list(
-                zip(
-                    rollouts,
-                    [r.uses for r in got.rollouts],
-                    [r.lag for r in got.rollouts],
-                    strict=True,
-                )
-            ),
+            rollouts=[(r, lr.uses, lr.lag) for r, lr in zip(rollouts, leased, strict=True)],
         )
 
     async def ack(self, run_id: str, batch_id: str, body: AckBody) -> AckResult:
@@ -557,10 +551,13 @@ def _current_logprobs(
         value = given.get(row.rollout_id)
         if value is None:
             continue
-        what = f"ack logprobs of rollout {row.rollout_id!r}"
-        arr = as_logprobs(value, what)
-        if arr.size != row.tokens:
-            raise ValidationFailed(f"{what}: {arr.size} values for {row.tokens} tokens")
+        if isinstance(value, bytes) and len(value) == 4 * row.tokens:
+            arr = np.frombuffer(value, dtype="<f4")  # raw float32, one per token
+        else:
+            what = f"ack logprobs of rollout {row.rollout_id!r}"
+            arr = as_logprobs(value, what)
+            if arr.size != row.tokens:
+                raise ValidationFailed(f"{what}: {arr.size} values for {row.tokens} tokens")
         arrays[row.rollout_id] = arr
     if arrays:
         try:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -47,21 +47,28 @@ def _saturates(log_r: F64) -> bool:
     return bool(log_r.size) and float(log_r.max()) > LOG_FIGURE_CAP
 
 
-def ratio_minus_1(log_r: F64, out: F64 | None = None) -> F64:
+def ratio_minus_1(log_r: F64, out: F64 | None = None, *, saturates: bool | None = None) -> F64:
     """``r - 1 = expm1(log_r)`` per token, at most :data:`FIGURE_CAP`: ``log_r`` is capped
-    before it is exponentiated, so nothing overflows."""
-    if not _saturates(log_r):
+    before it is exponentiated, so nothing overflows. ``saturates`` is :func:`_saturates` of
+    ``log_r`` when the caller has it."""
+    if not (_saturates(log_r) if saturates is None else saturates):
         return np.expm1(log_r, out=out)
     capped = np.minimum(log_r, LOG_FIGURE_CAP, out=out)
     return np.expm1(capped, out=capped)
 
 
 def kl_per_token(
-    log_r: F64, estimator: str, r_minus_1: F64 | None = None, out: F64 | None = None
+    log_r: F64,
+    estimator: str,
+    r_minus_1: F64 | None = None,
+    out: F64 | None = None,
+    *,
+    saturates: bool | None = None,
 ) -> F64:
     """Per-token KL estimates, each at most :data:`FIGURE_CAP`. ``r_minus_1`` is
     :func:`ratio_minus_1` of ``log_r`` when the caller has it; ``out`` (which may be
-    ``r_minus_1``) receives the result."""
+    ``r_minus_1``) receives the result; ``saturates`` is :func:`_saturates` of ``log_r`` when
+    the caller has it."""
     if estimator == "k1":
         return np.negative(log_r, out=out)  # |log_r| ≤ 3.4e38 < FIGURE_CAP: never capped
     if estimator == "k2":
@@ -69,18 +76,20 @@ def kl_per_token(
         k *= 0.5
         return np.minimum(k, FIGURE_CAP, out=k)
     if estimator == "k3":
-        em1 = ratio_minus_1(log_r) if r_minus_1 is None else r_minus_1
+        if saturates is None:
+            saturates = _saturates(log_r)
+        em1 = ratio_minus_1(log_r, saturates=saturates) if r_minus_1 is None else r_minus_1
         k = np.subtract(em1, log_r, out=out)  # for log_r < 0: ≤ -log_r ≤ 3.4e38
-        if _saturates(log_r):
+        if saturates:
             # Where r - 1 saturated the difference is no longer k3, which is above the cap.
             np.copyto(k, FIGURE_CAP, where=log_r > LOG_FIGURE_CAP)
         return k
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
-@dataclass(frozen=True, slots=True)
-class Measured:
-    """One rollout of a batch as the ack sees it."""
+class Measured(NamedTuple):
+    """One rollout of a batch as the ack sees it (a named tuple: one is built per rollout of
+    every ack)."""
 
     old: npt.NDArray[np.float32] | None  # behaviour logprobs, None if ingested without
     new: npt.NDArray[np.floating[Any]] | None  # current logprobs from the ack, None if not given
@@ -129,19 +138,20 @@ def batch_figures(items: Sequence[Measured], estimator: str, clip_epsilon: float
         buf = np.concatenate([o for _, o, _ in pairs], dtype=np.float64)
         log_r = np.concatenate([n for _, _, n in pairs], dtype=np.float64)
         log_r -= buf
-        lengths = np.fromiter((o.size for _, o, _ in pairs), dtype=np.int64, count=len(pairs))
+        lengths = np.array([o.size for _, o, _ in pairs], dtype=np.int64)
         starts = np.zeros(len(pairs), dtype=np.int64)
         np.cumsum(lengths[:-1], out=starts[1:])
         ess = ess_fraction(np.add.reduceat(log_r, starts))
+        saturates = _saturates(log_r)
         # r - 1 rather than r: exact near 1, where on-policy tokens are, and it serves k3,
         # the ratio sum (n + Σ(r - 1)) and the clip test alike.
-        r_minus_1 = ratio_minus_1(log_r, out=buf)
+        r_minus_1 = ratio_minus_1(log_r, out=buf, saturates=saturates)
         ratio_tokens = kl_tokens = int(log_r.size)
         ratio_sum = ratio_tokens + float(r_minus_1.sum())
         clipped = int(
             np.count_nonzero(r_minus_1 > clip_epsilon) + np.count_nonzero(r_minus_1 < -clip_epsilon)
         )
-        k = kl_per_token(log_r, estimator, r_minus_1, out=buf)
+        k = kl_per_token(log_r, estimator, r_minus_1, out=buf, saturates=saturates)
         k_seq = np.add.reduceat(k, starts)
         for (i, _, _), mean in zip(pairs, (k_seq / lengths).tolist(), strict=True):
             per[i] = mean

@@ -107,7 +107,8 @@ async def test_ready_and_leased_units_keep_their_uses_kl_and_batch(store):
     # a's measured KL came through: below it, a retires and the others do not.
     await store.nack("r", again.batch_id)
     before = RunConfig(max_reuse=3, kl_max=1.0).canonical_json()
-    assert await store.replace_config("r", before, RunConfig(max_reuse=3, kl_max=0.25)) == "replaced"
+    lowered = RunConfig(max_reuse=3, kl_max=0.25)
+    assert await store.replace_config("r", before, lowered) == "replaced"
     rest = await lease(store, 3)
     assert sorted(ids(rest)) == ["b", "c", "d"]
     retired = [d for e, d in await events(store) if e == "retired"]
@@ -116,9 +117,7 @@ async def test_ready_and_leased_units_keep_their_uses_kl_and_batch(store):
 
 async def test_groups_complete_and_filling_come_through(store):
     await store.create_run("r", RunConfig(group_size=2))
-    await store.ingest(
-        "r", [packed("a1", group="a", tokens=2), packed("a2", group="a", tokens=3)]
-    )
+    await store.ingest("r", [packed("a1", group="a", tokens=2), packed("a2", group="a", tokens=3)])
     await store.ingest("r", [packed("b1", group="b", tokens=4)])
     await write_earlier_layout(store, "r")
 
@@ -127,10 +126,16 @@ async def test_groups_complete_and_filling_come_through(store):
     assert ids(got) == ["a1", "a2", "b1", "b2"]
     leased = [d for e, d in await events(store) if e == "leased"][-1]
     assert [i[:3] for i in leased["items"]] == [
-        ["a1", 0, 2], ["a2", 0, 3], ["b1", 0, 4], ["b2", 0, 6]
+        ["a1", 0, 2],
+        ["a2", 0, 3],
+        ["b1", 0, 4],
+        ["b2", 0, 6],
     ]
     view = await store.batch_view("r", got.batch_id, rollouts="meta")
     assert [(m.rollout_id, m.tokens) for m in view.members] == [
-        ("a1", 2), ("a2", 3), ("b1", 4), ("b2", 6)
+        ("a1", 2),
+        ("a2", 3),
+        ("b1", 4),
+        ("b2", 6),
     ]
     assert await _leftovers(store, "r") == []
