@@ -27,6 +27,8 @@ from app.settings import Settings
 from tests.helpers import KNOWN_SECRETS, rollout
 from tests.services import delete_prefix, new_prefix
 
+pytestmark = pytest.mark.one_node  # routing inside the app: the same on any Redis
+
 ADMIN = secrets.token_urlsafe(32)
 KNOWN_SECRETS.add(ADMIN)
 

@@ -13,6 +13,8 @@ from redis.exceptions import ResponseError
 
 from app.broker import keys
 
+pytestmark = pytest.mark.one_node  # plain Lua helpers: the same on any Redis
+
 
 async def run_lua(redis, prefix: str, body: str, *args):
     lua = resources.files("app.broker") / "lua"

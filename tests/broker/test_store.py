@@ -239,6 +239,7 @@ async def test_kl_flush_retires_older_versions_and_raises_the_floor(store):
     assert out.rejected == [("late", "stale")] and out.accepted == 1
 
 
+@pytest.mark.one_node  # the scripts' own limit: a cluster adds nothing to it
 async def test_a_flush_and_a_random_lease_past_a_script_page_of_units(store):
     # A script can pass at most about 8,000 values to one command (Lua's stack): a random
     # lease of 4,100 (a sample of 8,232 candidates) and a flush of 9,000 go page by page.
