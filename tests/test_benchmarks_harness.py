@@ -152,7 +152,15 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
     for procs in (1, 4):
         assert (f"ingest.msgpack.64.p{procs}", "≥0.5× raw") in targets
     assert (f"lease_ack.msgpack.{QUICK.batch}", "≥0.5× raw") in targets
-    assert ("memory.used_memory", "≤1.3× raw arrays") in targets
+    assert ("memory.used_memory", "≤1.15× raw arrays") in targets
+    for procs in (1, 4):
+        for fmt in ("json", "msgpack"):
+            assert (f"ingest.{fmt}.1.p{procs}", "≥1.5× naive") in targets
+    assert (f"lease_ack.json.{QUICK.batch}", "≥2× naive") in targets
+    top, least = QUICK.levels[-1], QUICK.levels[0]
+    for q in (50, 99):
+        assert (f"scale.buffered.{top}.p{q}", f"≤1.3× at {least:,}") in targets
+    assert (f"scale.trainers.{max(QUICK.trainers)}.p99", "≤4× 1 trainer") in targets
     assert ("bodies.peak_rss", "≤4× body") in targets
     assert (f"long.lease_ack.msgpack.{QUICK.long_batch}", LONG_TARGET) in targets
     # Auth (metrics) on against off, the same case of the same run: at most 5 % (3 %) slower.
@@ -174,11 +182,18 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
             cpu = [rows[f"cluster.redis_cpu.{m}"]["value"] for m in CLUSTER_MASTERS]
             assert rid == "cluster.redis_cpu.all" and r["value"] == pytest.approx(sum(cpu))
             return max(cpu) / min(cpu), BALANCE_NEED, True
+        if name == "≤4× 1 trainer":
+            return r["value"] / rows["scale.trainers.1.p99"]["value"], 4.0, True
+        if name.startswith("≤1.3× at "):  # the most buffered against the least
+            first = rows[rid.replace(f".{QUICK.levels[-1]}.", f".{QUICK.levels[0]}.")]
+            return r["value"] / first["value"], 1.3, True
         return {
             "≥0.5× raw": (r["vs_raw"], 0.5, False),
             LONG_TARGET: (r["vs_raw"], LONG_NEED, False),
             ">1× naive": (r["vs_naive"], 1.0, False),
-            "≤1.3× raw arrays": (r["value"] / RAW_BYTES, 1.3, True),
+            "≥1.5× naive": (r["vs_naive"], 1.5, False),
+            "≥2× naive": (r["vs_naive"], 2.0, False),
+            "≤1.15× raw arrays": (r["value"] / RAW_BYTES, 1.15, True),
             "≤4× body": (r["value"] / big_body, 4.0, True),
         }[name]
 
