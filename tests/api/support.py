@@ -3,11 +3,14 @@ request builders for raw and msgpack bodies."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import msgpack
+from fastapi import FastAPI
 from redis.asyncio import Redis
 
 from app.broker import keys
@@ -117,3 +120,13 @@ async def patch(client: httpx.AsyncClient, run_id: str, **fields: Any) -> dict[s
 
 def ids(batch: dict[str, Any]) -> list[str]:
     return [r["rollout_id"] for r in batch["rollouts"]]
+
+
+@contextlib.asynccontextmanager
+async def asgi_client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of ``app`` in this process (no socket), inside the app's lifespan; an exception
+    in the app is answered as the app's error handling answers it."""
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://broker") as c:
+            yield c

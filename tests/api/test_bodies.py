@@ -17,7 +17,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from app.errors import BrokerError
 from app.main import create_app
 from app.settings import Settings
 from app.wiring import broker_for
-from tests.api.support import JSON
+from tests.api.support import JSON, asgi_client
 from tests.helpers import make_run, rollout
 from tests.services import REDIS_URL
 
@@ -193,14 +193,6 @@ def test_a_body_of_too_many_strings_and_brackets_takes_the_whole_parse(
 # -- a big ingest does not hold up other requests --------------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def _client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://broker") as c:
-            yield c
-
-
 def _big_json(n: int, tokens: int) -> bytes:
     ids = ",".join(["7"] * tokens)
     lps = ",".join(["-0.5"] * tokens)
@@ -234,7 +226,8 @@ async def test_healthz_is_answered_while_a_maximal_ingest_is_parsed(
 
     monkeypatch.setattr(service, "pack_rollout", held)
     order: list[str] = []
-    async with _client(create_app(settings.model_copy(update={"max_body_bytes": limit}))) as api:
+    app = create_app(settings.model_copy(update={"max_body_bytes": limit}))
+    async with asgi_client(app) as api:
         await make_run(api, "big")
 
         async def ingest() -> httpx.Response:

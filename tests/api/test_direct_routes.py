@@ -24,6 +24,7 @@ from redis.asyncio import Redis
 from app.api import batches, rollouts
 from app.main import DirectRoutes, create_app
 from app.settings import Settings
+from tests.api.support import asgi_client
 from tests.helpers import KNOWN_SECRETS, rollout
 from tests.services import delete_prefix, new_prefix
 
@@ -41,14 +42,6 @@ def _routed(app: FastAPI) -> FastAPI:
     assert isinstance(direct, DirectRoutes)
     app.router.middleware_stack = direct.app
     return app
-
-
-@contextlib.asynccontextmanager
-async def _client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://broker") as c:
-            yield c
 
 
 @dataclass
@@ -77,7 +70,7 @@ async def _pair(settings: Settings, redis: Redis) -> AsyncIterator[Pair]:
 
     layer._serve = counting  # type: ignore[method-assign]
     try:
-        async with _client(direct_app) as direct, _client(routed_app) as routed:
+        async with asgi_client(direct_app) as direct, asgi_client(routed_app) as routed:
             yield Pair(direct, routed, served, direct_app)
     finally:
         await delete_prefix(redis, other)
