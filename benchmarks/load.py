@@ -210,12 +210,6 @@ def naive_ingest(
     payload = make_payload(tokens=tokens)
     http = Http(address)
     seq = 0
-    for _ in range(2):
-        status, data, _ = http.call(
-            "POST", "/rollouts", payload.json_item(rollout_id(tag, worker, seq)), "application/json"
-        )
-        expect(status, data, 202)
-        seq += 1
 
     def post() -> int:
         nonlocal seq
@@ -225,6 +219,8 @@ def naive_ingest(
         expect(status, data, 202)
         return 1
 
+    for _ in range(2):  # warm-up
+        post()
     res = timed_writes(post, duration=duration, max_ops=max_ops, barrier=barrier)
     http.close()
     return res

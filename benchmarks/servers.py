@@ -273,13 +273,7 @@ def cli_server(
             time.sleep(0.05)
         yield Server(name, port, proc.pid)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+        _stop(proc, signal.SIGTERM, grace_s=30)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # an API process the serve process left behind
         log.close()
@@ -296,11 +290,14 @@ def _healthy(port: int) -> bool:
         return False
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def _stop(
+    proc: subprocess.Popen[bytes], sig: signal.Signals = signal.SIGINT, grace_s: float = 10
+) -> None:
+    """Stop ``proc`` with ``sig``, killed after ``grace_s`` seconds."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)

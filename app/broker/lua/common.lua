@@ -138,21 +138,26 @@ local RETIRED_N = 0
 local LIVE_DELTA = 0  -- change of the run's 'live' count, written once by finish()
 local WOKE = false
 
--- Take a ready unit out of the ready indexes. A version whose index empties leaves VS; a
--- caller that unreadies many units passes `emptied` and calls prune_versions once instead.
-local function unready(u, v, emptied)
+-- Take a ready unit out of the ready indexes; a version whose index empties leaves VS.
+local function unready(u, v)
   redis.call('ZREM', Q, u)
   local k = qv(v)
   redis.call('ZREM', k, u)
-  if emptied then
-    emptied[v] = true
-  elseif redis.call('EXISTS', k) == 0 then
-    redis.call('ZREM', VS, I(v))
-  end
+  if redis.call('EXISTS', k) == 0 then redis.call('ZREM', VS, I(v)) end
 end
 
-local function prune_versions(emptied)
-  for v in pairs(emptied) do
+-- unready() for many units { {u, v}, ... } at once: one ZREM per index.
+local function unready_many(units)
+  local all, by_v = {}, {}
+  for _, x in ipairs(units) do
+    table.insert(all, x[1])
+    local l = by_v[x[2]]
+    if not l then l = {} by_v[x[2]] = l end
+    table.insert(l, x[1])
+  end
+  each_chunk(all, 1000, function(...) redis.call('ZREM', Q, ...) end)
+  for v, l in pairs(by_v) do
+    each_chunk(l, 1000, function(...) redis.call('ZREM', qv(v), ...) end)
     if redis.call('EXISTS', qv(v)) == 0 then redis.call('ZREM', VS, I(v)) end
   end
 end

@@ -145,8 +145,10 @@ for i = 1, n do
         else
           ADM_DELTA = ADM_DELTA + 1
         end
-        redis.call('ZADD', OPEN, NOW, u)
-        redis.call('ZADD', OV, vs, u)
+        if gs > 1 then  -- a group of one (a prompt attempt's) is complete at once
+          redis.call('ZADD', OPEN, NOW, u)
+          redis.call('ZADD', OV, vs, u)
+        end
       else
         have = redis.call('HINCRBY', uk, 'have', 1)
         need, uv, useq = tonumber(f[2]), tonumber(f[3]), tonumber(f[6])
@@ -161,15 +163,20 @@ for i = 1, n do
       end
       table.insert(acc_items, { rid, gid, v, tokens, new_unit })
       if have == need then  -- complete: from its own hash to a record in US
-        redis.call('ZREM', OPEN, u)
-        redis.call('ZREM', OV, u)
+        if need > 1 then
+          redis.call('ZREM', OPEN, u)
+          redis.call('ZREM', OV, u)
+        end
         if work then  -- the attempt's group is in: it counts no more toward its work lease
           local lid = redis.call('HGET', ppkey(work[1]), 'lease')
           redis.call('HSET', ppkey(work[1]), 'st', 'b')
           if lid then work_settled(lid) end
         end
-        local rr = redis.call('HMGET', uk, 'rmin', 'rmax')
-        if need > 1 and CFG.drop_zero_variance_groups and tonumber(rr[1]) == tonumber(rr[2]) then
+        local function zero_variance()
+          local rr = redis.call('HMGET', uk, 'rmin', 'rmax')
+          return tonumber(rr[1]) == tonumber(rr[2])
+        end
+        if need > 1 and CFG.drop_zero_variance_groups and zero_variance() then
           retire_open(u, 'zero_variance')
         else
           table.insert(DELS, uk)

@@ -118,16 +118,13 @@ if picked_n == 0 or (picked_n < N and not partial) then
 end
 
 local exp = NOW + CFG.lease_timeout_s * 1000
-local units, brows, items, rows, taken, by_v = {}, {}, {}, {}, {}, {}
+local units, brows, items, rows, taken = {}, {}, {}, {}, {}
 local tokens = 0
 for _, p in ipairs(picked) do
   local u, r = p[1], p[2]
   local part = rollouts_of(u, r)
   table.insert(units, u) table.insert(units, p[3]) table.insert(units, #part)
-  table.insert(taken, u)
-  local l = by_v[r.v]
-  if not l then l = {} by_v[r.v] = l end
-  table.insert(l, u)
+  table.insert(taken, { u, r.v })
   for _, row in ipairs(part) do
     local rid, rv, rn = row[1], row[2], row[3]
     tokens = tokens + rn
@@ -136,14 +133,7 @@ for _, p in ipairs(picked) do
     table.insert(rows, { r.uses, V - rv, rid })
   end
 end
--- Out of the ready indexes, a few commands for the whole batch.
-each_chunk(taken, 1000, function(...) redis.call('ZREM', Q, ...) end)
-local emptied = {}
-for v, l in pairs(by_v) do
-  each_chunk(l, 1000, function(...) redis.call('ZREM', qv(v), ...) end)
-  emptied[v] = true
-end
-prune_versions(emptied)
+unready_many(taken)
 redis.call('HSET', bkey(bid), 'st', 'l', 'v', I(V), 'exp', I(exp), 'units', cmsgpack.pack(units),
   'rows', cmsgpack.pack(brows), 'n', picked_n, 'tok', I(tokens), 'tr', ARGV[6], 't', I(NOW))
 redis.call('ZADD', LEASES, I(exp), bid)
