@@ -6,6 +6,7 @@ served in-process on both."""
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -190,3 +191,14 @@ async def api(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
             transport=transport, base_url="http://broker", timeout=30.0
         ) as c:
             yield c
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Once an xdist worker's tests and fixtures are done, it ignores SIGINT. execnet sends a
+    worker that is still busy 5 s after the controller closed it a SIGINT of its own
+    (gateway_base.WorkerGateway._terminate_execution); pytest's final garbage collections can
+    take that long on a loaded machine, and the signal then lands as a KeyboardInterrupt in
+    whatever runs, such as hypothesis's gc callback."""
+    if hasattr(session.config, "workerinput"):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
