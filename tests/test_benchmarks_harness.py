@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 from benchmarks.cluster import BALANCE_NEED, MASTERS, cluster_binaries
 from benchmarks.payloads import RAW_BYTES, big_json_body
 from benchmarks.run import AUTH_NEED, LONG_NEED, METRICS_NEED, QUICK
+from benchmarks.servers import find_redis_server
 
 RATES = ("rollouts/s", "prompts/s")
 
@@ -216,3 +218,31 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
         assert cells[7] == "; ".join(verdicts), (rid, cells)
     passed = sum(t["ok"] for _, t in targets.values())
     assert f"targets: {passed} PASS, {len(targets) - passed} MISS" in proc.stdout
+
+
+def test_layout_probe_runs_the_three_ways_and_reports_ratios_against_raw() -> None:
+    """benchmarks/layout.py at its tiny size: the broker's own scripts, the raw ceiling and the
+    bucket sketch each lease and ack on a private redis-server and give everything back (the
+    probe checks that before it prints), and each ratio is raw's figure over the way's."""
+    if find_redis_server() is None:
+        pytest.skip("benchmarks.layout needs a redis-server of version 7 or later")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.layout", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {}
+    for line in proc.stdout.splitlines():
+        m = re.fullmatch(r"\| (.+?) \| ([\d,]+) µs \| ×([\d.]+) \|", line)
+        if m:
+            rows[m[1]] = (int(m[2].replace(",", "")), float(m[3]))
+    assert list(rows) == ["raw", "broker", "bucket sketch"], proc.stdout
+    raw_us = rows["raw"][0]
+    assert raw_us > 0
+    for name, (us, ratio) in rows.items():
+        assert us > 0, name
+        assert ratio == pytest.approx(raw_us / us, abs=0.006), name
