@@ -1,7 +1,7 @@
 """Redis's share of a lease + ack of 256: the broker's scripts against the raw read ceiling
 and against a sketch of a per-bucket layout, in one private redis-server, one run.
 
-    python -m benchmarks.layout              # about 20 s
+    python -m benchmarks.layout              # about 5–10 s
     python -m benchmarks.layout --quick      # tiny sizes (tests/test_benchmarks_harness.py)
 
 The figure is the redis-server process's CPU time per lease + ack (``used_cpu_user`` +
@@ -40,7 +40,6 @@ import msgpack
 import redis
 import redis.asyncio as aioredis
 
-from app.broker import keys
 from app.broker.config import RunConfig
 from app.broker.packing import pack_rollout
 from app.broker.store import RedisStore
@@ -141,7 +140,7 @@ class Ways:
         # The broker's run: every rollout reusable far more often than the run lasts.
         cfg = RunConfig(max_staleness=1_000, max_reuse=10_000)
         self._run(self.store.create_run(RUN, cfg))
-        self.r.hset(keys.run_key(PREFIX, RUN), "ver", VERSION)
+        self._run(self.store.set_policy(RUN, VERSION))
         for i in range(0, buffered, 64):
             self._run(self.store.ingest(RUN, packed[i : i + 64]))
         # raw: the same blobs under keys of their own and a queue of their ids.
