@@ -1,12 +1,12 @@
 """Redis's share of a lease + ack of 256: the broker's scripts against the raw read ceiling
-and against a sketch of a per-bucket layout, in one private redis-server, one run.
+and against two forms of a per-bucket layout, in one private redis-server, one run.
 
     python -m benchmarks.layout              # about 5–10 s
     python -m benchmarks.layout --quick      # tiny sizes (tests/test_benchmarks_harness.py)
 
 The figure is the redis-server process's CPU time per lease + ack (``used_cpu_user`` +
 ``used_cpu_sys`` of ``INFO cpu``), so command parsing and socket work count as well as script
-work; the three ways run interleaved, twice, and the best of each is kept. No HTTP and no API
+work; the ways run interleaved, twice, and the best of each is kept. No HTTP and no API
 process: this isolates the part of a lease + ack that Redis does.
 
 - **raw**: the ceiling of benchmarks/run.py's read rows: ``LPOP <queue> N``, ``MGET`` of the
@@ -23,6 +23,12 @@ process: this isolates the part of a lease + ack that Redis does.
   bucket's version and uses (group units, prompt passes, the per-unit KL gate, 'fifo' and
   'random' order, retirement events), which a real one would have to carry in the list
   elements or in per-bucket structures.
+- **bucket zsets**: the same idea with what the rules need of it: one sorted set per (version,
+  uses) scored by arrival, so a lease merges a version's sets and keeps arrival order across
+  uses as the broker's 'freshest' order does; the versions and each version's sets indexed; the
+  batch record per set; the ack writing each unit's measured KL to a hash in one command (what a
+  lowered ``kl_max`` would be re-checked against). Still without groups, prompt passes and
+  retirements, which would add to it.
 """
 
 from __future__ import annotations
@@ -81,6 +87,84 @@ return #items
 """
 
 
+# The bucket design, closer to what the rules need: one sorted set per (version, uses) scored by
+# arrival, so a lease merges a version's sets in arrival order; the sets of a version listed in
+# a set of their own; the batch record per set; each unit's last KL written by the ack in one
+# HSET (what a lowered kl_max would be re-checked against); one event per lease and per ack.
+_ZSET_LEASE = """
+local bid, N = ARGV[1], tonumber(ARGV[2])
+local run = redis.call('HMGET', KEYS[1], 'ver', 'stale', 'max_reuse')
+local V, stale, max_reuse = tonumber(run[1]), tonumber(run[2]), tonumber(run[3])
+local parts, picked = {}, 0
+for _, v in ipairs(redis.call('ZREVRANGEBYSCORE', KEYS[2], V, V - stale)) do
+  local heads = {}
+  for _, u in ipairs(redis.call('SMEMBERS', KEYS[3] .. v)) do
+    if tonumber(u) < max_reuse then
+      local h = redis.call('ZRANGE', KEYS[4] .. v .. ':' .. u, 0, N - picked - 1, 'WITHSCORES')
+      if #h > 0 then table.insert(heads, { u = u, h = h, i = 1, taken = {} }) end
+    end
+  end
+  for _, x in ipairs(heads) do  -- scores as numbers, once
+    local sc = {}
+    for j = 2, #x.h, 2 do sc[j / 2] = tonumber(x.h[j]) end
+    x.sc = sc
+  end
+  while picked < N do  -- merge the version's sets by arrival
+    local best, best_sc = nil, nil
+    for _, x in ipairs(heads) do
+      local c = x.sc[x.i]
+      if c and (not best or c < best_sc) then best, best_sc = x, c end
+    end
+    if not best then break end
+    local t = best.taken
+    t[#t + 1] = best.h[2 * best.i]
+    t[#t + 1] = best.h[2 * best.i - 1]
+    best.i = best.i + 1
+    picked = picked + 1
+  end
+  for _, x in ipairs(heads) do
+    if #x.taken > 0 then
+      local members = {}
+      for j = 2, #x.taken, 2 do members[j / 2] = x.taken[j] end
+      redis.call('ZREM', KEYS[4] .. v .. ':' .. x.u, unpack(members))
+      table.insert(parts, { tonumber(v), tonumber(x.u), x.taken })
+    end
+  end
+  if picked >= N then break end
+end
+local rec = cmsgpack.pack(parts)
+redis.call('HSET', KEYS[5] .. bid, 'st', 'l', 'v', V, 'sets', rec)
+redis.call('ZADD', KEYS[6], ARGV[3], bid)
+redis.call('XADD', KEYS[7], '*', 'e', 'leased', 'd',
+  cmsgpack.pack({ batch_id = bid, policy_version = V, sets = rec }))
+return rec
+"""
+
+_ZSET_ACK = """
+local bk = KEYS[5] .. ARGV[1]
+local f = redis.call('HMGET', bk, 'st', 'sets')
+if f[1] ~= 'l' then return 0 end
+local max_reuse = tonumber(redis.call('HGET', KEYS[1], 'max_reuse'))
+redis.call('ZREM', KEYS[6], ARGV[1])
+redis.call('XADD', KEYS[7], '*', 'e', 'acked', 'd', ARGV[2])
+local n = 0
+for _, p in ipairs(cmsgpack.unpack(f[2])) do
+  local v, u, taken = p[1], p[2] + 1, p[3]
+  n = n + #taken / 2
+  if u < max_reuse then
+    for i = 1, #taken, 1000 do
+      redis.call('ZADD', KEYS[4] .. v .. ':' .. u, unpack(taken, i, math.min(i + 999, #taken)))
+    end
+    redis.call('SADD', KEYS[3] .. v, u)
+  end
+end
+for i = 3, #ARGV, 1000 do redis.call('HSET', KEYS[8], unpack(ARGV, i, math.min(i + 999, #ARGV))) end
+redis.call('HSET', bk, 'st', 'a')
+redis.call('PEXPIRE', bk, 86400000)
+return n
+"""
+
+
 def _ack_event(batch_id: str, items: list[list[object]]) -> bytes:
     """An ``acked`` payload of the service's shape (app/broker/service.py, _acked_event)."""
     return cast(
@@ -112,7 +196,7 @@ def _ack_event(batch_id: str, items: list[list[object]]) -> bytes:
 
 
 class Ways:
-    """The three ways, set up on one server: each ``round_*`` does one lease + ack of ``size``."""
+    """The ways, set up on one server: each ``round_*`` does one lease + ack of ``size``."""
 
     def __init__(self, url: str, buffered: int, size: int, tokens: int) -> None:
         self.size = size
@@ -154,10 +238,30 @@ class Ways:
             self.r.rpush("raw:q", *rids[i : i + 1000])
             self.r.rpush("bk:b:0", *[f"{x} {tokens}" for x in rids[i : i + 1000]])
         self.r.hset("bk:run", mapping={"ver": VERSION, "stale": 1_000})
+        self.r.hset("bz:run", mapping={"ver": VERSION, "stale": 1_000, "max_reuse": 10_000})
+        self.r.zadd("bz:vs", {str(VERSION): VERSION})
+        self.r.sadd(f"bz:us:{VERSION}", 0)
+        for i in range(0, buffered, 1000):
+            self.r.zadd(
+                f"bz:s:{VERSION}:0",
+                {f"{x} {tokens}": i + j for j, x in enumerate(rids[i : i + 1000])},
+            )
         self.tokens = tokens
         self.bucket_keys = ["bk:run", "bk:b:", "bk:bt:", "bk:leases", "bk:ev"]
         self.bucket_lease = self.r.register_script(_BUCKET_LEASE)
         self.bucket_ack = self.r.register_script(_BUCKET_ACK)
+        self.zset_keys = [
+            "bz:run",
+            "bz:vs",
+            "bz:us:",
+            "bz:s:",
+            "bz:bt:",
+            "bz:leases",
+            "bz:ev",
+            "bz:kl",
+        ]
+        self.zset_lease = self.r.register_script(_ZSET_LEASE)
+        self.zset_ack = self.r.register_script(_ZSET_ACK)
         self.uses = 0
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -204,12 +308,31 @@ class Ways:
         items = [[x.decode(), VERSION, self.tokens, 0.001] for x in rids]
         self.bucket_ack(keys=self.bucket_keys, args=[bid, _ack_event(bid, items)])
 
+    def round_zsets(self) -> None:
+        bid = secrets.token_hex(16)
+        expires = int(time.time() * 1000) + 300_000
+        rec = self.zset_lease(keys=self.zset_keys, args=[bid, self.size, expires])
+        rids = [
+            m.split(b" ", 1)[0]
+            for _, _, taken in msgpack.unpackb(rec, raw=True)
+            for m in taken[1::2]
+        ]
+        assert len(rids) == self.size, len(rids)
+        self.r.mget([b"raw:d:" + x for x in rids])
+        items = [[x.decode(), VERSION, self.tokens, 0.001] for x in rids]
+        kls: list[str | bytes] = []
+        for x in rids:
+            kls += [b"r:" + x, "0.001"]
+        self.zset_ack(keys=self.zset_keys, args=[bid, _ack_event(bid, items), *kls])
+
     def check(self, buffered: int) -> None:
         """Every way gave back all it took: the queue and the buckets still hold every rollout,
         and the broker's run has none left leased."""
         assert self.r.llen("raw:q") == buffered
         in_buckets = sum(self.r.llen(k) for k in self.r.scan_iter(match="bk:b:*"))
         assert in_buckets == buffered, in_buckets
+        in_zsets = sum(self.r.zcard(k) for k in self.r.scan_iter(match="bz:s:*"))
+        assert in_zsets == buffered, in_zsets
         state = self._run(self.store.get_run(RUN))
         assert state is not None and state.leased == 0 and state.live == buffered, state
 
@@ -254,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                     ("raw", ways.round_raw),
                     ("broker", ways.round_broker),
                     ("bucket sketch", ways.round_bucket),
+                    ("bucket zsets", ways.round_zsets),
                 ):
                     s = measure(fn, args.rounds, ways.r)
                     best[name] = min(best.get(name, s), s)

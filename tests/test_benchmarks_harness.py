@@ -220,10 +220,10 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
     assert f"targets: {passed} PASS, {len(targets) - passed} MISS" in proc.stdout
 
 
-def test_layout_probe_runs_the_three_ways_and_reports_ratios_against_raw() -> None:
-    """benchmarks/layout.py at its tiny size: the broker's own scripts, the raw ceiling and the
-    bucket sketch each lease and ack on a private redis-server and give everything back (the
-    probe checks that before it prints), and each ratio is raw's figure over the way's."""
+def test_layout_probe_runs_every_way_and_reports_ratios_against_raw() -> None:
+    """benchmarks/layout.py at its tiny size: the raw ceiling, the broker's own scripts and the
+    two bucket layouts each lease and ack on a private redis-server and give everything back
+    (the probe checks that before it prints), and each ratio is raw's figure over the way's."""
     if find_redis_server() is None:
         pytest.skip("benchmarks.layout needs a redis-server of version 7 or later")
     proc = subprocess.run(
@@ -240,7 +240,7 @@ def test_layout_probe_runs_the_three_ways_and_reports_ratios_against_raw() -> No
         m = re.fullmatch(r"\| (.+?) \| ([\d,]+) µs \| ×([\d.]+) \|", line)
         if m:
             rows[m[1]] = (int(m[2].replace(",", "")), float(m[3]))
-    assert list(rows) == ["raw", "broker", "bucket sketch"], proc.stdout
+    assert list(rows) == ["raw", "broker", "bucket sketch", "bucket zsets"], proc.stdout
     raw_us = rows["raw"][0]
     assert raw_us > 0
     for name, (us, ratio) in rows.items():
