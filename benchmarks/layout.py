@@ -46,6 +46,7 @@ import msgpack
 import redis
 import redis.asyncio as aioredis
 
+from app.accounting.events import Acked, AckedItem, AckStats, AckSums, pack_payload
 from app.broker.config import RunConfig
 from app.broker.packing import pack_rollout
 from app.broker.store import RedisStore
@@ -165,32 +166,21 @@ return n
 """
 
 
-def _ack_event(batch_id: str, items: list[list[object]]) -> bytes:
-    """An ``acked`` payload of the service's shape (app/broker/service.py, _acked_event)."""
-    return cast(
-        bytes,
-        msgpack.packb(
-            {
-                "batch_id": batch_id,
-                "step": None,
-                "policy_version": VERSION,
-                "items": items,
-                "stats": {
-                    "kl_mean": 0.001,
-                    "kl_max": 0.001,
-                    "is_ratio_mean": 1.0,
-                    "clip_fraction": 0.0,
-                    "ess_fraction": 1.0,
-                },
-                "sums": {
-                    "kl_tokens": 1,
-                    "kl_sum": 0.001,
-                    "ratio_tokens": 1,
-                    "ratio_sum": 1.0,
-                    "clipped": 0,
-                },
-            },
-            use_bin_type=True,
+def _ack_event(batch_id: str, rollout_ids: list[str], tokens: int) -> bytes:
+    """The ``acked`` payload the service writes (app/broker/service.py, _acked_event), every
+    rollout measured at a KL far below ``kl_max``."""
+    items = tuple(AckedItem(rid, VERSION, tokens, 0.001) for rid in rollout_ids)
+    stats = AckStats(kl_mean=0.001, kl_max=0.001, is_ratio_mean=1.0, clip_fraction=0.0)
+    sums = AckSums(kl_tokens=len(items) * tokens, kl_sum=0.001 * len(items) * tokens)
+    return pack_payload(
+        "acked",
+        Acked(
+            batch_id=batch_id,
+            step=None,
+            policy_version=VERSION,
+            items=items,
+            stats=stats,
+            sums=sums,
         ),
     )
 
@@ -288,10 +278,9 @@ class Ways:
         assert not isinstance(lease, int), f"only {lease} eligible"
         # As the service acks a batch it leased itself: the state only, the rows kept.
         await self.store.batch_view(RUN, bid, rollouts="none")
-        items = [
-            [msgpack.unpackb(r.blob)["i"], VERSION, self.tokens, 0.001] for r in lease.rollouts
-        ]
-        await self.store.ack(RUN, bid, kl_mean=0.001, event=_ack_event(bid, items), stats_text="{}")
+        rids = [msgpack.unpackb(r.blob)["i"] for r in lease.rollouts]
+        event = _ack_event(bid, rids, self.tokens)
+        await self.store.ack(RUN, bid, kl_mean=0.001, event=event, stats_text="{}")
 
     def round_bucket(self) -> None:
         bid = secrets.token_hex(16)
@@ -303,27 +292,26 @@ class Ways:
             self.uses += 1
             args[2] = self.uses
             got = self.bucket_lease(keys=self.bucket_keys, args=args)
-        rids = [x.split(b" ", 1)[0] for x in got]
-        self.r.mget([b"raw:d:" + x for x in rids])
-        items = [[x.decode(), VERSION, self.tokens, 0.001] for x in rids]
-        self.bucket_ack(keys=self.bucket_keys, args=[bid, _ack_event(bid, items)])
+        rids = self._read([x.split(b" ", 1)[0] for x in got])
+        self.bucket_ack(keys=self.bucket_keys, args=[bid, _ack_event(bid, rids, self.tokens)])
 
     def round_zsets(self) -> None:
         bid = secrets.token_hex(16)
         expires = int(time.time() * 1000) + 300_000
         rec = self.zset_lease(keys=self.zset_keys, args=[bid, self.size, expires])
-        rids = [
-            m.split(b" ", 1)[0]
-            for _, _, taken in msgpack.unpackb(rec, raw=True)
-            for m in taken[1::2]
-        ]
-        assert len(rids) == self.size, len(rids)
+        members = [m for _, _, taken in msgpack.unpackb(rec, raw=True) for m in taken[1::2]]
+        assert len(members) == self.size, len(members)
+        rids = self._read([m.split(b" ", 1)[0] for m in members])
+        kls: list[str] = []
+        for rid in rids:
+            kls += [f"r:{rid}", "0.001"]
+        self.zset_ack(keys=self.zset_keys, args=[bid, _ack_event(bid, rids, self.tokens), *kls])
+
+    def _read(self, rids: list[bytes]) -> list[str]:
+        """What a bucket way's API process reads after its lease: the packed rollouts, in one
+        MGET, as the broker's lease does. Returns the ids as text."""
         self.r.mget([b"raw:d:" + x for x in rids])
-        items = [[x.decode(), VERSION, self.tokens, 0.001] for x in rids]
-        kls: list[str | bytes] = []
-        for x in rids:
-            kls += [b"r:" + x, "0.001"]
-        self.zset_ack(keys=self.zset_keys, args=[bid, _ack_event(bid, items), *kls])
+        return [x.decode() for x in rids]
 
     def check(self, buffered: int) -> None:
         """Every way gave back all it took: the queue and the buckets still hold every rollout,
