@@ -205,8 +205,10 @@ def naive_ingest(
     max_ops: int,
     tokens: int = TOKENS,
     barrier: Any,
+    path: str = "/rollouts",
 ) -> Result:
-    """A generator of the naive buffer: one JSON rollout per request."""
+    """A generator of the naive buffer: one JSON rollout per request (to ``path``: the durable
+    floor's is ``/_floor/rollouts``)."""
     payload = make_payload(tokens=tokens)
     http = Http(address)
     seq = 0
@@ -215,7 +217,7 @@ def naive_ingest(
         nonlocal seq
         b = payload.json_item(rollout_id(tag, worker, seq))
         seq += 1
-        status, data, _ = http.call("POST", "/rollouts", b, "application/json")
+        status, data, _ = http.call("POST", path, b, "application/json")
         expect(status, data, 202)
         return 1
 

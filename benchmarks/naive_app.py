@@ -2,12 +2,20 @@
 dict and pops them on read, one rollout per request. No Redis, no leases, no accounting.
 
 Run: ``python -m uvicorn benchmarks.naive_app:app``.
+
+It also serves two floors, measured beside the broker rather than compared for speed: the HTTP
+floor of a lease + ack (canned answers) and the durable floor of an ingest (each body kept in
+Redis before the answer), see the end of this file.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
+
 from fastapi import FastAPI, Request, Response
 from pydantic import BaseModel
+from redis.asyncio import Redis
 
 
 class Rollout(BaseModel):
@@ -109,3 +117,22 @@ async def canned_lease(run_id: str, size: int) -> Response:
 async def canned_ack(run_id: str, batch_id: str, request: Request) -> Response:
     body = await request.body()
     return Response(b'{"consumed":%d}' % len(body), media_type="application/json")
+
+
+# -- the durable floor of an ingest: one Redis write per request -------------------------------
+# The naive app's own framework and route, plus one SET of the request's body, as it came, before
+# the answer: no parsing, no checks, no accounting. It is the least that a buffer which keeps
+# what it accepted outside its own process (so that a restart loses nothing) pays per request,
+# on this machine. The benchmark passes its Redis and a key prefix it deletes afterwards.
+_floor_redis: Redis | None = None
+_floor_seq = itertools.count()
+
+
+@app.post("/_floor/rollouts", status_code=202)
+async def floor_rollout(request: Request) -> dict[str, int]:
+    global _floor_redis
+    if _floor_redis is None:
+        _floor_redis = Redis.from_url(os.environ["BENCH_FLOOR_REDIS_URL"])
+    key = f"{os.environ['BENCH_FLOOR_PREFIX']}{next(_floor_seq)}"
+    await _floor_redis.set(key, await request.body())
+    return {"accepted": 1}

@@ -579,6 +579,24 @@ def ingest_rows(b: Bench) -> list[Row]:
             )
             got.setdefault("naive", []).append(g)
             b.naive_call("POST", "/_bench/clear")
+            b.say(f"ingest: durable floor, {procs} proc (#{rep + 1})")
+            g = run_group(
+                load.naive_ingest,
+                [
+                    dict(
+                        address=b.naive.address,
+                        path="/_floor/rollouts",
+                        tag=f"fl{procs}",
+                        worker=w,
+                        duration=s.naive_s,
+                        max_ops=BIG,
+                    )
+                    for w in range(procs)
+                ],
+                timeout=s.naive_s + 120,
+            )
+            got.setdefault("floor", []).append(g)
+            b.raw_clear()
             for fmt in ("json", "msgpack"):
                 for per in (1, 64):
                     b.say(f"ingest: broker, {fmt}, {per}/request, {procs} proc (#{rep + 1})")
@@ -603,19 +621,37 @@ def ingest_rows(b: Bench) -> list[Row]:
                     b.drop_run(run)
                     got.setdefault(f"{fmt}{per}", []).append(g)
         naive = best_rate(got["naive"]).rate
+        floor = best_rate(got["floor"]).rate
+        gens = f"{procs} generator{'s' if procs > 1 else ''}"
+        found[f"durable_floor.ingest.p{procs}"] = Row(
+            f"durable_floor.ingest.p{procs}",
+            "Ingest",
+            f"durable floor: the naive app keeping each JSON body with one Redis SET, unparsed, "
+            f"1/request, {gens}",
+            floor,
+            "rollouts/s",
+            raw=best_rate(got["raw1"]).rate,
+            naive=naive,
+            tokens_per_s=floor * TOKENS,
+            note="the least a request costs a buffer on this framework that stores what it "
+            f"accepted before it answers: ×{floor / naive:.2f} naive bounds the one-rollout rows",
+        )
         for fmt in ("json", "msgpack"):
             for per in (1, 64):
                 g = best_rate(got[f"{fmt}{per}"])
+                note = f"{g.ops / g.span:,.0f} requests/s"
+                if per == 1:
+                    note += f"; {g.rate / floor:.2f}× the durable floor"
                 row = Row(
                     f"ingest.{fmt}.{per}.p{procs}",
                     "Ingest",
-                    f"{fmt}, {per}/request, {procs} generator{'s' if procs > 1 else ''}",
+                    f"{fmt}, {per}/request, {gens}",
                     g.rate,
                     "rollouts/s",
                     raw=best_rate(got[f"raw{per}"]).rate,
                     naive=naive,
                     tokens_per_s=g.rate * TOKENS,
-                    note=f"{g.ops / g.span:,.0f} requests/s",
+                    note=note,
                 )
                 if fmt == "msgpack" and per == 64:
                     row.target("≥0.5× raw", row.vs_raw, 0.5)
@@ -629,7 +665,7 @@ def ingest_rows(b: Bench) -> list[Row]:
         for fmt in ("json", "msgpack")
         for per in (1, 64)
         for procs in (1, 4)
-    ]
+    ] + [found[f"durable_floor.ingest.p{procs}"] for procs in (1, 4)]
 
 
 def lease_rows(b: Bench) -> list[Row]:
@@ -1779,7 +1815,14 @@ def harness(args: argparse.Namespace, sizes: Sizes) -> Iterator[Bench]:
                         factory=True,
                     ) as broker,
                     uvicorn_server(
-                        "naive", "benchmarks.naive_app:app", cwd=ROOT, workdir=work
+                        "naive",
+                        "benchmarks.naive_app:app",
+                        cwd=ROOT,
+                        workdir=work,
+                        env={  # the durable floor's writes, deleted with the raw keys
+                            "BENCH_FLOOR_REDIS_URL": rt.url,
+                            "BENCH_FLOOR_PREFIX": f"{prefix}:raw:floor:",
+                        },
                     ) as naive,
                 ):
                     yield Bench(

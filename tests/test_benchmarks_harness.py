@@ -36,6 +36,7 @@ def expected_rows() -> list[str]:
         for per in (1, 64)
         for procs in (1, 4)
     ]
+    rows += [f"durable_floor.ingest.p{procs}" for procs in (1, 4)]
     rows += [f"lease_ack.{fmt}.{s.batch}" for fmt in ("msgpack", "json")]
     rows += [f"http_floor.lease_ack.{s.batch}"]
     rows += [f"lease_latency.{n}.p{q}" for n in s.latency_sizes for q in (50, 99)]
@@ -134,7 +135,14 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
     # the broker against them.
     for rid, r in rows.items():
         if rid.startswith(
-            ("ingest.", "lease_ack.", "lease_latency.", "memory.used_memory", "long.")
+            (
+                "ingest.",
+                "durable_floor.",
+                "lease_ack.",
+                "lease_latency.",
+                "memory.used_memory",
+                "long.",
+            )
         ):
             assert _number(r["raw"]) and _number(r["naive"]), rid
         if rid.startswith(("scale.trainers.", "http_floor.", "memory.memory_usage", "work.")):
