@@ -31,7 +31,7 @@ from app.broker.packing import (
     StoredRollout,
     as_logprobs,
     check_logprobs,
-    pack_rollout,
+    pack_rollouts,
     token_ids,
     unpack_rollouts,
 )
@@ -214,21 +214,7 @@ class Broker:
             raise ValidationFailed(
                 f"{len(rollouts)} rollouts in one request, at most {self.max_rollouts}"
             )
-        return [
-            pack_rollout(
-                rollout_id=r.rollout_id,
-                group_id=r.group_id,
-                policy_version=r.policy_version,
-                prompt_ids=r.prompt_ids,
-                response_ids=r.response_ids,
-                logprobs=r.logprobs,
-                reward=r.reward,
-                finish_reason=r.finish_reason,
-                metadata=r.metadata,
-                max_tokens=self.max_tokens,
-            )
-            for r in rollouts
-        ]
+        return pack_rollouts(rollouts, self.max_tokens)
 
     async def ingest(self, run_id: str, rollouts: Sequence[RolloutJSON]) -> IngestResult:
         return await self.ingest_packed(run_id, self.pack(rollouts))

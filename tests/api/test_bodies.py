@@ -17,7 +17,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -213,18 +213,19 @@ async def test_healthz_is_answered_while_a_maximal_ingest_is_parsed(
     body = _big_json(11, 99_000)  # parsed one rollout at a time (from 4 MiB on)
     assert len(body) <= limit
     packing, answered = threading.Event(), threading.Event()
-    pack_rollout = service.pack_rollout
+    pack_rollouts = service.pack_rollouts
 
     released: list[bool] = []
 
-    def held(**fields: Any) -> PackedRollout:
-        if not packing.is_set():
+    def held(rollouts: Sequence[Any], max_tokens: int) -> list[PackedRollout]:
+        items = list(rollouts)  # a count alone (the rules on it) holds nothing
+        if items and not packing.is_set():
             packing.set()
             # On the event loop this holds the loop, and /healthz with it, until the timeout.
             released.append(answered.wait(10))
-        return pack_rollout(**fields)
+        return pack_rollouts(items, max_tokens)
 
-    monkeypatch.setattr(service, "pack_rollout", held)
+    monkeypatch.setattr(service, "pack_rollouts", held)
     order: list[str] = []
     app = create_app(settings.model_copy(update={"max_body_bytes": limit}))
     async with asgi_client(app) as api:

@@ -2,12 +2,14 @@
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from app.broker import packing
 from app.broker.packing import (
     pack_ids,
     pack_rollout,
+    pack_rollouts,
     unpack_ids,
     unpack_rollout,
     unpack_rollouts,
@@ -144,3 +146,123 @@ def test_packed_1024_token_rollout_stays_under_8_kib():
 def test_bad_arrays_are_refused_with_a_readable_reason(kw, message):
     with pytest.raises(ValidationFailed, match=message):
         _pack(**kw)
+
+
+# -- a request's rollouts packed together -------------------------------------------------------
+_MAX_TOKENS = 64
+_F32_MIN = float(np.finfo(np.float32).min)
+
+
+class _Rollout:
+    """A parsed rollout as the API hands it to packing (the fields of RolloutMsgpack)."""
+
+    def __init__(self, i: int, fields: dict) -> None:
+        self.rollout_id = f"r{i}"
+        self.group_id = fields.get("group_id")
+        self.policy_version = 3
+        self.prompt_ids = fields.get("prompt_ids")
+        self.response_ids = fields["response_ids"]
+        self.logprobs = fields.get("logprobs")
+        self.reward = fields.get("reward", 0.5)
+        self.finish_reason = fields.get("finish_reason")
+        self.metadata = fields.get("metadata")
+
+
+def _as_sent(values: list, dtype: str, as_bytes: bool) -> list | bytes:
+    return np.asarray(values, dtype=dtype).tobytes() if as_bytes else values
+
+
+# Mostly valid rollouts, ids of every width; now and then one array breaks a rule: an id out of
+# range, a logprob positive, infinite, NaN or beyond float32, a length off, empty or too long.
+_BAD_ID = st.sampled_from([-1, 2**31, 2**40])
+_BAD_LOGPROB = st.sampled_from([1e-9, float("inf"), float("-inf"), float("nan"), -1e39])
+
+
+def _spoil(draw, values: list, bad: st.SearchStrategy) -> list:
+    if values and not draw(st.integers(0, 7)):
+        values[draw(st.integers(0, len(values) - 1))] = draw(bad)
+    return values
+
+
+@st.composite
+def _request(draw) -> list[_Rollout]:
+    out = []
+    for i in range(draw(st.integers(0, 5))):
+        n = draw(st.integers(0, _MAX_TOKENS + 1))
+        top = draw(st.sampled_from([2**16 - 1, 2**24 - 1, 2**31 - 1]))
+        ids = _spoil(draw, draw(st.lists(st.integers(0, top), min_size=n, max_size=n)), _BAD_ID)
+        fields: dict = {}
+        as_bytes = draw(st.booleans()) and all(0 <= x < 2**31 for x in ids)
+        fields["response_ids"] = _as_sent(ids, "<i4", as_bytes)
+        if as_bytes and not draw(st.integers(0, 15)):
+            fields["response_ids"] += b"\0"  # not a whole number of int32
+        if draw(st.booleans()):
+            k = draw(st.integers(0, _MAX_TOKENS + 1))
+            p = _spoil(draw, draw(st.lists(st.integers(0, 2**24), min_size=k, max_size=k)), _BAD_ID)
+            fields["prompt_ids"] = _as_sent(
+                p,
+                "<i4",
+                draw(st.booleans()) and min(p, default=0) >= 0 and max(p, default=0) < 2**31,
+            )
+        if draw(st.booleans()):
+            k = n if draw(st.integers(0, 9)) else draw(st.integers(0, _MAX_TOKENS))
+            lps = _spoil(
+                draw, draw(st.lists(st.floats(-30.0, 0.0), min_size=k, max_size=k)), _BAD_LOGPROB
+            )
+            as_f32 = draw(st.booleans()) and all(x >= _F32_MIN or x != x for x in lps)
+            fields["logprobs"] = _as_sent(lps, "<f4", as_f32)
+        fields["group_id"] = draw(st.sampled_from([None, "g"]))
+        fields["finish_reason"] = draw(st.sampled_from([None, "stop"]))
+        fields["metadata"] = draw(st.sampled_from([None, {"k": [1, "x"]}]))
+        fields["reward"] = draw(st.floats(-1e300, 1e300))
+        out.append(_Rollout(i, fields))
+    return out
+
+
+def _one_by_one(rollouts):
+    return [
+        pack_rollout(
+            rollout_id=r.rollout_id,
+            group_id=r.group_id,
+            policy_version=r.policy_version,
+            prompt_ids=r.prompt_ids,
+            response_ids=r.response_ids,
+            logprobs=r.logprobs,
+            reward=r.reward,
+            finish_reason=r.finish_reason,
+            metadata=r.metadata,
+            max_tokens=_MAX_TOKENS,
+        )
+        for r in rollouts
+    ]
+
+
+def _outcome(fn, rollouts):
+    try:
+        return fn(rollouts)
+    except ValidationFailed as exc:
+        return ("refused", str(exc))
+
+
+@settings(max_examples=300)
+@given(_request())
+def test_rollouts_packed_together_equal_them_packed_one_by_one(rollouts):
+    """The same blobs byte for byte, or the same refusal of the first rule broken."""
+    together = _outcome(lambda rs: pack_rollouts(rs, _MAX_TOKENS), rollouts)
+    assert together == _outcome(_one_by_one, rollouts)
+
+
+def test_a_request_of_valid_rollouts_is_packed_in_one_pass(monkeypatch):
+    """Valid rollouts never go one by one (where each costs its own numpy calls)."""
+    rollouts = [
+        _Rollout(i, {"response_ids": [i, 70_000 * i, 7], "logprobs": [-0.5, -1.0, 0.0]})
+        for i in range(3)
+    ] + [_Rollout(3, {"response_ids": np.arange(5, dtype="<i4").tobytes(), "prompt_ids": []})]
+    expected = _one_by_one(rollouts)
+
+    def refuse(**_):
+        raise AssertionError("packed one by one")
+
+    monkeypatch.setattr(packing, "pack_rollout", refuse)
+    assert pack_rollouts(rollouts, _MAX_TOKENS) == expected
+    assert [p.blob for p in expected] == [p.blob for p in pack_rollouts(rollouts, _MAX_TOKENS)]
