@@ -278,8 +278,11 @@ def pack_rollouts(rollouts: Sequence[RolloutFields], max_tokens: int) -> list[Pa
     """
     rollouts = list(rollouts)  # what iterating yields (a count alone yields nothing)
     together = _pack_together(rollouts, max_tokens) if len(rollouts) > 1 else None
-    if together is not None:
-        return together
+    return pack_each(rollouts, max_tokens) if together is None else together
+
+
+def pack_each(rollouts: Sequence[RolloutFields], max_tokens: int) -> list[PackedRollout]:
+    """:func:`pack_rollout` of each rollout in turn: the plain path."""
     return [
         pack_rollout(
             rollout_id=r.rollout_id,

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from app.broker import packing
 from app.broker.packing import (
+    pack_each,
     pack_ids,
     pack_rollout,
     pack_rollouts,
@@ -220,21 +221,7 @@ def _request(draw) -> list[_Rollout]:
 
 
 def _one_by_one(rollouts):
-    return [
-        pack_rollout(
-            rollout_id=r.rollout_id,
-            group_id=r.group_id,
-            policy_version=r.policy_version,
-            prompt_ids=r.prompt_ids,
-            response_ids=r.response_ids,
-            logprobs=r.logprobs,
-            reward=r.reward,
-            finish_reason=r.finish_reason,
-            metadata=r.metadata,
-            max_tokens=_MAX_TOKENS,
-        )
-        for r in rollouts
-    ]
+    return pack_each(rollouts, _MAX_TOKENS)
 
 
 def _outcome(fn, rollouts):
