@@ -97,8 +97,12 @@ def test_free_running_loses_rollouts_to_staleness(run: dict[str, Any]) -> None:
 def test_free_running_trains_on_shorter_responses_than_it_generates(run: dict[str, Any]) -> None:
     # A long response starts from an older version and arrives after fresher short ones, so the
     # freshest-first trainer takes the short ones and the long ones go stale.
+    # The margin is the bias's direction beyond noise, not its size on one machine: with no bias
+    # the mean trained on would be within about 1 token (2 standard errors of 960 samples of
+    # lengths 4-53) of the mean generated, some 5% of it; how strong the bias is depends on how
+    # fast the trainer steps against the generators (0.85 of the mean on a slow day here).
     free = accounting(run, "free")
-    assert mean_trained(free) < 0.85 * mean_generated(free), run["stdout"]
+    assert mean_trained(free) < 0.9 * mean_generated(free), run["stdout"]
     # Under work leases, what is generated is trained on, long or short.
     work = accounting(run, "work")
     assert mean_trained(work) > 0.9 * mean_generated(work), run["stdout"]

@@ -1,6 +1,9 @@
 """`rollout-broker worker` SIGKILLed while it holds events it has read and not applied, and
-started again: the accounting catches up within seconds of the restart, not after the 30 s
-claim fallback, and the consumer group does not grow with the restarts (issue 10, item 4)."""
+started again: the restarted worker takes over the dead one's events (its heartbeat stopped),
+without waiting for the claim fallback, and the consumer group does not grow with the restarts
+(issue 10, item 4). The fallback is set to ten minutes here, so catching up at all within a
+minute shows the takeover; how many seconds it takes is printed, not asserted (a timing on a
+shared machine), and is about the heartbeat timeout (3 s) plus the worker's start-up."""
 
 from __future__ import annotations
 
@@ -21,8 +24,7 @@ from tests.processes import Process, broker_env, worker_process
 from tests.services import REDIS_URL
 
 RESTARTS = 3
-# The target: caught up within this long of a restart, with the default settings.
-WITHIN_S = 5.0
+CLAIM_FALLBACK_MS = 600_000  # far beyond any wait below: only the takeover can catch up
 
 
 @pytest.mark.slow
@@ -81,7 +83,10 @@ async def test_a_killed_worker_is_caught_up_within_seconds_of_its_restart(
         return len(rows)
 
     env = broker_env(
-        BROKER_REDIS_URL=REDIS_URL, BROKER_DATABASE_URL=database_url, BROKER_REDIS_PREFIX=prefix
+        BROKER_REDIS_URL=REDIS_URL,
+        BROKER_DATABASE_URL=database_url,
+        BROKER_REDIS_PREFIX=prefix,
+        BROKER_DRAIN_CLAIM_IDLE_MS=str(CLAIM_FALLBACK_MS),
     )
     worker = worker_process(env, tmp_path / "worker.log")
     await produce(20)
@@ -109,13 +114,12 @@ async def test_a_killed_worker_is_caught_up_within_seconds_of_its_restart(
             await produce(4)  # and more while it is down
             await worker.start()
             started = time.monotonic()
-            done = await wait_caught_up(15)
+            done = await wait_caught_up(60)
             figures.append((held, done - started, done - killed))
         print(  # the figures for the record (pytest -s)
             "held, caught up after restart (s), after kill (s):",
             [(h, round(a, 2), round(b, 2)) for h, a, b in figures],
         )
-        assert max(after_restart for _, after_restart, _ in figures) < WITHIN_S, figures
 
         # The group keeps the live worker only: every killed one was deleted.
         alive = await consumer_of(worker)
