@@ -124,15 +124,16 @@ async def canned_ack(run_id: str, batch_id: str, request: Request) -> Response:
 # the answer: no parsing, no checks, no accounting. It is the least that a buffer which keeps
 # what it accepted outside its own process (so that a restart loses nothing) pays per request,
 # on this machine. The benchmark passes its Redis and a key prefix it deletes afterwards.
-_floor_redis: Redis | None = None
+_floor: tuple[Redis, str] | None = None  # the client and the key prefix, made at first use
 _floor_seq = itertools.count()
 
 
 @app.post("/_floor/rollouts", status_code=202)
 async def floor_rollout(request: Request) -> dict[str, int]:
-    global _floor_redis
-    if _floor_redis is None:
-        _floor_redis = Redis.from_url(os.environ["BENCH_FLOOR_REDIS_URL"])
-    key = f"{os.environ['BENCH_FLOOR_PREFIX']}{next(_floor_seq)}"
-    await _floor_redis.set(key, await request.body())
+    global _floor
+    if _floor is None:
+        url, prefix = os.environ["BENCH_FLOOR_REDIS_URL"], os.environ["BENCH_FLOOR_PREFIX"]
+        _floor = Redis.from_url(url), prefix
+    client, prefix = _floor
+    await client.set(f"{prefix}{next(_floor_seq)}", await request.body())
     return {"accepted": 1}

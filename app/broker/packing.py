@@ -7,6 +7,7 @@ inside jemalloc's 8 KiB size class instead of spilling into the 10 KiB one.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -56,9 +57,13 @@ def token_ids(value: list[int], what: str) -> Int32Array:
         arr64 = np.asarray(value, dtype=np.int64)
     except OverflowError:
         raise ValidationFailed(f"{what} has a token id out of range") from None
-    if arr64.size and (int(arr64.min()) < 0 or int(arr64.max()) > MAX_TOKEN_ID):
+    if arr64.size and not _ids_in_range(int(arr64.min()), int(arr64.max())):
         raise ValidationFailed(f"{what} token ids must be between 0 and {MAX_TOKEN_ID}")
     return arr64.astype(np.int32)
+
+
+def _ids_in_range(low: int, top: int) -> bool:
+    return low >= 0 and top <= MAX_TOKEN_ID
 
 
 def as_logprobs(value: list[float] | bytes, what: str) -> npt.NDArray[np.floating[Any]]:
@@ -72,10 +77,9 @@ def as_logprobs(value: list[float] | bytes, what: str) -> npt.NDArray[np.floatin
 
 def check_logprobs(arr: npt.NDArray[np.floating[Any]], what: str) -> Float32Array:
     """Validate per-token logprobs: finite, ≤ 0, representable as float32."""
-    # Valid logprobs pass with two reductions: a NaN makes the maximum NaN, an infinity makes
-    # the maximum or the minimum fail its bound. Anything else is looked at check by check,
-    # in the order that names the first rule broken.
-    if not arr.size or (float(arr.max()) <= 0.0 and float(arr.min()) >= _F32_MIN):
+    # Anything but plainly valid logprobs is looked at check by check, in the order that names
+    # the first rule broken.
+    if not arr.size or _plainly_valid_logprobs(arr):
         return arr.astype(np.float32, copy=False)
     if not np.isfinite(arr).all():
         raise ValidationFailed(f"{what}: logprobs must be finite (no NaN or Infinity)")
@@ -84,6 +88,12 @@ def check_logprobs(arr: npt.NDArray[np.floating[Any]], what: str) -> Float32Arra
     if arr.size and float(arr.min()) < _F32_MIN:
         raise ValidationFailed(f"{what}: logprobs are out of float32 range")
     return arr.astype(np.float32, copy=False)
+
+
+def _plainly_valid_logprobs(arr: npt.NDArray[np.floating[Any]]) -> bool:
+    """Valid logprobs pass with two reductions: a NaN makes the maximum NaN, an infinity makes
+    the maximum or the minimum fail its bound."""
+    return float(arr.max()) <= 0.0 and float(arr.min()) >= _F32_MIN
 
 
 def logprob_array(value: list[float] | bytes, what: str) -> Float32Array:
@@ -317,7 +327,7 @@ def _joint_ids(arrays: list[npt.NDArray[np.integer[Any]]]) -> list[tuple[bytes, 
     starts = np.cumsum([0] + [a.size for a in arrays[:-1]])
     lows = np.minimum.reduceat(joined, starts)
     tops = np.maximum.reduceat(joined, starts)
-    if int(lows.min()) < 0 or int(tops.max()) > MAX_TOKEN_ID:
+    if not _ids_in_range(int(lows.min()), int(tops.max())):
         return None
     widths = [id_width(int(t)) for t in tops.tolist()]
     out: list[tuple[bytes, int]] = [(b"", 0)] * len(arrays)
@@ -327,12 +337,15 @@ def _joint_ids(arrays: list[npt.NDArray[np.integer[Any]]]) -> list[tuple[bytes, 
             joined if len(idx) == len(arrays) else np.concatenate([arrays[i] for i in idx]),
             width,
         )
-        at = 0
-        for i in idx:
-            end = at + arrays[i].size * width
-            out[i] = (data[at:end], width)
-            at = end
+        for i, part in zip(idx, _split(data, [arrays[i].size * width for i in idx]), strict=True):
+            out[i] = (part, width)
     return out
+
+
+def _split(data: bytes, sizes: list[int]) -> list[bytes]:
+    """``data`` cut into consecutive parts of ``sizes`` bytes."""
+    ends = itertools.accumulate(sizes)
+    return [data[end - size : end] for size, end in zip(sizes, ends, strict=True)]
 
 
 def _pack_together(
@@ -367,14 +380,10 @@ def _pack_together(
     lp_of: dict[int, bytes] = {}
     if lps:
         joined = np.concatenate(list(lps.values()))
-        # The rule of check_logprobs: a NaN makes the maximum NaN, an infinity breaks a bound.
-        if not (float(joined.max()) <= 0.0 and float(joined.min()) >= _F32_MIN):
+        if not _plainly_valid_logprobs(joined):
             return None
-        data = joined.astype("<f4").tobytes()
-        at = 0
-        for i, lp in lps.items():
-            lp_of[i] = data[at : at + 4 * lp.size]
-            at += 4 * lp.size
+        parts = _split(joined.astype("<f4").tobytes(), [4 * lp.size for lp in lps.values()])
+        lp_of = dict(zip(lps, parts, strict=True))
     return [
         _packed(
             r.rollout_id,
