@@ -103,6 +103,15 @@ BOTH_BACKENDS = ("tests/api/", "tests/accounting/", "tests/broker/", "tests/test
 scripts, the accounting drain, the chaos suite. The rest run on one node."""
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Processes the tests start take SIGINT as Ctrl-C (several tests stop a command with it),
+    however the suite itself was started: a background job of a non-interactive shell starts
+    with SIGINT ignored, and an ignored signal stays ignored in every child, where Python then
+    never raises KeyboardInterrupt. A handled signal is reset to its default in a child."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "backend" in metafunc.fixturenames:
         where = Path(str(metafunc.definition.path)).relative_to(ROOT).as_posix()
