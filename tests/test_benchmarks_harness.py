@@ -1,8 +1,9 @@
 """The benchmark harness end to end at its tiny size: real Redis, the broker and the naive
-baseline under uvicorn, forked load processes, and for the access-control and metrics rows pairs
-of brokers (off and on) on a database of the test Postgres; every row is there with a positive
-figure, its ratios are the broker against its baselines, and each target's verdict follows from
-its ratio."""
+baseline under uvicorn, forked load processes, for the access-control and metrics rows pairs of
+brokers (off and on) on a database of the test Postgres, and for the drain rows a worker
+SIGKILLed and restarted beside one started fresh; every row is there with a positive figure,
+its ratios are the broker against its baselines, and each target's verdict follows from its
+ratio."""
 
 from __future__ import annotations
 
@@ -19,7 +20,14 @@ import pytest
 
 from benchmarks.cluster import BALANCE_NEED, MASTERS, cluster_binaries
 from benchmarks.payloads import RAW_BYTES, big_json_body
-from benchmarks.run import AUTH_NEED, LONG_NEED, METRICS_NEED, QUICK
+from benchmarks.run import (
+    AUTH_NEED,
+    DRAIN_GROUP_NEED,
+    DRAIN_NEED_S,
+    LONG_NEED,
+    METRICS_NEED,
+    QUICK,
+)
 from benchmarks.servers import find_redis_server
 
 RATES = ("rollouts/s", "prompts/s")
@@ -59,6 +67,7 @@ def expected_rows() -> list[str]:
         for key in ("ingest.json.1", "ingest.msgpack.64", f"lease_ack.msgpack.{s.batch}")
         for n in (1, 2)
     ]
+    rows += ["drain.fresh", "drain.restart.median", "drain.restart.max"]
     if cluster_binaries() is not None:  # the cluster rows are skipped without a redis-server
         rows += [f"cluster.{key}.{side}" for key in ("ingest", "lease_ack") for side in SIDES]
         rows += [f"cluster.redis_cpu.{n}" for n in ("single", *CLUSTER_MASTERS, "all")]
@@ -72,6 +81,8 @@ SIDES = ("single", "cluster")
 CLUSTER_MASTERS = [f"master{i + 1}" for i in range(MASTERS)]
 BALANCE_TARGET = f"≤{BALANCE_NEED}× busiest/least busy master"
 LONG_TARGET = f"≥{LONG_NEED}× raw"  # 32,768-token lease + ack against the raw read ceiling
+DRAIN_TARGET = f"≤{DRAIN_NEED_S:g} s after restart"  # the worst restart's catch-up, absolute
+DRAIN_GROUP_TARGET = f"≤{DRAIN_GROUP_NEED} consumer in group/heartbeats"
 
 
 def _number(x: object) -> bool:
@@ -147,7 +158,7 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
             assert _number(r["raw"]) and _number(r["naive"]), rid
         if rid.startswith(("scale.trainers.", "http_floor.", "memory.memory_usage", "work.")):
             assert _number(r["raw"]), rid
-        if rid.startswith(("auth.", "metrics.", "cluster.")):  # sides against each other
+        if rid.startswith(("auth.", "metrics.", "cluster.", "drain.")):  # against each other
             assert r["raw"] is None and r["naive"] is None, rid
         for base, ratio in (("raw", "vs_raw"), ("naive", "vs_naive")):
             if r[base] is None:
@@ -173,6 +184,13 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
     assert (f"scale.trainers.{max(QUICK.trainers)}.p99", "≤4× 1 trainer") in targets
     assert ("bodies.peak_rss", "≤4× body") in targets
     assert (f"long.lease_ack.msgpack.{QUICK.long_batch}", LONG_TARGET) in targets
+    # The drain's catch-up after a SIGKILL and restart: the worst one within 5 s of the new
+    # worker's start, and the group no larger than the live worker; the fresh start and the
+    # median carry no target.
+    assert ("drain.restart.max", DRAIN_TARGET) in targets
+    assert ("drain.restart.max", DRAIN_GROUP_TARGET) in targets
+    assert not rows["drain.fresh"]["targets"] and not rows["drain.restart.median"]["targets"]
+    assert rows["drain.restart.median"]["value"] <= rows["drain.restart.max"]["value"]
     # Auth (metrics) on against off, the same case of the same run: at most 5 % (3 %) slower.
     for case in AUTH_CASES:
         for toggle, target in (("auth", AUTH_TARGET), ("metrics", METRICS_TARGET)):
@@ -192,6 +210,13 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
             cpu = [rows[f"cluster.redis_cpu.{m}"]["value"] for m in CLUSTER_MASTERS]
             assert rid == "cluster.redis_cpu.all" and r["value"] == pytest.approx(sum(cpu))
             return max(cpu) / min(cpu), BALANCE_NEED, True
+        if name == DRAIN_TARGET:  # seconds, from the row's milliseconds
+            return r["value"] / 1e3, DRAIN_NEED_S, True
+        if name == DRAIN_GROUP_TARGET:  # a count of consumers, shown in the row's note
+            count = next(t["ratio"] for t in r["targets"] if t["name"] == name)
+            assert count == int(count) >= 1, (rid, count)
+            assert f"{int(count)}/" in r["note"], (rid, r["note"])
+            return count, DRAIN_GROUP_NEED, True
         if name == "≤4× 1 trainer":
             return r["value"] / rows["scale.trainers.1.p99"]["value"], 4.0, True
         if name.startswith("≤1.3× at "):  # the most buffered against the least
