@@ -31,7 +31,7 @@ from app.access.tokens import TokenCache
 from app.accounting.db import create_sessionmaker, schema_at_head
 from app.api import accounting, batches, health, metrics, prompts, rollouts, runs, tokens, ui
 from app.api.codec import describe_errors, render
-from app.api.openapi import install_openapi
+from app.api.openapi import PathMethods, install_openapi
 from app.broker import keys
 from app.errors import OUTAGE_CANDIDATES, BrokerError, Unavailable, outage_of
 from app.metrics import ProcessMetrics, RequestMetrics
@@ -94,7 +94,8 @@ def install_error_handlers(app: FastAPI) -> None:
     """One renderer for every error: ``{"error": Name, "detail": text}``. A request that fails
     because Redis or Postgres cannot be reached is ``503 Unavailable`` with ``Retry-After``
     (the exceptions of :data:`app.errors.OUTAGE_CANDIDATES` that :func:`app.errors.outage_of`
-    names an outage); it is answered here, so the server keeps the connection open."""
+    names an outage); it is answered here, so the server keeps the connection open. A ``405``
+    lists every method of its path in ``Allow``."""
     outages = OutageLog()
 
     @app.exception_handler(BrokerError)
@@ -105,10 +106,15 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError) -> Response:
         return error_body("ValidationFailed", describe_errors(list(exc.errors())), 422)
 
+    methods = PathMethods(app.router.routes)
+
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         name = _HTTP_NAMES.get(exc.status_code, "HTTPError")
-        return error_body(name, str(exc.detail), exc.status_code, dict(exc.headers or {}))
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405 and (allowed := methods.of(_route_path(request.scope))):
+            headers["Allow"] = ", ".join(allowed)  # every method of the path, not one route's
+        return error_body(name, str(exc.detail), exc.status_code, headers)
 
     async def _outage(request: Request, exc: Exception) -> Response:
         store = outage_of(exc)

@@ -43,7 +43,6 @@ from pydantic.json_schema import JsonSchemaMode, models_json_schema
 from rollout_broker_client.protocol import MAX_TOKEN_ID, MSGPACK
 from starlette.routing import compile_path
 from starlette.staticfiles import StaticFiles
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.access.policy import PUBLIC, need_of
 from app.access.policy import Scope as AccessScope
@@ -556,34 +555,16 @@ def _link_name(op: Mapping[str, Any], method: str, path: str) -> str:
 # -- 405 answers -----------------------------------------------------------------------------
 
 
-class AllowEveryMethod:
-    """ASGI middleware: a ``405`` answer's ``Allow`` lists every method of its path. Starlette
-    names only the methods of the first route whose path matched (``OPTIONS /v1/runs`` was
-    answered ``Allow: POST``, without ``GET``)."""
+class PathMethods:
+    """Every method a path is served with, over all of an app's routes: what a ``405`` answer's
+    ``Allow`` lists. Starlette names only the methods of the first route whose path matched
+    (``OPTIONS /v1/runs`` was answered ``Allow: POST``, without ``GET``)."""
 
-    def __init__(self, app: ASGIApp, routes: list[Any]) -> None:
-        self.app = app
+    def __init__(self, routes: list[Any]) -> None:
         self.routes = routes  # the app's list: routes included later are in it too
         self._regexes: dict[str, re.Pattern[str]] = {}
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def send_allow(message: Message) -> None:
-            if message["type"] == "http.response.start" and message["status"] == 405:
-                methods = self.methods_of(scope)
-                if methods:
-                    headers = [(k, v) for k, v in message.get("headers", []) if k != b"allow"]
-                    headers.append((b"allow", ", ".join(methods).encode()))
-                    message = {**message, "headers": headers}
-            await send(message)
-
-        await self.app(scope, receive, send_allow)
-
-    def methods_of(self, scope: Scope) -> list[str]:
-        path: str = scope["path"]
+    def of(self, path: str) -> list[str]:
         found: set[str] = set()
         for route in iter_route_contexts(self.routes):  # included routers' routes too
             template, methods = route.path, route.methods
@@ -607,8 +588,7 @@ them: swagger-ui-bundle.js, swagger-ui.css, redoc.standalone.js, favicon.png."""
 
 def install_openapi(app: FastAPI) -> None:
     """Describe ``app`` (created with ``docs_url=None, redoc_url=None``) by :func:`describe`
-    from its settings (``app.state.settings``), serve /docs and /redoc with local assets, and
-    make its 405 answers list every method of their path."""
+    from its settings (``app.state.settings``) and serve /docs and /redoc with local assets."""
     fastapi_description: Callable[[], dict[str, Any]] = app.openapi
     built: dict[str, Any] = {}
 
@@ -622,7 +602,6 @@ def install_openapi(app: FastAPI) -> None:
 
     app.openapi = openapi  # type: ignore[method-assign]
     app.mount(ASSETS_URL, StaticFiles(directory=ASSETS_DIR), name="docs-assets")
-    app.add_middleware(AllowEveryMethod, routes=app.router.routes)
 
     @app.get("/docs", include_in_schema=False)
     async def _docs() -> HTMLResponse:
