@@ -227,7 +227,7 @@ class Bench:
     runs: int = 0
     app_dir: Path = ROOT  # the broker tree, for the servers a section starts itself
     workdir: Path | None = None  # where those servers' logs go
-    pg_url: str = PG_URL  # the Postgres server of the auth rows (they need a database)
+    pg_url: str = PG_URL  # the Postgres server of the sections that need a database
 
     @property
     def server_pids(self) -> list[int | None]:
@@ -2170,7 +2170,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--pg-url",
         default=os.environ.get("BENCH_PG_URL", PG_URL),
-        help="Postgres server (its user may create databases) for the auth rows' brokers; "
+        help="Postgres server (its user may create databases) for the auth, metrics, workers "
+        "and drain rows; "
         f"default $BENCH_PG_URL or {PG_URL}",
     )
     p.add_argument("--only", default=",".join(SECTIONS), help="sections: " + ",".join(SECTIONS))
