@@ -198,12 +198,14 @@ class Drainer:
     async def drain_once(
         self, *, block_ms: int | None = None, claim: bool | None = None
     ) -> DrainCounts:
-        """One pass (see :meth:`_pass`). After a pass that failed, the next one checks every
-        run's group again and re-reads this consumer's own pending entries of every run: when a
-        Redis master dies before its replica has the acks it was sent, the promoted replica
-        still lists entries this consumer applied as pending here, and nobody else would take
-        them for ``claim_idle_ms``. Re-reading them only acknowledges them (each is applied
-        once, by its stream id)."""
+        """One pass (see :meth:`_pass`). When a Redis master dies before its replica has the
+        acks it was sent, the promoted replica still lists entries this consumer applied as
+        pending here, and nobody else would take them for ``claim_idle_ms``. So after a pass
+        that failed, the next one checks every run's group again and re-reads this consumer's
+        own pending entries of every run; and since a client may carry its commands over to the
+        promoted replica without failing any (redis-py 8.2 retries with a backoff), every
+        heartbeat interval re-reads them too. Re-reading them only acknowledges them (each is
+        applied once, by its stream id); with none pending it is one empty read a run."""
         try:
             return await self._pass(block_ms=block_ms, claim=claim)
         except Exception:
@@ -212,7 +214,8 @@ class Drainer:
 
     async def _pass(self, *, block_ms: int | None, claim: bool | None) -> DrainCounts:
         """One pass: a heartbeat and the take-over of silent consumers (both every quarter of
-        ``heartbeat_timeout_ms``), own pending entries, then entries idle for
+        ``heartbeat_timeout_ms``), own pending entries (of the runs marked, and of every run on
+        the take-over's schedule), then entries idle for
         ``claim_idle_ms`` of any consumer (every half ``claim_idle_ms``, or when ``claim`` is
         true), then new entries; then trim; then check the ledger of the runs that went
         quiet."""
@@ -225,6 +228,7 @@ class Drainer:
         if now - self._last_takeover >= self.options.beat_s:
             self._last_takeover = now
             counts.add(await self.take_over_silent(run_ids))
+            self._dirty.update(run_ids)  # acks a failover lost without failing a command
         touched: set[str] = set()
         for run_id in sorted(self._dirty.intersection(run_ids)):
             got = await self.drain_own_pending(run_id)

@@ -254,3 +254,35 @@ async def test_acks_a_failed_master_lost_are_made_again_after_the_failed_pass(
     await _drain(ctx)
     assert (await _consumers(redis, prefix, run_id))["c"] == 0
     assert await _applied(sessionmaker, run_id) == applied
+
+
+async def test_acks_a_failed_master_lost_are_made_again_when_no_pass_failed(
+    redis: Redis,
+    prefix: str,
+    run_id: str,
+    make_ctx: Callable[..., DrainContext],
+    sessionmaker: async_sessionmaker[AsyncSession],
+    monkeypatch: Any,
+) -> None:
+    """The same failover, with a Redis client that carries its commands over to the promoted
+    replica rather than failing them (redis-py 8.2 retries with a backoff long enough to): no
+    pass fails, and the drain still takes its own pending entries again within a heartbeat
+    interval, long before the claim fallback (30 s) would."""
+    ids = await _run_with_events(redis, prefix, run_id)
+    ctx = make_ctx(consumer="c", heartbeat_timeout_ms=TIMEOUT_MS)
+    stream = ctx.drainer.stream
+
+    async def lost(run_id: str, entry_ids: Any) -> int:
+        return len(entry_ids)
+
+    with monkeypatch.context() as m:
+        m.setattr(stream, "ack", lost)
+        await _drain(ctx)
+    assert (await _consumers(redis, prefix, run_id))["c"] == len(ids)
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10 * ctx.drainer.options.beat_s + 5.0
+    while (await _consumers(redis, prefix, run_id))["c"]:
+        assert loop.time() < deadline, "own pending entries not taken again"
+        await drain_once(ctx, block_ms=10)  # a pass waits for new entries this long
+    assert await _applied(sessionmaker, run_id) == {StreamId.parse(i) for i in ids}
