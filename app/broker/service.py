@@ -92,6 +92,10 @@ class LeasedBatch:
 
 R = TypeVar("R")
 
+LOST_LEASE_TRIES = 3
+"""How often one lease request makes its batch again after a failover lost it (each time the
+master it was made on was replaced before its rollouts were read)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Try:
@@ -253,6 +257,7 @@ class Broker:
 
         async def attempt(t: Try) -> tuple[LeasedBatch | None, int | None]:
             nonlocal bid
+            lost = 0
             while True:
                 try:
                     got = await self.store.lease(
@@ -270,6 +275,16 @@ class Broker:
                     if err.code == "lease_lost" and batch_id is None:
                         bid = uuid.uuid4().hex  # ran out before delivery: try afresh
                         continue
+                    if (
+                        err.code == "lease_lost"
+                        and lost < LOST_LEASE_TRIES
+                        and not await self._batch_known(run_id, bid)
+                    ):
+                        # Made on a master that a failover replaced before its rollouts were
+                        # read: the promoted replica has neither the batch nor those rollouts,
+                        # so the batch id is free there. Lease again under it.
+                        lost += 1
+                        continue
                     ctx = ErrorContext(run_id, bid, size, policy_version, self.retry_after_s)
                     raise error_for(err, ctx) from None
                 if isinstance(got, Lease):
@@ -277,6 +292,14 @@ class Broker:
                 return None, got
 
         return await self._long_poll(run_id, "", size, wait_s, attempt)
+
+    async def _batch_known(self, run_id: str, batch_id: str) -> bool:
+        """Whether Redis has the batch, in any state."""
+        try:
+            await self.store.batch_view(run_id, batch_id, rollouts="none")
+        except StoreError as err:
+            return err.code != "batch_missing"
+        return True
 
     async def _long_poll(
         self,

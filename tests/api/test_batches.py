@@ -9,7 +9,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from app.main import create_app
 from tests.api.support import (
+    asgi_client,
     assert_error,
     events,
     ids,
@@ -415,6 +417,61 @@ async def test_lease_at_an_older_version_gets_no_rollouts_from_newer_policies(ap
     if resp.status_code == 200:
         assert [r["lag"] for r in resp.json()["rollouts"]] == [0]  # fails: lag is -1
     assert resp.status_code == 204
+
+
+async def _run_keys(redis, prefix: str, run_id: str) -> list[bytes]:
+    return [k async for k in redis.scan_iter(match=f"{prefix}:{{{run_id}}}:*", count=1000)]
+
+
+async def _replica_of(redis, prefix: str, run_id: str) -> dict[bytes, tuple[bytes, int]]:
+    """What a replica has of the run's keys: each key's DUMP and time to live."""
+    return {
+        k: (await redis.dump(k), max(await redis.pttl(k), 0))
+        for k in await _run_keys(redis, prefix, run_id)
+    }
+
+
+async def _promote(
+    redis, prefix: str, run_id: str, replica: dict[bytes, tuple[bytes, int]]
+) -> None:
+    """The run's keys as the replica had them: what the master wrote since is gone."""
+    for key in await _run_keys(redis, prefix, run_id):
+        await redis.delete(key)
+    for key, (dumped, ttl_ms) in replica.items():
+        await redis.restore(key, ttl_ms, dumped, replace=True)
+
+
+async def test_a_retried_lease_whose_batch_a_failover_lost_is_made_again(
+    settings, redis, prefix, monkeypatch
+):
+    """A lease made on a master that a failover replaced before the lease's rollouts were read:
+    the read reached the promoted replica (a client may carry a command over rather than fail
+    it; redis-py 8.2 does), which has neither the batch nor the rollouts ingested since it last
+    replicated. The lease is made again there, under the same batch id, rather than refused as
+    expired (which the retried lease of a trainer would be, for good)."""
+    app = create_app(settings)
+    async with asgi_client(app) as api:
+        await make_run(api, "r1")
+        await post(api, "r1", *(rollout(f"old{i}") for i in range(2)))
+        await set_policy(api, "r1", 1)
+        replica = await _replica_of(redis, prefix, "r1")
+        await post(api, "r1", *(rollout(f"new{i}", 1) for i in range(2)))  # the freshest
+        store = app.state.broker.store
+        read, failovers = store.blobs, []
+
+        async def blobs_after_a_failover(run_id: str, rollout_ids: list[str]) -> list:
+            if not failovers:
+                failovers.append(list(rollout_ids))
+                await _promote(redis, prefix, "r1", replica)
+            return await read(run_id, rollout_ids)
+
+        monkeypatch.setattr(store, "blobs", blobs_after_a_failover)
+        resp = await lease(api, "r1", 2, batch_id="trainer-0-step-1")
+        assert failovers == [["new0", "new1"]]
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["batch_id"] == "trainer-0-step-1"
+        assert sorted(ids(resp.json())) == ["old0", "old1"]
+        assert (await ack(api, "r1", "trainer-0-step-1")).status_code == 200
 
 
 async def test_a_retried_lease_with_its_batch_id_gets_the_same_batch(api):
