@@ -32,8 +32,15 @@ RUN_ID_PATTERN = (
     r"^(?:[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}|\.[A-Za-z0-9_-][A-Za-z0-9._-]{0,126}"
     r"|\.\.[A-Za-z0-9._-]{1,126})$"
 )
-ITEM_ID_PATTERN = r"^[^\s\x00-\x1f\x7f{}]{1,256}$"
-PROMPT_ID_PATTERN = r"^[^\s\x00-\x1f\x7f{}]{1,200}$"
+# Not in an id: control characters, braces (Redis hash tags) and whitespace, spelled out rather
+# than written \s, whose meaning differs between the regex engines that read these patterns:
+# ECMA-262's (OpenAPI clients, JSON Schema) counts U+FEFF and not U+0085, Python's and Rust's
+# (pydantic) the other way round. This is the union, so every reader admits the same ids.
+ID_EXCLUDED = (
+    r"\x00-\x20\x7f\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff{}"
+)
+ITEM_ID_PATTERN = rf"^[^{ID_EXCLUDED}]{{1,256}}$"
+PROMPT_ID_PATTERN = rf"^[^{ID_EXCLUDED}]{{1,200}}$"
 LEASE_ID_PATTERN = r"^[A-Za-z0-9_-]{8,64}$"
 RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN), LedgerText]
 # Rollout, group, trainer and generator ids.

@@ -7,14 +7,16 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import urljoin, urlsplit
 
 import httpx
 import msgpack
 import pytest
+from pydantic import StringConstraints, TypeAdapter, ValidationError
 
 from app.access.policy import PUBLIC, need_of
+from app.broker.config import ITEM_ID_PATTERN, PROMPT_ID_PATTERN
 from app.main import create_app
 from app.settings import Settings
 from tests.api.support import strict_json
@@ -302,6 +304,38 @@ async def test_a_msgpack_body_is_read_as_documented(api):
     body = msgpack.packb({"run_id": "m", "config": {"group_size": 2}})
     resp = await api.post("/v1/runs", content=body, headers={"content-type": MSGPACK})
     assert resp.status_code == 201 and resp.json()["config"]["group_size"] == 2
+
+
+# -- id patterns -------------------------------------------------------------------------------
+
+# ECMA-262's WhiteSpace and LineTerminator: what \s means to a client that reads the patterns as
+# JSON Schema says (Python's and Rust's \s differ from it on U+0085 and U+FEFF).
+ECMA_SPACE = set("\t\n\v\f\r \xa0\u1680\u2028\u2029\u202f\u205f\u3000\ufeff") | {
+    chr(c) for c in range(0x2000, 0x200B)
+}
+
+
+@pytest.mark.parametrize("pattern", [ITEM_ID_PATTERN, PROMPT_ID_PATTERN])
+def test_an_id_pattern_admits_the_same_characters_for_every_reader(pattern: str) -> None:
+    """The published pattern, read by ECMA-262 (OpenAPI clients), Python's re and pydantic's
+    Rust regex, admits exactly the characters that are no whitespace to any of them, no control
+    character and no brace. An id one reader admits and another refuses was a schema-valid
+    request answered 422 (U+0085 in a trainer id)."""
+    # Shorthand classes mean different things to different engines; explicit ones do not.
+    assert not re.search(r"\\[sSwWdDbB]", pattern), pattern
+    server = TypeAdapter(Annotated[str, StringConstraints(pattern=pattern)])
+    for code in range(0x10000):
+        if 0xD800 <= code < 0xE000:
+            continue  # surrogates: no UTF-8 form, refused on the way in
+        c = chr(code)
+        expected = not (c.isspace() or c in ECMA_SPACE or code < 0x20 or code == 0x7F or c in "{}")
+        assert (re.fullmatch(pattern, f"a{c}b") is not None) == expected, hex(code)
+        try:
+            server.validate_python(f"a{c}b")
+        except ValidationError:
+            assert not expected, hex(code)
+        else:
+            assert expected, hex(code)
 
 
 # -- 405 -----------------------------------------------------------------------------------------
