@@ -95,4 +95,4 @@ class Subscription:
             finally:
                 if pubsub is not None:
                     with contextlib.suppress(Exception):
-                        await pubsub.aclose()  # type: ignore[no-untyped-call]
+                        await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed in 8.2

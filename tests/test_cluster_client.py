@@ -7,6 +7,7 @@ import asyncio
 from typing import cast
 
 import pytest
+import redis
 import uvloop
 from redis.asyncio.cluster import RedisCluster
 
@@ -53,6 +54,13 @@ def test_a_single_node_url_stays_a_single_node_client() -> None:
     assert not isinstance(client, RedisCluster)
 
 
+REDIS_PY = tuple(int(part) for part in redis.__version__.split(".")[:2])
+
+
+@pytest.mark.skipif(
+    REDIS_PY >= (8, 2),
+    reason="redis-py 8.2 no longer closes a connection a command has taken: the race is gone",
+)
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_connection_closed_under_a_command_during_a_failover_is_an_outage(
     cluster_url: str, loop: str
