@@ -559,7 +559,10 @@ class RedisStore:
                 str(r.policy_version),
                 r.tokens,
                 r.reward_text,
-                r.blob,
+                # redis-py sends a memoryview as it is, beside the command's other bytes; a
+                # bytes argument its hiredis packer (redis-py 8.2) copies into one buffer with
+                # the rest, a second copy of a request's rollouts while the call lasts.
+                memoryview(r.blob),
             ]
         accepted, duplicates, rejected = await self._call("ingest", run_id, *args)
         return IngestOutcome(
