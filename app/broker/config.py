@@ -36,9 +36,7 @@ RUN_ID_PATTERN = (
 # than written \s, whose meaning differs between the regex engines that read these patterns:
 # ECMA-262's (OpenAPI clients, JSON Schema) counts U+FEFF and not U+0085, Python's and Rust's
 # (pydantic) the other way round. This is the union, so every reader admits the same ids.
-ID_EXCLUDED = (
-    r"\x00-\x20\x7f\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff{}"
-)
+ID_EXCLUDED = r"\x00-\x20\x7f\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff{}"
 ITEM_ID_PATTERN = rf"^[^{ID_EXCLUDED}]{{1,256}}$"
 PROMPT_ID_PATTERN = rf"^[^{ID_EXCLUDED}]{{1,200}}$"
 LEASE_ID_PATTERN = r"^[A-Za-z0-9_-]{8,64}$"

@@ -179,6 +179,8 @@ REFUSALS: dict[str, Refusal] = {
     "work_not_in_lease": Refusal(
         ValidationFailed, "prompt {0!r} is not in work lease {lease_id!r}; nothing was returned"
     ),
+    # Raised by the store, not a script: a handed-out prompt has no stored data. arg: its id
+    "work_lost": Refusal(InternalError, "prompt {0!r} of run {run_id!r} has no stored data"),
     # Raised by the store, not a script: the leased rollouts retired before they were read.
     "lease_lost": Refusal(
         LeaseExpired,

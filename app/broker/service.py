@@ -93,8 +93,9 @@ class LeasedBatch:
 R = TypeVar("R")
 
 LOST_LEASE_TRIES = 3
-"""How often one lease request makes its batch again after a failover lost it (each time the
-master it was made on was replaced before its rollouts were read)."""
+"""How often one lease or work request makes its batch or work lease again after a failover
+lost it (each time the master it was made on was replaced before its rollouts or prompts were
+read)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -471,16 +472,27 @@ class Broker:
         lid = body.lease_id or uuid.uuid4().hex
 
         async def attempt(t: Try) -> tuple[WorkOut | None, int | None]:
-            with self._refusals(run_id, lease_id=lid):
-                got = await self.store.work(
-                    run_id,
-                    lease_id=lid,
-                    max_prompts=body.max_prompts,
-                    generator_id=body.generator_id,
-                    wait_ms=t.wait_ms,
-                    waited_ms=t.waited_ms,
-                )
-            return (None if got is None else _work_out(got)), None
+            lost = 0
+            while True:
+                try:
+                    got = await self.store.work(
+                        run_id,
+                        lease_id=lid,
+                        max_prompts=body.max_prompts,
+                        generator_id=body.generator_id,
+                        wait_ms=t.wait_ms,
+                        waited_ms=t.waited_ms,
+                    )
+                except StoreError as err:
+                    if err.code == "work_lost" and lost < LOST_LEASE_TRIES:
+                        # Made on a master that a failover replaced before its prompts were
+                        # read: the promoted replica lacks a prompt registered since it last
+                        # replicated, and so the lease, written after it. Lease again there.
+                        lost += 1
+                        continue
+                    ctx = ErrorContext(run_id, lease_id=lid)
+                    raise error_for(err, ctx) from None
+                return (None if got is None else _work_out(got)), None
 
         return await self._long_poll(run_id, keys.WORK_WAKE, body.max_prompts, body.wait_s, attempt)
 

@@ -717,8 +717,9 @@ class RedisStore:
         items = []
         for ((pid, _, pass_), att), blob in zip(passes, blobs, strict=True):
             if blob is None:
-                # Prompts are never deleted while their run lives: only a hand could do this.
-                raise RuntimeError(f"prompt {pid!r} of run {run_id!r} has no stored data")
+                # Prompts are never deleted while their run lives: the read reached a master that
+                # does not have this prompt yet (a failover's), or a hand deleted it.
+                raise StoreError("work_lost", pid)
             items.append(WorkItem(pid, int(pass_), att, blob))
         return WorkLease(text(lid), int(version), int(expires_at), items)
 

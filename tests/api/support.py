@@ -130,3 +130,27 @@ async def asgi_client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://broker") as c:
             yield c
+
+
+async def run_keys(redis: Redis, prefix: str, run_id: str) -> list[bytes]:
+    return [k async for k in redis.scan_iter(match=f"{prefix}:{{{run_id}}}:*", count=1000)]
+
+
+async def replica_of(redis: Redis, prefix: str, run_id: str) -> dict[bytes, tuple[bytes, int]]:
+    """What a replica has of the run's keys, to :func:`promote` later: each key's DUMP and
+    time to live."""
+    return {
+        k: (await redis.dump(k), max(await redis.pttl(k), 0))
+        for k in await run_keys(redis, prefix, run_id)
+    }
+
+
+async def promote(
+    redis: Redis, prefix: str, run_id: str, replica: dict[bytes, tuple[bytes, int]]
+) -> None:
+    """The run's keys as the replica had them, as after a failover to that replica: what the
+    master wrote since is gone."""
+    for key in await run_keys(redis, prefix, run_id):
+        await redis.delete(key)
+    for key, (dumped, ttl_ms) in replica.items():
+        await redis.restore(key, ttl_ms, dumped, replace=True)

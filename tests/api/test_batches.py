@@ -17,6 +17,8 @@ from tests.api.support import (
     ids,
     nack,
     patch,
+    promote,
+    replica_of,
     retired,
     retired_items,
     set_policy,
@@ -419,28 +421,6 @@ async def test_lease_at_an_older_version_gets_no_rollouts_from_newer_policies(ap
     assert resp.status_code == 204
 
 
-async def _run_keys(redis, prefix: str, run_id: str) -> list[bytes]:
-    return [k async for k in redis.scan_iter(match=f"{prefix}:{{{run_id}}}:*", count=1000)]
-
-
-async def _replica_of(redis, prefix: str, run_id: str) -> dict[bytes, tuple[bytes, int]]:
-    """What a replica has of the run's keys: each key's DUMP and time to live."""
-    return {
-        k: (await redis.dump(k), max(await redis.pttl(k), 0))
-        for k in await _run_keys(redis, prefix, run_id)
-    }
-
-
-async def _promote(
-    redis, prefix: str, run_id: str, replica: dict[bytes, tuple[bytes, int]]
-) -> None:
-    """The run's keys as the replica had them: what the master wrote since is gone."""
-    for key in await _run_keys(redis, prefix, run_id):
-        await redis.delete(key)
-    for key, (dumped, ttl_ms) in replica.items():
-        await redis.restore(key, ttl_ms, dumped, replace=True)
-
-
 async def test_a_retried_lease_whose_batch_a_failover_lost_is_made_again(
     settings, redis, prefix, monkeypatch
 ):
@@ -454,7 +434,7 @@ async def test_a_retried_lease_whose_batch_a_failover_lost_is_made_again(
         await make_run(api, "r1")
         await post(api, "r1", *(rollout(f"old{i}") for i in range(2)))
         await set_policy(api, "r1", 1)
-        replica = await _replica_of(redis, prefix, "r1")
+        replica = await replica_of(redis, prefix, "r1")
         await post(api, "r1", *(rollout(f"new{i}", 1) for i in range(2)))  # the freshest
         store = app.state.broker.store
         read, failovers = store.blobs, []
@@ -462,7 +442,7 @@ async def test_a_retried_lease_whose_batch_a_failover_lost_is_made_again(
         async def blobs_after_a_failover(run_id: str, rollout_ids: list[str]) -> list:
             if not failovers:
                 failovers.append(list(rollout_ids))
-                await _promote(redis, prefix, "r1", replica)
+                await promote(redis, prefix, "r1", replica)
             return await read(run_id, rollout_ids)
 
         monkeypatch.setattr(store, "blobs", blobs_after_a_failover)

@@ -10,7 +10,8 @@ import pytest
 from redis.asyncio import Redis
 
 from app.broker import keys
-from tests.api.support import assert_error, events, set_policy
+from app.main import create_app
+from tests.api.support import asgi_client, assert_error, events, promote, replica_of, set_policy
 from tests.helpers import ack, lease, make_run, post, rollout
 
 
@@ -157,6 +158,36 @@ async def test_a_retried_work_request_with_its_lease_id_gets_the_same_lease(api)
     assert handed(first) == [("a", 1, 1), ("b", 1, 1)]
     other = await work(api, "r", 5)
     assert other is not None and handed(other) == [("c", 1, 1)]
+
+
+async def test_a_retried_work_request_whose_lease_a_failover_lost_is_made_again(
+    settings, redis, prefix, monkeypatch
+):
+    """A work lease made on a master that a failover replaced before its prompts were read: the
+    read reached the promoted replica, which has neither the lease nor the prompts registered
+    since it last replicated. The lease is made again there under the same lease id, rather than
+    answered with a 500 (tests/api/test_batches.py has the same for a batch)."""
+    app = create_app(settings)
+    async with asgi_client(app) as api:
+        await make_run(api, "r")
+        await register(api, "r", "old")
+        replica = await replica_of(redis, prefix, "r")
+        await register(api, "r", "new")  # registered after the replica's last copy
+        store = app.state.broker.store
+        read, failovers = store.prompt_blobs, []
+
+        async def prompts_after_a_failover(run_id: str, prompt_ids: list[str]) -> list:
+            if not failovers:
+                failovers.append(list(prompt_ids))
+                await promote(redis, prefix, "r", replica)
+            return await read(run_id, prompt_ids)
+
+        monkeypatch.setattr(store, "prompt_blobs", prompts_after_a_failover)
+        got = await work(api, "r", 2, lease_id="lease-0001")
+        assert failovers == [["old", "new"]]
+        assert got is not None and got["lease_id"] == "lease-0001"
+        assert handed(got) == [("old", 1, 1)]
+        assert (await give_back(api, "r", "lease-0001")).json() == {"returned": 1}
 
 
 async def test_a_lease_id_of_a_returned_lease_is_409(api):

@@ -60,6 +60,7 @@ EXPECTED: dict[str, tuple[type[BrokerError], int]] = {
     "batch_acked": (BatchSettled, 0),
     "lease_expired": (LeaseExpired, 0),
     "lease_lost": (LeaseExpired, 0),
+    "work_lost": (InternalError, 1),
     "run_closed": (RunClosed, 0),
     "run_deleted": (RunConflict, 0),
     "run_open": (RunOpen, 0),
@@ -82,6 +83,7 @@ STATUS = {
     RunBusy: 409,
     WorkLeaseNotFound: 404,
     WorkLeaseOver: 409,
+    InternalError: 500,
 }
 CTX = ErrorContext(
     "run-1", batch_id="batch-1", size=6, version=7, retry_after_s=3, lease_id="lease-1"
