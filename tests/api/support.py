@@ -154,3 +154,29 @@ async def promote(
         await redis.delete(key)
     for key, (dumped, ttl_ms) in replica.items():
         await redis.restore(key, ttl_ms, dumped, replace=True)
+
+
+def fail_over_before_first(
+    monkeypatch: Any,
+    store: Any,
+    read: str,
+    redis: Redis,
+    prefix: str,
+    run_id: str,
+    replica: dict[bytes, tuple[bytes, int]],
+) -> list[list[str]]:
+    """Make the store's first ``read`` (``blobs`` or ``prompt_blobs``: the read a lease or work
+    script's reply is followed by) reach a promoted ``replica`` of the run, as a client that
+    carries a command over a failover does (redis-py 8.2). Returns the list that the ids of
+    that first read are put in."""
+    original, failovers = getattr(store, read), []
+
+    async def after_a_failover(rid: str, ids: list[str]) -> list[bytes | None]:
+        if not failovers:
+            failovers.append(list(ids))
+            await promote(redis, prefix, run_id, replica)
+        got: list[bytes | None] = await original(rid, ids)
+        return got
+
+    monkeypatch.setattr(store, read, after_a_failover)
+    return failovers

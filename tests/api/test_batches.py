@@ -14,10 +14,10 @@ from tests.api.support import (
     asgi_client,
     assert_error,
     events,
+    fail_over_before_first,
     ids,
     nack,
     patch,
-    promote,
     replica_of,
     retired,
     retired_items,
@@ -437,15 +437,9 @@ async def test_a_retried_lease_whose_batch_a_failover_lost_is_made_again(
         replica = await replica_of(redis, prefix, "r1")
         await post(api, "r1", *(rollout(f"new{i}", 1) for i in range(2)))  # the freshest
         store = app.state.broker.store
-        read, failovers = store.blobs, []
-
-        async def blobs_after_a_failover(run_id: str, rollout_ids: list[str]) -> list:
-            if not failovers:
-                failovers.append(list(rollout_ids))
-                await promote(redis, prefix, "r1", replica)
-            return await read(run_id, rollout_ids)
-
-        monkeypatch.setattr(store, "blobs", blobs_after_a_failover)
+        failovers = fail_over_before_first(
+            monkeypatch, store, "blobs", redis, prefix, "r1", replica
+        )
         resp = await lease(api, "r1", 2, batch_id="trainer-0-step-1")
         assert failovers == [["new0", "new1"]]
         assert resp.status_code == 200, resp.text

@@ -11,7 +11,14 @@ from redis.asyncio import Redis
 
 from app.broker import keys
 from app.main import create_app
-from tests.api.support import asgi_client, assert_error, events, promote, replica_of, set_policy
+from tests.api.support import (
+    asgi_client,
+    assert_error,
+    events,
+    fail_over_before_first,
+    replica_of,
+    set_policy,
+)
 from tests.helpers import ack, lease, make_run, post, rollout
 
 
@@ -174,15 +181,9 @@ async def test_a_retried_work_request_whose_lease_a_failover_lost_is_made_again(
         replica = await replica_of(redis, prefix, "r")
         await register(api, "r", "new")  # registered after the replica's last copy
         store = app.state.broker.store
-        read, failovers = store.prompt_blobs, []
-
-        async def prompts_after_a_failover(run_id: str, prompt_ids: list[str]) -> list:
-            if not failovers:
-                failovers.append(list(prompt_ids))
-                await promote(redis, prefix, "r", replica)
-            return await read(run_id, prompt_ids)
-
-        monkeypatch.setattr(store, "prompt_blobs", prompts_after_a_failover)
+        failovers = fail_over_before_first(
+            monkeypatch, store, "prompt_blobs", redis, prefix, "r", replica
+        )
         got = await work(api, "r", 2, lease_id="lease-0001")
         assert failovers == [["old", "new"]]
         assert got is not None and got["lease_id"] == "lease-0001"
