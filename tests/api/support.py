@@ -6,14 +6,16 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import msgpack
+import pytest
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
 from app.broker import keys
+from app.broker.store import RedisStore
 
 # The SPEC's RunConfig defaults.
 DEFAULT_CONFIG: dict[str, Any] = {
@@ -157,9 +159,9 @@ async def promote(
 
 
 def fail_over_before_first(
-    monkeypatch: Any,
-    store: Any,
-    read: str,
+    monkeypatch: pytest.MonkeyPatch,
+    store: RedisStore,
+    read: Literal["blobs", "prompt_blobs"],
     redis: Redis,
     prefix: str,
     run_id: str,
@@ -169,7 +171,8 @@ def fail_over_before_first(
     script's reply is followed by) reach a promoted ``replica`` of the run, as a client that
     carries a command over a failover does (redis-py 8.2). Returns the list that the ids of
     that first read are put in."""
-    original, failovers = getattr(store, read), []
+    original = getattr(store, read)
+    failovers: list[list[str]] = []
 
     async def after_a_failover(rid: str, ids: list[str]) -> list[bytes | None]:
         if not failovers:
