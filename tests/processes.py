@@ -23,8 +23,11 @@ from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+
+from tests.services import RedisBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -301,3 +304,58 @@ class RedisClusterServers:
     def kill(self) -> None:
         for port in self.procs:
             self.kill_node(port)
+
+
+class KillableRedis:
+    """A Redis of the test's own, for tests that SIGKILL it under a broker and start it again:
+    one node, or a 3-master cluster (no replicas) of which the node serving one run's slot is
+    the one killed. Both append to an AOF with fsync always, so a node started again has all it
+    acknowledged."""
+
+    def __init__(self, backend: str, data_dir: Path, run_key: str) -> None:
+        self.node = RedisServer(data_dir) if backend == "redis" else None
+        self.cluster = None if self.node else RedisClusterServers(data_dir, aof=True)
+        self.run_key = run_key
+        url = self.node.url if self.node else self.cluster.seeds  # type: ignore[union-attr]
+        self.backend = RedisBackend(url, cluster=self.node is None)
+        self.killed: int | None = None  # the cluster node killed, until it is started again
+
+    async def start(self) -> None:
+        if self.node:
+            await self.node.start()
+        else:
+            await asyncio.to_thread(self.cluster.start)  # type: ignore[union-attr]
+
+    def run_node(self) -> int:
+        """The port of the cluster node serving the run's slot."""
+        assert self.cluster is not None
+        slot = key_slot(self.run_key.encode())
+        with SyncRedis(port=self.cluster.ports[0]) as probe:
+            for first, last, (_, port, *_), *_ in probe.execute_command("CLUSTER SLOTS"):
+                if first <= slot <= last:
+                    return int(port)
+        raise AssertionError(f"no node serves slot {slot}")
+
+    async def kill_run_node(self) -> None:
+        if self.node:
+            await self.node.kill()
+            return
+        self.killed = self.run_node()
+        self.cluster.kill_node(self.killed)  # type: ignore[union-attr]
+
+    async def restart_run_node(self) -> None:
+        """Start what kill_run_node() killed, on its port and from its AOF; returns once it
+        serves (on a cluster, once every node says the cluster is ok)."""
+        if self.node:
+            await self.node.start()
+            return
+        assert self.cluster is not None and self.killed is not None
+        await asyncio.to_thread(self.cluster.start_node, self.killed)
+        await asyncio.to_thread(self.cluster.wait_ok)
+        self.killed = None
+
+    async def stop(self) -> None:
+        if self.node:
+            await self.node.kill()
+        else:
+            self.cluster.kill()  # type: ignore[union-attr]

@@ -14,17 +14,11 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from redis import Redis as SyncRedis
-from redis.crc import key_slot
 from rollout_broker_client import AsyncBrokerClient
 
 from app.accounting.events import decode_entry
 from app.broker import keys
-from tests.processes import (
-    RedisClusterServers,
-    RedisServer,
-)
-from tests.services import RedisBackend
+from tests.processes import KillableRedis
 from tests.traffic import GROUP, Replay, Traffic, brokers
 
 pytestmark = pytest.mark.slow
@@ -35,52 +29,10 @@ MIN_PER_GENERATOR = 200  # rollouts; generators go on until the last kill is beh
 AUDIT = "audit"  # the consumer group that never reads
 
 
-class ChaosRedis:
-    """The test's own Redis: one node, or a 3-master cluster of which the node serving the
-    run's slot is the one killed. Both append to an AOF with fsync always."""
-
-    def __init__(self, backend: str, data_dir: Path) -> None:
-        self.node = RedisServer(data_dir) if backend == "redis" else None
-        self.cluster = None if self.node else RedisClusterServers(data_dir, aof=True)
-        url = self.node.url if self.node else self.cluster.seeds  # type: ignore[union-attr]
-        self.backend = RedisBackend(url, cluster=self.node is None)
-
-    async def start(self) -> None:
-        if self.node:
-            await self.node.start()
-        else:
-            await asyncio.to_thread(self.cluster.start)  # type: ignore[union-attr]
-
-    def _run_node(self) -> int:
-        assert self.cluster is not None
-        slot = key_slot(keys.run_key(PREFIX, RUN).encode())
-        with SyncRedis(port=self.cluster.ports[0]) as probe:
-            for first, last, (_, port, *_), *_ in probe.execute_command("CLUSTER SLOTS"):
-                if first <= slot <= last:
-                    return int(port)
-        raise AssertionError(f"no node serves slot {slot}")
-
-    async def kill_and_restart(self) -> None:
-        if self.node:
-            await self.node.kill()
-            await self.node.start()
-            return
-        port = self._run_node()
-        self.cluster.kill_node(port)  # type: ignore[union-attr]
-        await asyncio.to_thread(self.cluster.start_node, port)  # type: ignore[union-attr]
-        await asyncio.to_thread(self.cluster.wait_ok)  # type: ignore[union-attr]
-
-    async def stop(self) -> None:
-        if self.node:
-            await self.node.kill()
-        else:
-            self.cluster.kill()  # type: ignore[union-attr]
-
-
 async def test_nothing_lost_or_doubled_through_worker_replica_and_redis_kills(
     backend: str, database_url: str, tmp_path: Path
 ) -> None:
-    redis_server = ChaosRedis(backend, tmp_path)
+    redis_server = KillableRedis(backend, tmp_path, keys.run_key(PREFIX, RUN))
     await redis_server.start()
     apis, worker = brokers(redis_server.backend.env(), database_url, PREFIX, tmp_path)
     redis = redis_server.backend.client()
@@ -103,7 +55,8 @@ async def test_nothing_lost_or_doubled_through_worker_replica_and_redis_kills(
             await apis[0].kill()
             await apis[0].start()
             await traffic.progressed(120)
-            await redis_server.kill_and_restart()
+            await redis_server.kill_run_node()
+            await redis_server.restart_run_node()
             await traffic.progressed(160)
             await worker.kill()
             await worker.start()

@@ -36,11 +36,13 @@ import re
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import asyncpg
+import httpx
 import numpy as np
 import pytest
 from redis import Redis as SyncRedis
@@ -73,6 +75,29 @@ CUT_S = 0.3  # link-cut: how long before the kill the replica stops hearing from
 
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class RecordingRetry(Retry):
+    """The client's own retry policy, also noting why each resend was made: the status the
+    broker answered, or the transport error."""
+
+    resends: Counter[str] = field(default_factory=Counter)
+
+    def pause(
+        self,
+        call: Any,
+        attempt: int,
+        elapsed_s: float,
+        *,
+        error: httpx.TransportError | None = None,
+        response: httpx.Response | None = None,
+    ) -> float | None:
+        wait = Retry.pause(self, call, attempt, elapsed_s, error=error, response=response)
+        if wait is not None:
+            why = str(response.status_code) if response is not None else type(error).__name__
+            self.resends[why] += 1
+        return wait
 
 
 async def through_stale_connections(errors: list[str], call: Callable[[], Awaitable[T]]) -> T:
@@ -198,7 +223,7 @@ async def test_master_failover_loses_at_most_the_unreplicated_writes(
         apis, worker = brokers(cluster_env, database_url, PREFIX, tmp_path)
         await asyncio.gather(*(a.start() for a in apis), worker.start())
         # Short, frequent resends: the time until service resumes is measured through them.
-        retry = Retry(deadline_s=45.0, backoff_s=0.05, max_backoff_s=0.5)
+        retry = RecordingRetry(deadline_s=45.0, backoff_s=0.05, max_backoff_s=0.5)
         clients = [AsyncBrokerClient(a.url, retry=retry) for a in apis]
         await clients[0].create_run(
             RUN, {"group_size": GROUP, "max_staleness": 1000, "lease_timeout_s": LEASE_TIMEOUT_S}
@@ -352,6 +377,9 @@ async def test_master_failover_loses_at_most_the_unreplicated_writes(
             after = [end for start, end, _ in done if start > t_kill]
             return (min(after) - t_kill) if after else float("inf")
 
+        def longest(done: list[tuple[float, float, list[str]]]) -> float:
+            return max(end - start for start, end, _ in done)
+
         def answered_since(done: list[tuple[float, float, list[str]]], t: float) -> set[str]:
             return {x for _, end, ids in done if end > t for x in ids}
 
@@ -396,7 +424,10 @@ async def test_master_failover_loses_at_most_the_unreplicated_writes(
             f"stream {len(stream_acked)}, stream + rolled back {len(union.acked)}; "
             f"dead letters {acc.dead_letters}\n"
             f"  500s: {len(server_errors)} {sorted(set(server_errors))}; WAIT calls "
-            f"on the live nodes: {waits}"
+            f"on the live nodes: {waits}\n"
+            f"  resent by the clients, by what the broker answered: "
+            f"{sorted(retry.resends.items())}; longest answer, resends included: ingest "
+            f"{longest(ingest_done):.2f} s, ack {longest(ack_done):.2f} s"
         )
 
         # -- what must hold, whatever was lost ---------------------------------------------
