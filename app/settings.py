@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -23,6 +23,14 @@ class Settings(BaseSettings):
         default=False,
         description="BROKER_REDIS_URL is any node of a Redis Cluster (the client discovers the "
         "rest and follows the cluster's redirections)",
+    )
+    redis_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=300,
+        description="A Redis command or connection attempt unanswered for this long fails, and "
+        "the request that needed it is a 503 (a Redis that stops answering, as behind a network "
+        "partition, otherwise holds requests for good)",
     )
     database_url: str | None = Field(
         default=None,
@@ -113,7 +121,11 @@ class Settings(BaseSettings):
         default=500, ge=1, le=10_000, description="Stream entries per read and per transaction"
     )
     drain_block_ms: int = Field(
-        default=200, ge=1, le=60_000, description="How long an idle pass waits (XREADGROUP BLOCK)"
+        default=200,
+        ge=1,
+        le=60_000,
+        description="How long an idle pass waits (XREADGROUP BLOCK); at most half of "
+        "redis_timeout_s, so that a blocked read is not taken for a Redis that stopped answering",
     )
     drain_claim_idle_ms: int = Field(
         default=30_000,
@@ -160,6 +172,16 @@ class Settings(BaseSettings):
         if not v.startswith("postgresql+asyncpg://"):
             raise ValueError("database_url must be a postgresql+asyncpg:// URL")
         return v
+
+    @model_validator(mode="after")
+    def _block_within_timeout(self) -> Settings:
+        if self.drain_block_ms > self.redis_timeout_s * 1000 / 2:
+            raise ValueError(
+                f"BROKER_DRAIN_BLOCK_MS ({self.drain_block_ms} ms) must be at most half of "
+                f"BROKER_REDIS_TIMEOUT_S ({self.redis_timeout_s:g} s): a blocked read that "
+                "outlasts it fails as if Redis had stopped answering"
+            )
+        return self
 
     @property
     def embedded(self) -> bool:

@@ -19,6 +19,8 @@ from app.settings import Settings
 
 __all__ = ["broker_for", "cluster_client", "database_engine", "redis_client"]
 
+_TIMEOUT_S: float = Settings.model_fields["redis_timeout_s"].default
+
 
 def redis_client(settings: Settings) -> Redis:
     """A client for ``BROKER_REDIS_URL``; embedded mode must have filled it in first."""
@@ -27,12 +29,20 @@ def redis_client(settings: Settings) -> Redis:
             "BROKER_REDIS_URL is not set (`rollout-broker serve` starts embedded services)"
         )
     # Blobs and Lua replies are bytes; decoding is the store's business.
+    # The timeouts are set here rather than left to redis-py, whose default changed (none
+    # before 8.0, 5 s since): without one, a Redis that stops answering holds requests for good.
+    timeout = settings.redis_timeout_s
     if settings.redis_cluster:
-        return cast(Redis, cluster_client(settings.redis_url))
-    return Redis.from_url(settings.redis_url, decode_responses=False)
+        return cast(Redis, cluster_client(settings.redis_url, timeout_s=timeout))
+    return Redis.from_url(
+        settings.redis_url,
+        decode_responses=False,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+    )
 
 
-def cluster_client(url: str) -> RedisCluster:
+def cluster_client(url: str, *, timeout_s: float = _TIMEOUT_S) -> RedisCluster:
     """A Redis Cluster client from any node's URL, or several (``redis://a:7000,b:7001``: the
     client starts from the first that answers). Every key of a run shares its hash tag, so each
     script, MGET and XREADGROUP the broker sends touches one slot; the client routes it and
@@ -41,7 +51,13 @@ def cluster_client(url: str) -> RedisCluster:
     # from_url adds the first URL's node to the seeds; credentials and TLS of the first URL
     # apply to every node.
     seeds = [ClusterNode(*_host_port(part)) for part in more]
-    return RedisCluster.from_url(first, startup_nodes=seeds or None, decode_responses=False)
+    return RedisCluster.from_url(
+        first,
+        startup_nodes=seeds or None,
+        decode_responses=False,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+    )
 
 
 def _host_port(part: str) -> tuple[str, int]:

@@ -110,8 +110,19 @@ class RedisServer:
     async def kill(self) -> None:
         assert self.proc is not None
         if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGCONT)  # a stopped process dies only once continued
             self.proc.send_signal(signal.SIGKILL)
             await asyncio.wait_for(self.proc.wait(), 10)
+
+    def freeze(self) -> None:
+        """SIGSTOP: its connections stay open and nothing answers on them, as behind a network
+        partition. thaw() lets it go on."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
 
 
 def broker_env(**settings: str) -> dict[str, str]:

@@ -146,6 +146,7 @@ def test_the_settings_reach_the_api_processes_through_the_environment(tmp_path: 
         auth=True,
         admin_token=SecretStr("s" * 40),
         token_cache_s=0.1,
+        redis_timeout_s=7.5,
         metrics=False,
         workers_in_process=False,
         drain_trim=False,

@@ -28,7 +28,7 @@ from app.errors import outage_of
 from app.main import create_app
 from app.settings import Settings
 from tests.api.support import assert_error
-from tests.processes import ApiProcess, KillableRedis, broker_env
+from tests.processes import ApiProcess, KillableRedis, RedisServer, broker_env
 from tests.services import REDIS_URL
 
 
@@ -246,6 +246,38 @@ def _rollouts(*ids: str) -> bytes:
         {"rollout_id": i, "policy_version": 0, "response_ids": [1, 2], "reward": 1.0} for i in ids
     ]
     return httpx.Request("POST", "http://x", json={"rollouts": docs}).read()
+
+
+@pytest.mark.slow
+async def test_a_redis_that_stops_answering_is_503_after_the_brokers_redis_timeout(
+    tmp_path: Path,
+) -> None:
+    """A Redis that keeps its connections open and answers nothing: the API gives up after
+    BROKER_REDIS_TIMEOUT_S, whichever redis-py is installed (its own default is no timeout
+    before 8.0, 5 s since). At 0.5 s here, the 503 comes well within the client's 3 s."""
+    redis_server = RedisServer(tmp_path)
+    await redis_server.start()
+    env = broker_env(
+        BROKER_REDIS_URL=redis_server.url,
+        BROKER_REDIS_PREFIX="frozen",
+        BROKER_REDIS_TIMEOUT_S="0.5",
+    )
+    api = ApiProcess(env, tmp_path / "api.log")
+    try:
+        await api.start()
+        async with httpx.AsyncClient(base_url=api.url, timeout=3.0) as client:
+            assert (await client.post("/v1/runs", json={"run_id": "r"})).status_code == 201
+            redis_server.freeze()
+            try:
+                for path in ("/v1/runs/r", "/v1/runs/r/batch?size=1"):
+                    detail = assert_error(await client.get(path), 503, "Unavailable")
+                    assert "TimeoutError" in detail, detail
+            finally:
+                redis_server.thaw()
+            assert (await client.get("/v1/runs/r")).status_code == 200
+    finally:
+        await api.stop()
+        await redis_server.kill()
 
 
 @pytest.mark.slow
