@@ -110,7 +110,6 @@ class RedisServer:
     async def kill(self) -> None:
         assert self.proc is not None
         if self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGCONT)  # a stopped process dies only once continued
             self.proc.send_signal(signal.SIGKILL)
             await asyncio.wait_for(self.proc.wait(), 10)
 
