@@ -29,8 +29,9 @@ def redis_client(settings: Settings) -> Redis:
             "BROKER_REDIS_URL is not set (`rollout-broker serve` starts embedded services)"
         )
     # Blobs and Lua replies are bytes; decoding is the store's business.
-    # The timeouts are set here rather than left to redis-py, whose default changed (none
-    # before 8.0, 5 s since): without one, a Redis that stops answering holds requests for good.
+    # The timeouts are the broker's setting, not redis-py's default: without one (redis-py
+    # before 8.0) a Redis that stops answering holds requests for good, and the drain's
+    # blocked read is checked against it (Settings).
     timeout = settings.redis_timeout_s
     if settings.redis_cluster:
         return cast(Redis, cluster_client(settings.redis_url, timeout_s=timeout))

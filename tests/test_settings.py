@@ -13,8 +13,8 @@ from app.wiring import redis_client
 
 @pytest.mark.parametrize("cluster", [False, True], ids=["one-node", "cluster"])
 async def test_the_redis_timeouts_are_the_brokers_setting(cluster: bool) -> None:
-    """redis-py's own default changed (no timeout before 8.0, 5 s since); the broker's holds
-    whichever is installed. Nothing is connected: the client is only built."""
+    """The operator's setting, not redis-py's default. Nothing is connected: the client is only
+    built."""
     client = redis_client(
         Settings(redis_url="redis://127.0.0.1:1", redis_cluster=cluster, redis_timeout_s=2.5)
     )
