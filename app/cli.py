@@ -108,7 +108,7 @@ def _run_id(value: str | None) -> str | None:
         return value
     from pydantic import TypeAdapter, ValidationError
 
-    from app.broker.config import RunId
+    from app.ids import RunId
 
     try:
         TypeAdapter(RunId).validate_python(value)
