@@ -105,7 +105,3 @@ async def run_drain(
             await asyncio.wait_for(ctx.drainer.leave(), timeout=_LEAVE_TIMEOUT_S)
         except Exception:  # its entries are taken over once its heartbeat is missed
             log.warning("drain consumer could not leave cleanly", exc_info=True)
-
-
-if __name__ == "__main__":  # the entry point this module used to be
-    raise SystemExit("`python -m workers.drain` is gone: run `rollout-broker worker`")

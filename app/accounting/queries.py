@@ -203,10 +203,6 @@ def _zero_totals() -> RunTotals:
     return row
 
 
-async def _newest_applied(session: AsyncSession, run_id: str) -> StreamId | None:
-    return (await _newest_applied_of(session, [run_id])).get(run_id)
-
-
 # The newest processed event of each run: one index probe per run (the key's order), however
 # many events a run has.
 _NEWEST_APPLIED = text(

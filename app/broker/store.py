@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
@@ -157,9 +157,12 @@ class RunPage:
     next_cursor: str | None  # None: the listing is complete
 
 
+MaintainState = Literal["active", "parked", "missing", "deleted"]  # maintain.lua's replies
+
+
 @dataclass(frozen=True, slots=True)
 class MaintainOutcome:
-    state: Literal["active", "parked", "missing", "deleted"]
+    state: MaintainState
     more: bool  # sweep work was left for another call
     retired: dict[str, int]
     now_ms: int  # Redis's clock, for the age of a missing run's index entry
@@ -243,12 +246,6 @@ class SweepOutcome:
         return sum(self.retired.values())
 
 
-_MAINTAIN_STATES: dict[str, Literal["active", "parked", "missing", "deleted"]] = {
-    "active": "active",
-    "parked": "parked",
-    "missing": "missing",
-    "deleted": "deleted",
-}
 _RUN_FIELDS = ("cfg", "ver", "st", "created", "live", "leased", "floor")
 
 
@@ -535,7 +532,7 @@ class RedisStore:
             "maintain", run_id, limit, token, keys.CONSUMER_GROUP
         )
         return MaintainOutcome(
-            _MAINTAIN_STATES[text(state)], bool(int(more)), _counts(retired), int(now)
+            cast(MaintainState, text(state)), bool(int(more)), _counts(retired), int(now)
         )
 
     async def sweep(self, run_id: str, limit: int = SWEEP_LIMIT) -> SweepOutcome:

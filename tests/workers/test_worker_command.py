@@ -8,8 +8,6 @@ import asyncio
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -97,19 +95,6 @@ def _refuse_then_migrate(env: dict[str, str], url: str, beat: Path) -> None:
             time.sleep(0.02)
         assert worker.stop(signal.SIGTERM) == 0, worker.output()
     assert alembic_version_exists(url)
-
-
-def test_python_m_workers_drain_is_gone() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "workers.drain"],
-        cwd=REPO,
-        env=broker_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode != 0  # not a silent success that a restart policy would loop on
-    assert "rollout-broker worker" in done.stderr
 
 
 def test_the_worker_takes_its_settings_from_settings(monkeypatch: pytest.MonkeyPatch) -> None:
