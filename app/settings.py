@@ -147,12 +147,6 @@ class Settings(BaseSettings):
     drain_consumer: str | None = Field(
         default=None, description="Consumer name, unique per process; unset: host-pid-random"
     )
-    drain_crash_after_commits: int | None = Field(
-        default=None,
-        ge=1,
-        description="Fault injection for tests: exit the process after this many commits, "
-        "before their XACK",
-    )
 
     @field_validator("redis_prefix")
     @classmethod

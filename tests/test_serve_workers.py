@@ -151,7 +151,6 @@ def test_the_settings_reach_the_api_processes_through_the_environment(tmp_path: 
         workers_in_process=False,
         drain_trim=False,
         drain_consumer="c-1",
-        drain_crash_after_commits=3,
         worker_heartbeat_file=tmp_path / "beat",
     )
     unset = {name for name, f in Settings.model_fields.items() if f.default is None}

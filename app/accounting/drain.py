@@ -25,13 +25,12 @@ from redis.exceptions import ResponseError
 from sqlalchemy.exc import DBAPIError, StatementError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.accounting import queries, repository
+from app.accounting import ledger, repository
 from app.accounting.stream import Entry, EventStream
 from app.events import Event, EventError, decode_entry
 from app.settings import Settings
 
 __all__ = [
-    "CRASH_EXIT_CODE",
     "DrainCounts",
     "DrainOptions",
     "Drainer",
@@ -39,8 +38,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-CRASH_EXIT_CODE = 75
 
 
 def _default(name: str) -> Any:
@@ -59,7 +56,6 @@ class DrainOptions:
     heartbeat_timeout_ms: int = _default("heartbeat_timeout_ms")
     max_deliveries: int = _default("max_deliveries")
     trim: bool = _default("trim")
-    crash_after_commits: int | None = _default("crash_after_commits")
     # Rounds of new reads in one pass, so one busy run cannot starve trimming and claiming.
     max_rounds: int = 20
     # Silent consumers taken over in one go.
@@ -79,7 +75,6 @@ class DrainOptions:
             heartbeat_timeout_ms=settings.drain_heartbeat_timeout_ms,
             max_deliveries=settings.drain_max_deliveries,
             trim=settings.drain_trim,
-            crash_after_commits=settings.drain_crash_after_commits,
         )
 
 
@@ -156,7 +151,6 @@ class Drainer:
     _last_claim: float = field(default=float("-inf"), init=False)
     _last_beat: float = field(default=float("-inf"), init=False)
     _last_takeover: float = field(default=float("-inf"), init=False)
-    _commits: int = field(default=0, init=False)
     # Runs with entries applied or dead-lettered since their ledger was last checked.
     _unchecked: set[str] = field(default_factory=set, init=False)
     # Ledger checks that found ledger != live, since this consumer started.
@@ -279,7 +273,7 @@ class Drainer:
         ledger moved past the live read, the run stays to be checked on a later pass."""
         counts = DrainCounts()
         async with self.sessionmaker() as session:
-            check = await queries.check_ledger(session, self.stream, run_id)
+            check = await ledger.check_ledger(session, self.stream, run_id)
         if not check.settled:
             return counts
         self._unchecked.discard(run_id)
@@ -440,14 +434,7 @@ class Drainer:
 
     async def _commit(self, run_id: str, events: Sequence[Event]) -> repository.ApplyResult:
         async with self.sessionmaker() as session, session.begin():
-            result = await repository.apply_events(session, run_id, events)
-        self._commits += 1
-        crash_after = self.options.crash_after_commits
-        if crash_after is not None and self._commits >= crash_after:
-            # Fault injection: die between the Postgres commit and the XACK.
-            log.warning("crash_after_commits reached: exiting before XACK")
-            os._exit(CRASH_EXIT_CODE)
-        return result
+            return await repository.apply_events(session, run_id, events)
 
     async def _settle_failures(
         self, run_id: str, failures: Sequence[_Failure], counts: DrainCounts

@@ -7,7 +7,6 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from app.accounting import queries
 from app.accounting.schemas import (
     BatchPage,
     DeadLetterPage,
@@ -16,7 +15,7 @@ from app.accounting.schemas import (
     TrainingAccounting,
     VersionsAccounting,
 )
-from app.accounting.stream import EventStream
+from app.accounting.service import AccountingService
 from app.api import Session, errors
 
 __all__ = ["router"]
@@ -24,49 +23,51 @@ __all__ = ["router"]
 router = APIRouter(prefix="/v1/runs/{run_id}", tags=["accounting"])
 
 
-def _stream(request: Request) -> EventStream:
-    return EventStream(request.app.state.redis, request.app.state.settings.redis_prefix)
+def _service(request: Request) -> AccountingService:
+    return AccountingService.create(
+        request.app.state.redis, request.app.state.settings.redis_prefix
+    )
 
 
-Stream = Annotated[EventStream, Depends(_stream)]
+Accounting = Annotated[AccountingService, Depends(_service)]
 Limit = Annotated[int, Query(ge=1, le=1000)]
 # A cursor is what a previous page handed out; any other is refused.
 _CURSOR_400 = errors((400, "The cursor is not one this listing handed out"))
 
 
 @router.get("/accounting", response_model=RunAccounting)
-async def get_accounting(run_id: str, session: Session, stream: Stream) -> RunAccounting:
+async def get_accounting(run_id: str, session: Session, accounting: Accounting) -> RunAccounting:
     """Exact totals of the run, as of the newest drained event."""
-    return await queries.run_accounting(session, stream, run_id)
+    return await accounting.run_accounting(session, run_id)
 
 
 @router.get("/accounting/versions", response_model=VersionsAccounting)
 async def get_version_accounting(
-    run_id: str, session: Session, stream: Stream
+    run_id: str, session: Session, accounting: Accounting
 ) -> VersionsAccounting:
     """The same accounting per policy version of the rollouts."""
-    return await queries.version_accounting(session, stream, run_id)
+    return await accounting.version_accounting(session, run_id)
 
 
 @router.get("/accounting/training", response_model=TrainingAccounting)
 async def get_training_accounting(
-    run_id: str, session: Session, stream: Stream
+    run_id: str, session: Session, accounting: Accounting
 ) -> TrainingAccounting:
     """KL, importance ratio and clip fraction per policy version of the trainer: the acknowledged
     batches grouped by the version V of their lease, not by the rollouts' versions."""
-    return await queries.training_accounting(session, stream, run_id)
+    return await accounting.training_accounting(session, run_id)
 
 
 @router.get("/batches", response_model=BatchPage, responses=_CURSOR_400)
 async def list_batches(
     run_id: str,
     session: Session,
-    stream: Stream,
+    accounting: Accounting,
     limit: Limit = 100,
     cursor: str | None = None,
 ) -> BatchPage:
     """The batch ledger in lease order; follow ``next_cursor`` for more."""
-    return await queries.list_batches(session, stream, run_id, limit=limit, cursor=cursor)
+    return await accounting.batches(session, run_id, limit=limit, cursor=cursor)
 
 
 @router.get(
@@ -79,7 +80,7 @@ async def list_batches(
 async def list_prompts(
     run_id: str,
     session: Session,
-    stream: Stream,
+    accounting: Accounting,
     state: Annotated[
         Literal["queued", "in_flight", "done", "failed"] | None,
         Query(description="Only the passes in this state; all when absent"),
@@ -89,18 +90,16 @@ async def list_prompts(
 ) -> PromptPage:
     """The prompt ledger: each prompt pass in its newest state, in (prompt_id, pass) order;
     follow ``next_cursor`` for more."""
-    return await queries.list_prompts(
-        session, stream, run_id, state=state, limit=limit, cursor=cursor
-    )
+    return await accounting.prompts(session, run_id, state=state, limit=limit, cursor=cursor)
 
 
 @router.get("/accounting/dead-letters", response_model=DeadLetterPage, responses=_CURSOR_400)
 async def list_dead_letters(
     run_id: str,
     session: Session,
-    stream: Stream,
+    accounting: Accounting,
     limit: Limit = 100,
     cursor: str | None = None,
 ) -> DeadLetterPage:
     """Events the drain could not apply, with their error; they are not in the totals."""
-    return await queries.dead_letters(session, stream, run_id, limit=limit, cursor=cursor)
+    return await accounting.dead_letters(session, run_id, limit=limit, cursor=cursor)

@@ -18,7 +18,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
-from app.accounting.fold import PASS_RANK
+from app.accounting.passes import PASS_RANK
 from app.db import Base
 
 __all__ = [
@@ -60,7 +60,7 @@ class Run(Base):
 
 
 class _Totals:
-    """Counters shared by the per-run and per-version totals (see app.accounting.fold)."""
+    """Counters shared by the per-run and per-version totals (see app.accounting.deltas)."""
 
     rollouts_received: Mapped[int] = _count()
     groups_received: Mapped[int] = _count()
@@ -214,7 +214,7 @@ class PromptPass(Base):
 
     A pass's states are ordered by (attempt, rank of state), queued < in_flight < done/failed
     within an attempt; the row keeps the greatest one whatever order its events are applied in
-    (see app.accounting.fold.PassState).
+    (see app.accounting.passes.PassState).
     """
 
     __tablename__ = "prompt_passes"

@@ -15,18 +15,15 @@ from sqlalchemy import ColumnElement, Row, Table, case, func, select, tuple_
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.accounting.fold import (
+from app.accounting.deltas import (
     BATCH_VALUE_FIELDS,
     MAX_COLUMNS,
     MIN_COLUMNS,
-    PASS_RANK,
     Fold,
-    PassCounts,
-    PassState,
     TotalsDelta,
     TrainingDelta,
-    fold_events,
 )
+from app.accounting.fold import fold_events
 from app.accounting.models import (
     Batch,
     LagCount,
@@ -38,6 +35,7 @@ from app.accounting.models import (
     TrainingTotals,
     VersionTotals,
 )
+from app.accounting.passes import PASS_RANK, PassCounts, PassState
 from app.db import Base
 from app.events import Event, StreamId
 

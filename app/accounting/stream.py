@@ -1,5 +1,7 @@
-"""The accounting side of the Redis event streams: the consumer group, reads, acks, dead
-letters and trimming. Key layout per app/keys.py; every key of a run shares its hash tag.
+"""The accounting side of the Redis event streams: the consumer group's reads, acks, dead
+letters and trimming, and the drain's progress as the readers of the ledger see it (pending
+entries, the live snapshot). The consumers themselves (heartbeats, take-over) are in
+app/accounting/consumers.py. Key layout per app/keys.py; every key of a run shares its hash tag.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
 from app import keys
+from app.accounting.consumers import ConsumerGroup, as_text
 from app.events import StreamId
 
 __all__ = [
@@ -42,58 +45,6 @@ if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
   return redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))
 end
 return false
-"""
-
-
-# Every drain consumer's last heartbeat, by the Redis server's clock (see the scripts below).
-_BEAT_LUA = """
-redis.replicate_commands()  -- TIME before a write (a no-op on Redis >= 7)
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZADD', KEYS[1], now, ARGV[1])
-return now
-"""
-
-# The consumers whose last heartbeat is older than ARGV[1] ms (at most ARGV[2] of them). Their
-# score is moved to now, so that for the next ARGV[1] ms no other caller takes them: the one
-# that got them takes over their pending entries, then forgets them (_FORGET_LUA).
-_SILENT_LUA = """
-redis.replicate_commands()
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local silent = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[1]),
-  'LIMIT', 0, tonumber(ARGV[2]))
-for _, name in ipairs(silent) do
-  redis.call('ZADD', KEYS[1], now, name)
-end
-return {now, silent}
-"""
-
-# Forget a consumer that was taken over, unless it has sent a heartbeat since (it was alive).
-_FORGET_LUA = """
-local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if score and tonumber(score) == tonumber(ARGV[2]) then
-  return redis.call('ZREM', KEYS[1], ARGV[1])
-end
-return 0
-"""
-
-# Delete a consumer from a stream's group only while it holds no pending entry: checked and
-# done in one step, so an entry delivered to it meanwhile is never dropped from the group's
-# pending list (DELCONSUMER forgets whatever the consumer still holds). A consumer that is
-# alive after all is created again by its next read. 1: deleted, 0: not in the group, -1: it
-# holds entries.
-_DELETE_IDLE_CONSUMER_LUA = """
-for _, row in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
-  local c = {}
-  for i = 1, #row, 2 do c[row[i]] = row[i + 1] end
-  if c['name'] == ARGV[2] then
-    if tonumber(c['pending']) > 0 then return -1 end
-    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
-    return 1
-  end
-end
-return 0
 """
 
 
@@ -153,35 +104,18 @@ def _slot_groups(redis: Redis, names: list[str]) -> list[list[str]]:
     return list(slots.values())
 
 
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
-
 def _entries(raw: Sequence[Any] | None) -> list[Entry]:
     # Redis 6.2 XAUTOCLAIM reports a deleted entry as (None, None) and keeps it pending; it is
     # acknowledged when it comes back through the consumer's own history (with no fields).
     return [Entry(id=eid, fields=fields or {}) for eid, fields in raw or () if eid is not None]
 
 
-class EventStream:
+class EventStream(ConsumerGroup):
     """Redis operations of the accounting consumers, for one key prefix."""
 
     def __init__(self, redis: Redis, prefix: str, group: str = keys.CONSUMER_GROUP) -> None:
-        self.redis = redis
-        self.prefix = prefix
-        self.group = group
+        super().__init__(redis, prefix, group)
         self._dead_letter = redis.register_script(_DEAD_LETTER_LUA)
-        self._beat = redis.register_script(_BEAT_LUA)
-        self._silent = redis.register_script(_SILENT_LUA)
-        self._forget = redis.register_script(_FORGET_LUA)
-        self._delete_idle_consumer = redis.register_script(_DELETE_IDLE_CONSUMER_LUA)
-
-    @property
-    def consumers_key(self) -> str:
-        return keys.drain_consumers_key(self.prefix)
-
-    def events_key(self, run_id: str) -> str:
-        return keys.events_key(self.prefix, run_id)
 
     def dead_key(self, run_id: str) -> str:
         return keys.dead_key(self.prefix, run_id)
@@ -190,7 +124,7 @@ class EventStream:
         """The runs the drain visits: those of the active index (app/broker/store.py). A closed
         run leaves it once its events are all drained, and comes back before it emits another."""
         raw: Any = await self.redis.zrange(keys.active_key(self.prefix), 0, -1)
-        return [_text(r) for r in raw]
+        return [as_text(r) for r in raw]
 
     async def run_exists(self, run_id: str) -> bool:
         return bool(await self.redis.exists(keys.run_key(self.prefix, run_id)))
@@ -260,7 +194,7 @@ class EventStream:
             for key, raw in reply or ():
                 entries = _entries(raw)
                 if entries:
-                    result[streams[_text(key)]] = entries
+                    result[streams[as_text(key)]] = entries
         if not result and len(calls) > 1 and block_ms:
             await asyncio.sleep(block_ms / 1000)
         return result
@@ -349,14 +283,14 @@ class EventStream:
             groups: Any = await self.redis.xinfo_groups(key)
         except ResponseError:  # no stream: nothing was written
             return None
-        ours = next((g for g in groups if _text(g["name"]) == self.group), None)
+        ours = next((g for g in groups if as_text(g["name"]) == self.group), None)
         after = "-"
         if ours is not None:
             if int(ours["pending"]) > 0:
                 summary = await self.redis.xpending(key, self.group)
                 if summary["min"] is not None:
                     return StreamId.parse(summary["min"])
-            after = "(" + _text(ours["last-delivered-id"])
+            after = "(" + as_text(ours["last-delivered-id"])
         first: Any = await self.redis.xrange(key, min=after, count=1)
         return StreamId.parse(first[0][0]) if first else None
 
@@ -390,7 +324,7 @@ class EventStream:
             live, leased = int(counts[0]), int(counts[1])
         ours = None
         if not isinstance(groups, Exception):
-            ours = next((g for g in groups if _text(g["name"]) == self.group), None)
+            ours = next((g for g in groups if as_text(g["name"]) == self.group), None)
         lag = ours.get("lag") if ours is not None else None
         return LiveSnapshot(
             live=live,
@@ -413,72 +347,6 @@ class EventStream:
             lag = await self.undelivered(run_id, snapshot.last_delivered)
         return snapshot.group_pending + lag
 
-    # -- consumers: heartbeats, taking over the silent ones, deleting the gone ones ---------
-
-    async def beat(self, consumer: str) -> None:
-        """Record that ``consumer`` is alive now."""
-        await self._beat(keys=[self.consumers_key], args=[consumer])
-
-    async def take_silent(self, silent_ms: int, limit: int) -> tuple[int, list[str]]:
-        """Consumers with no heartbeat for ``silent_ms``, now this caller's to take over for the
-        next ``silent_ms``; and the mark to :meth:`forget` them by."""
-        mark, names = await self._silent(keys=[self.consumers_key], args=[silent_ms, limit])
-        return int(mark), [_text(n) for n in names]
-
-    async def forget(self, consumer: str, mark: int) -> bool:
-        """Drop a taken-over consumer from the heartbeats, unless it has beaten since."""
-        return bool(await self._forget(keys=[self.consumers_key], args=[consumer, mark]))
-
-    async def leave(self, consumer: str) -> None:
-        await self.redis.zrem(self.consumers_key, consumer)
-
-    async def beating(self, within_ms: int) -> set[str]:
-        """Consumers whose last heartbeat is at most ``within_ms`` old."""
-        seconds, micros = await self.redis.time()
-        now = seconds * 1000 + micros // 1000
-        raw: Any = await self.redis.zrangebyscore(self.consumers_key, now - within_ms, "+inf")
-        return {_text(r) for r in raw}
-
-    async def claim_all(self, run_id: str, owner: str, consumer: str, count: int) -> int:
-        """Move every pending entry of ``owner`` to ``consumer`` (XCLAIM JUSTID: neither read
-        nor counted as a delivery; the new owner reads them as its own pending entries)."""
-        key = self.events_key(run_id)
-        claimed = 0
-        while True:
-            try:
-                rows: Any = await self.redis.xpending_range(
-                    key, self.group, "-", "+", count, consumername=owner
-                )
-            except ResponseError:
-                return claimed  # no stream or no group
-            ids = [row["message_id"] for row in rows]
-            if ids:
-                got: Any = await self.redis.xclaim(key, self.group, consumer, 0, ids, justid=True)
-                claimed += len(got)
-            if len(ids) < count:
-                return claimed
-
-    async def consumers(self, run_id: str) -> list[tuple[str, int, int]]:
-        """(name, pending entries, idle ms) of each consumer of the group (XINFO CONSUMERS)."""
-        try:
-            rows: Any = await self.redis.xinfo_consumers(self.events_key(run_id), self.group)
-        except ResponseError:
-            return []
-        return [(_text(r["name"]), int(r["pending"]), int(r["idle"])) for r in rows]
-
-    async def delete_consumer(self, run_id: str, consumer: str) -> int:
-        """Delete ``consumer`` from the run's group unless it holds pending entries: 1 when it
-        was deleted, 0 when it was not in the group (or there is no group), -1 when it holds
-        entries (and stays)."""
-        try:
-            return int(
-                await self._delete_idle_consumer(
-                    keys=[self.events_key(run_id)], args=[self.group, consumer]
-                )
-            )
-        except ResponseError:
-            return 0  # no stream or no group
-
     async def dead_letter_count(self, run_id: str) -> int:
         return int(await self.redis.xlen(self.dead_key(run_id)))
 
@@ -493,12 +361,12 @@ class EventStream:
             original = {k: v for k, v in meta.items() if not k.startswith(b"dead.")}
             records.append(
                 DeadLetterRecord(
-                    dead_id=_text(dead_id),
-                    stream_id=_text(meta.get(DEAD_ID, b"")),
+                    dead_id=as_text(dead_id),
+                    stream_id=as_text(meta.get(DEAD_ID, b"")),
                     fields=original,
-                    error=_text(meta.get(DEAD_ERROR, b"")),
+                    error=as_text(meta.get(DEAD_ERROR, b"")),
                     deliveries=int(meta.get(DEAD_DELIVERIES, b"0")),
-                    consumer=_text(meta.get(DEAD_CONSUMER, b"")),
+                    consumer=as_text(meta.get(DEAD_CONSUMER, b"")),
                     dead_at_ms=int(meta.get(DEAD_AT, b"0")),
                 )
             )

@@ -21,10 +21,10 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting import repository
-from app.accounting.drain import CRASH_EXIT_CODE
 from app.accounting.models import ProcessedEvent
 from app.events import StreamId
 from app.keys import CONSUMER_GROUP, events_key
+from tests.crashing_worker import CRASH_EXIT_CODE
 from tests.services import RedisBackend
 
 REPO = Path(__file__).resolve().parents[2]
@@ -147,16 +147,19 @@ async def test_sigkill_many_times_loses_and_doubles_nothing(
         "BROKER_DRAIN_BLOCK_MS": "50",
         "PYTHONUNBUFFERED": "1",
     }
-    for name in ("BROKER_DRAIN_CRASH_AFTER_COMMITS", "BROKER_DRAIN_CONSUMER"):
-        env.pop(name, None)
+    env.pop("BROKER_DRAIN_CONSUMER", None)
 
     spawned: list[subprocess.Popen[bytes]] = []
 
-    def spawn(**extra: str) -> subprocess.Popen[bytes]:
+    def spawn(crash_after: int | None = None, **extra: str) -> subprocess.Popen[bytes]:
+        # `rollout-broker worker`, or the same exiting after `crash_after` commits
+        command = ["app.cli", "worker"]
+        if crash_after is not None:
+            command = ["tests.crashing_worker", str(crash_after)]
         # Logs go to a file: a pipe nobody reads could fill up and stall the worker.
         with (tmp_path / f"worker-{len(spawned)}.log").open("wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "app.cli", "worker"],  # `rollout-broker worker`
+                [sys.executable, "-m", *command],
                 cwd=REPO,
                 env={**env, "BROKER_DRAIN_BATCH_SIZE": str(rng.randint(3, 40)), **extra},
                 stdout=subprocess.DEVNULL,
@@ -173,10 +176,7 @@ async def test_sigkill_many_times_loses_and_doubles_nothing(
                 # Die right after a commit, before the XACK (with work to do, so it commits).
                 assert await produce_chunk(30) > 0, "workload too small for the kill rounds"
                 consumer = f"crashing-{round_no}"
-                proc = spawn(
-                    BROKER_DRAIN_CRASH_AFTER_COMMITS=str(rng.randint(1, 3)),
-                    BROKER_DRAIN_CONSUMER=consumer,
-                )
+                proc = spawn(crash_after=rng.randint(1, 3), BROKER_DRAIN_CONSUMER=consumer)
                 await asyncio.to_thread(proc.wait, 60)
                 assert proc.returncode == CRASH_EXIT_CODE, _log(tmp_path, proc, spawned)
                 # Its last batch is in Postgres and still pending in Redis.

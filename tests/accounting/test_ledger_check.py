@@ -18,7 +18,7 @@ from rollout_broker_client._wire import parse_accounting
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting import drain as drain_module
-from app.accounting import queries
+from app.accounting import ledger, queries
 from app.accounting.drain import DrainCounts
 from app.accounting.stream import EventStream, LiveSnapshot
 from app.events import EventError
@@ -191,7 +191,7 @@ async def test_the_live_counts_and_the_ledger_describe_one_moment(
     assert acc.pending_events == 0 and acc.live is not None
     assert (acc.buffered, acc.leased) == (acc.live.buffered, acc.live.leased) == (4, 2)
     async with sessionmaker() as session:
-        check = await queries.check_ledger(session, stream, RUN)
+        check = await ledger.check_ledger(session, stream, RUN)
     assert check.settled and not check.mismatch
 
 

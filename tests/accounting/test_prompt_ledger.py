@@ -19,9 +19,10 @@ from redis.asyncio import Redis
 from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.accounting import queries, repository
-from app.accounting.fold import MAX_PASSES, PassState, fold_events
+from app.accounting import listings, repository
+from app.accounting.fold import fold_events
 from app.accounting.models import PromptPass, RunTotals
+from app.accounting.passes import MAX_PASSES, PassState
 from app.accounting.stream import EventStream
 from app.db import create_engine, create_sessionmaker, upgrade_to_head
 from app.events import Event, decode_entry
@@ -379,7 +380,7 @@ async def test_prompt_ids_are_listed_in_bytewise_order_whatever_the_locale(
             listed: list[str] = []
             cursor = None
             while True:
-                page = await queries.list_prompts(
+                page = await listings.list_prompts(
                     s, EventStream(redis, prefix), "icu", state=None, limit=2, cursor=cursor
                 )
                 listed.extend(p.prompt_id for p in page.prompts)

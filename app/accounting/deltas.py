@@ -1,0 +1,214 @@
+"""What a fold of one run's events produces and the repository adds to the tables: counters per
+run, per rollout version and per trainer version, reasons, batch-ledger patches, the run's
+newest snapshot and the prompt passes' states (:class:`Fold`). Every delta is commutative
+(see app/accounting/fold.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from app.accounting.passes import PassState
+from app.events import StreamId
+
+__all__ = [
+    "BATCH_VALUE_FIELDS",
+    "MAX_COLUMNS",
+    "MIN_COLUMNS",
+    "BatchPatch",
+    "Fold",
+    "ReasonDelta",
+    "RunSnapshot",
+    "RunTotalsDelta",
+    "TotalsDelta",
+    "TrainingDelta",
+]
+
+
+@dataclass
+class TotalsDelta:
+    """Counters kept both per run and per (run, policy version of the rollouts)."""
+
+    rollouts_received: int = 0
+    groups_received: int = 0
+    tokens_generated: int = 0
+    rollouts_rejected: int = 0
+    rollouts_leased: int = 0
+    rollouts_acked: int = 0
+    rollouts_nacked: int = 0
+    rollouts_expired: int = 0
+    rollouts_retired: int = 0
+    tokens_consumed: int = 0
+    wasted_tokens: int = 0
+    lag_samples: int = 0
+    lag_sum: int = 0
+    lag_max: int | None = None
+    kl_tokens: int = 0
+    kl_sum: float = 0.0
+    kl_max: float | None = None
+
+
+@dataclass
+class RunTotalsDelta(TotalsDelta):
+    """Counters that only make sense per run (events carry no rollout version for them)."""
+
+    duplicates: int = 0
+    batches_leased: int = 0
+    batches_acked: int = 0
+    batches_nacked: int = 0
+    batches_expired: int = 0
+    ratio_tokens: int = 0
+    ratio_sum: float = 0.0
+    ratio_clipped: int = 0
+    events_applied: int = 0
+    first_event_ms: int | None = None
+    last_event_ms: int | None = None
+    prompts_registered: int = 0  # Σ passes of the registered prompts
+    trainer_wait_ms: int = 0
+    generator_wait_ms: int = 0
+
+
+@dataclass
+class TrainingDelta:
+    """What the acknowledged batches of one trainer version (the ``policy_version`` V of their
+    lease) add: batches, samples and tokens, and the exact KL and ratio sums of their acks."""
+
+    batches: int = 0
+    samples: int = 0
+    tokens: int = 0
+    kl_tokens: int = 0
+    kl_sum: float = 0.0
+    kl_max: float | None = None
+    ratio_tokens: int = 0
+    ratio_sum: float = 0.0
+    ratio_clipped: int = 0
+
+
+# Columns merged with GREATEST / LEAST instead of addition.
+MAX_COLUMNS = frozenset({"lag_max", "kl_max", "last_event_ms"})
+MIN_COLUMNS = frozenset({"first_event_ms"})
+
+
+@dataclass
+class ReasonDelta:
+    """Rejections or retirements of one reason and rollout version."""
+
+    rollouts: int = 0
+    tokens: int = 0
+    unused: int = 0
+    wasted_tokens: int = 0
+
+
+@dataclass
+class BatchPatch:
+    """What the events say about one batch; ``None`` = this batch's events did not say."""
+
+    first_event: StreamId
+    outcome: str = "leased"
+    trainer_id: str | None = None
+    policy_version: int | None = None
+    leased_at_ms: int | None = None
+    expires_at_ms: int | None = None
+    acked_at_ms: int | None = None
+    nacked_at_ms: int | None = None
+    expired_at_ms: int | None = None
+    size: int | None = None
+    tokens: int | None = None
+    lag_mean: float | None = None
+    lag_max: int | None = None
+    samples: int | None = None
+    kl_mean: float | None = None
+    kl_max: float | None = None
+    is_ratio_mean: float | None = None
+    clip_fraction: float | None = None
+    ess_fraction: float | None = None
+    step: int | None = None
+
+    def merge(self, other: BatchPatch) -> None:
+        """Fold a later event's patch into this one (terminal outcomes win over ``leased``)."""
+        self.first_event = min(self.first_event, other.first_event)
+        if other.outcome != "leased":
+            self.outcome = other.outcome
+        for name in BATCH_VALUE_FIELDS:
+            value = getattr(other, name)
+            if value is not None:
+                setattr(self, name, value)
+
+
+BATCH_VALUE_FIELDS = (
+    "trainer_id",
+    "policy_version",
+    "leased_at_ms",
+    "expires_at_ms",
+    "acked_at_ms",
+    "nacked_at_ms",
+    "expired_at_ms",
+    "size",
+    "tokens",
+    "lag_mean",
+    "lag_max",
+    "samples",
+    "kl_mean",
+    "kl_max",
+    "is_ratio_mean",
+    "clip_fraction",
+    "ess_fraction",
+    "step",
+)
+
+
+@dataclass
+class RunSnapshot:
+    """The run row after its newest ``run`` event in the batch."""
+
+    stream_id: StreamId
+    t_ms: int
+    change: str
+    config: dict[str, object]
+    policy_version: int
+    status: str
+    created_at_ms: int
+
+
+@dataclass
+class Fold:
+    """All deltas of one batch of one run's events."""
+
+    run: RunTotalsDelta = field(default_factory=RunTotalsDelta)
+    versions: dict[int, TotalsDelta] = field(default_factory=dict)
+    trainings: dict[int, TrainingDelta] = field(default_factory=dict)  # by the batches' V
+    reasons: dict[tuple[int, str, str], ReasonDelta] = field(default_factory=dict)
+    lags: dict[tuple[int, int], int] = field(default_factory=dict)
+    batches: dict[str, BatchPatch] = field(default_factory=dict)
+    snapshot: RunSnapshot | None = None
+    passes: dict[tuple[str, int], PassState] = field(default_factory=dict)  # (prompt_id, pass)
+
+    def version(self, policy_version: int) -> TotalsDelta:
+        delta = self.versions.get(policy_version)
+        if delta is None:
+            delta = self.versions[policy_version] = TotalsDelta()
+        return delta
+
+    def training(self, policy_version: int) -> TrainingDelta:
+        delta = self.trainings.get(policy_version)
+        if delta is None:
+            delta = self.trainings[policy_version] = TrainingDelta()
+        return delta
+
+    def reason(self, policy_version: int, kind: str, reason: str) -> ReasonDelta:
+        key = (policy_version, kind, reason)
+        delta = self.reasons.get(key)
+        if delta is None:
+            delta = self.reasons[key] = ReasonDelta()
+        return delta
+
+    def batch(self, patch: BatchPatch, batch_id: str) -> None:
+        known = self.batches.get(batch_id)
+        if known is None:
+            self.batches[batch_id] = patch
+        else:
+            known.merge(patch)
+
+    def prompt_pass(self, prompt_id: str, pass_: int, state: PassState) -> None:
+        key = (prompt_id, pass_)
+        known = self.passes.get(key)
+        self.passes[key] = state if known is None else known.merge(state)
