@@ -89,6 +89,12 @@ class Settings(BaseSettings):
         description="A long poll re-checks for work this often even without a pub/sub wake-up",
     )
     sweep_interval_s: float = Field(default=1.0, gt=0, le=60)
+    audit_interval_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=60,
+        description="Seconds between moves of the audit log's new entries into Postgres",
+    )
     retry_after_s: int = Field(default=1, ge=1, le=3600)
     worker_heartbeat_file: Path | None = Field(
         default=None,

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app import keys
-from app.access import audit
 from app.accounting.drain import DrainCounts, Drainer, DrainOptions
 
 __all__ = ["DrainContext", "drain_once", "run_drain"]
@@ -42,13 +40,6 @@ class DrainContext:
     @property
     def options(self) -> DrainOptions:
         return self.drainer.options
-
-    async def flush_audit(self) -> int:
-        """Move the audit log's entries from Redis into Postgres (app/access/audit.py)."""
-        stream = self.drainer.stream
-        return await audit.flush(
-            stream.redis, keys.audit_key(stream.prefix), self.drainer.sessionmaker
-        )
 
 
 async def drain_once(
@@ -86,7 +77,6 @@ async def run_drain(
         while not stop_event.is_set():
             try:
                 counts = await drain_once(ctx, block_ms=ctx.options.block_ms)
-                await ctx.flush_audit()
             except Exception:
                 # Everything read but not acknowledged stays pending and is re-delivered.
                 backoff = min(max(backoff * 2, 0.05), _MAX_BACKOFF_S)

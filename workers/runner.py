@@ -1,15 +1,18 @@
 """All background workers of one process, started and stopped together: the maintenance sweep
-(lease expiry, group timeouts, eager retirement) and, with a database, the accounting drain."""
+(lease expiry, group timeouts, eager retirement) and, with a database, the accounting drain and
+the audit loop."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 
+from app import keys
 from app.accounting.drain import DrainOptions
 from app.db import create_sessionmaker
 from app.settings import Settings
 from app.wiring import broker_for, database_engine, redis_client
+from workers.audit import run_audit
 from workers.drain import DrainContext, run_drain
 from workers.heartbeat import Heartbeat
 from workers.maintenance import run_maintenance
@@ -24,7 +27,8 @@ async def run_workers(settings: Settings, stop: asyncio.Event) -> None:
     drain_redis = redis_client(settings)
     engine = database_engine(settings)
     heartbeat = Heartbeat(
-        settings.worker_heartbeat_file, ["maintenance", "drain"] if engine else ["maintenance"]
+        settings.worker_heartbeat_file,
+        ["maintenance", "drain", "audit"] if engine else ["maintenance"],
     )
     loops = [
         run_maintenance(
@@ -35,14 +39,25 @@ async def run_workers(settings: Settings, stop: asyncio.Event) -> None:
         )
     ]
     if engine is not None:
+        sessionmaker = create_sessionmaker(engine)
         ctx = DrainContext.create(
             drain_redis,
-            create_sessionmaker(engine),
+            sessionmaker,
             settings.redis_prefix,
             DrainOptions.from_settings(settings),
             settings.drain_consumer,
         )
         loops.append(run_drain(ctx, stop, lambda: heartbeat.beat("drain")))
+        loops.append(
+            run_audit(
+                redis,
+                keys.audit_key(settings.redis_prefix),
+                sessionmaker,
+                settings.audit_interval_s,
+                stop,
+                lambda: heartbeat.beat("audit"),
+            )
+        )
     try:
         await asyncio.gather(*loops)
     finally:

@@ -26,7 +26,6 @@ from app.api import (
     read_model,
     render,
     request_body,
-    sessionmaker_of,
     settings_of,
 )
 from app.caller import check_run
@@ -114,12 +113,14 @@ async def get_audit(
     caller = caller_of(request)
     if run_id is not None:
         check_run(caller, run_id)
-    settings = settings_of(request)
-    await audit.flush(
-        request.app.state.redis, keys.audit_key(settings.redis_prefix), sessionmaker_of(request)
-    )
     rows, after = await audit.entries(
-        session, caller, run_id, limit, int(cursor) if cursor else None
+        session,
+        request.app.state.redis,
+        keys.audit_key(settings_of(request).redis_prefix),
+        caller,
+        run_id,
+        limit,
+        int(cursor) if cursor else None,
     )
     items = [
         AuditItem(

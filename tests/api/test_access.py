@@ -18,8 +18,11 @@ import httpx
 import pytest
 from fastapi.routing import iter_route_contexts
 from pydantic import SecretStr
+from sqlalchemy import func, select
 
+from app import keys
 from app.access import policy, tokens
+from app.access.models import AuditEntry
 from app.access.startup import AuthSetupError, resolve_auth
 from app.caller import run_matches
 from app.main import create_app
@@ -416,6 +419,38 @@ async def test_with_auth_off_a_foreign_web_page_cannot_change_anything(api):
         assert (
             await api.post("/v1/runs/laptop/policy", json={"version": 1}, headers=headers)
         ).status_code == 200
+
+
+async def test_reading_the_audit_log_writes_nothing(app_client, redis, prefix, sessionmaker):
+    """Entries not yet moved into Postgres are listed from the stream, where they stay."""
+    ops = bearer(await new_token(app_client, "alice", ["operate"]))
+    for run_id in ("w-1", "w-2", "w-3"):
+        resp = await app_client.post("/v1/runs", json={"run_id": run_id}, headers=ops)
+        assert resp.status_code == 201
+
+    async def stored() -> tuple[int, int]:
+        async with sessionmaker() as session:
+            rows = await session.scalar(select(func.count()).select_from(AuditEntry))
+        return int(await redis.xlen(keys.audit_key(prefix))), int(rows or 0)
+
+    before = await stored()
+    assert before == (3, 1)  # the run actions in the stream, the token action in Postgres
+    actions, cursor = [], None
+    while True:
+        query = "/v1/audit?limit=2" + (f"&cursor={cursor}" if cursor else "")
+        page = (await app_client.get(query, headers=ops)).json()
+        actions += [(e["action"], e["run_id"]) for e in page["entries"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert actions == [
+        ("run.create", "w-3"),
+        ("run.create", "w-2"),
+        ("run.create", "w-1"),
+        ("token.create", None),
+    ]
+    assert (await app_client.get("/v1/audit?run_id=w-2", headers=ops)).status_code == 200
+    assert await stored() == before
 
 
 async def test_with_auth_off_the_audit_log_names_the_caller_anonymous(api):
