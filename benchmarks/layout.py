@@ -9,8 +9,8 @@ The figure is the redis-server process's CPU time per lease + ack (``used_cpu_us
 work; the ways run interleaved, twice, and the best of each is kept. No HTTP and no API
 process: this isolates the part of a lease + ack that Redis does.
 
-- **raw**: the ceiling of benchmarks/run.py's read rows: ``LPOP <queue> N``, ``MGET`` of the
-  packed rollouts, ``RPUSH`` of the ids back.
+- **raw**: the ceiling of the benchmark's read rows (``Bench.raw_read``, benchmarks/harness.py):
+  ``LPOP <queue> N``, ``MGET`` of the packed rollouts, ``RPUSH`` of the ids back.
 - **broker**: this tree's own scripts through ``RedisStore``: the lease script, the ``MGET``
   of the packed rollouts, the ack script with an ``acked`` event payload of the service's
   shape (every rollout measured, KL far below ``kl_max``).

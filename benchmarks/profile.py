@@ -27,9 +27,9 @@ from pathlib import Path
 from app.broker import keys
 from app.broker.store import _load_scripts
 from benchmarks import load
+from benchmarks.harness import BIG, ROOT, Bench, Sizes, delete_keys
 from benchmarks.load import run_group
 from benchmarks.payloads import TOKENS
-from benchmarks.run import BIG, ROOT, Bench, Sizes, delete_keys
 from benchmarks.servers import proc_cpu_s, redis_server, uvicorn_server
 
 

@@ -1,0 +1,97 @@
+"""``--only bodies``: one maximal JSON body, and what it does to every other request and to the
+server's memory.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+from benchmarks import load
+from benchmarks.harness import BIG, Bench, Row
+from benchmarks.load import percentile, run_group
+from benchmarks.payloads import big_json_body
+from benchmarks.servers import peak_rss_bytes, reset_peak_rss, rss_bytes
+
+
+def body_rows(b: Bench) -> list[Row]:
+    """A maximal JSON ingest (262,144-token rollouts up to 64 MiB) with /healthz probed beside
+    it, against the same probe on the idle server: how long one big body holds up every other
+    request, and the server's peak memory for it."""
+    s = b.sizes
+    assert b.broker.pid is not None
+    size = len(big_json_body(s.big_rollouts))
+    mb = size / 1e6
+    b.say("big body: /healthz on the idle server")
+    idle = run_group(
+        load.healthz_poll,
+        [dict(address=b.broker.address, duration=s.healthz_s, max_ops=BIG)],
+        timeout=s.healthz_s + 60,
+    ).latencies
+    b.say(f"big body: one {mb:.0f} MB JSON ingest with /healthz probed beside it")
+    run = b.new_run("big-body")
+    done = mp.get_context("fork").Event()  # run_group forks
+    path = f"/v1/runs/{run}/rollouts"
+    before = rss_bytes(b.broker.pid)
+    reset_peak_rss(b.broker.pid)
+    sides = [
+        dict(role="ingest", path=path, rollouts=s.big_rollouts, done=done),
+        dict(role="poll", duration=600.0, max_ops=BIG, until=done),
+    ]
+    g = run_group(
+        load.big_body_load,
+        [{**side, "address": b.broker.address} for side in sides],
+        timeout=660,
+    )
+    peak = peak_rss_bytes(b.broker.pid) - before
+    b.drop_run(run)
+    ingest = next(r for r in g.results if r.rollouts)
+    busy = next(r for r in g.results if not r.rollouts).lat
+    idle50 = percentile(idle, 50) * 1e3
+    what = f"{s.big_rollouts} × 262,144-token rollouts, {mb:.0f} MB of JSON"
+
+    def vs_idle(v: float) -> str:
+        return f"{v / idle50:,.1f}× the idle p50"
+
+    rows = [
+        Row(
+            "bodies.healthz.idle.p50",
+            "Big bodies",
+            "/healthz p50, idle server",
+            idle50,
+            "ms",
+            note=f"{len(idle)} probes, back to back",
+        )
+    ]
+    for key, q in (("p50", 50.0), ("max", 100.0)):
+        v = percentile(busy, q) * 1e3
+        rows.append(
+            Row(
+                f"bodies.healthz.ingest.{key}",
+                "Big bodies",
+                f"/healthz {key} during one ingest of {what}",
+                v,
+                "ms",
+                note=f"{vs_idle(v)}; {len(busy)} probes while the ingest was under way",
+            )
+        )
+    t = ingest.lat[0] * 1e3
+    rows.append(
+        Row(
+            "bodies.ingest",
+            "Big bodies",
+            f"the ingest of {what}, sent to answered",
+            t,
+            "ms",
+            note=f"{mb / (t / 1e3):,.0f} MB/s",
+        )
+    )
+    peak_row = Row(
+        "bodies.peak_rss",
+        "Big bodies",
+        "server's peak resident memory Δ for that ingest",
+        peak,
+        "bytes",
+        note=f"{peak / size:.2f}× the body (VmHWM over VmRSS before)",
+    )
+    peak_row.target("≤4× body", peak / size, 4.0, at_most=True)
+    return [*rows, peak_row]
