@@ -14,7 +14,7 @@ from typing import Any
 import redis
 
 from app.broker import keys
-from benchmarks import load
+from benchmarks import load, load_prompts
 from benchmarks.load import Group, Http, expect, percentile, run_group
 from benchmarks.payloads import TOKENS, rollout_id
 from benchmarks.servers import PG_URL, RedisTarget, Server
@@ -355,7 +355,7 @@ class Bench:
         if n % per_req:
             raise ValueError(f"{n} prompts do not split into requests of {per_req}")
         return run_group(
-            load.http_register,
+            load_prompts.http_register,
             [
                 dict(
                     address=self.broker.address,
@@ -372,7 +372,7 @@ class Bench:
 
     def work_return(self, run_id: str, size: int, duration: float) -> Group:
         return run_group(
-            load.http_work_return,
+            load_prompts.http_work_return,
             [
                 dict(
                     address=self.broker.address,
@@ -387,7 +387,7 @@ class Bench:
 
     def raw_work(self, size: int, duration: float) -> Group:
         return run_group(
-            load.redis_work_return,
+            load_prompts.redis_work_return,
             [
                 dict(
                     url=self.redis.url,

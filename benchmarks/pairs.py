@@ -7,18 +7,93 @@ from __future__ import annotations
 import contextlib
 import statistics
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import load
 from benchmarks.harness import Bench, Row, Sizes
-from benchmarks.load import run_group
+from benchmarks.load import Http, Result, ingest_poster, lease_acker, run_group
 from benchmarks.payloads import TOKENS
 from benchmarks.servers import Server, postgres_database, proc_cpu_s, uvicorn_server
 
 PAIR_SIDES = ("off", "on")
+
+
+Cycle = tuple[tuple[int, float], tuple[int, float]]  # (rollouts, seconds) of side A, of side B
+
+
+@dataclass
+class Alternated(Result):
+    """One client's alternation between two servers: ``sides`` holds each one's totals, with
+    ``t0`` 0 and ``t1`` the time spent in its own blocks; ``cycles`` each whole A B B A cycle
+    in which neither side ran out."""
+
+    sides: list[Result] = field(default_factory=list)
+    cycles: list[Cycle] = field(default_factory=list)
+
+
+ABBA = (0, 1, 1, 0)  # one cycle of blocks: a drift that is linear over a cycle weighs alike
+
+
+def http_alternate(
+    *,
+    kind: str,
+    sides: list[dict[str, Any]],
+    block_ops: int,
+    duration: float,
+    warmup: int,
+    barrier: Any,
+) -> Alternated:
+    """One client process driving two servers in turn, ``block_ops`` operations at a time in
+    the order A B B A, in whole cycles, until ``duration`` has passed or both have nothing left
+    (``kind`` lease_ack: a lease answered 204). ``kind`` ingest posts rollouts, each side with
+    the ``ingest_poster`` arguments of its dict; lease_ack leases and acks, with
+    ``lease_acker``'s. Both sides run at the same moments, so that a change of the machine's
+    speed, which on a shared VM is larger than the gap to be measured, falls on both."""
+    if kind not in ("ingest", "lease_ack"):
+        raise ValueError(f"no alternating load {kind!r}")
+    clients: list[tuple[Http, Callable[[], int | None]]] = [
+        ingest_poster(**spec) if kind == "ingest" else lease_acker(**spec) for spec in sides
+    ]
+    if len(clients) != 2:
+        raise ValueError("the alternation is between two servers")
+    for _, step in clients:
+        for _ in range(warmup):
+            step()
+    res = Alternated(sides=[Result(), Result()])
+    done = [False, False]
+    barrier.wait()
+    res.t0 = time.perf_counter()
+    deadline = res.t0 + duration
+    while not all(done) and time.perf_counter() < deadline:
+        moved, spent = [0, 0], [0.0, 0.0]
+        for i in ABBA:
+            if done[i]:
+                continue
+            step, side = clients[i][1], res.sides[i]
+            t = time.perf_counter()
+            for _ in range(block_ops):
+                got = step()
+                if got is None:
+                    side.empty += 1
+                    done[i] = True
+                    break
+                side.ops += 1
+                moved[i] += got
+            spent[i] += time.perf_counter() - t
+        for i, side in enumerate(res.sides):
+            side.rollouts += moved[i]
+            side.t1 += spent[i]
+        if not any(done):
+            res.cycles.append(((moved[0], spent[0]), (moved[1], spent[1])))
+    res.t1 = time.perf_counter()
+    for conn, _ in clients:
+        conn.close()
+    res.ops = sum(s.ops for s in res.sides)
+    res.rollouts = sum(s.rollouts for s in res.sides)
+    return res
 
 
 @dataclass(frozen=True)
@@ -62,7 +137,7 @@ def broker_pair(b: Bench, db_url: str, toggle: Toggle) -> Iterator[dict[str, Ser
 class PairCase:
     key: str  # the row ids' middle
     what: str  # the measure's text
-    kind: str  # the load.http_alternate kind
+    kind: str  # the http_alternate kind
     spec: dict[str, Any]  # its per-side arguments, but for address, token, path / run_id
     per_op: int  # rollouts per operation
     op: str  # what one operation is, for the notes
@@ -179,7 +254,7 @@ def pair_round(
     duration = 2 * s.auth_s if case.kind == "ingest" else 600.0  # lease + ack: until empty
     cpu0 = [proc_cpu_s(server.pid) for _, server, _ in sides]
     g = run_group(
-        load.http_alternate,
+        http_alternate,
         [
             dict(
                 kind=case.kind,
@@ -192,7 +267,7 @@ def pair_round(
         timeout=duration + 300,
     )
     res = g.results[0]
-    assert isinstance(res, load.Alternated)
+    assert isinstance(res, Alternated)
     for i, ((side, server, _), c0, one) in enumerate(zip(sides, cpu0, res.sides, strict=True)):
         acc = got[side]
         acc.cpu_s += proc_cpu_s(server.pid) - c0

@@ -5,12 +5,62 @@ server's memory.
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
+from typing import Any
 
-from benchmarks import load
 from benchmarks.harness import BIG, Bench, Row
-from benchmarks.load import percentile, run_group
-from benchmarks.payloads import big_json_body
+from benchmarks.load import Address, Http, Result, expect, percentile, run_group
+from benchmarks.payloads import CONTENT_TYPE, big_json_body
 from benchmarks.servers import peak_rss_bytes, reset_peak_rss, rss_bytes
+
+
+def healthz_poll(
+    *, address: Address, duration: float, max_ops: int, until: Any = None, barrier: Any
+) -> Result:
+    """A liveness probe: ``GET /healthz`` back to back on one connection, each one timed, until
+    ``duration`` or ``max_ops``, or until the event ``until`` is set (after one probe at least)."""
+    http = Http(address)
+    expect(*http.call("GET", "/healthz")[:2], 200)
+    res = Result()
+    barrier.wait()
+    res.t0 = time.perf_counter()
+    deadline = res.t0 + duration
+    while res.ops < max_ops and time.perf_counter() < deadline:
+        t = time.perf_counter()
+        status, data, _ = http.call("GET", "/healthz")
+        res.lat.append(time.perf_counter() - t)
+        expect(status, data, 200)
+        res.ops += 1
+        if until is not None and until.is_set():
+            break
+    res.t1 = time.perf_counter()
+    http.close()
+    return res
+
+
+def big_ingest(*, address: Address, path: str, rollouts: int, done: Any, barrier: Any) -> Result:
+    """One JSON ingest of ``rollouts`` 262,144-token rollouts (up to 64 MiB), timed; sets
+    ``done`` when it is answered."""
+    body = big_json_body(rollouts)
+    http = Http(address)
+    res = Result()
+    barrier.wait()
+    try:
+        res.t0 = time.perf_counter()
+        status, data, _ = http.call("POST", path, body, CONTENT_TYPE["json"])
+        res.t1 = time.perf_counter()
+    finally:
+        done.set()
+    expect(status, data, 202)
+    res.lat.append(res.t1 - res.t0)
+    res.ops, res.rollouts = 1, rollouts
+    http.close()
+    return res
+
+
+def big_body_load(*, role: str, **kwargs: Any) -> Result:
+    """The two sides of the big-body rows, in one group: the ingest and the probe beside it."""
+    return big_ingest(**kwargs) if role == "ingest" else healthz_poll(**kwargs)
 
 
 def body_rows(b: Bench) -> list[Row]:
@@ -23,7 +73,7 @@ def body_rows(b: Bench) -> list[Row]:
     mb = size / 1e6
     b.say("big body: /healthz on the idle server")
     idle = run_group(
-        load.healthz_poll,
+        healthz_poll,
         [dict(address=b.broker.address, duration=s.healthz_s, max_ops=BIG)],
         timeout=s.healthz_s + 60,
     ).latencies
@@ -38,7 +88,7 @@ def body_rows(b: Bench) -> list[Row]:
         dict(role="poll", duration=600.0, max_ops=BIG, until=done),
     ]
     g = run_group(
-        load.big_body_load,
+        big_body_load,
         [{**side, "address": b.broker.address} for side in sides],
         timeout=660,
     )

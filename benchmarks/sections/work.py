@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks import load
+from benchmarks import load_prompts
 from benchmarks.harness import Bench, Row, best_latency, best_rate
 from benchmarks.load import Group, percentile
 
@@ -20,7 +20,7 @@ def work_rows(b: Bench) -> list[Row]:
     for level in s.work_levels:
         b.say(f"work: registering prompts up to {level:,} queued")
         reg = b.register_prompts(run, level - have, f"p{level}")
-        load.redis_fill_prompts(b.redis.url, b.raw_prefix, have, level - have)
+        load_prompts.redis_fill_prompts(b.redis.url, b.raw_prefix, have, level - have)
         have = level
         got: dict[str, list[Group]] = {}
         for rep in range(s.repeats):
