@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from app.broker import keys
+from app import keys
 from benchmarks import load, load_prompts
 from benchmarks.load import Group, Http, expect, percentile, run_group
 from benchmarks.payloads import TOKENS, rollout_id

@@ -46,10 +46,10 @@ import msgpack
 import redis
 import redis.asyncio as aioredis
 
-from app.accounting.events import Acked, AckedItem, AckStats, AckSums, pack_payload
 from app.broker.config import RunConfig
 from app.broker.packing import pack_rollout
 from app.broker.store import RedisStore
+from app.events import Acked, AckedItem, AckStats, AckSums, pack_payload
 from benchmarks.payloads import TOKENS, make_payload
 from benchmarks.servers import redis_server
 

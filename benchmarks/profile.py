@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from app.broker import keys
+from app import keys
 from app.broker.store import _load_scripts
 from benchmarks import load, load_prompts
 from benchmarks.harness import BIG, ROOT, Bench, Sizes, delete_keys

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from app.broker import keys
+from app import keys
 from benchmarks.harness import FULL, QUICK, ROOT, Bench, Row, Sizes, delete_keys
 from benchmarks.payloads import ID_LEN, RAW_BYTES, TOKENS
 from benchmarks.report import machine, summary, table

@@ -34,7 +34,7 @@ from typing import Any
 import msgpack
 from redis.crc import key_slot
 
-from app.broker import keys
+from app import keys
 from benchmarks.harness import Bench, Row
 from benchmarks.load import Http, Result, expect, run_group
 from benchmarks.payloads import CONTENT_TYPE, TOKENS, ack_body, ingest_body, make_payload

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.accounting.stream import CONSUMER_GROUP
-from app.broker import keys
+from app import keys
+from app.keys import CONSUMER_GROUP
 from benchmarks import load
 from benchmarks.harness import Bench, Row, Sizes, delete_keys
 from benchmarks.load import Http, expect

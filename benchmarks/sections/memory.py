@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from app.broker import keys
+from app import keys
 from benchmarks import load
 from benchmarks.harness import Bench, Row
 from benchmarks.load import run_group

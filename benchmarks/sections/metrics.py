@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from app.broker import keys
+from app import keys
 from benchmarks.harness import Bench, Row, delete_keys
 from benchmarks.load import Http, expect
 from benchmarks.pairs import Toggle, paired_rows

@@ -6,7 +6,7 @@ import contextlib
 import tempfile
 from pathlib import Path
 
-from app.broker import keys
+from app import keys
 from benchmarks import load
 from benchmarks.harness import BIG, Bench, Row, best_rate, delete_keys
 from benchmarks.load import Group, run_group
