@@ -1,1 +1,1 @@
-"""Background workers: thin loops that call into the broker and the accounting."""
+"""Background workers: thin loops that call into the broker, the accounting and access."""
