@@ -25,14 +25,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import compile_path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app import __version__, allocator
+from app import __version__, allocator, keys
 from app.access.guard import guard
 from app.access.tokens import TokenCache
-from app.accounting.db import create_sessionmaker, schema_at_head
 from app.api import accounting, batches, health, metrics, prompts, rollouts, runs, tokens, ui
 from app.api.codec import describe_errors, render
 from app.api.openapi import PathMethods, install_openapi
-from app.broker import keys
+from app.db import create_sessionmaker, schema_at_head
 from app.errors import OUTAGE_CANDIDATES, BrokerError, Unavailable, outage_of
 from app.metrics import ProcessMetrics, RequestMetrics
 from app.settings import Settings

@@ -8,9 +8,9 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from app import keys
 from app.access import audit
 from app.access.guard import caller_of
-from app.broker import keys
 from app.broker.service import Broker
 from app.errors import Unavailable
 from app.settings import Settings

@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
+from app import keys
 from app.access import audit
 from app.access.guard import caller_of, check_run
 from app.access.models import ApiToken
@@ -23,7 +24,6 @@ from app.access.tokens import TokenCache, insert_token, list_tokens, revoke_toke
 from app.api.codec import parse_body, read_body, render
 from app.api.deps import Session, sessionmaker_of, settings_of
 from app.api.openapi import request_body
-from app.broker import keys
 from app.broker.config import RUN_ID_PATTERN
 from app.errors import TokenNotFound
 

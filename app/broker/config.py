@@ -8,7 +8,7 @@ import orjson
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 from rollout_broker_client.protocol import RUN_ID_PATTERN as RUN_ID_PATTERN  # re-exported
 
-from app.accounting.events import text_fault
+from app.events import text_fault
 
 # Versions and lags are exact doubles inside Redis's Lua: stay within 2**53.
 MAX_VERSION = 2**53 - 1
@@ -16,7 +16,7 @@ MAX_VERSION = 2**53 - 1
 
 def _ledger_text(value: str) -> str:
     """An id the scripts record must be one the accounting drain can apply: the ledger's own
-    text rule (app/accounting/events.py), checked here on top of each id's pattern, so a
+    text rule (app/events/), checked here on top of each id's pattern, so a
     pattern widened later cannot let through an id that would be dead-lettered."""
     fault = text_fault(value)
     if fault is not None:

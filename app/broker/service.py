@@ -21,8 +21,7 @@ import numpy.typing as npt
 import orjson
 from rollout_broker_client.protocol import new_run_id
 
-from app.accounting.events import Acked, AckedItem, AckStats, AckSums, pack_payload
-from app.broker import keys
+from app import keys
 from app.broker.behaviour import BatchRow, BehaviourCache
 from app.broker.config import RunConfig, RunConfigPatch
 from app.broker.notify import Waker
@@ -66,6 +65,7 @@ from app.broker.store import (
     WorkLease,
 )
 from app.errors import BrokerError, ValidationFailed
+from app.events import Acked, AckedItem, AckStats, AckSums, pack_payload
 
 
 def iso_ms(ms: int) -> str:

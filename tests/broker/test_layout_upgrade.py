@@ -8,7 +8,7 @@ import json
 
 import msgpack
 
-from app.broker import keys
+from app import keys
 from app.broker.config import RunConfig
 from app.broker.store import RedisStore
 from tests.broker.test_store import ack, events, ids, lease, packed

@@ -11,7 +11,7 @@ import msgpack
 import pytest
 from redis.asyncio import Redis
 
-from app.broker import keys
+from app import keys
 from app.broker.replies import (
     REFUSALS,
     AckAnswer,
