@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
+    from rich.table import Table
 
     from rollout_broker_client import (
         AccessToken,
@@ -131,6 +132,28 @@ def ledger_check(acc: Accounting) -> tuple[bool, str]:
     return not why, "; ".join(why)
 
 
+def _section(table: Table, title: str) -> None:
+    table.add_row(f"[cyan]{title}[/]", "", "", end_section=False)
+
+
+def _prompt_rows(table: Table, p: PromptCounts) -> None:
+    """The accounting's prompt passes, and their check."""
+    _section(table, "prompts (passes)")
+    table.add_row("registered", fmt(p.registered), "")
+    table.add_row("queued", fmt(p.queued), "waiting for a generator")
+    table.add_row("in flight", fmt(p.in_flight), "in work leases, or groups not yet used")
+    table.add_row("done", fmt(p.done), "reached a gradient (or retired zero_variance)")
+    table.add_row("failed", fmt(p.failed), "ran out of attempts")
+    table.add_row("retried", fmt(p.retried), "attempts after the first")
+    check = "✓" if p.unaccounted == 0 else f"✗ off by {p.unaccounted:,}"
+    table.add_row(
+        "queued + in flight + done + failed",
+        check,
+        f"{p.queued:,} + {p.in_flight:,} + {p.done:,} + {p.failed:,} = {p.registered:,} registered",
+        end_section=True,
+    )
+
+
 def accounting_table(acc: Accounting, run: Run | None = None) -> RenderableType:
     """The accounting as a readable table: prompts handed out (for runs that use work leases),
     where rollouts went and what became samples."""
@@ -142,27 +165,9 @@ def accounting_table(acc: Accounting, run: Run | None = None) -> RenderableType:
     table.add_column("count", justify="right")
     table.add_column("notes")
 
-    def section(title: str) -> None:
-        table.add_row(f"[cyan]{title}[/]", "", "", end_section=False)
-
-    p = acc.prompts
-    if p.registered:  # a run whose generators take their work from the broker
-        section("prompts (passes)")
-        table.add_row("registered", fmt(p.registered), "")
-        table.add_row("queued", fmt(p.queued), "waiting for a generator")
-        table.add_row("in flight", fmt(p.in_flight), "in work leases, or groups not yet used")
-        table.add_row("done", fmt(p.done), "reached a gradient (or retired zero_variance)")
-        table.add_row("failed", fmt(p.failed), "ran out of attempts")
-        table.add_row("retried", fmt(p.retried), "attempts after the first")
-        check = "✓" if p.unaccounted == 0 else f"✗ off by {p.unaccounted:,}"
-        table.add_row(
-            "queued + in flight + done + failed",
-            check,
-            f"{p.queued:,} + {p.in_flight:,} + {p.done:,} + {p.failed:,} = {p.registered:,}"
-            " registered",
-            end_section=True,
-        )
-    section("rollouts in")
+    if acc.prompts.registered:  # a run whose generators take their work from the broker
+        _prompt_rows(table, acc.prompts)
+    _section(table, "rollouts in")
     table.add_row("rollouts received", fmt(acc.rollouts_received), "accepted into the buffer")
     gs = run.config.get("group_size") if run is not None else None
     table.add_row(
@@ -173,7 +178,7 @@ def accounting_table(acc: Accounting, run: Run | None = None) -> RenderableType:
     table.add_row("duplicates", fmt(acc.duplicates), "repeated rollout_ids, not counted")
     table.add_row("rejected", fmt(sum(acc.rejected.values())), reasons(acc.rejected))
     table.add_row("tokens generated", fmt(acc.tokens_generated), "")
-    section("where they are")
+    _section(table, "where they are")
     table.add_row("buffered", fmt(acc.buffered), "")
     table.add_row("leased", fmt(acc.leased), "in live leases")
     table.add_row("retired", fmt(acc.retired_total), reasons(acc.retired))
@@ -193,10 +198,10 @@ def accounting_table(acc: Accounting, run: Run | None = None) -> RenderableType:
         else f"✗ {why}",
         end_section=True,
     )
-    section("waits")
+    _section(table, "waits")
     table.add_row("generators waited", seconds(acc.wait.generator_s), "for prompts or budget")
     table.add_row("trainers waited", seconds(acc.wait.trainer_s), "for rollouts", end_section=True)
-    section("samples out")
+    _section(table, "samples out")
     max_reuse = run.config.get("max_reuse") if run is not None else None
     table.add_row("samples consumed", fmt(acc.samples_consumed), "Σ uses = Σ acked batch sizes")
     table.add_row("tokens consumed", fmt(acc.tokens_consumed), "")
@@ -212,7 +217,7 @@ def accounting_table(acc: Accounting, run: Run | None = None) -> RenderableType:
         f"acked {b.acked:,}, nacked {b.nacked:,}, expired {b.expired:,}",
         end_section=True,
     )
-    section("off-policy")
+    _section(table, "off-policy")
     table.add_row("lag", f"mean {fmt(acc.lag.mean, 3)}", f"max {fmt(acc.lag.max)}")
     table.add_row("lag histogram", "", histogram(acc.lag.histogram))
     table.add_row("KL", f"mean {fmt(acc.kl.mean, 3)}", f"max {fmt(acc.kl.max, 3)}")
