@@ -20,7 +20,8 @@ from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app import keys
-from app.api.accounting import router
+from app.accounting.endpoints import router
+from app.api import install_error_handlers
 from app.events import (
     Accepted,
     AcceptedItem,
@@ -50,7 +51,6 @@ from app.events import (
     lag_of,
 )
 from app.keys import events_key, run_key, runs_key
-from app.main import install_error_handlers
 from app.settings import Settings
 from workers.drain import DrainContext, drain_once
 

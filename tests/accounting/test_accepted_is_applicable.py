@@ -16,7 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.asyncio import Redis
 
-from app.broker.config import (
+from app.broker.stats import FIGURE_CAP, LOG_FIGURE_CAP
+from app.broker.store import RedisStore
+from app.events import MAX_TEXT, text_fault
+from app.ids import (
     ITEM_ID_PATTERN,
     LEASE_ID_PATTERN,
     MAX_VERSION,
@@ -28,9 +31,6 @@ from app.broker.config import (
     PromptId,
     RunId,
 )
-from app.broker.stats import FIGURE_CAP, LOG_FIGURE_CAP
-from app.broker.store import RedisStore
-from app.events import MAX_TEXT, text_fault
 from app.keys import dead_key
 from tests.helpers import ack, lease, make_run, post, rollout
 
