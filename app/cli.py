@@ -108,7 +108,7 @@ def _run_id(value: str | None) -> str | None:
         return value
     from pydantic import TypeAdapter, ValidationError
 
-    from app.broker.config import RunId
+    from app.ids import RunId
 
     try:
         TypeAdapter(RunId).validate_python(value)
@@ -208,7 +208,7 @@ def _upgrade(database_url: str) -> None:
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import SQLAlchemyError
 
-    from app.accounting.db import upgrade_to_head_sync
+    from app.db import upgrade_to_head_sync
 
     try:
         upgrade_to_head_sync(database_url)
@@ -400,7 +400,7 @@ async def _schema_missing(database_url: str) -> bool:
     drain's to wait out, as it waits out any outage."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from app.accounting.db import create_engine, schema_at_head
+    from app.db import create_engine, schema_at_head
 
     engine = create_engine(database_url)
     try:

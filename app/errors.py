@@ -5,10 +5,17 @@
     ├── InternalError (500)        a broker bug, e.g. a store error code with no entry in
     │                              app/broker/replies.py's table (logged where it is raised)
     ├── BadRequest (400)
+    ├── Unauthorized (401)
+    ├── Forbidden (403)
     ├── NotFound (404)
     │   ├── RunNotFound
-    │   └── BatchNotFound
+    │   ├── TokenNotFound
+    │   ├── BatchNotFound
+    │   └── WorkLeaseNotFound
+    ├── MethodNotAllowed (405)
     ├── Conflict (409)
+    │   ├── RunClosed
+    │   ├── WorkLeaseOver
     │   ├── RunConflict            same run_id, different config (or a deleted run's id)
     │   ├── RunOpen                deleting a run that is not closed
     │   ├── RunBusy                deleting a closed run not yet settled; carries Retry-After
@@ -84,6 +91,12 @@ class BatchNotFound(NotFound):
     pass
 
 
+class MethodNotAllowed(BrokerError):
+    """The path exists, not with this method (the router's own 405)."""
+
+    status = 405
+
+
 class Conflict(BrokerError):
     status = 409
 
@@ -153,6 +166,15 @@ class Unavailable(BrokerError):
         headers = None if retry_after_s is None else {"Retry-After": str(retry_after_s)}
         super().__init__(detail, headers=headers)
         self.retry_after_s = retry_after_s
+
+
+def status_name(status: int) -> str:
+    """The ``error`` of an answer with ``status`` that no broker error raised (the router's
+    404 and 405, Starlette's 400): the name of the broker's error class of that status."""
+    for cls in BrokerError.__subclasses__():
+        if cls.status == status:
+            return cls.__name__
+    return "HTTPError"
 
 
 # -- outages: which exceptions mean that Redis or Postgres cannot be reached ---------------------

@@ -11,10 +11,10 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.accounting.db import create_engine
 from app.broker.notify import Waker
 from app.broker.service import Broker, PromptLimits
 from app.broker.store import RedisStore
+from app.db import create_engine
 from app.settings import Settings
 
 __all__ = ["broker_for", "cluster_client", "database_engine", "redis_client"]

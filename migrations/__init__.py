@@ -1,1 +1,2 @@
-"""Alembic migrations of the accounting database (see ``app.accounting.db.upgrade_to_head``)."""
+"""Alembic migrations of the broker database, its accounting and access tables (see
+``app.db.upgrade_to_head``)."""

@@ -1,4 +1,5 @@
-"""Alembic environment: the accounting metadata, and the URL from the caller or ``Settings``."""
+"""Alembic environment: the metadata of every domain's tables, and the URL from the caller or
+``Settings``."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
-import app.access.models  # noqa: F401  (registers the access tables on Base.metadata)
-from app.accounting.models import Base
+import app.access.models
+import app.accounting.models  # noqa: F401  (registers the accounting tables)
+from app.db import Base
 from app.settings import Settings
 
 config = context.config
@@ -21,7 +23,7 @@ target_metadata = Base.metadata
 # Any 64-bit constant: serialises concurrent `migrate` runs of several processes.
 _MIGRATION_LOCK = 0x72625F6D69677261
 
-# A caller that passes its own connection (app.accounting.db) keeps its own logging.
+# A caller that passes its own connection (app.db) keeps its own logging.
 if config.config_file_name is not None and "connection" not in config.attributes:
     fileConfig(config.config_file_name, disable_existing_loggers=False)
 

@@ -16,8 +16,8 @@ import pytest_asyncio
 from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from app.accounting.db import create_engine, create_sessionmaker, upgrade_to_head
 from app.broker.store import RedisStore
+from app.db import create_engine, create_sessionmaker, upgrade_to_head
 from app.main import create_app
 from app.settings import Settings
 from tests.helpers import SecretWatch

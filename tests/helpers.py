@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 from redis.asyncio import Redis
 
-from app.broker.keys import WAITING, run_key
+from app.keys import WAITING, run_key
 
 
 def rollout(

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from rollout_broker_client import AsyncBrokerClient
 
-from app.accounting.events import decode_entry
-from app.broker import keys
+from app import keys
+from app.events import decode_entry
 from tests.processes import KillableRedis
 from tests.traffic import GROUP, Replay, Traffic, brokers
 

@@ -50,12 +50,12 @@ from redis.asyncio import Redis
 from redis.crc import key_slot
 from rollout_broker_client import AsyncBrokerClient, BatchSettled, BrokerError, InternalError, Retry
 
-from app.accounting.events import (
+from app import keys
+from app.events import (
     Event,
     StreamId,
     decode_entry,
 )
-from app.broker import keys
 from app.wiring import cluster_client
 from tests.processes import ApiProcess, RedisClusterServers
 from tests.traffic import GROUP, Replay, brokers, group_of

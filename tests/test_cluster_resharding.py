@@ -10,7 +10,7 @@ Two ways of moving a slot, each twice in a run:
 - ``key_by_key``: as ``redis-cli --cluster reshard`` does it: the slot is marked importing and
   migrating, then its keys are MIGRATEd 10 at a time while traffic goes on, then the slot is
   given to the target. Every broker script declares the run's never-written guard key beside
-  the run hash (app/broker/keys.py, GUARD), so while the run is partly on each node the nodes
+  the run hash (app/keys.py, GUARD), so while the run is partly on each node the nodes
   refuse its scripts before they run (TRYAGAIN, or ASK then TRYAGAIN), and the clients are
   answered 503 and retry.
  Between the script and the target taking the slot (a few
@@ -41,8 +41,8 @@ from redis.asyncio import Redis
 from redis.crc import key_slot
 from rollout_broker_client import AsyncBrokerClient
 
-from app.accounting.events import decode_entry
-from app.broker import keys
+from app import keys
+from app.events import decode_entry
 from app.wiring import cluster_client
 from tests.processes import ApiProcess, RedisClusterServers
 from tests.traffic import GROUP, Replay, Traffic, brokers

@@ -20,7 +20,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.broker import keys
+from app import keys
 from app.metrics import SPECS
 from tests.cli_process import LISTENING, Command, broker_env, readyz, rollout_broker
 from tests.helpers import rollout

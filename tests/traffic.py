@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from rollout_broker_client import Accounting, AsyncBrokerClient, Rollout
 
-from app.accounting.events import Accepted, Acked, Event, Leased, Retired, Returned
+from app.events import Accepted, Acked, Event, Leased, Retired, Returned
 from tests.processes import ApiProcess, Process, broker_env, worker_process
 
 GROUP = 2  # rollouts per group

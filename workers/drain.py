@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from app import keys
 from app.access import audit
 from app.accounting.drain import DrainCounts, Drainer, DrainOptions
-from app.broker import keys
 
 __all__ = ["DrainContext", "drain_once", "run_drain"]
 

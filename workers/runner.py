@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from app.accounting.db import create_sessionmaker
 from app.accounting.drain import DrainOptions
+from app.db import create_sessionmaker
 from app.settings import Settings
 from app.wiring import broker_for, database_engine, redis_client
 from workers.drain import DrainContext, run_drain

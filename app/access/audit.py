@@ -21,7 +21,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.access.models import AuditEntry
-from app.access.policy import Caller
+from app.caller import Caller
 
 FLUSH_BATCH: Final = 500
 
@@ -60,6 +60,20 @@ async def record(
     entry = _fields(caller, action, run_id, detail)
     entry["at_ms"] = int(time.time() * 1000)
     await redis.xadd(stream, {"e": orjson.dumps(entry)})
+
+
+class StreamActionLog:
+    """The :class:`app.caller.ActionLog` of the API processes: run actions go to the audit stream
+    (:func:`record`)."""
+
+    def __init__(self, redis: Redis, stream: str) -> None:
+        self.redis = redis
+        self.stream = stream
+
+    async def record(
+        self, caller: Caller, action: str, run_id: str | None, detail: Mapping[str, Any]
+    ) -> None:
+        await record(self.redis, self.stream, caller, action, run_id, detail)
 
 
 def add(

@@ -9,8 +9,9 @@ from urllib.parse import SplitResult, urlsplit
 
 from fastapi import Request
 
-from app.access.policy import ANONYMOUS, PUBLIC, Caller, need_of
+from app.access.policy import ANONYMOUS, PUBLIC, has, need_of
 from app.access.tokens import TokenCache
+from app.caller import check_run
 from app.errors import Forbidden, Unauthorized
 
 SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -38,7 +39,7 @@ async def guard(request: Request) -> None:
     caller = await tokens.caller(bearer(request))
     if caller is None:
         raise Unauthorized("unknown or revoked token")
-    if not caller.has(need):
+    if not has(caller, need):
         raise Forbidden(f"token {caller.name!r} lacks the scope {str(need)!r}")
     run_id = request.path_params.get("run_id")
     if run_id is not None:
@@ -54,16 +55,6 @@ def bearer(request: Request) -> str:
     if scheme.lower() != "bearer" or not token.strip():
         raise Unauthorized("the Authorization header must read 'Bearer <token>'")
     return token.strip()
-
-
-def check_run(caller: Caller, run_id: str) -> None:
-    if not caller.may_touch(run_id):
-        raise Forbidden(f"token {caller.name!r} may not touch run {run_id!r}")
-
-
-def caller_of(request: Request) -> Caller:
-    caller: Caller = getattr(request.state, "caller", ANONYMOUS)
-    return caller
 
 
 def foreign_origin(request: Request) -> bool:

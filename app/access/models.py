@@ -10,7 +10,7 @@ from sqlalchemy import BigInteger, DateTime, Index, LargeBinary, Text, func
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
-from app.accounting.models import Base
+from app.db import Base
 
 
 class ApiToken(Base):

@@ -10,10 +10,10 @@ touch. A token limited to runs (ids or ``prefix*`` patterns) touches only those.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final
+
+from app.caller import Caller
 
 
 class Scope(StrEnum):
@@ -73,38 +73,11 @@ def need_of(method: str, path: str) -> Need | None:
     return ROUTES.get(("GET" if method == "HEAD" else method, path))
 
 
-@dataclass(frozen=True, slots=True)
-class Caller:
-    """Who is calling: a token's id, name, scopes and run patterns (None: every run)."""
-
-    token_id: str
-    name: str
-    scopes: frozenset[Scope]
-    runs: tuple[str, ...] | None = None
-
-    def has(self, need: Need) -> bool:
-        if need in (PUBLIC, READ):
-            return need == PUBLIC or bool(self.scopes)
-        return Scope.ADMIN in self.scopes or need in self.scopes
-
-    def may_touch(self, run_id: str) -> bool:
-        return self.runs is None or run_matches(self.runs, run_id)
-
-    @property
-    def every_run(self) -> bool:
-        return self.runs is None
-
-
-def run_matches(patterns: Iterable[str], run_id: str) -> bool:
-    """True when ``run_id`` is one of ``patterns``: an exact id, or ``prefix*`` for every id
-    that starts with ``prefix`` (``*`` alone matches every run)."""
-    for p in patterns:
-        if p.endswith("*"):
-            if run_id.startswith(p[:-1]):
-                return True
-        elif p == run_id:
-            return True
-    return False
+def has(caller: Caller, need: Need) -> bool:
+    """Whether ``caller``'s scopes meet ``need``."""
+    if need in (PUBLIC, READ):
+        return need == PUBLIC or bool(caller.scopes)
+    return Scope.ADMIN in caller.scopes or need in caller.scopes
 
 
 ANONYMOUS: Final = Caller(token_id="", name="anonymous", scopes=frozenset(Scope), runs=None)

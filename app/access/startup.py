@@ -55,7 +55,7 @@ async def _admin_token_in(database_url: str) -> bool:
     from sqlalchemy.exc import ProgrammingError, SQLAlchemyError
 
     from app.access.models import ApiToken
-    from app.accounting.db import create_engine
+    from app.db import create_engine
 
     engine = create_engine(database_url)
     try:

@@ -25,7 +25,8 @@ from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.access.models import ApiToken
-from app.access.policy import Caller, Scope
+from app.access.policy import Scope
+from app.caller import Caller
 from app.pubsub import Subscription
 
 log = logging.getLogger("rollout_broker")

@@ -26,8 +26,8 @@ from sqlalchemy.exc import DBAPIError, StatementError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting import queries, repository
-from app.accounting.events import Event, EventError, decode_entry
 from app.accounting.stream import Entry, EventStream
+from app.events import Event, EventError, decode_entry
 from app.settings import Settings
 
 __all__ = [

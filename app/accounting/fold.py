@@ -5,7 +5,7 @@ wins"), so the order in which workers apply batches of events does not change th
 batch claimed from a dead consumer may land after a later one.
 
 An event that decodes but cannot be applied (a prompt pass state or a waiting role this module
-does not know) raises :class:`~app.accounting.events.EventError`: the drain treats it like a
+does not know) raises :class:`~app.events.EventError`: the drain treats it like a
 payload it cannot decode, and dead-letters the entry.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import assert_never
 
-from app.accounting.events import (
+from app.events import (
     Accepted,
     Acked,
     Duplicate,

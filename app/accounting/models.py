@@ -11,18 +11,17 @@ from sqlalchemy import (
     DateTime,
     Double,
     Index,
-    MetaData,
     Numeric,
     Text,
     func,
 )
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import Mapped, mapped_column
 
 from app.accounting.fold import PASS_RANK
+from app.db import Base
 
 __all__ = [
-    "Base",
     "Batch",
     "LagCount",
     "ProcessedEvent",
@@ -33,18 +32,6 @@ __all__ = [
     "TrainingTotals",
     "VersionTotals",
 ]
-
-NAMING_CONVENTION = {
-    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
-    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
-    "ck": "ck_%(table_name)s_%(constraint_name)s",
-    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
-    "pk": "pk_%(table_name)s",
-}
-
-
-class Base(DeclarativeBase):
-    metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 
 def _count() -> Mapped[int]:

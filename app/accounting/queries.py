@@ -23,7 +23,6 @@ from typing import Any
 from sqlalchemy import ARRAY, Text, bindparam, select, text, tuple_
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.accounting.events import EventError, StreamId
 from app.accounting.models import (
     PASS_STATES,
     Batch,
@@ -58,6 +57,7 @@ from app.accounting.schemas import (
 )
 from app.accounting.stream import EventStream, LiveSnapshot
 from app.errors import BadRequest, RunNotFound, ValidationFailed
+from app.events import EventError, StreamId
 
 __all__ = [
     "CheckedAccounting",

@@ -15,7 +15,6 @@ from sqlalchemy import ColumnElement, Row, Table, case, func, select, tuple_
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.accounting.events import Event, StreamId
 from app.accounting.fold import (
     BATCH_VALUE_FIELDS,
     MAX_COLUMNS,
@@ -29,7 +28,6 @@ from app.accounting.fold import (
     fold_events,
 )
 from app.accounting.models import (
-    Base,
     Batch,
     LagCount,
     ProcessedEvent,
@@ -40,6 +38,8 @@ from app.accounting.models import (
     TrainingTotals,
     VersionTotals,
 )
+from app.db import Base
+from app.events import Event, StreamId
 
 __all__ = ["ApplyResult", "apply_events", "apply_fold", "processed_ids", "record_events"]
 

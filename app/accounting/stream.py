@@ -1,5 +1,5 @@
 """The accounting side of the Redis event streams: the consumer group, reads, acks, dead
-letters and trimming. Key layout per app/broker/keys.py; every key of a run shares its hash tag.
+letters and trimming. Key layout per app/keys.py; every key of a run shares its hash tag.
 """
 
 from __future__ import annotations
@@ -15,23 +15,15 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
-from app.accounting.events import StreamId
-from app.broker import keys
+from app import keys
+from app.events import StreamId
 
 __all__ = [
-    "CONSUMER_GROUP",
     "DeadLetterRecord",
     "Entry",
     "EventStream",
     "LiveSnapshot",
-    "consumers_key",
-    "dead_key",
-    "events_key",
-    "run_key",
-    "runs_key",
 ]
-
-CONSUMER_GROUP = "accounting"
 
 # Dead-letter entries keep the original fields verbatim and add these.
 DEAD_ID = b"dead.id"
@@ -105,29 +97,6 @@ return 0
 """
 
 
-# The key layout is app/broker/keys.py's; these names stay for the accounting's callers.
-def runs_key(prefix: str) -> str:
-    return keys.runs_key(prefix)
-
-
-def events_key(prefix: str, run_id: str) -> str:
-    return keys.events_key(prefix, run_id)
-
-
-def dead_key(prefix: str, run_id: str) -> str:
-    return keys.dead_key(prefix, run_id)
-
-
-def run_key(prefix: str, run_id: str) -> str:
-    return keys.run_key(prefix, run_id)
-
-
-def consumers_key(prefix: str) -> str:
-    """Sorted set: every drain consumer of the prefix, scored by its last heartbeat (ms).
-    Global, like ``<prefix>:runs``; only the drain reads or writes it."""
-    return keys.drain_consumers_key(prefix)
-
-
 @dataclass(frozen=True, slots=True)
 class Entry:
     """A delivered stream entry; ``fields`` is empty when the entry was deleted meanwhile."""
@@ -197,7 +166,7 @@ def _entries(raw: Sequence[Any] | None) -> list[Entry]:
 class EventStream:
     """Redis operations of the accounting consumers, for one key prefix."""
 
-    def __init__(self, redis: Redis, prefix: str, group: str = CONSUMER_GROUP) -> None:
+    def __init__(self, redis: Redis, prefix: str, group: str = keys.CONSUMER_GROUP) -> None:
         self.redis = redis
         self.prefix = prefix
         self.group = group
@@ -209,13 +178,13 @@ class EventStream:
 
     @property
     def consumers_key(self) -> str:
-        return consumers_key(self.prefix)
+        return keys.drain_consumers_key(self.prefix)
 
     def events_key(self, run_id: str) -> str:
-        return events_key(self.prefix, run_id)
+        return keys.events_key(self.prefix, run_id)
 
     def dead_key(self, run_id: str) -> str:
-        return dead_key(self.prefix, run_id)
+        return keys.dead_key(self.prefix, run_id)
 
     async def run_ids(self) -> list[str]:
         """The runs the drain visits: those of the active index (app/broker/store.py). A closed
@@ -224,7 +193,7 @@ class EventStream:
         return [_text(r) for r in raw]
 
     async def run_exists(self, run_id: str) -> bool:
-        return bool(await self.redis.exists(run_key(self.prefix, run_id)))
+        return bool(await self.redis.exists(keys.run_key(self.prefix, run_id)))
 
     async def ensure_group(self, run_id: str) -> bool:
         """Create the group at the stream's start; False while the stream does not exist."""
@@ -411,7 +380,7 @@ class EventStream:
         key shares the run's hash tag). A missing or malformed key reads as absent."""
         events = self.events_key(run_id)
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hmget(run_key(self.prefix, run_id), "live", "leased")
+            pipe.hmget(keys.run_key(self.prefix, run_id), "live", "leased")
             pipe.xinfo_groups(events)
             pipe.xlen(events)
             pipe.xlen(self.dead_key(run_id))

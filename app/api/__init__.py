@@ -1,1 +1,39 @@
-"""HTTP routers: parse the request, call the broker, shape the response. No rules here."""
+"""The HTTP transport every domain's endpoints use, and nothing of any domain: reading bodies
+(JSON or msgpack, size-limited), rendering answers, the request's caller and settings, and the
+API description's helpers. Its modules are private; the endpoints import from here."""
+
+from app.api._codec import (
+    pack_items,
+    parse_body,
+    read_body,
+    read_model,
+    render,
+    sized_call,
+    wants_msgpack,
+)
+from app.api._direct import DirectRoutes
+from app.api._errors import install_error_handlers
+from app.api._openapi import RAW_ARRAYS, errors, install_openapi, msgpack_answer, request_body
+from app.api._state import Session, caller_of, record_action, sessionmaker_of, settings_of
+
+__all__ = [
+    "RAW_ARRAYS",
+    "DirectRoutes",
+    "Session",
+    "caller_of",
+    "errors",
+    "install_error_handlers",
+    "install_openapi",
+    "msgpack_answer",
+    "pack_items",
+    "parse_body",
+    "read_body",
+    "read_model",
+    "record_action",
+    "render",
+    "request_body",
+    "sessionmaker_of",
+    "settings_of",
+    "sized_call",
+    "wants_msgpack",
+]

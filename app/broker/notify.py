@@ -1,6 +1,6 @@
 """Wake-ups for long-polling trainers and generators: one Redis pub/sub subscription per process.
 
-The scripts PUBLISH a run's tag (see app/broker/keys.py) on the wake channel whenever units
+The scripts PUBLISH a run's tag (see app/keys.py) on the wake channel whenever units
 become ready (ingest, nack, expiry, an ack that returns units), and the tag followed by
 ``keys.WORK_WAKE`` when prompts or staleness budget became available to generators. Waiters
 join their run's line *before* they try, so a wake-up that lands between the try and the wait
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
-from app.broker import keys
+from app import keys
 from app.pubsub import Subscription
 
 log = logging.getLogger(__name__)

@@ -9,17 +9,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from app.broker.config import (
-    MAX_EPOCHS,
-    MAX_VERSION,
-    ItemId,
-    LeaseId,
-    PromptId,
-    RunConfig,
-    RunConfigPatch,
-    RunId,
-)
+from app.broker.config import MAX_EPOCHS, RunConfig, RunConfigPatch
 from app.broker.stats import FIGURE_CAP
+from app.ids import MAX_VERSION, ItemId, LeaseId, PromptId, RunId
 
 FinishReason = Literal["stop", "length", "abort"]
 

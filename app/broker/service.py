@@ -21,8 +21,7 @@ import numpy.typing as npt
 import orjson
 from rollout_broker_client.protocol import new_run_id
 
-from app.accounting.events import Acked, AckedItem, AckStats, AckSums, pack_payload
-from app.broker import keys
+from app import keys
 from app.broker.behaviour import BatchRow, BehaviourCache
 from app.broker.config import RunConfig, RunConfigPatch
 from app.broker.notify import Waker
@@ -66,6 +65,7 @@ from app.broker.store import (
     WorkLease,
 )
 from app.errors import BrokerError, ValidationFailed
+from app.events import Acked, AckedItem, AckStats, AckSums, pack_payload
 
 
 def iso_ms(ms: int) -> str:
@@ -214,11 +214,13 @@ class Broker:
         return PolicyResult(policy_version=current, evicted=evicted)
 
     # -- rollouts -------------------------------------------------------------------------
+    def check_count(self, n: int) -> None:
+        """The most rollouts one request may carry."""
+        if n > self.max_rollouts:
+            raise ValidationFailed(f"{n} rollouts in one request, at most {self.max_rollouts}")
+
     def pack(self, rollouts: Sequence[RolloutJSON]) -> list[PackedRollout]:
-        if len(rollouts) > self.max_rollouts:
-            raise ValidationFailed(
-                f"{len(rollouts)} rollouts in one request, at most {self.max_rollouts}"
-            )
+        self.check_count(len(rollouts))
         return pack_rollouts(rollouts, self.max_tokens)
 
     async def ingest(self, run_id: str, rollouts: Sequence[RolloutJSON]) -> IngestResult:
@@ -252,6 +254,7 @@ class Broker:
         A client-chosen ``batch_id`` makes the call safe to retry: while that batch's lease is
         live, the same call returns the same batch instead of leasing more.
         """
+        self.check_wait(wait_s)
         if size > self.max_batch_size:
             raise ValidationFailed(f"size {size} is above the largest batch, {self.max_batch_size}")
         bid = batch_id or uuid.uuid4().hex
@@ -302,6 +305,14 @@ class Broker:
             return err.code != "batch_missing"
         return True
 
+    def check_wait(self, wait_s: float) -> None:
+        """A long poll waits at most ``BROKER_MAX_WAIT_S``: a longer ``wait_s`` is refused (422),
+        as the API description says, rather than cut short without a word."""
+        if wait_s > self.max_wait_s:
+            raise ValidationFailed(
+                f"wait_s: {wait_s:g} s is above the longest wait, {self.max_wait_s:g} s"
+            )
+
     async def _long_poll(
         self,
         run_id: str,
@@ -314,7 +325,7 @@ class Broker:
         for ``kind`` between tries (see app/broker/notify.py). ``attempt`` answers (result,
         None) or (None, how much it found, if it knows)."""
         started = time.monotonic()
-        deadline = started + min(max(wait_s, 0.0), self.max_wait_s)
+        deadline = started + max(wait_s, 0.0)
         with self.waker.line(run_id, kind, size) as ticket:
             while True:
                 self.waker.trying(ticket)
@@ -464,6 +475,7 @@ class Broker:
     async def work(self, run_id: str, body: WorkBody) -> WorkOut | None:
         """A work lease, or None when no prompt could be handed out within ``wait_s`` (none
         queued, or the staleness budget is spent)."""
+        self.check_wait(body.wait_s)
         if body.max_prompts > self.prompt_limits.per_lease:
             raise ValidationFailed(
                 f"max_prompts {body.max_prompts} is above the largest work lease, "

@@ -1,7 +1,7 @@
 """The Redis store: the Lua scripts that change a run's keys atomically, and the reads that
 need no script.
 
-Every key of a run shares the hash tag ``{run_id}``; app/broker/keys.py defines the layout.
+Every key of a run shares the hash tag ``{run_id}``; app/keys.py defines the layout.
 Each method is one script call (or a short loop of bounded calls); replies are decoded by
 app/broker/replies.py, which raises StoreError when a script refuses.
 """
@@ -21,8 +21,7 @@ from typing import Any, Literal
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
-from app.accounting.stream import CONSUMER_GROUP
-from app.broker import keys
+from app import keys
 from app.broker.config import RunConfig
 from app.broker.packing import PackedRollout
 from app.broker.replies import AckAnswer, StoreError, ack_answer, decode, text
@@ -550,7 +549,7 @@ class RedisStore:
         deleted run again does only the latter. StoreError: 'run_missing', 'run_open',
         'run_busy' (with what it waits for)."""
         while True:
-            (outcome,) = await self._call("delete_run", run_id, SWEEP_LIMIT, CONSUMER_GROUP)
+            (outcome,) = await self._call("delete_run", run_id, SWEEP_LIMIT, keys.CONSUMER_GROUP)
             if text(outcome) == "deleted":
                 break
         # The run can no longer be woken (wake_run.lua refuses it): its entries may go at once.
@@ -560,7 +559,7 @@ class RedisStore:
     async def maintain(self, run_id: str, token: int, limit: int = SWEEP_LIMIT) -> MaintainOutcome:
         """The maintenance worker's bounded call on one run of the active index (maintain.lua)."""
         state, more, retired, now = await self._call(
-            "maintain", run_id, limit, token, CONSUMER_GROUP
+            "maintain", run_id, limit, token, keys.CONSUMER_GROUP
         )
         return MaintainOutcome(
             _MAINTAIN_STATES[text(state)], bool(int(more)), _counts(retired), int(now)

@@ -1,5 +1,5 @@
 """Test helpers: a small broker simulator that emits accounting events through the schema's
-encoder (app/accounting/events.py, as docs/events.md describes them), and computes the expected
+encoder (app/events/, as docs/events.md describes them), and computes the expected
 accounting from its own rollout states (not from the events), so the drain and the queries are
 checked independently.
 """
@@ -19,7 +19,10 @@ from redis.asyncio import Redis
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.accounting.events import (
+from app import keys
+from app.accounting.endpoints import router
+from app.api import install_error_handlers
+from app.events import (
     Accepted,
     AcceptedItem,
     Acked,
@@ -47,10 +50,7 @@ from app.accounting.events import (
     encode_payload,
     lag_of,
 )
-from app.accounting.stream import events_key, run_key, runs_key
-from app.api.accounting import router
-from app.broker import keys
-from app.main import install_error_handlers
+from app.keys import events_key, run_key, runs_key
 from app.settings import Settings
 from workers.drain import DrainContext, drain_once
 

@@ -16,9 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.asyncio import Redis
 
-from app.accounting.events import MAX_TEXT, text_fault
-from app.accounting.stream import dead_key
-from app.broker.config import (
+from app.broker.stats import FIGURE_CAP, LOG_FIGURE_CAP
+from app.broker.store import RedisStore
+from app.events import MAX_TEXT, text_fault
+from app.ids import (
     ITEM_ID_PATTERN,
     LEASE_ID_PATTERN,
     MAX_VERSION,
@@ -30,8 +31,7 @@ from app.broker.config import (
     PromptId,
     RunId,
 )
-from app.broker.stats import FIGURE_CAP, LOG_FIGURE_CAP
-from app.broker.store import RedisStore
+from app.keys import dead_key
 from tests.helpers import ack, lease, make_run, post, rollout
 
 F32_MIN = float(np.finfo(np.float32).min)

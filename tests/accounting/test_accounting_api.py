@@ -13,7 +13,8 @@ from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting import queries
-from app.accounting.stream import CONSUMER_GROUP, EventStream, LiveSnapshot, events_key
+from app.accounting.stream import EventStream, LiveSnapshot
+from app.keys import CONSUMER_GROUP, events_key
 from workers.drain import DrainContext
 
 

@@ -22,9 +22,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting import repository
 from app.accounting.drain import CRASH_EXIT_CODE
-from app.accounting.events import StreamId
 from app.accounting.models import ProcessedEvent
-from app.accounting.stream import CONSUMER_GROUP, events_key
+from app.events import StreamId
+from app.keys import CONSUMER_GROUP, events_key
 from tests.services import RedisBackend
 
 REPO = Path(__file__).resolve().parents[2]

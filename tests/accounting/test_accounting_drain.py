@@ -21,9 +21,9 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting import repository
-from app.accounting.events import EVENT_TYPES, StreamId, decode_entry
 from app.accounting.models import Batch, ProcessedEvent, PromptPass, RunTotals, VersionTotals
-from app.accounting.stream import CONSUMER_GROUP, dead_key, events_key
+from app.events import EVENT_TYPES, StreamId, decode_entry
+from app.keys import CONSUMER_GROUP, dead_key, events_key
 from workers.drain import DrainContext, drain_once
 
 # Per-version columns that do not sum to the run's: keys, maxima, and the KL that is summed

@@ -14,7 +14,17 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting import repository
-from app.accounting.events import (
+from app.accounting.models import (
+    Batch,
+    LagCount,
+    PromptPass,
+    ReasonTotals,
+    Run,
+    RunTotals,
+    TrainingTotals,
+    VersionTotals,
+)
+from app.events import (
     EVENT_TYPES,
     Accepted,
     AcceptedItem,
@@ -32,16 +42,6 @@ from app.accounting.events import (
     encode_payload,
     markdown_table,
 )
-from app.accounting.models import (
-    Batch,
-    LagCount,
-    PromptPass,
-    ReasonTotals,
-    Run,
-    RunTotals,
-    TrainingTotals,
-    VersionTotals,
-)
 
 
 def _decode(event_type: str, payload: dict[str, Any]) -> Any:
@@ -52,7 +52,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "events.md"
 
 
 def test_docs_show_the_schema_table() -> None:
-    """docs/events.md's "Types" table is `python -m app.accounting.events --markdown`."""
+    """docs/events.md's "Types" table is `python -m app.events --markdown`."""
     text = DOCS.read_text()
     section = text[text.index("\n## Types\n") :]
     lines = section.splitlines()

@@ -15,15 +15,15 @@ from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection
 
 import app.access.models  # noqa: F401  (the access tables share the metadata)
-from app.accounting.db import (
+from app.db import (
     MIGRATIONS_DIR,
+    Base,
     create_engine,
     downgrade,
     schema_at_head,
     upgrade_to_head,
     upgrade_to_head_sync,
 )
-from app.accounting.models import Base
 
 TABLES = {
     "runs",

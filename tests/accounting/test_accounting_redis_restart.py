@@ -22,10 +22,11 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting import repository
 from app.accounting.drain import DrainOptions
-from app.accounting.events import StreamId
-from app.accounting.stream import EventStream, events_key
+from app.accounting.stream import EventStream
 from app.broker.config import RunConfig
 from app.broker.schemas import AckBody, RolloutJSON
+from app.events import StreamId
+from app.keys import events_key
 from app.settings import Settings
 from tests.processes import RedisServer
 from workers.drain import DrainContext, run_drain

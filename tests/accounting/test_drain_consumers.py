@@ -15,8 +15,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting import repository
 from app.accounting.drain import DrainCounts
-from app.accounting.events import StreamId
-from app.accounting.stream import CONSUMER_GROUP, EventStream, consumers_key, events_key
+from app.accounting.stream import EventStream
+from app.events import StreamId
+from app.keys import CONSUMER_GROUP, drain_consumers_key, events_key
 from workers.drain import DrainContext, drain_once, run_drain
 
 TIMEOUT_MS = 300
@@ -40,7 +41,7 @@ async def _consumers(redis: Redis, prefix: str, run_id: str) -> dict[str, int]:
 
 
 async def _registered(redis: Redis, prefix: str) -> set[str]:
-    return {n.decode() for n in await redis.zrange(consumers_key(prefix), 0, -1)}
+    return {n.decode() for n in await redis.zrange(drain_consumers_key(prefix), 0, -1)}
 
 
 async def _applied(sm: async_sessionmaker[AsyncSession], run_id: str) -> set[StreamId]:

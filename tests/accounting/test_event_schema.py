@@ -1,4 +1,4 @@
-"""The Lua scripts against the event schema of app/accounting/events.py: a run is driven through
+"""The Lua scripts against the event schema of app/events/: a run is driven through
 every change the broker makes (over HTTP, so the service's own part of the `acked` event is in
 it too), and every entry of its stream must decode strictly, say what was done, and come back
 unchanged from the schema's encoder. A script whose `emit` drifts from the schema fails here."""
@@ -13,7 +13,8 @@ import httpx
 import msgpack
 from redis.asyncio import Redis
 
-from app.accounting.events import (
+from app import keys
+from app.events import (
     EVENT_TYPES,
     Accepted,
     Acked,
@@ -33,8 +34,7 @@ from app.accounting.events import (
     encode_payload,
     lag_of,
 )
-from app.accounting.stream import events_key
-from app.broker import keys
+from app.keys import events_key
 from tests.helpers import ack, lease, make_run, post, rollout
 
 RETIRE_REASONS = {

@@ -3,8 +3,8 @@ on a stream written with known ids."""
 
 from __future__ import annotations
 
-from app.accounting.events import StreamId
 from app.accounting.stream import EventStream
+from app.events import StreamId
 
 
 async def test_the_oldest_undrained_event_is_the_oldest_pending_then_the_first_undelivered(

@@ -20,8 +20,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from app.accounting import drain as drain_module
 from app.accounting import queries
 from app.accounting.drain import DrainCounts
-from app.accounting.events import EventError
-from app.accounting.stream import EventStream, LiveSnapshot, run_key
+from app.accounting.stream import EventStream, LiveSnapshot
+from app.events import EventError
+from app.keys import run_key
 from tests.helpers import ack, lease, make_run, post, rollout
 from workers.drain import DrainContext, drain_once
 

@@ -20,11 +20,12 @@ from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting import queries, repository
-from app.accounting.db import create_engine, create_sessionmaker, upgrade_to_head
-from app.accounting.events import Event, decode_entry
 from app.accounting.fold import MAX_PASSES, PassState, fold_events
 from app.accounting.models import PromptPass, RunTotals
-from app.accounting.stream import CONSUMER_GROUP, EventStream, dead_key, events_key
+from app.accounting.stream import EventStream
+from app.db import create_engine, create_sessionmaker, upgrade_to_head
+from app.events import Event, decode_entry
+from app.keys import CONSUMER_GROUP, dead_key, events_key
 from tests.services import DATABASE_PREFIX, PG_URL, drop_database, url_of_database
 from workers.drain import DrainContext, drain_once
 

@@ -19,10 +19,10 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting import repository
-from app.accounting.db import create_engine, downgrade, schema_at_head, upgrade_to_head
-from app.accounting.events import decode_entry
 from app.accounting.models import RunTotals, TrainingTotals
-from app.accounting.stream import CONSUMER_GROUP, events_key
+from app.db import create_engine, downgrade, schema_at_head, upgrade_to_head
+from app.events import decode_entry
+from app.keys import CONSUMER_GROUP, events_key
 from tests.helpers import ack, lease, make_run, post, rollout
 from workers.drain import DrainContext
 

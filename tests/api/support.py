@@ -14,7 +14,7 @@ import pytest
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from app.broker import keys
+from app import keys
 from app.broker.store import RedisStore
 
 # The SPEC's RunConfig defaults.

@@ -21,6 +21,7 @@ from pydantic import SecretStr
 
 from app.access import policy, tokens
 from app.access.startup import AuthSetupError, resolve_auth
+from app.caller import run_matches
 from app.main import create_app
 from app.settings import Settings
 from tests.api.support import assert_error
@@ -86,12 +87,12 @@ def test_every_route_of_the_app_is_in_the_access_table_and_nothing_else():
 
 
 def test_run_patterns_match_ids_and_prefixes():
-    assert policy.run_matches(["a", "team-*"], "a")
-    assert policy.run_matches(["team-*"], "team-x")
-    assert policy.run_matches(["*"], "anything")
-    assert not policy.run_matches(["a", "team-*"], "ab")
-    assert not policy.run_matches(["team-*"], "tea")
-    assert not policy.run_matches([], "a")
+    assert run_matches(["a", "team-*"], "a")
+    assert run_matches(["team-*"], "team-x")
+    assert run_matches(["*"], "anything")
+    assert not run_matches(["a", "team-*"], "ab")
+    assert not run_matches(["team-*"], "tea")
+    assert not run_matches([], "a")
 
 
 # -- 401 and 403 -----------------------------------------------------------------------------------

@@ -10,9 +10,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from app.accounting.events import Acked, decode_entry
-from app.broker import keys
+from app import keys
 from app.broker.stats import FIGURE_CAP
+from app.events import Acked, decode_entry
 from tests.api.support import (
     MSGPACK,
     assert_error,

@@ -27,8 +27,8 @@ import pytest
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from app.api import codec
-from app.api.codec import pack_items, parse_body
+from app.api import _codec as codec
+from app.api._codec import pack_items, parse_body
 from app.broker import service
 from app.broker.packing import PackedRollout
 from app.broker.schemas import IngestJSON, IngestMsgpack, RolloutJSON, RolloutMsgpack
@@ -45,10 +45,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # -- item by item, the same answers as the whole document -----------------------------------------
 
-PACK = broker_for(
+BROKER = broker_for(
     Redis.from_url("redis://127.0.0.1:1/0"),  # never connected: packing needs no Redis
     Settings(redis_url="redis://127.0.0.1:1/0", max_rollouts_per_request=4),
-).pack
+)
+PACK = BROKER.pack
 
 
 def _json(doc: Any) -> bytes:
@@ -169,6 +170,7 @@ def test_item_by_item_parse_answers_as_the_whole_document(
             (RolloutJSON, RolloutMsgpack),
             (IngestJSON, IngestMsgpack),
             PACK,
+            BROKER.check_count,
         )
     )
     assert streamed == whole
@@ -185,7 +187,7 @@ def test_a_body_of_too_many_strings_and_brackets_takes_the_whole_parse(
     assert codec._json_spans(body, "rollouts") is None
     packed = pack_items(
         body, "application/json", "rollouts", (RolloutJSON, RolloutMsgpack),
-        (IngestJSON, IngestMsgpack), PACK,
+        (IngestJSON, IngestMsgpack), PACK, BROKER.check_count,
     )  # fmt: skip
     assert [p.rollout_id for p in packed] == ["a", "b"]
 

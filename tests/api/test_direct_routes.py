@@ -21,8 +21,10 @@ from fastapi import FastAPI
 from pydantic import SecretStr
 from redis.asyncio import Redis
 
-from app.api import batches, rollouts
-from app.main import DirectRoutes, create_app
+from app.access.guard import guard
+from app.api import DirectRoutes
+from app.broker.endpoints import batches, rollouts
+from app.main import create_app
 from app.settings import Settings
 from tests.api.support import asgi_client
 from tests.helpers import KNOWN_SECRETS, rollout
@@ -247,13 +249,13 @@ def test_direct_routes_refuse_an_endpoint_they_would_serve_otherwise():
 
     def refused(endpoint: Callable[..., Any]) -> str:
         with pytest.raises(ValueError) as err:
-            DirectRoutes(inner, app, [endpoint])
+            DirectRoutes(inner, app, [endpoint], guard)
         return str(err.value)
 
     assert "not the endpoint of one route" in refused(lambda: None)
     # The lease route takes query parameters the direct path would not read.
     assert "besides its path's" in refused(batches.lease_batch)
-    DirectRoutes(inner, app, [rollouts.post_rollouts])
+    DirectRoutes(inner, app, [rollouts.post_rollouts], guard)
 
     # A route that could take the same requests: the router might pick it instead.
     @app.post("/v1/runs/{run_id}/{what}")
@@ -305,7 +307,7 @@ async def test_requests_recorded_by_fastapi_telemetry_take_the_router(
 def test_the_matched_path_is_the_one_starlettes_router_matches(path: str, root_path: str) -> None:
     from starlette._utils import get_route_path  # the router's own, as a reference
 
-    from app.main import _route_path
+    from app.api._direct import route_path as _route_path
 
     scope = {"type": "http", "path": path, "root_path": root_path}
     assert _route_path(scope) == get_route_path(scope)

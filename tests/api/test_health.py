@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
-from app.accounting.db import upgrade_to_head
+from app.db import upgrade_to_head
 from app.main import create_app
 from app.settings import Settings
 from tests.services import RedisBackend

@@ -14,9 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from app.accounting.stream import EventStream, run_key
+from app.accounting.stream import EventStream
 from app.broker.service import Broker
 from app.broker.store import RedisStore
+from app.keys import run_key
 from app.main import create_app
 from app.metrics import CATALOGUE
 from app.settings import Settings

@@ -16,7 +16,7 @@ import pytest
 from pydantic import StringConstraints, TypeAdapter, ValidationError
 
 from app.access.policy import PUBLIC, need_of
-from app.broker.config import ITEM_ID_PATTERN, PROMPT_ID_PATTERN
+from app.ids import ITEM_ID_PATTERN, PROMPT_ID_PATTERN
 from app.main import create_app
 from app.settings import Settings
 from tests.api.support import strict_json

@@ -21,9 +21,9 @@ import sqlalchemy.exc
 from fastapi import FastAPI
 from sqlalchemy import text
 
+from app import keys
 from app.access import policy
-from app.accounting.db import create_engine
-from app.broker import keys
+from app.db import create_engine
 from app.errors import outage_of
 from app.main import create_app
 from app.settings import Settings

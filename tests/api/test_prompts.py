@@ -9,7 +9,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from app.broker import keys
+from app import keys
 from app.main import create_app
 from tests.api.support import (
     asgi_client,

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from app.broker import keys
+from app import keys
 from app.broker.store import RedisStore
 from tests.api.support import (
     DEFAULT_CONFIG,

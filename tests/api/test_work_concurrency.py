@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 from redis.asyncio import Redis
 
-from app.broker import keys
+from app import keys
 from tests.api.support import events
 from tests.helpers import answered_before, make_run, post, rollout, until_long_polling
 

@@ -11,7 +11,7 @@ import msgpack
 import pytest
 from redis.exceptions import ResponseError
 
-from app.broker import keys
+from app import keys
 from app.broker.store import lua_source
 
 pytestmark = pytest.mark.one_node  # plain Lua helpers: the same on any Redis

@@ -7,7 +7,7 @@ import re
 from importlib import resources
 from pathlib import Path
 
-from app.broker import keys
+from app import keys
 from app.broker.config import RunConfig
 from app.broker.store import RedisStore
 from tests.broker.test_store import packed

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.api.batches import _raw, batch_body
-from app.api.codec import render
+from app.api import render
 from app.broker.behaviour import BatchRow
+from app.broker.endpoints.batches import _raw, batch_body
 from app.broker.packing import (
     as_logprobs,
     check_logprobs,

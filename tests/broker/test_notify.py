@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from app.broker import keys
+from app import keys
 from app.broker.config import RunConfig
 from app.broker.notify import Ticket, Waker
 from app.broker.store import RedisStore

@@ -10,11 +10,11 @@ from typing import Any
 import msgpack
 import pytest
 
-from app.accounting.events import Acked, AckedItem, AckStats, AckSums, pack_payload
-from app.broker import keys
+from app import keys
 from app.broker.config import RunConfig
 from app.broker.packing import pack_rollout, unpack_rollouts
 from app.broker.store import Lease, RedisStore, StoreError, WorkItem
+from app.events import Acked, AckedItem, AckStats, AckSums, pack_payload
 
 B = 3
 GROUP = 2

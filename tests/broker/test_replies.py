@@ -12,7 +12,7 @@ import msgpack
 import pytest
 from redis.asyncio import Redis
 
-from app.broker import keys
+from app import keys
 from app.broker.replies import (
     REFUSALS,
     AckAnswer,

@@ -17,8 +17,9 @@ from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting import repository
-from app.accounting.events import StreamId
-from app.accounting.stream import CONSUMER_GROUP, EventStream, consumers_key, events_key
+from app.accounting.stream import EventStream
+from app.events import StreamId
+from app.keys import CONSUMER_GROUP, drain_consumers_key, events_key
 from tests.accounting.accounting_helpers import RunSim, entry, register_run
 from tests.processes import Process, broker_env, worker_process
 from tests.services import REDIS_URL
@@ -127,9 +128,11 @@ async def test_a_killed_worker_is_caught_up_within_seconds_of_its_restart(
         while await group() != {alive}:
             assert time.monotonic() < deadline, await group()
             await asyncio.sleep(0.05)
-        assert {n.decode() for n in await redis.zrange(consumers_key(prefix), 0, -1)} == {alive}
+        assert {n.decode() for n in await redis.zrange(drain_consumers_key(prefix), 0, -1)} == {
+            alive
+        }
     finally:
         await worker.stop()  # SIGTERM: it leaves the group
     assert worker.proc is not None and worker.proc.returncode == 0
     assert await group() == set()
-    assert await redis.zcard(consumers_key(prefix)) == 0
+    assert await redis.zcard(drain_consumers_key(prefix)) == 0

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from redis.asyncio.connection import AbstractConnection
 
+from app import keys
 from app.accounting.stream import EventStream
-from app.broker import keys
 from app.broker.config import RunConfig
 from app.broker.service import Broker
 from app.broker.store import Lease, RedisStore

@@ -20,11 +20,11 @@ from redis.asyncio import Redis
 from sqlalchemy import select
 from typer.testing import CliRunner
 
-from app.accounting.db import create_engine, create_sessionmaker
 from app.accounting.drain import DrainOptions
 from app.accounting.models import RunTotals
 from app.broker.config import RunConfig
 from app.cli import cli
+from app.db import create_engine, create_sessionmaker
 from app.settings import Settings
 from app.wiring import broker_for
 from tests.broker.test_store import packed

@@ -5,9 +5,17 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from app.api.codec import pack_items, read_body, render, sized_call
-from app.api.deps import broker_of, settings_of
-from app.api.openapi import RAW_ARRAYS, errors, request_body
+from app.api import (
+    RAW_ARRAYS,
+    errors,
+    pack_items,
+    read_body,
+    render,
+    request_body,
+    settings_of,
+    sized_call,
+)
+from app.broker.endpoints.deps import broker_of
 from app.broker.schemas import IngestJSON, IngestMsgpack, IngestResult, RolloutJSON, RolloutMsgpack
 
 router = APIRouter(prefix="/v1/runs", tags=["rollouts"])
@@ -45,6 +53,7 @@ async def post_rollouts(run_id: str, request: Request) -> Response:
         (RolloutJSON, RolloutMsgpack),
         (IngestJSON, IngestMsgpack),
         broker.pack,
+        broker.check_count,
     )
     del body  # the packed rollouts are all that is needed from here
     result = await broker.ingest_packed(run_id, packed)

@@ -8,25 +8,22 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from app.api.codec import parse_body, read_body, render, wants_msgpack
-from app.api.deps import broker_of, settings_of
-from app.api.openapi import RAW_ARRAYS, BatchOutMsgpack, errors, msgpack_answer, request_body
-from app.broker.config import MAX_VERSION, ItemId, LeaseId
+from app.api import (
+    RAW_ARRAYS,
+    errors,
+    msgpack_answer,
+    read_model,
+    render,
+    request_body,
+    wants_msgpack,
+)
+from app.api._openapi import BatchOutMsgpack
+from app.broker.endpoints.deps import broker_of
 from app.broker.schemas import AckBody, AckMsgpack, AckResult, BatchOut, NackResult
 from app.broker.service import LeasedBatch
-from app.errors import ValidationFailed
-from app.settings import Settings
+from app.ids import MAX_VERSION, ItemId, LeaseId
 
 router = APIRouter(prefix="/v1/runs", tags=["batches"])
-
-
-def check_wait(wait_s: float, settings: Settings) -> None:
-    """A long poll waits at most ``BROKER_MAX_WAIT_S``: a longer ``wait_s`` is refused (422),
-    as the API description says, rather than cut short without a word."""
-    if wait_s > settings.max_wait_s:
-        raise ValidationFailed(
-            f"wait_s: {wait_s:g} s is above the longest wait, {settings.max_wait_s:g} s"
-        )
 
 
 @router.get(
@@ -56,7 +53,7 @@ async def lease_batch(
     # app's value).
     size: Annotated[int, Query(ge=1)],
     policy_version: Annotated[int | None, Query(ge=0, le=MAX_VERSION)] = None,
-    # At most BROKER_MAX_WAIT_S (check_wait).
+    # At most BROKER_MAX_WAIT_S (Broker.check_wait).
     wait_s: Annotated[float, Query(ge=0, allow_inf_nan=False)] = 0.0,
     partial: bool = False,
     trainer_id: Annotated[
@@ -67,7 +64,6 @@ async def lease_batch(
         Query(description="Client-chosen id: retrying the call returns the same live batch"),
     ] = None,
 ) -> Response:
-    check_wait(wait_s, settings_of(request))
     batch = await broker_of(request).lease(
         run_id,
         size=size,
@@ -145,8 +141,7 @@ def batch_body(batch: LeasedBatch, as_msgpack: bool) -> dict[str, Any]:
     ),
 )
 async def ack_batch(run_id: str, batch_id: str, request: Request) -> Response:
-    body = await read_body(request, settings_of(request).max_body_bytes)
-    ack = parse_body(body, request.headers.get("content-type"), AckBody, AckMsgpack)
+    ack = await read_model(request, AckBody, AckMsgpack)
     return render(await broker_of(request).ack(run_id, batch_id, ack))
 
 

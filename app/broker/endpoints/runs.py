@@ -7,13 +7,14 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from app.access.guard import caller_of, check_run
-from app.api.codec import parse_body, read_body, render
-from app.api.deps import broker_of, record_action, settings_of
-from app.api.openapi import NULLABLE_CONFIG, errors, request_body
-from app.broker.config import RUN_ID_PATTERN, RunConfigPatch
+from app.api import caller_of, errors, read_model, record_action, render, request_body
+from app.api._openapi import NULLABLE_CONFIG
+from app.broker.config import RunConfigPatch
+from app.broker.endpoints.deps import broker_of
 from app.broker.schemas import CreateRun, PolicyResult, PolicyUpdate, Run, RunList
+from app.caller import check_run
 from app.errors import Forbidden, ValidationFailed
+from app.ids import RUN_ID_PATTERN
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 
@@ -29,8 +30,7 @@ router = APIRouter(prefix="/v1/runs", tags=["runs"])
     openapi_extra=request_body(CreateRun, required=False),
 )
 async def create_run(request: Request) -> Response:
-    body = await read_body(request, settings_of(request).max_body_bytes)
-    req = parse_body(body, request.headers.get("content-type"), CreateRun, CreateRun)
+    req = await read_model(request, CreateRun)
     caller = caller_of(request)
     if req.run_id is not None:
         check_run(caller, req.run_id)
@@ -79,8 +79,7 @@ async def get_run(run_id: str, request: Request) -> Response:
     openapi_extra=request_body(RunConfigPatch, required=False),
 )
 async def patch_config(run_id: str, request: Request) -> Response:
-    body = await read_body(request, settings_of(request).max_body_bytes)
-    patch = parse_body(body, request.headers.get("content-type"), RunConfigPatch, RunConfigPatch)
+    patch = await read_model(request, RunConfigPatch)
     # null stands for "no value" only where RunConfig has one (step_groups: no staleness
     # budget); any other null was refused only once merged, with pydantic's raw error text.
     nulls = sorted(f for f in patch.model_fields_set - NULLABLE_CONFIG if getattr(patch, f) is None)
@@ -123,8 +122,7 @@ async def close_run(run_id: str, request: Request) -> Response:
     openapi_extra=request_body(PolicyUpdate),
 )
 async def set_policy(run_id: str, request: Request) -> Response:
-    body = await read_body(request, settings_of(request).max_body_bytes)
-    update = parse_body(body, request.headers.get("content-type"), PolicyUpdate, PolicyUpdate)
+    update = await read_model(request, PolicyUpdate)
     result = await broker_of(request).set_policy(run_id, update.version)
     await record_action(request, "run.policy", run_id, {"version": update.version})
     return render(result)

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import msgpack
 import numpy as np
@@ -198,6 +198,20 @@ def parse_body(
     )
 
 
+async def read_model(
+    request: Request, model: type[J], msgpack_model: type[M] | None = None
+) -> J | M:
+    """The request's body, read within the broker's size limit and validated with ``model``
+    (or ``msgpack_model`` for a msgpack body, when it reads differently): what every endpoint
+    that takes a body calls."""
+    settings: Settings = request.app.state.settings
+    raw = await read_body(request, settings.max_body_bytes)
+    content_type = request.headers.get("content-type")
+    if msgpack_model is None:
+        return parse_body(raw, content_type, model, model)
+    return parse_body(raw, content_type, model, msgpack_model)
+
+
 class _Malformed(Exception):
     """An item is not well-formed JSON or msgpack: the whole-document parse names the error."""
 
@@ -214,24 +228,6 @@ class _Invalid:
         self.errors = [{**e, "loc": (field, index, *e["loc"])} for e in errors]
 
 
-class _Count(Sequence[Any]):
-    """``n`` items that are not there: hands a body's item count to a ``pack`` function's rules
-    on the count before any item has been parsed (iterating it yields nothing)."""
-
-    def __init__(self, n: int) -> None:
-        self._n = n
-
-    def __len__(self) -> int:
-        return self._n
-
-    @overload
-    def __getitem__(self, index: int) -> Any: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[Any]: ...
-    def __getitem__(self, index: int | slice) -> Any:
-        raise IndexError(index)
-
-
 def pack_items(
     body: Body,
     content_type: str | None,
@@ -239,9 +235,11 @@ def pack_items(
     items: tuple[type[J], type[M]],
     whole: tuple[type[BaseModel], type[BaseModel]],
     pack: Callable[[Sequence[Any]], list[T]],
+    check_count: Callable[[int], None],
 ) -> list[T]:
     """``pack(parse_body(body, content_type, *whole).<field>)``, with the same answer and the
-    same errors, holding the Python objects of one item at a time.
+    same errors, holding the Python objects of one item at a time. ``check_count`` is the rule
+    ``pack`` applies to the number of items, which this checks before any item is packed.
 
     ``items`` are the models of one item of the list ``field`` (JSON, msgpack), ``whole`` those
     of the document. A body below :data:`STREAM_BYTES`, or one that is not exactly
@@ -260,7 +258,7 @@ def pack_items(
     errors = 0
     refused: BrokerError | None = None
     try:
-        pack(_Count(count))
+        check_count(count)
     except BrokerError as exc:
         refused = exc
     try:

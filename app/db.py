@@ -1,4 +1,6 @@
-"""The accounting database: engine and session factories, and the Alembic schema helpers."""
+"""The database every domain shares: the declarative base and its naming convention, the engine
+and session factories, and the Alembic schema helpers. The accounting and access models build on
+:class:`Base`; the migrations read its metadata."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from sqlalchemy import MetaData
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
@@ -17,10 +20,13 @@ from sqlalchemy.ext.asyncio import (
     async_sessionmaker,
     create_async_engine,
 )
+from sqlalchemy.orm import DeclarativeBase
 from sqlalchemy.pool import NullPool
 
 __all__ = [
     "MIGRATIONS_DIR",
+    "NAMING_CONVENTION",
+    "Base",
     "alembic_config",
     "create_engine",
     "create_sessionmaker",
@@ -31,7 +37,22 @@ __all__ = [
 ]
 
 # ``migrations/`` sits beside the ``app`` package both in a checkout and once installed.
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+MIGRATIONS_DIR = Path(__file__).resolve().parents[1] / "migrations"
+
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    """The tables of every domain (accounting, access): one metadata, one naming convention."""
+
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 
 def create_engine(database_url: str, **kwargs: Any) -> AsyncEngine:

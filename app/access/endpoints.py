@@ -8,8 +8,8 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
+from app import keys
 from app.access import audit
-from app.access.guard import caller_of, check_run
 from app.access.models import ApiToken
 from app.access.schemas import (
     AuditItem,
@@ -20,12 +20,18 @@ from app.access.schemas import (
     TokenList,
 )
 from app.access.tokens import TokenCache, insert_token, list_tokens, revoke_token
-from app.api.codec import parse_body, read_body, render
-from app.api.deps import Session, sessionmaker_of, settings_of
-from app.api.openapi import request_body
-from app.broker import keys
-from app.broker.config import RUN_ID_PATTERN
+from app.api import (
+    Session,
+    caller_of,
+    read_model,
+    render,
+    request_body,
+    sessionmaker_of,
+    settings_of,
+)
+from app.caller import check_run
 from app.errors import TokenNotFound
+from app.ids import RUN_ID_PATTERN
 
 router = APIRouter(tags=["access"])
 
@@ -54,8 +60,7 @@ def _info(row: ApiToken) -> TokenInfo:
 )
 async def create_token(request: Request, session: Session) -> Response:
     """A new token; its secret is in this answer only."""
-    body = await read_body(request, settings_of(request).max_body_bytes)
-    req = parse_body(body, request.headers.get("content-type"), TokenCreate, TokenCreate)
+    req = await read_model(request, TokenCreate)
     caller = caller_of(request)
     async with session.begin():
         row, token = await insert_token(session, req.name, req.scopes, req.runs, caller.name)

@@ -1,4 +1,5 @@
-"""What the routers take from the application state built in the lifespan."""
+"""What every domain's endpoints take from the request and the application state built in the
+lifespan: the settings, the database session, the caller the guard let through, the action log."""
 
 from __future__ import annotations
 
@@ -8,17 +9,9 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.access import audit
-from app.access.guard import caller_of
-from app.broker import keys
-from app.broker.service import Broker
+from app.caller import ActionLog, Caller
 from app.errors import Unavailable
 from app.settings import Settings
-
-
-def broker_of(request: Request) -> Broker:
-    broker: Broker = request.app.state.broker
-    return broker
 
 
 def settings_of(request: Request) -> Settings:
@@ -43,15 +36,17 @@ async def _session(request: Request) -> AsyncIterator[AsyncSession]:
 Session = Annotated[AsyncSession, Depends(_session)]
 
 
+def caller_of(request: Request) -> Caller:
+    """The caller the guard let through (it runs before every endpoint that is not public)."""
+    caller: Caller | None = getattr(request.state, "caller", None)
+    if caller is None:
+        raise RuntimeError(f"{request.url.path}: no caller: the guard did not run")
+    return caller
+
+
 async def record_action(
     request: Request, action: str, run_id: str | None, detail: Mapping[str, Any]
 ) -> None:
     """Write an operator action on run state to the audit log, as the request's caller."""
-    await audit.record(
-        request.app.state.redis,
-        keys.audit_key(settings_of(request).redis_prefix),
-        caller_of(request),
-        action,
-        run_id,
-        detail,
-    )
+    log: ActionLog = request.app.state.action_log
+    await log.record(caller_of(request), action, run_id, detail)

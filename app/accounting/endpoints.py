@@ -17,8 +17,7 @@ from app.accounting.schemas import (
     VersionsAccounting,
 )
 from app.accounting.stream import EventStream
-from app.api.deps import Session
-from app.api.openapi import errors
+from app.api import Session, errors
 
 __all__ = ["router"]
 

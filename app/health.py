@@ -8,8 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from app.api.codec import render
-from app.api.openapi import errors
+from app.api import errors, render
 
 router = APIRouter(tags=["health"])
 

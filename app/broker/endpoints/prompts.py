@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated, TypeVar
+from typing import Annotated
 
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
 
-from app.api.batches import check_wait
-from app.api.codec import parse_body, read_body, render, wants_msgpack
-from app.api.deps import broker_of, settings_of
-from app.api.openapi import errors, msgpack_answer, request_body
-from app.broker.config import LEASE_ID_PATTERN, RUN_ID_PATTERN
+from app.api import errors, msgpack_answer, read_model, render, request_body, wants_msgpack
+from app.broker.endpoints.deps import broker_of
 from app.broker.schemas import (
     PromptsBody,
     PromptsResult,
@@ -20,15 +17,9 @@ from app.broker.schemas import (
     WorkBody,
     WorkOut,
 )
+from app.ids import LEASE_ID_PATTERN, RUN_ID_PATTERN
 
 router = APIRouter(prefix="/v1/runs", tags=["prompts"])
-
-Body = TypeVar("Body", PromptsBody, WorkBody, ReturnBody)
-
-
-async def _body(request: Request, model: type[Body]) -> Body:
-    raw = await read_body(request, settings_of(request).max_body_bytes)
-    return parse_body(raw, request.headers.get("content-type"), model, model)
 
 
 @router.post(
@@ -46,7 +37,7 @@ async def _body(request: Request, model: type[Body]) -> Body:
     openapi_extra=request_body(PromptsBody),
 )
 async def register_prompts(run_id: str, request: Request) -> Response:
-    body = await _body(request, PromptsBody)
+    body = await read_model(request, PromptsBody)
     return render(await broker_of(request).register_prompts(run_id, body), status_code=202)
 
 
@@ -61,8 +52,7 @@ async def register_prompts(run_id: str, request: Request) -> Response:
     openapi_extra=request_body(WorkBody),
 )
 async def take_work(run_id: str, request: Request) -> Response:
-    body = await _body(request, WorkBody)
-    check_wait(body.wait_s, settings_of(request))
+    body = await read_model(request, WorkBody)
     lease = await broker_of(request).work(run_id, body)
     if lease is None:
         return Response(status_code=204)
@@ -86,7 +76,7 @@ async def return_work(
     lease_id: Annotated[str, Path(pattern=LEASE_ID_PATTERN)],
     request: Request,
 ) -> Response:
-    body = await _body(request, ReturnBody)
+    body = await read_model(request, ReturnBody)
     broker = broker_of(request)
     if body.prompt_ids == []:
         await broker.get_run(run_id)

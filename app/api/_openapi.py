@@ -48,7 +48,7 @@ from app.access.policy import PUBLIC, need_of
 from app.access.policy import Scope as AccessScope
 from app.access.schemas import TokenCreate
 from app.access.tokens import ID_HEX
-from app.broker.config import LEASE_ID_PATTERN, RUN_ID_PATTERN, RunConfig, RunConfigPatch
+from app.broker.config import RunConfig, RunConfigPatch
 from app.broker.schemas import (
     AckBody,
     BatchOut,
@@ -59,6 +59,7 @@ from app.broker.schemas import (
     RolloutJSON,
     WorkBody,
 )
+from app.ids import LEASE_ID_PATTERN, RUN_ID_PATTERN
 from app.settings import Settings
 
 JSON: Final = "application/json"

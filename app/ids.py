@@ -1,0 +1,63 @@
+"""The identifiers and numbers every domain shares, and the bounds each obeys: run, item, prompt
+and lease ids (printable, no spaces, bounded, and texts the ledger can hold) and versions."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import AfterValidator, StringConstraints
+
+from app.events import text_fault
+
+__all__ = [
+    "ID_EXCLUDED",
+    "ITEM_ID_PATTERN",
+    "LEASE_ID_PATTERN",
+    "MAX_VERSION",
+    "PROMPT_ID_PATTERN",
+    "RUN_ID_PATTERN",
+    "ItemId",
+    "LeaseId",
+    "LedgerText",
+    "PromptId",
+    "RunId",
+]
+
+# Versions and lags are exact doubles inside Redis's Lua: stay within 2**53.
+MAX_VERSION = 2**53 - 1
+
+
+def _ledger_text(value: str) -> str:
+    """An id the scripts record must be one the accounting drain can apply: the ledger's own
+    text rule (app/events/), checked here on top of each id's pattern, so a
+    pattern widened later cannot let through an id that would be dead-lettered."""
+    fault = text_fault(value)
+    if fault is not None:
+        raise ValueError(fault)
+    return value
+
+
+LedgerText = AfterValidator(_ledger_text)
+
+# Ids end up in Redis key names and in the ledger: printable, no spaces, bounded.
+# A run id is a URL path segment: '.' and '..' would resolve away (a non-dot first, a non-dot
+# second, or three characters or more).
+RUN_ID_PATTERN = (
+    r"^(?:[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}|\.[A-Za-z0-9_-][A-Za-z0-9._-]{0,126}"
+    r"|\.\.[A-Za-z0-9._-]{1,126})$"
+)
+# Not in an id: control characters, braces (Redis hash tags) and whitespace, spelled out rather
+# than written \s, whose meaning differs between the regex engines that read these patterns:
+# ECMA-262's (OpenAPI clients, JSON Schema) counts U+FEFF and not U+0085, Python's and Rust's
+# (pydantic) the other way round. This is the union, so every reader admits the same ids.
+ID_EXCLUDED = r"\x00-\x20\x7f\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff{}"
+ITEM_ID_PATTERN = rf"^[^{ID_EXCLUDED}]{{1,256}}$"
+PROMPT_ID_PATTERN = rf"^[^{ID_EXCLUDED}]{{1,200}}$"
+LEASE_ID_PATTERN = r"^[A-Za-z0-9_-]{8,64}$"
+RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN), LedgerText]
+# Rollout, group, trainer and generator ids.
+ItemId = Annotated[str, StringConstraints(pattern=ITEM_ID_PATTERN), LedgerText]
+# A prompt's group ids are '<prompt_id>#<pass>.<attempt>': an ItemId whatever the numbers.
+PromptId = Annotated[str, StringConstraints(pattern=PROMPT_ID_PATTERN), LedgerText]
+# Client-chosen ids of batches and work leases, which make their calls safe to retry.
+LeaseId = Annotated[str, StringConstraints(pattern=LEASE_ID_PATTERN), LedgerText]
