@@ -44,7 +44,7 @@ VERSIONS = "vs"  # zset: versions that have ready units, score = version
 OPEN = "open"  # zset: incomplete groups by creation ms
 OPEN_VERSIONS = "ov"  # zset: incomplete groups by (oldest) version
 LEASES = "leases"  # zset: live batches by expiry ms
-UNITS = "units"  # hash: every complete unit (ready or leased) -> its record (see common.lua)
+UNITS = "units"  # hash: every complete unit, ready or leased -> its record (lua/lib/units.lua)
 SEEN = "seen"  # set: every rollout_id ever received (idempotency)
 GROUPS_DONE = "gdone"  # set: groups that completed or retired: they take no new members
 WAITING = "waiting"  # string with a TTL: a trainer is long-polling the run
@@ -61,7 +61,6 @@ GUARD = "guard"
 VERSION_QUEUE = "qv:"  # zset per version: its ready units by arrival seq
 UNIT = "u:"  # hash per group still filling: need, have, v, seq, rmin/rmax, pk/att
 MEMBERS = "m:"  # list per group unit: '<version> <tokens> <rollout_id>' in arrival order
-ROLLOUT = "r:"  # hash per rollout (v, n) of the earlier layout: read only by its upgrade
 BLOB = "d:"  # string per rollout: the packed rollout (read with MGET outside the scripts)
 BATCH = "b:"  # hash per batch: state, its units and rollouts, size, version, stored ack answer
 PASS = "pp:"  # hash per prompt pass '<prompt_id>#<pass>': st, att, tries, lease, seq
@@ -110,7 +109,6 @@ LUA_FAMILIES: dict[str, str] = {
     "qvkey": VERSION_QUEUE,
     "ukey": UNIT,
     "mkey": MEMBERS,
-    "rkey": ROLLOUT,
     "dkey": BLOB,
     "bkey": BATCH,
     "ppkey": PASS,

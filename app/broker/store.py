@@ -8,7 +8,9 @@ app/broker/replies.py, which raises StoreError when a script refuses.
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 import secrets
 import time
 from collections.abc import Sequence
@@ -91,8 +93,6 @@ if redis.call('HEXISTS', RUN, 'parked') == 1 then
   return err('run_parked', redis.call('HGET', RUN, 'tok') or '0')
 end
 """
-# Scripts that judge whether a closed run has settled.
-_SETTLED = frozenset({"maintain", "delete_run"})
 _WAKE_TRIES = 5
 
 # The active index lives in one slot of its own, so these touch only it. A token is the time
@@ -122,20 +122,47 @@ ORPHAN_GRACE_MS = 10 * 60 * 1000
 PAGE_SCAN_SLACK = 10_000
 
 
+# A script's or library's first line names the libraries (lua/lib) it uses.
+_REQUIRES = re.compile(r"-- requires: ([a-z_, ]*)\n")
+
+
+def _requires(src: str) -> list[str]:
+    m = _REQUIRES.match(src)
+    return [name.strip() for name in m.group(1).split(",") if name.strip()] if m else []
+
+
+@functools.cache
+def _libraries() -> dict[str, str]:
+    lib = resources.files("app.broker") / "lua" / "lib"
+    return {
+        f.name.removesuffix(".lua"): f.read_text() for f in lib.iterdir() if f.name.endswith(".lua")
+    }
+
+
+def _with_libraries(names: list[str], order: list[str]) -> list[str]:
+    """``order`` extended by ``names`` and what they require, each library after its own."""
+    for name in names:
+        if name not in order:
+            _with_libraries(_requires(_libraries()[name]), order)
+            order.append(name)
+    return order
+
+
+def lua_source(src: str, guard: str = "") -> str:
+    """A script as Redis runs it: the key prologue, the libraries the script requires in
+    dependency order, ``guard``, the script."""
+    libs = [_libraries()[name] for name in _with_libraries(_requires(src), [])]
+    return "\n".join([keys.lua_prologue(), *libs, guard, src])
+
+
 def _load_scripts() -> dict[str, str]:
     pkg = resources.files("app.broker") / "lua"
-    prologue = keys.lua_prologue() + (pkg / "common.lua").read_text()
-    settled = (pkg / "settled.lua").read_text()
-    scripts = {}
-    for name in _SCRIPTS:
-        parts = [prologue]
-        if name not in _PARK_AWARE:
-            parts.append(_PARKED_GUARD)
-        if name in _SETTLED:
-            parts.append(settled)
-        parts.append((pkg / f"{name}.lua").read_text())
-        scripts[name] = "\n".join(parts)
-    return scripts
+    return {
+        name: lua_source(
+            (pkg / f"{name}.lua").read_text(), "" if name in _PARK_AWARE else _PARKED_GUARD
+        )
+        for name in _SCRIPTS
+    }
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from app.broker.config import RunConfig
 from app.broker.store import RedisStore
 from tests.broker.test_store import packed
 
-LUA = resources.files("app.broker") / "lua"
+LUA = Path(str(resources.files("app.broker") / "lua"))
 DESIGN = Path(__file__).resolve().parents[2] / "docs" / "design.md"
 
 
@@ -56,10 +56,9 @@ def test_the_scripts_spell_no_key_name_of_their_own():
     prologue = keys.lua_prologue()
     for name in [*keys.LUA_KEYS, *keys.LUA_FAMILIES]:
         assert re.search(rf"local (function )?{name}\b", prologue), name
-    for path in LUA.iterdir():
-        if path.name.endswith(".lua"):
-            src = path.read_text()
-            assert not re.search(r"\bB \.\.", src), path.name  # only the prologue builds keys
+    for path in LUA.rglob("*.lua"):  # the scripts and their libraries (lua/lib)
+        src = path.read_text()
+        assert not re.search(r"\bB \.\.", src), path.name  # only the prologue builds keys
 
 
 def test_the_design_notes_list_every_key():
