@@ -21,7 +21,6 @@ __all__ = [
     "drain_consumers_key",
     "events_key",
     "every_key",
-    "layout_key",
     "lua_prologue",
     "member_key",
     "run_base",
@@ -70,7 +69,6 @@ WORK = "w:"  # hash per work lease: state, version, expiry, its passes, groups s
 # -- global keys and channels: the part after "<prefix>:" ------------------------------------
 RUNS = "runs"  # zset: every run id by creation ms (listing); a deleted run leaves it
 ACTIVE = "active"  # zset: the runs the workers visit, by activation token (see store.py)
-LAYOUT = "layout"  # string: "2" once the workers have put every run of RUNS into ACTIVE
 DRAIN_CONSUMERS = "drain:consumers"  # zset: every accounting drain consumer by heartbeat ms
 AUDIT = "audit"  # stream: operator actions on their way to Postgres (app/access/audit.py)
 TOKENS = "tokens"  # pub/sub channel: the id of a revoked token, for every process's cache
@@ -82,7 +80,7 @@ WORK_WAKE = "work"
 # The consumer group of every run's events stream: the accounting drain reads through it.
 CONSUMER_GROUP = "accounting"
 
-GLOBAL_KEYS = (RUNS, ACTIVE, LAYOUT, DRAIN_CONSUMERS, AUDIT)
+GLOBAL_KEYS = (RUNS, ACTIVE, DRAIN_CONSUMERS, AUDIT)
 """The keys of a prefix outside every run (channels aside)."""
 
 # The names the Lua scripts know the keys by: a local holding each fixed key, and a function
@@ -152,10 +150,6 @@ def runs_key(prefix: str) -> str:
 
 def active_key(prefix: str) -> str:
     return f"{prefix}:{ACTIVE}"
-
-
-def layout_key(prefix: str) -> str:
-    return f"{prefix}:{LAYOUT}"
 
 
 def audit_key(prefix: str) -> str:

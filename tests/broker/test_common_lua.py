@@ -12,7 +12,7 @@ import pytest
 from redis.exceptions import ResponseError
 
 from app import keys
-from app.broker.store import lua_source
+from app.broker.scripts import lua_source
 
 pytestmark = pytest.mark.one_node  # plain Lua helpers: the same on any Redis
 

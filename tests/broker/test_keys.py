@@ -23,7 +23,6 @@ def test_key_strings_are_the_ones_existing_data_lives_under():
     assert keys.member_key("rb", "r1", keys.BLOB, "x") == "rb:{r1}:d:x"
     assert keys.runs_key("rb") == "rb:runs"
     assert keys.active_key("rb") == "rb:active"
-    assert keys.layout_key("rb") == "rb:layout"
     assert keys.wake_channel("rb") == "rb:wake"
     assert keys.run_tag("rb", "r1") == "rb:{r1}"
     assert keys.run_of_wake("rb", keys.run_tag("rb", "run-1.b")) == ("run-1.b", "")
@@ -44,7 +43,6 @@ async def test_a_run_writes_only_keys_of_the_layout(store: RedisStore, redis, pr
     fixed = {base + suffix for suffix in keys.LUA_KEYS.values()} | {
         keys.runs_key(prefix),
         keys.active_key(prefix),
-        keys.layout_key(prefix),
     }
     families = tuple(base + family for family in keys.LUA_FAMILIES.values())
     assert {n for n in names if n not in fixed and not n.startswith(families)} == set()

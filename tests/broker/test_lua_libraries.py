@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from app.broker.store import _load_scripts, lua_source
+from app.broker.scripts import load_scripts as _load_scripts
+from app.broker.scripts import lua_source
 
 LUA = Path(str(resources.files("app.broker") / "lua"))
 ADMISSION = LUA / "lib" / "admission.lua"

@@ -23,7 +23,7 @@ from app.broker.replies import (
     decode,
     error_for,
 )
-from app.broker.store import lua_source
+from app.broker.scripts import lua_source
 from app.errors import (
     BatchNotFound,
     BatchSettled,
