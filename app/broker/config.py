@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Final, Literal, get_args
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
@@ -68,3 +68,12 @@ class RunConfigPatch(BaseModel):
     step_groups: int | None = Field(None, ge=1, le=1_000_000_000)
     work_timeout_s: float | None = Field(None, gt=0, le=7 * 86400, allow_inf_nan=False)
     max_attempts: int | None = Field(None, ge=1, le=1000)
+
+
+NULLABLE_CONFIG: Final = frozenset(
+    name
+    for name, field in RunConfig.model_fields.items()
+    if type(None) in get_args(field.annotation)
+)
+"""The RunConfig fields whose value may be null (step_groups: no staleness budget): the only
+ones a config patch may set to null (app/broker/endpoints/runs.py refuses the others)."""
