@@ -9,8 +9,8 @@ The figure is the redis-server process's CPU time per lease + ack (``used_cpu_us
 work; the ways run interleaved, twice, and the best of each is kept. No HTTP and no API
 process: this isolates the part of a lease + ack that Redis does.
 
-- **raw**: the ceiling of benchmarks/run.py's read rows: ``LPOP <queue> N``, ``MGET`` of the
-  packed rollouts, ``RPUSH`` of the ids back.
+- **raw**: the ceiling of the benchmark's read rows (``Bench.raw_read``, benchmarks/harness.py):
+  ``LPOP <queue> N``, ``MGET`` of the packed rollouts, ``RPUSH`` of the ids back.
 - **broker**: this tree's own scripts through ``RedisStore``: the lease script, the ``MGET``
   of the packed rollouts, the ack script with an ``acked`` event payload of the service's
   shape (every rollout measured, KL far below ``kl_max``).
@@ -46,10 +46,10 @@ import msgpack
 import redis
 import redis.asyncio as aioredis
 
-from app.accounting.events import Acked, AckedItem, AckStats, AckSums, pack_payload
 from app.broker.config import RunConfig
 from app.broker.packing import pack_rollout
 from app.broker.store import RedisStore
+from app.events import Acked, AckedItem, AckStats, AckSums, pack_payload
 from benchmarks.payloads import TOKENS, make_payload
 from benchmarks.servers import redis_server
 

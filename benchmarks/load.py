@@ -4,6 +4,9 @@ Every loop is bounded twice, by a number of operations and by a deadline, and st
 Processes are forked, meet at a barrier, and report (operations, rollouts, start, end,
 latencies); start and end are ``time.perf_counter()`` (CLOCK_MONOTONIC, one clock for all
 processes), so the rate of a group is its rollouts over the span from first start to last end.
+
+The loads of the work leases are in ``load_prompts.py``; a load that one section alone uses lives
+beside it (the big body in ``sections/bodies.py``, the on/off alternation in ``pairs.py``).
 """
 
 from __future__ import annotations
@@ -26,10 +29,8 @@ from benchmarks.payloads import (
     CONTENT_TYPE,
     TOKENS,
     ack_body,
-    big_json_body,
     ingest_body,
     make_payload,
-    make_prompt,
     rollout_id,
 )
 
@@ -398,81 +399,6 @@ def lease_acker(
     return http, lease_ack
 
 
-Cycle = tuple[tuple[int, float], tuple[int, float]]  # (rollouts, seconds) of side A, of side B
-
-
-@dataclass
-class Alternated(Result):
-    """One client's alternation between two servers: ``sides`` holds each one's totals, with
-    ``t0`` 0 and ``t1`` the time spent in its own blocks; ``cycles`` each whole A B B A cycle
-    in which neither side ran out."""
-
-    sides: list[Result] = field(default_factory=list)
-    cycles: list[Cycle] = field(default_factory=list)
-
-
-ABBA = (0, 1, 1, 0)  # one cycle of blocks: a drift that is linear over a cycle weighs alike
-
-
-def http_alternate(
-    *,
-    kind: str,
-    sides: list[dict[str, Any]],
-    block_ops: int,
-    duration: float,
-    warmup: int,
-    barrier: Any,
-) -> Alternated:
-    """One client process driving two servers in turn, ``block_ops`` operations at a time in
-    the order A B B A, in whole cycles, until ``duration`` has passed or both have nothing left
-    (``kind`` lease_ack: a lease answered 204). ``kind`` ingest posts rollouts, each side with
-    the ``ingest_poster`` arguments of its dict; lease_ack leases and acks, with
-    ``lease_acker``'s. Both sides run at the same moments, so that a change of the machine's
-    speed, which on a shared VM is larger than the gap to be measured, falls on both."""
-    if kind not in ("ingest", "lease_ack"):
-        raise ValueError(f"no alternating load {kind!r}")
-    clients: list[tuple[Http, Callable[[], int | None]]] = [
-        ingest_poster(**spec) if kind == "ingest" else lease_acker(**spec) for spec in sides
-    ]
-    if len(clients) != 2:
-        raise ValueError("the alternation is between two servers")
-    for _, step in clients:
-        for _ in range(warmup):
-            step()
-    res = Alternated(sides=[Result(), Result()])
-    done = [False, False]
-    barrier.wait()
-    res.t0 = time.perf_counter()
-    deadline = res.t0 + duration
-    while not all(done) and time.perf_counter() < deadline:
-        moved, spent = [0, 0], [0.0, 0.0]
-        for i in ABBA:
-            if done[i]:
-                continue
-            step, side = clients[i][1], res.sides[i]
-            t = time.perf_counter()
-            for _ in range(block_ops):
-                got = step()
-                if got is None:
-                    side.empty += 1
-                    done[i] = True
-                    break
-                side.ops += 1
-                moved[i] += got
-            spent[i] += time.perf_counter() - t
-        for i, side in enumerate(res.sides):
-            side.rollouts += moved[i]
-            side.t1 += spent[i]
-        if not any(done):
-            res.cycles.append(((moved[0], spent[0]), (moved[1], spent[1])))
-    res.t1 = time.perf_counter()
-    for conn, _ in clients:
-        conn.close()
-    res.ops = sum(s.ops for s in res.sides)
-    res.rollouts = sum(s.rollouts for s in res.sides)
-    return res
-
-
 def naive_pop(
     *, address: Address, size: int, duration: float, max_ops: int, barrier: Any
 ) -> Result:
@@ -506,228 +432,7 @@ def naive_pop(
     return res
 
 
-# -- prompts and work leases ------------------------------------------------------------------
-def http_register(
-    *,
-    address: Address,
-    run_id: str,
-    per_req: int,
-    tag: str,
-    worker: int,
-    duration: float,
-    max_ops: int,
-    barrier: Any,
-) -> Result:
-    """An operator registering prompts (one pass each), ``per_req`` per JSON request."""
-    prompt = make_prompt()
-    http = Http(address)
-    path = f"/v1/runs/{run_id}/prompts"
-    seq = 0
-
-    def post() -> int:
-        nonlocal seq
-        ids = [rollout_id(tag, worker, seq + i) for i in range(per_req)]
-        seq += per_req
-        status, data, _ = http.call("POST", path, prompt.body(ids), "application/json")
-        expect(status, data, 202)
-        return per_req
-
-    res = timed_writes(post, duration=duration, max_ops=max_ops, barrier=barrier)
-    http.close()
-    return res
-
-
-def http_work_return(
-    *,
-    address: Address,
-    run_id: str,
-    size: int,
-    duration: float,
-    max_ops: int,
-    warmup: int = 1,
-    barrier: Any,
-) -> Result:
-    """A generator taking a work lease of ``size`` prompts and giving them all back unstarted,
-    so the queue stays as deep as it was. Latency is the work call's."""
-    http = Http(address)
-    work_path = f"/v1/runs/{run_id}/work"
-    body = orjson.dumps({"max_prompts": size, "generator_id": "bench-gen", "wait_s": 0})
-
-    def work() -> tuple[str, int] | None:
-        status, data, _ = http.call("POST", work_path, body, "application/json")
-        if status == 204:
-            return None
-        expect(status, data, 200)
-        doc = orjson.loads(data)
-        return doc["lease_id"], len(doc["prompts"])
-
-    def give_back(lease_id: str) -> None:
-        status, data, _ = http.call(
-            "POST", f"{work_path}/{lease_id}/return", b"{}", "application/json"
-        )
-        expect(status, data, 200)
-
-    for _ in range(warmup):
-        got = work()
-        if got is not None:
-            give_back(got[0])
-    res = Result()
-    barrier.wait()
-    res.t0 = time.perf_counter()
-    deadline = res.t0 + duration
-    while res.ops < max_ops and time.perf_counter() < deadline:
-        t = time.perf_counter()
-        got = work()
-        dt = time.perf_counter() - t
-        if got is None:
-            res.empty += 1
-            break
-        res.lat.append(dt)
-        give_back(got[0])
-        res.ops += 1
-        res.rollouts += got[1]
-    res.t1 = time.perf_counter()
-    http.close()
-    return res
-
-
-# The work-lease ceiling's hand-out, one script: the first `size` passes of the queue leave it
-# and are marked leased. What the broker's work.lua must do at the least, without its lease
-# record, staleness budget, sweep or accounting event.
-RAW_HANDOUT = """
-local got = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1, 'WITHSCORES')
-if #got == 0 then return got end
-local passes = {}
-for i = 1, #got, 2 do
-  passes[#passes + 1] = got[i]
-  redis.call('HSET', ARGV[2] .. got[i], 'st', 'w', 'lease', ARGV[3])
-end
-redis.call('ZREM', KEYS[1], unpack(passes))
-return got
-"""
-
-
-def raw_prompt_keys(key_prefix: str) -> tuple[str, str, str]:
-    """The raw ceiling's prompt queue, pass-hash prefix and stored-prompt prefix."""
-    return f"{key_prefix}:pq", f"{key_prefix}:pp:", f"{key_prefix}:pb:"
-
-
-def redis_fill_prompts(url: str, key_prefix: str, start: int, n: int) -> None:
-    """Queue ``n`` more prompts for the raw ceiling, laid out as the broker lays them out: the
-    stored prompt, a hash per pass, the pass in a zset by registration order."""
-    prompt = make_prompt()
-    queue, pass_prefix, blob_prefix = raw_prompt_keys(key_prefix)
-    r = redis.Redis.from_url(url)
-    for lo in range(start, start + n, 1000):
-        pipe = r.pipeline(transaction=False)
-        for seq in range(lo, min(lo + 1000, start + n)):
-            pid = rollout_id("rp", 0, seq)
-            pipe.set(blob_prefix + pid, prompt.stored)
-            pipe.hset(pass_prefix + pid + "#1", mapping={"st": "q", "att": 1, "seq": seq})
-            pipe.zadd(queue, {pid + "#1": seq})
-        pipe.execute()
-    r.close()
-
-
-def redis_work_return(
-    *, url: str, key_prefix: str, size: int, duration: float, max_ops: int, barrier: Any
-) -> Result:
-    """The work-lease ceiling: the hand-out script, ``MGET`` of the stored prompts, then the
-    passes given back (``ZADD`` at their old score, ``HSET`` queued) in one pipeline. Latency
-    is the hand-out's (script and ``MGET``), as the broker's is its work call's."""
-    r = redis.Redis.from_url(url)
-    queue, pass_prefix, blob_prefix = raw_prompt_keys(key_prefix)
-    handout = r.register_script(RAW_HANDOUT)
-    lease = 0
-
-    def take() -> list[tuple[bytes, float]]:
-        nonlocal lease
-        lease += 1
-        got = handout(keys=[queue], args=[size, pass_prefix, f"lease-{lease}"])
-        passes = [(got[i], float(got[i + 1])) for i in range(0, len(got), 2)]
-        if passes:
-            blobs = r.mget([blob_prefix.encode() + pk.rpartition(b"#")[0] for pk, _ in passes])
-            assert all(b is not None for b in blobs)
-        return passes
-
-    def give_back(passes: list[tuple[bytes, float]]) -> None:
-        pipe = r.pipeline(transaction=False)
-        pipe.zadd(queue, dict(passes))
-        for pk, _ in passes:
-            pipe.hset(pass_prefix.encode() + pk, "st", "q")
-        pipe.execute()
-
-    give_back(take())
-    res = Result()
-    barrier.wait()
-    res.t0 = time.perf_counter()
-    deadline = res.t0 + duration
-    while res.ops < max_ops and time.perf_counter() < deadline:
-        t = time.perf_counter()
-        passes = take()
-        dt = time.perf_counter() - t
-        if not passes:
-            res.empty += 1
-            break
-        res.lat.append(dt)
-        give_back(passes)
-        res.ops += 1
-        res.rollouts += len(passes)
-    res.t1 = time.perf_counter()
-    r.close()
-    return res
-
-
 # -- running a group of workers -------------------------------------------------------------
-def healthz_poll(
-    *, address: Address, duration: float, max_ops: int, until: Any = None, barrier: Any
-) -> Result:
-    """A liveness probe: ``GET /healthz`` back to back on one connection, each one timed, until
-    ``duration`` or ``max_ops``, or until the event ``until`` is set (after one probe at least)."""
-    http = Http(address)
-    expect(*http.call("GET", "/healthz")[:2], 200)
-    res = Result()
-    barrier.wait()
-    res.t0 = time.perf_counter()
-    deadline = res.t0 + duration
-    while res.ops < max_ops and time.perf_counter() < deadline:
-        t = time.perf_counter()
-        status, data, _ = http.call("GET", "/healthz")
-        res.lat.append(time.perf_counter() - t)
-        expect(status, data, 200)
-        res.ops += 1
-        if until is not None and until.is_set():
-            break
-    res.t1 = time.perf_counter()
-    http.close()
-    return res
-
-
-def big_ingest(*, address: Address, path: str, rollouts: int, done: Any, barrier: Any) -> Result:
-    """One JSON ingest of ``rollouts`` 262,144-token rollouts (up to 64 MiB), timed; sets
-    ``done`` when it is answered."""
-    body = big_json_body(rollouts)
-    http = Http(address)
-    res = Result()
-    barrier.wait()
-    try:
-        res.t0 = time.perf_counter()
-        status, data, _ = http.call("POST", path, body, CONTENT_TYPE["json"])
-        res.t1 = time.perf_counter()
-    finally:
-        done.set()
-    expect(status, data, 202)
-    res.lat.append(res.t1 - res.t0)
-    res.ops, res.rollouts = 1, rollouts
-    http.close()
-    return res
-
-
-def big_body_load(*, role: str, **kwargs: Any) -> Result:
-    """The two sides of the big-body rows, in one group: the ingest and the probe beside it."""
-    return big_ingest(**kwargs) if role == "ingest" else healthz_poll(**kwargs)
-
-
 def _child(fn: Callable[..., Result], kwargs: dict[str, Any], barrier: Any, out: Any) -> None:
     try:
         out.put(("ok", fn(barrier=barrier, **kwargs)))

@@ -24,12 +24,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from app.broker import keys
+from app import keys
 from app.broker.store import _load_scripts
-from benchmarks import load
+from benchmarks import load, load_prompts
+from benchmarks.harness import BIG, ROOT, Bench, Sizes, delete_keys
 from benchmarks.load import run_group
 from benchmarks.payloads import TOKENS
-from benchmarks.run import BIG, ROOT, Bench, Sizes, delete_keys
 from benchmarks.servers import proc_cpu_s, redis_server, uvicorn_server
 
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 elif args.workload == "work":
                     run = bench.new_run("prof-work", step_groups=1_000_000)
                     bench.register_prompts(run, args.queued, "p")
-                    fn = load.http_work_return
+                    fn = load_prompts.http_work_return
                     kw = dict(
                         address=broker.address,
                         run_id=run,

@@ -155,8 +155,7 @@ def postgres_database(server_url: str, app_dir: Path, workdir: Path) -> Iterator
     try:
         url = f"postgresql+asyncpg://{base.split('://', 1)[1]}/{name}"
         migrate = (
-            "import sys; from app.accounting.db import upgrade_to_head_sync; "
-            "upgrade_to_head_sync(sys.argv[1])"
+            "import sys; from app.db import upgrade_to_head_sync; upgrade_to_head_sync(sys.argv[1])"
         )
         env = tree_env(app_dir)
         done = subprocess.run(

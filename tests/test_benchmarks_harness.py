@@ -18,16 +18,14 @@ from typing import Any
 
 import pytest
 
-from benchmarks.cluster import BALANCE_NEED, MASTERS, cluster_binaries
+from benchmarks.harness import QUICK
 from benchmarks.payloads import RAW_BYTES, big_json_body
-from benchmarks.run import (
-    AUTH_NEED,
-    DRAIN_GROUP_NEED,
-    DRAIN_NEED_S,
-    LONG_NEED,
-    METRICS_NEED,
-    QUICK,
-)
+from benchmarks.rediscluster import MASTERS, cluster_binaries
+from benchmarks.sections.auth import AUTH_NEED
+from benchmarks.sections.cluster import BALANCE_NEED
+from benchmarks.sections.drain import DRAIN_GROUP_NEED, DRAIN_NEED_S
+from benchmarks.sections.long import LONG_NEED
+from benchmarks.sections.metrics import METRICS_NEED
 from benchmarks.servers import find_redis_server
 
 RATES = ("rollouts/s", "prompts/s")
@@ -107,7 +105,7 @@ def _shown(value: float, unit: str) -> str:
 
 
 def _cells(stdout: str) -> dict[str, list[str]]:
-    """The printed table's cells by measure (the column heads are in benchmarks/run.py)."""
+    """The printed table's cells by measure (the column heads are in benchmarks/report.py)."""
     out = {}
     for line in stdout.splitlines():
         if line.startswith("| ") and not line.startswith(("| **", "| measure |")):

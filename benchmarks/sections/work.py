@@ -1,0 +1,71 @@
+"""``--only work``: work leases of prompts at each queue depth, against raw Redis."""
+
+from __future__ import annotations
+
+from benchmarks import load_prompts
+from benchmarks.harness import Bench, Row, best_latency, best_rate
+from benchmarks.load import Group, percentile
+
+
+def work_rows(b: Bench) -> list[Row]:
+    """Work leases with the prompt queue at each depth: a generator takes a lease and gives it
+    back unstarted, so the depth holds; the raw ceiling does the same at the same depth."""
+    s = b.sizes
+    size = s.work_size
+    rows: list[Row] = []
+    run = b.new_run("work", step_groups=1_000_000)  # the budget is checked, never binds
+    b.raw_clear()
+    have = 0
+    first: dict[str, float] = {}
+    for level in s.work_levels:
+        b.say(f"work: registering prompts up to {level:,} queued")
+        reg = b.register_prompts(run, level - have, f"p{level}")
+        load_prompts.redis_fill_prompts(b.redis.url, b.raw_prefix, have, level - have)
+        have = level
+        got: dict[str, list[Group]] = {}
+        for rep in range(s.repeats):
+            b.say(f"work ceiling: raw Redis, leases of {size}, {level:,} queued (#{rep + 1})")
+            got.setdefault("raw", []).append(b.raw_work(size, s.ceiling_s))
+            b.say(f"work: broker, leases of {size}, {level:,} queued (#{rep + 1})")
+            got.setdefault("broker", []).append(b.work_return(run, size, s.work_s))
+        g, raw_g = best_rate(got["broker"]), best_rate(got["raw"])
+        lat, raw_lat = best_latency(got["broker"]), best_latency(got["raw"])
+        figs = {
+            "rate": (g.rate, raw_g.rate, "prompts/s", f"{g.ops} leases"),
+            "p50": (
+                percentile(lat.latencies, 50) * 1e3,
+                percentile(raw_lat.latencies, 50) * 1e3,
+                "ms",
+                f"{len(lat.latencies)} leases",
+            ),
+            "p99": (
+                percentile(lat.latencies, 99) * 1e3,
+                percentile(raw_lat.latencies, 99) * 1e3,
+                "ms",
+                f"{len(lat.latencies)} leases",
+            ),
+        }
+        for key, (v, raw, unit, count) in figs.items():
+            first.setdefault(key, v)
+            what = (
+                f"work lease of {size} + return, prompts/s"
+                if key == "rate"
+                else f"work lease of {size}, {key}"
+            )
+            note = f"{count}; {v / first[key]:.2f}× the {s.work_levels[0]:,}-queued figure"
+            if key == "rate":
+                note += f"; the prompts were registered at {reg.rate:,.0f}/s"
+            rows.append(
+                Row(
+                    f"work.queued.{level}.{key}",
+                    "Work leases (prompts)",
+                    f"{what}, {level:,} queued (1 generator)",
+                    v,
+                    unit,
+                    raw=raw,
+                    note=note,
+                )
+            )
+    b.drop_run(run)
+    b.raw_clear()
+    return rows
