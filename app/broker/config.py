@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, get_args
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, create_model
@@ -71,3 +71,12 @@ else:
         __doc__="A partial RunConfig: only the fields present change.",
         **{name: _patch_field(field) for name, field in RunConfig.model_fields.items()},
     )
+
+
+NULLABLE_CONFIG: Final = frozenset(
+    name
+    for name, field in RunConfig.model_fields.items()
+    if type(None) in get_args(field.annotation)
+)
+"""The RunConfig fields whose value may be null (step_groups: no staleness budget): the only
+ones a config patch may set to null (app/broker/endpoints/runs.py refuses the others)."""
