@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from pydantic import AfterValidator, StringConstraints
+from rollout_broker_client.protocol import RUN_ID_PATTERN
 
 from app.events import text_fault
 
@@ -39,13 +40,9 @@ def _ledger_text(value: str) -> str:
 
 LedgerText = AfterValidator(_ledger_text)
 
-# Ids end up in Redis key names and in the ledger: printable, no spaces, bounded.
-# A run id is a URL path segment: '.' and '..' would resolve away (a non-dot first, a non-dot
-# second, or three characters or more).
-RUN_ID_PATTERN = (
-    r"^(?:[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}|\.[A-Za-z0-9_-][A-Za-z0-9._-]{0,126}"
-    r"|\.\.[A-Za-z0-9._-]{1,126})$"
-)
+# Ids end up in Redis key names and in the ledger: printable, no spaces, bounded. The run id's
+# pattern (RUN_ID_PATTERN) is the client's protocol: its command line checks ids before any
+# request.
 # Not in an id: control characters, braces (Redis hash tags) and whitespace, spelled out rather
 # than written \s, whose meaning differs between the regex engines that read these patterns:
 # ECMA-262's (OpenAPI clients, JSON Schema) counts U+FEFF and not U+0085, Python's and Rust's

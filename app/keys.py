@@ -21,7 +21,6 @@ __all__ = [
     "drain_consumers_key",
     "events_key",
     "every_key",
-    "layout_key",
     "lua_prologue",
     "member_key",
     "run_base",
@@ -44,7 +43,7 @@ VERSIONS = "vs"  # zset: versions that have ready units, score = version
 OPEN = "open"  # zset: incomplete groups by creation ms
 OPEN_VERSIONS = "ov"  # zset: incomplete groups by (oldest) version
 LEASES = "leases"  # zset: live batches by expiry ms
-UNITS = "units"  # hash: every complete unit (ready or leased) -> its record (see common.lua)
+UNITS = "units"  # hash: every complete unit, ready or leased -> its record (lua/lib/units.lua)
 SEEN = "seen"  # set: every rollout_id ever received (idempotency)
 GROUPS_DONE = "gdone"  # set: groups that completed or retired: they take no new members
 WAITING = "waiting"  # string with a TTL: a trainer is long-polling the run
@@ -61,7 +60,6 @@ GUARD = "guard"
 VERSION_QUEUE = "qv:"  # zset per version: its ready units by arrival seq
 UNIT = "u:"  # hash per group still filling: need, have, v, seq, rmin/rmax, pk/att
 MEMBERS = "m:"  # list per group unit: '<version> <tokens> <rollout_id>' in arrival order
-ROLLOUT = "r:"  # hash per rollout (v, n) of the earlier layout: read only by its upgrade
 BLOB = "d:"  # string per rollout: the packed rollout (read with MGET outside the scripts)
 BATCH = "b:"  # hash per batch: state, its units and rollouts, size, version, stored ack answer
 PASS = "pp:"  # hash per prompt pass '<prompt_id>#<pass>': st, att, tries, lease, seq
@@ -71,7 +69,6 @@ WORK = "w:"  # hash per work lease: state, version, expiry, its passes, groups s
 # -- global keys and channels: the part after "<prefix>:" ------------------------------------
 RUNS = "runs"  # zset: every run id by creation ms (listing); a deleted run leaves it
 ACTIVE = "active"  # zset: the runs the workers visit, by activation token (see store.py)
-LAYOUT = "layout"  # string: "2" once the workers have put every run of RUNS into ACTIVE
 DRAIN_CONSUMERS = "drain:consumers"  # zset: every accounting drain consumer by heartbeat ms
 AUDIT = "audit"  # stream: operator actions on their way to Postgres (app/access/audit.py)
 TOKENS = "tokens"  # pub/sub channel: the id of a revoked token, for every process's cache
@@ -83,7 +80,7 @@ WORK_WAKE = "work"
 # The consumer group of every run's events stream: the accounting drain reads through it.
 CONSUMER_GROUP = "accounting"
 
-GLOBAL_KEYS = (RUNS, ACTIVE, LAYOUT, DRAIN_CONSUMERS, AUDIT)
+GLOBAL_KEYS = (RUNS, ACTIVE, DRAIN_CONSUMERS, AUDIT)
 """The keys of a prefix outside every run (channels aside)."""
 
 # The names the Lua scripts know the keys by: a local holding each fixed key, and a function
@@ -110,7 +107,6 @@ LUA_FAMILIES: dict[str, str] = {
     "qvkey": VERSION_QUEUE,
     "ukey": UNIT,
     "mkey": MEMBERS,
-    "rkey": ROLLOUT,
     "dkey": BLOB,
     "bkey": BATCH,
     "ppkey": PASS,
@@ -154,10 +150,6 @@ def runs_key(prefix: str) -> str:
 
 def active_key(prefix: str) -> str:
     return f"{prefix}:{ACTIVE}"
-
-
-def layout_key(prefix: str) -> str:
-    return f"{prefix}:{LAYOUT}"
 
 
 def audit_key(prefix: str) -> str:

@@ -19,12 +19,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import __version__, allocator, health, keys, metrics, ui
 from app.access import endpoints as access_endpoints
+from app.access import openapi as access_openapi
 from app.access.audit import StreamActionLog
 from app.access.guard import guard
 from app.access.tokens import TokenCache
 from app.accounting import endpoints as accounting_endpoints
 from app.api import DirectRoutes, install_error_handlers, install_openapi
 from app.broker import endpoints as broker_endpoints
+from app.broker.endpoints import openapi as broker_openapi
 from app.db import create_sessionmaker, schema_at_head
 from app.settings import Settings
 from app.wiring import broker_for, database_engine, redis_client
@@ -66,7 +68,7 @@ def create_app(
     app.state.settings = settings
     app.state.tokens = None  # auth off; the lifespan sets it when auth is on
     install_error_handlers(app)
-    install_openapi(app)
+    install_openapi(app, [broker_openapi.OPENAPI, access_openapi.OPENAPI])
     app.include_router(health.router)
     for router in broker_endpoints.ROUTERS:
         app.include_router(router)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from app import keys
-from app.broker.store import _load_scripts
+from app.broker.scripts import load_scripts
 from benchmarks import load, load_prompts
 from benchmarks.harness import BIG, ROOT, Bench, Sizes, delete_keys
 from benchmarks.load import run_group
@@ -46,7 +46,7 @@ def script_names(app_dir: Path) -> dict[str, str]:
         for src in (keys.lua_prologue() + common + "\n" + body, common + "\n" + body, body):
             names[hashlib.sha1(src.encode()).hexdigest()] = f.stem
     if app_dir.resolve() == ROOT:  # this tree: the exact texts its store loads
-        for name, src in _load_scripts().items():
+        for name, src in load_scripts().items():
             names[hashlib.sha1(src.encode()).hexdigest()] = name
     return names
 

@@ -22,12 +22,8 @@ async def run_maintenance(
     done: Callable[[], None] = lambda: None,
 ) -> None:
     """Sweep until ``stop`` is set; ``done`` is called after each pass that succeeded."""
-    adopted = False
     while not stop.is_set():
         try:
-            if not adopted:  # runs of a broker from before the active index, once per prefix
-                await broker.store.adopt_runs()
-                adopted = True
             await broker.sweep_all()
             done()
         except Exception:  # keep sweeping: a Redis blip must not end the loop

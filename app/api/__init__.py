@@ -1,6 +1,7 @@
 """The HTTP transport every domain's endpoints use, and nothing of any domain: reading bodies
 (JSON or msgpack, size-limited), rendering answers, the request's caller and settings, and the
-API description's helpers. Its modules are private; the endpoints import from here."""
+API description's helpers (what a domain adds to the description is an :class:`OpenAPIPart`).
+Its modules are private; the endpoints import from here."""
 
 from app.api._codec import (
     pack_items,
@@ -13,12 +14,16 @@ from app.api._codec import (
 )
 from app.api._direct import DirectRoutes
 from app.api._errors import install_error_handlers
-from app.api._openapi import RAW_ARRAYS, errors, install_openapi, msgpack_answer, request_body
+from app.api._openapi import OpenAPIPart, install_openapi
+from app.api._openapi_errors import errors
+from app.api._openapi_schemas import RAW_ARRAYS, Keywords, msgpack_answer, request_body
 from app.api._state import Session, caller_of, record_action, sessionmaker_of, settings_of
 
 __all__ = [
     "RAW_ARRAYS",
     "DirectRoutes",
+    "Keywords",
+    "OpenAPIPart",
     "Session",
     "caller_of",
     "errors",

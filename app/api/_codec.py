@@ -163,10 +163,6 @@ async def sized_call(size: int, fn: Callable[P, T], *args: P.args, **kwargs: P.k
 # -- parsing a body ------------------------------------------------------------------------------
 
 
-def is_msgpack(content_type: str | None) -> bool:
-    return _kind(content_type) in MSGPACK_TYPES
-
-
 def _kind(content_type: str | None) -> str:
     return (content_type or "application/json").split(";", 1)[0].strip().lower()
 

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from fastapi.routing import iter_route_contexts
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import compile_path
 
 from app.api._codec import describe_errors, render
 from app.api._direct import route_path
-from app.api._openapi import PathMethods
 from app.errors import OUTAGE_CANDIDATES, BrokerError, Unavailable, outage_of, status_name
 
 log = logging.getLogger("rollout_broker")
@@ -52,6 +55,29 @@ class OutageLog:
         )
         self._last[store] = now
         self._answered[store] = 0
+
+
+class PathMethods:
+    """Every method a path is served with, over all of an app's routes: what a ``405`` answer's
+    ``Allow`` lists. Starlette names only the methods of the first route whose path matched
+    (``OPTIONS /v1/runs`` was answered ``Allow: POST``, without ``GET``)."""
+
+    def __init__(self, routes: list[Any]) -> None:
+        self.routes = routes  # the app's list: routes included later are in it too
+        self._regexes: dict[str, re.Pattern[str]] = {}
+
+    def of(self, path: str) -> list[str]:
+        found: set[str] = set()
+        for route in iter_route_contexts(self.routes):  # included routers' routes too
+            template, methods = route.path, route.methods
+            if template is None or not methods:
+                continue
+            regex = self._regexes.get(template)
+            if regex is None:
+                regex = self._regexes[template] = compile_path(template)[0]
+            if regex.match(path):
+                found |= methods
+        return sorted(found)
 
 
 def install_error_handlers(app: FastAPI) -> None:

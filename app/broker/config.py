@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, get_args
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic.fields import FieldInfo
 
 from app.ids import MAX_VERSION
 
@@ -47,24 +48,35 @@ class RunConfig(BaseModel):
         return RunConfig.model_validate(data)
 
 
-class RunConfigPatch(BaseModel):
-    """A partial RunConfig: only the fields present change."""
+class _Patch(BaseModel):
+    """What every RunConfigPatch is, as far as a type checker knows: its fields are RunConfig's,
+    made at import time (create_model), so that a bound is written once."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    max_staleness: int | None = Field(None, ge=0, le=MAX_VERSION)
-    max_reuse: int | None = Field(None, ge=1, le=10_000)
-    kl_max: float | None = Field(None, ge=0, le=1e12, allow_inf_nan=False)
-    kl_flush: float | None = Field(None, ge=0, le=1e12, allow_inf_nan=False)
-    kl_estimator: KlEstimator | None = None
-    clip_epsilon: float | None = Field(None, gt=0, lt=1, allow_inf_nan=False)
-    group_size: int | None = Field(None, ge=1, le=4096)
-    group_timeout_s: float | None = Field(None, gt=0, le=30 * 86400, allow_inf_nan=False)
-    drop_zero_variance_groups: bool | None = None
-    order: Order | None = None
-    capacity_rollouts: int | None = Field(None, ge=1, le=1_000_000_000)
-    lease_timeout_s: float | None = Field(None, gt=0, le=7 * 86400, allow_inf_nan=False)
-    # null is a value here (no staleness budget), so "absent" is told apart by exclude_unset.
-    step_groups: int | None = Field(None, ge=1, le=1_000_000_000)
-    work_timeout_s: float | None = Field(None, gt=0, le=7 * 86400, allow_inf_nan=False)
-    max_attempts: int | None = Field(None, ge=1, le=1000)
+
+def _patch_field(field: FieldInfo) -> tuple[Any, FieldInfo]:
+    """A RunConfig field as a patch takes it: its bounds, None when absent. For step_groups,
+    null is a value too (no staleness budget): absent is told apart by exclude_unset."""
+    annotation: Any = field.annotation
+    return annotation | None, FieldInfo.merge_field_infos(field, default=None)
+
+
+if TYPE_CHECKING:
+    RunConfigPatch = _Patch
+else:
+    RunConfigPatch = create_model(
+        "RunConfigPatch",
+        __base__=_Patch,
+        __doc__="A partial RunConfig: only the fields present change.",
+        **{name: _patch_field(field) for name, field in RunConfig.model_fields.items()},
+    )
+
+
+NULLABLE_CONFIG: Final = frozenset(
+    name
+    for name, field in RunConfig.model_fields.items()
+    if type(None) in get_args(field.annotation)
+)
+"""The RunConfig fields whose value may be null (step_groups: no staleness budget): the only
+ones a config patch may set to null (app/broker/endpoints/runs.py refuses the others)."""

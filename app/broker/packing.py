@@ -442,7 +442,3 @@ def unpack_rollouts(blobs: list[bytes]) -> list[StoredRollout]:
         )
         for doc, response, prompt in zip(docs, responses, prompts, strict=True)
     ]
-
-
-def unpack_rollout(blob: bytes) -> StoredRollout:
-    return unpack_rollouts([blob])[0]

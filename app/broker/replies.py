@@ -2,7 +2,7 @@
 the broker's errors.
 
 Every script answers ``{'ok', ...}`` or ``{'err', code, arg...}`` (``ok()`` and ``err()`` in
-lua/common.lua). :func:`decode` is the only reader of that envelope: it returns the body of an
+lua/lib/replies.lua). :func:`decode` is the only reader of that envelope: it returns the body of an
 ``ok`` and raises :class:`StoreError` for an ``err``. :data:`REFUSALS` maps every code to its
 error class and message; :func:`error_for` applies it, and turns a code missing from the table
 into a logged :class:`~app.errors.InternalError` (500) naming the code, never a 4xx.

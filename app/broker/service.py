@@ -12,33 +12,28 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
 import msgpack
-import numpy as np
-import numpy.typing as npt
 import orjson
 from rollout_broker_client.protocol import new_run_id
 
 from app import keys
+from app.broker.acks import ack_result, acked_event, batch_row, check_ack_ids, measure
 from app.broker.behaviour import BatchRow, BehaviourCache
 from app.broker.config import RunConfig, RunConfigPatch
 from app.broker.notify import Waker
 from app.broker.packing import (
     PackedRollout,
     StoredRollout,
-    as_logprobs,
-    check_logprobs,
     pack_rollouts,
     token_ids,
     unpack_rollouts,
 )
-from app.broker.replies import AckAnswer, ErrorContext, StoreError, error_for
+from app.broker.replies import ErrorContext, StoreError, error_for
 from app.broker.schemas import (
     AckBody,
     AckResult,
-    BatchStats,
     IngestResult,
     NackResult,
     PolicyResult,
@@ -52,34 +47,16 @@ from app.broker.schemas import (
     RunList,
     WorkBody,
     WorkOut,
-    WorkPrompt,
 )
-from app.broker.stats import BatchFigures, Measured, batch_figures
 from app.broker.store import (
     ORPHAN_GRACE_MS,
-    BatchMember,
     BatchView,
     Lease,
     RedisStore,
     RunState,
-    WorkLease,
 )
+from app.broker.views import iso_ms, run_view, work_out
 from app.errors import BrokerError, ValidationFailed
-from app.events import Acked, AckedItem, AckStats, AckSums, pack_payload
-
-
-def iso_ms(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat().replace("+00:00", "Z")
-
-
-def run_view(state: RunState) -> Run:
-    return Run(
-        run_id=state.run_id,
-        config=state.config,
-        policy_version=state.policy_version,
-        status=state.status,
-        created_at=iso_ms(state.created_at_ms),
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,9 +199,6 @@ class Broker:
     def pack(self, rollouts: Sequence[RolloutJSON]) -> list[PackedRollout]:
         self.check_count(len(rollouts))
         return pack_rollouts(rollouts, self.max_tokens)
-
-    async def ingest(self, run_id: str, rollouts: Sequence[RolloutJSON]) -> IngestResult:
-        return await self.ingest_packed(run_id, self.pack(rollouts))
 
     async def ingest_packed(self, run_id: str, packed: list[PackedRollout]) -> IngestResult:
         """Ingest rollouts :meth:`pack` has packed (the API packs big bodies off the event
@@ -372,47 +346,21 @@ class Broker:
         view, rows = await self._batch_for_ack(run_id, batch_id, bool(new_lp))
         if view.answer is not None:  # acked before: the same answer again
             self.behaviour.pop(run_id, batch_id)
-            return _ack_result(view.answer, view.size)
-        unknown = (new_lp.keys() | ready_kl.keys()) - {row.rollout_id for row in rows}
-        if unknown:
-            raise ValidationFailed(
-                f"batch {batch_id!r} has no rollout {sorted(unknown)[0]!r} "
-                f"({len(unknown)} unknown rollout ids)"
-            )
-        both = new_lp.keys() & ready_kl.keys()
-        if both:
-            raise ValidationFailed(
-                f"rollout {sorted(both)[0]!r} has both logprobs and kl; give one of them"
-            )
-        # Ready-made kl values were bounded by AckBody, and stats.py caps what it computes:
-        # every figure below is finite, so the acked event can always be applied.
-
-        current = _current_logprobs(rows, new_lp)
-        items = [
-            Measured(row.old, current.get(row.rollout_id), ready_kl.get(row.rollout_id), row.tokens)
-            for row in rows
-        ]
-        cfg = view.config
-        fig = batch_figures(items, cfg.kl_estimator, cfg.clip_epsilon)
-        stats = BatchStats(
-            kl_mean=fig.kl_mean,
-            kl_max=fig.kl_max,
-            is_ratio_mean=fig.is_ratio_mean,
-            clip_fraction=fig.clip_fraction,
-            ess_fraction=fig.ess_fraction,
-        )
+            return ack_result(view.answer, view.size)
+        check_ack_ids(batch_id, rows, new_lp, ready_kl)
+        fig, stats = measure(rows, new_lp, ready_kl, view.config)
         try:
             with self._refusals(run_id, batch_id=batch_id):
                 _, answer = await self.store.ack(
                     run_id,
                     batch_id,
                     kl_mean=fig.kl_mean,
-                    event=_acked_event(batch_id, body.step, view.policy_version, rows, fig, stats),
+                    event=acked_event(batch_id, body.step, view.policy_version, rows, fig, stats),
                     stats_text=stats.model_dump_json(),
                 )
         finally:
             self.behaviour.pop(run_id, batch_id)
-        return _ack_result(answer, view.size)
+        return ack_result(answer, view.size)
 
     async def _batch_for_ack(
         self, run_id: str, batch_id: str, measure: bool
@@ -431,7 +379,7 @@ class Broker:
         except BrokerError:
             self.behaviour.pop(run_id, batch_id)  # nacked, expired or gone: no ack will come
             raise
-        return view, kept if kept is not None else [_row(m) for m in view.members]
+        return view, kept if kept is not None else [batch_row(m) for m in view.members]
 
     async def nack(self, run_id: str, batch_id: str) -> NackResult:
         self.behaviour.pop(run_id, batch_id)
@@ -504,7 +452,7 @@ class Broker:
                         continue
                     ctx = ErrorContext(run_id, lease_id=lid)
                     raise error_for(err, ctx) from None
-                return (None if got is None else _work_out(got)), None
+                return (None if got is None else work_out(got)), None
 
         return await self._long_poll(run_id, keys.WORK_WAKE, body.max_prompts, body.wait_s, attempt)
 
@@ -535,105 +483,3 @@ class Broker:
                 await self.store.deactivate(rid, token)
             await asyncio.sleep(0)
         return total
-
-
-def _work_out(lease: WorkLease) -> WorkOut:
-    prompts = []
-    for item in lease.items:
-        stored = msgpack.unpackb(item.blob, raw=False)
-        prompts.append(
-            WorkPrompt(
-                prompt_id=item.prompt_id,
-                pass_=item.pass_,
-                attempt=item.attempt,
-                group_id=item.group_id,
-                prompt_ids=stored["i"],
-                data=stored["d"],
-            )
-        )
-    return WorkOut(
-        lease_id=lease.lease_id,
-        policy_version=lease.policy_version,
-        expires_at=iso_ms(lease.expires_at_ms),
-        prompts=prompts,
-    )
-
-
-def _ack_result(answer: AckAnswer, size: int) -> AckResult:
-    return AckResult(
-        consumed=size,
-        retired=answer.retired,
-        flushed=answer.flushed,
-        stats=BatchStats.model_validate_json(answer.stats_json),
-    )
-
-
-def _row(m: BatchMember) -> BatchRow:
-    lp = msgpack.unpackb(m.blob, raw=False).get("l") if m.blob is not None else None
-    old = np.frombuffer(lp, dtype="<f4") if lp is not None else None
-    return BatchRow(m.rollout_id, m.policy_version, m.tokens, old)
-
-
-def _current_logprobs(
-    rows: Sequence[BatchRow], given: dict[str, Any]
-) -> dict[str, npt.NDArray[np.floating[Any]]]:
-    """The ack's logprobs by rollout id. They are validated in one pass over all the batch's
-    tokens; only when that fails is each rollout checked, to name the one at fault."""
-    arrays: dict[str, npt.NDArray[np.floating[Any]]] = {}
-    for row in rows:
-        value = given.get(row.rollout_id)
-        if value is None:
-            continue
-        if isinstance(value, bytes) and len(value) == 4 * row.tokens:
-            arr = np.frombuffer(value, dtype="<f4")  # raw float32, one per token
-        else:
-            what = f"ack logprobs of rollout {row.rollout_id!r}"
-            arr = as_logprobs(value, what)
-            if arr.size != row.tokens:
-                raise ValidationFailed(f"{what}: {arr.size} values for {row.tokens} tokens")
-        arrays[row.rollout_id] = arr
-    if arrays:
-        try:
-            check_logprobs(np.concatenate(list(arrays.values())), "ack logprobs")
-        except ValidationFailed:
-            for rid, arr in arrays.items():
-                check_logprobs(arr, f"ack logprobs of rollout {rid!r}")
-            raise
-    return arrays
-
-
-def _acked_event(
-    batch_id: str,
-    step: int | None,
-    policy_version: int,
-    rows: Sequence[BatchRow],
-    fig: BatchFigures,
-    stats: BatchStats,
-) -> bytes:
-    """The ``acked`` event's payload, without ``t``: the ack script adds it when it records it."""
-    return pack_payload(
-        "acked",
-        Acked(
-            batch_id=batch_id,
-            step=step,
-            policy_version=policy_version,
-            items=tuple(
-                AckedItem(row.rollout_id, row.policy_version, row.tokens, k)
-                for row, k in zip(rows, fig.kl, strict=True)
-            ),
-            stats=AckStats(
-                kl_mean=stats.kl_mean,
-                kl_max=stats.kl_max,
-                is_ratio_mean=stats.is_ratio_mean,
-                clip_fraction=stats.clip_fraction,
-                ess_fraction=stats.ess_fraction,
-            ),
-            sums=AckSums(
-                kl_tokens=fig.kl_tokens,
-                kl_sum=fig.kl_sum,
-                ratio_tokens=fig.ratio_tokens,
-                ratio_sum=fig.ratio_sum,
-                clipped=fig.clipped,
-            ),
-        ),
-    )

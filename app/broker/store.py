@@ -8,13 +8,10 @@ app/broker/replies.py, which raises StoreError when a script refuses.
 
 from __future__ import annotations
 
-import math
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from importlib import resources
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
@@ -22,7 +19,28 @@ from redis.commands.core import AsyncScript
 from app import keys
 from app.broker.config import RunConfig
 from app.broker.packing import PackedRollout
+from app.broker.records import (
+    RUN_FIELDS,
+    BatchMember,
+    BatchView,
+    IngestOutcome,
+    Lease,
+    LeasedRollout,
+    MaintainOutcome,
+    RunPage,
+    RunState,
+    SweepOutcome,
+    WorkItem,
+    WorkLease,
+    _counts,
+    _cursor,
+    _parse_cursor,
+    _run_state,
+    _score_text,
+    maintain_state,
+)
 from app.broker.replies import AckAnswer, StoreError, ack_answer, decode, text
+from app.broker.scripts import load_scripts
 
 __all__ = [
     "LEASE_SWEEP_LIMIT",
@@ -55,44 +73,11 @@ ACK_FLUSH_LIMIT = 10 * SWEEP_LIMIT  # units a kl_flush retires within the ack it
 SCAN_PER_ROLLOUT = 4
 SCAN_SLACK = 256
 
-_SCRIPTS = (
-    "create_run",
-    "maintain",
-    "wake_run",
-    "delete_run",
-    "patch_config",
-    "set_policy",
-    "close_run",
-    "ingest",
-    "lease",
-    "batch_view",
-    "ack",
-    "nack",
-    "sweep",
-    "register_prompts",
-    "work",
-    "work_return",
-)
-
 
 def scan_limit(size: int) -> int:
     return SCAN_PER_ROLLOUT * size + SCAN_SLACK
 
 
-# A parked run (a closed one that has settled: see maintain.lua) has left the active index, so
-# no worker visits it. Every script starts by refusing one, before it changes anything, except
-# these, which handle a parked run themselves or only read. The store then takes the run back
-# into the index and wakes it, index first (RedisStore._call), and calls again.
-_PARK_AWARE = frozenset(
-    {"create_run", "close_run", "batch_view", "maintain", "wake_run", "delete_run"}
-)
-_PARKED_GUARD = """
-if redis.call('HEXISTS', RUN, 'parked') == 1 then
-  return err('run_parked', redis.call('HGET', RUN, 'tok') or '0')
-end
-"""
-# Scripts that judge whether a closed run has settled.
-_SETTLED = frozenset({"maintain", "delete_run"})
 _WAKE_TRIES = 5
 
 # The active index lives in one slot of its own, so these touch only it. A token is the time
@@ -122,185 +107,13 @@ ORPHAN_GRACE_MS = 10 * 60 * 1000
 PAGE_SCAN_SLACK = 10_000
 
 
-def _load_scripts() -> dict[str, str]:
-    pkg = resources.files("app.broker") / "lua"
-    prologue = keys.lua_prologue() + (pkg / "common.lua").read_text()
-    settled = (pkg / "settled.lua").read_text()
-    scripts = {}
-    for name in _SCRIPTS:
-        parts = [prologue]
-        if name not in _PARK_AWARE:
-            parts.append(_PARKED_GUARD)
-        if name in _SETTLED:
-            parts.append(settled)
-        parts.append((pkg / f"{name}.lua").read_text())
-        scripts[name] = "\n".join(parts)
-    return scripts
-
-
-@dataclass(frozen=True, slots=True)
-class RunState:
-    run_id: str
-    config: RunConfig
-    config_json: str
-    policy_version: int
-    status: Literal["open", "closed"]
-    created_at_ms: int
-    live: int  # buffered + leased rollouts
-    leased: int
-    floor: int
-
-
-@dataclass(frozen=True, slots=True)
-class RunPage:
-    runs: list[RunState]
-    next_cursor: str | None  # None: the listing is complete
-
-
-MaintainState = Literal["active", "parked", "missing", "deleted"]  # maintain.lua's replies
-
-
-@dataclass(frozen=True, slots=True)
-class MaintainOutcome:
-    state: MaintainState
-    more: bool  # sweep work was left for another call
-    retired: dict[str, int]
-    now_ms: int  # Redis's clock, for the age of a missing run's index entry
-
-    @property
-    def total(self) -> int:
-        return sum(self.retired.values())
-
-
-@dataclass(frozen=True, slots=True)
-class IngestOutcome:
-    accepted: int
-    duplicates: int
-    rejected: list[tuple[str, str]]
-
-
-@dataclass(frozen=True, slots=True)
-class LeasedRollout:
-    uses: int
-    lag: int
-    blob: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class Lease:
-    batch_id: str
-    policy_version: int
-    expires_at_ms: int
-    rollouts: list[LeasedRollout]
-
-
-@dataclass(frozen=True, slots=True)
-class BatchMember:
-    rollout_id: str
-    policy_version: int
-    tokens: int
-    blob: bytes | None  # only when asked for
-
-
-@dataclass(frozen=True, slots=True)
-class BatchView:
-    """A batch as the ack needs it before the ack script runs: leased, or acked already (a
-    batch that was nacked or expired is refused with a StoreError)."""
-
-    config: RunConfig  # the run's
-    state: Literal["leased", "acked"]
-    policy_version: int
-    size: int
-    answer: AckAnswer | None  # when acked
-    members: list[BatchMember]  # while leased, when asked for
-
-
-@dataclass(frozen=True, slots=True)
-class WorkItem:
-    prompt_id: str
-    pass_: int
-    attempt: int
-    blob: bytes
-
-    @property
-    def group_id(self) -> str:
-        """The group a generator posts this attempt's rollouts under (ingest.lua parses it)."""
-        return f"{self.prompt_id}#{self.pass_}.{self.attempt}"
-
-
-@dataclass(frozen=True, slots=True)
-class WorkLease:
-    lease_id: str
-    policy_version: int
-    expires_at_ms: int
-    items: list[WorkItem]
-
-
-@dataclass(frozen=True, slots=True)
-class SweepOutcome:
-    more: bool  # work was left for another call
-    retired: dict[str, int]  # rollouts retired, by reason
-
-    @property
-    def total(self) -> int:
-        return sum(self.retired.values())
-
-
-_RUN_FIELDS = ("cfg", "ver", "st", "created", "live", "leased", "floor")
-
-
-def _run_state(run_id: str, f: Sequence[Any]) -> RunState | None:
-    if f[0] is None:
-        return None  # no such run, or the tombstone of a deleted one
-    cfg = text(f[0])
-    return RunState(
-        run_id=run_id,
-        config=RunConfig.model_validate_json(cfg),
-        config_json=cfg,
-        policy_version=int(f[1]),
-        status="closed" if text(f[2]) == "closed" else "open",
-        created_at_ms=int(f[3]),
-        live=int(f[4]),
-        leased=int(f[5]),
-        floor=int(f[6]),
-    )
-
-
-def _score_text(score: float) -> str:
-    """A score as Redis reads it back exactly (an integer, the usual case, without '.0')."""
-    return f"{score:.17g}"
-
-
-def _cursor(score: float, run_id: str) -> str:
-    """A page's ``next_cursor``: the last entry read, '<creation ms>:<run id>'."""
-    return f"{_score_text(score)}:{run_id}"
-
-
-def _parse_cursor(cursor: str | None) -> tuple[float, str] | None:
-    if cursor is None:
-        return None
-    ms, sep, rid = cursor.partition(":")
-    try:
-        score = float(ms)
-    except ValueError:
-        score = math.nan
-    if not sep or not rid or not math.isfinite(score) or ms != _score_text(score):
-        raise ValueError(f"not a cursor of this listing: {cursor!r}")
-    return score, rid
-
-
-def _counts(rows: Sequence[Any]) -> dict[str, int]:
-    """A retired_counts() reply value: {reason: rollouts}."""
-    return {text(reason): int(n) for reason, n in rows}
-
-
 class RedisStore:
     def __init__(self, redis: Redis, prefix: str) -> None:
         self.redis = redis
         self.prefix = prefix
         self.wake_channel = keys.wake_channel(prefix)
         self._scripts: dict[str, AsyncScript] = {
-            name: redis.register_script(src) for name, src in _load_scripts().items()
+            name: redis.register_script(src) for name, src in load_scripts().items()
         }
         self._activate = redis.register_script(_ACTIVATE_LUA)
         self._deactivate = redis.register_script(_DEACTIVATE_LUA)
@@ -366,24 +179,6 @@ class RedisStore:
         rows: list[Any] = await self.redis.zrange(self.active_key, 0, -1, withscores=True)
         return [(text(rid), int(score)) for rid, score in rows]
 
-    async def adopt_runs(self) -> int:
-        """Once per prefix: put every run of the run index into the active index (a broker
-        before the active index had only the run index); the maintenance then parks the runs
-        that have settled. Returns the runs adopted (0 once done)."""
-        layout = keys.layout_key(self.prefix)
-        if await self.redis.get(layout) is not None:
-            return 0
-        n, start = 0, 0
-        while True:
-            page: list[Any] = await self.redis.zrange(self.runs_key, start, start + 999)
-            for rid in page:
-                await self.activate(text(rid))
-            n, start = n + len(page), start + len(page)
-            if len(page) < 1000:
-                break
-        await self.redis.set(layout, "2")
-        return n
-
     # -- runs -----------------------------------------------------------------------------
     async def create_run(self, run_id: str, config: RunConfig) -> Literal["created", "exists"]:
         """'created', or 'exists' with the same config; StoreError('run_conflict'), or
@@ -403,7 +198,7 @@ class RedisStore:
         return "created" if text(outcome) == "created" else "exists"
 
     async def get_run(self, run_id: str) -> RunState | None:
-        f: list[Any] = await self.redis.hmget(self.run_key(run_id), *_RUN_FIELDS)
+        f: list[Any] = await self.redis.hmget(self.run_key(run_id), *RUN_FIELDS)
         return _run_state(run_id, f)
 
     async def run_ids(self) -> list[str]:
@@ -481,7 +276,7 @@ class RedisStore:
         for start in range(0, len(run_ids), 1000):
             async with self.redis.pipeline(transaction=False) as pipe:
                 for rid in run_ids[start : start + 1000]:
-                    pipe.hmget(self.run_key(rid), *_RUN_FIELDS)
+                    pipe.hmget(self.run_key(rid), *RUN_FIELDS)
                 rows = await pipe.execute()
             out += [
                 _run_state(rid, f)
@@ -532,7 +327,7 @@ class RedisStore:
             "maintain", run_id, limit, token, keys.CONSUMER_GROUP
         )
         return MaintainOutcome(
-            cast(MaintainState, text(state)), bool(int(more)), _counts(retired), int(now)
+            maintain_state(text(state)), bool(int(more)), _counts(retired), int(now)
         )
 
     async def sweep(self, run_id: str, limit: int = SWEEP_LIMIT) -> SweepOutcome:

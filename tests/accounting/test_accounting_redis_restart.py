@@ -192,18 +192,20 @@ async def test_broker_changes_answered_before_a_restart_are_all_accounted(
     received = consumed = batches = 0
     try:
         for round_, restart in enumerate((own_redis.shutdown, own_redis.kill, None)):
-            posted = await broker.ingest(
+            posted = await broker.ingest_packed(
                 run_id,
-                [
-                    RolloutJSON(
-                        rollout_id=f"{round_}-{i}",
-                        policy_version=0,
-                        response_ids=[1, 2, 3],
-                        logprobs=[-0.5, -0.6, -0.7],
-                        reward=float(i % 2),
-                    )
-                    for i in range(20)
-                ],
+                broker.pack(
+                    [
+                        RolloutJSON(
+                            rollout_id=f"{round_}-{i}",
+                            policy_version=0,
+                            response_ids=[1, 2, 3],
+                            logprobs=[-0.5, -0.6, -0.7],
+                            reward=float(i % 2),
+                        )
+                        for i in range(20)
+                    ]
+                ),
             )
             received += posted.accepted
             batch = await broker.lease(

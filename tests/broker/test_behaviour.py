@@ -80,7 +80,7 @@ async def test_an_ack_on_another_replica_measures_the_same(
 ) -> None:
     leaser, other = brokers
     await leaser.create_run("r", None)
-    await leaser.ingest("r", rollouts(8))
+    await leaser.ingest_packed("r", leaser.pack(rollouts(8)))
     asked: list[bool] = []
     real = RedisStore.batch_view
 
@@ -109,7 +109,7 @@ async def test_an_ack_on_another_replica_measures_the_same(
         assert answer.stats.kl_mean == pytest.approx(k3.mean(), rel=1e-9)
         assert answer.stats.is_ratio_mean == pytest.approx(np.exp(log_r).mean(), rel=1e-9)
     # An ack with ready-made KL elsewhere needs the rollouts' versions and lengths, not blobs.
-    await leaser.ingest("r", rollouts(12)[8:])
+    await leaser.ingest_packed("r", leaser.pack(rollouts(12)[8:]))
     c = await leaser.lease(
         "r", size=4, policy_version=None, wait_s=0, partial=False, trainer_id=None
     )
@@ -126,7 +126,7 @@ async def test_an_ack_on_another_replica_measures_the_same(
 async def test_nack_and_settled_acks_let_the_batch_go(brokers: tuple[Broker, Broker]) -> None:
     broker, _ = brokers
     await broker.create_run("r", None)
-    await broker.ingest("r", rollouts(2))
+    await broker.ingest_packed("r", broker.pack(rollouts(2)))
     got = await broker.lease(
         "r", size=2, policy_version=None, wait_s=0, partial=False, trainer_id=None
     )
@@ -153,7 +153,7 @@ async def test_a_lease_that_runs_out_before_delivery_is_never_handed_out(
     monkeypatch.setattr(RedisStore, "blobs", closed_meanwhile)
     for run, batch_id in (("server-chosen", None), ("client-chosen", "my-batch-0001")):
         await broker.create_run(run, RunConfig(lease_timeout_s=0.01))
-        await broker.ingest(run, rollouts(2))
+        await broker.ingest_packed(run, broker.pack(rollouts(2)))
         lease = broker.lease(
             run,
             size=2,

@@ -1,24 +1,24 @@
-"""Helpers of common.lua run on their own in a real Redis: the prologue and common.lua as every
-script gets them, followed by a few lines that call one helper."""
+"""Helpers of the Lua libraries (app/broker/lua/lib) run on their own in a real Redis: the
+prologue and the libraries as a script that requires them gets them, followed by a few lines
+that call one helper."""
 
 from __future__ import annotations
 
 import json
 import math
-from importlib import resources
 
 import msgpack
 import pytest
 from redis.exceptions import ResponseError
 
 from app import keys
+from app.broker.scripts import lua_source
 
 pytestmark = pytest.mark.one_node  # plain Lua helpers: the same on any Redis
 
 
 async def run_lua(redis, prefix: str, body: str, *args):
-    lua = resources.files("app.broker") / "lua"
-    script = keys.lua_prologue() + (lua / "common.lua").read_text() + "\n" + body
+    script = lua_source("-- requires: units\n" + body)
     return await redis.eval(script, 2, *keys.script_keys(prefix, "lua"), "wake", *args)
 
 

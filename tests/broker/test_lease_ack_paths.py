@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from app.api import render
+from app.broker.acks import current_logprobs as _current_logprobs
 from app.broker.behaviour import BatchRow
 from app.broker.endpoints.batches import _raw, batch_body
 from app.broker.packing import (
@@ -26,7 +27,7 @@ from app.broker.packing import (
     unpack_many_ids,
     unpack_rollouts,
 )
-from app.broker.service import LeasedBatch, _current_logprobs
+from app.broker.service import LeasedBatch
 from app.errors import ValidationFailed
 
 F32_MIN = float(np.finfo(np.float32).min)

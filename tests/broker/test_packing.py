@@ -7,15 +7,20 @@ from hypothesis import strategies as st
 
 from app.broker import packing
 from app.broker.packing import (
+    StoredRollout,
     pack_each,
     pack_ids,
     pack_rollout,
     pack_rollouts,
     unpack_ids,
-    unpack_rollout,
     unpack_rollouts,
 )
 from app.errors import ValidationFailed
+
+
+def unpack_rollout(blob: bytes) -> StoredRollout:
+    """One rollout, read back by itself."""
+    return unpack_rollouts([blob])[0]
 
 
 @pytest.mark.parametrize(

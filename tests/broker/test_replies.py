@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import re
 from importlib import resources
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -22,6 +23,7 @@ from app.broker.replies import (
     decode,
     error_for,
 )
+from app.broker.scripts import lua_source
 from app.errors import (
     BatchNotFound,
     BatchSettled,
@@ -40,7 +42,8 @@ from app.errors import (
     WorkLeaseOver,
 )
 
-LUA = resources.files("app.broker") / "lua"
+LUA = Path(str(resources.files("app.broker") / "lua"))
+SCRIPT_FILES = sorted(LUA.rglob("*.lua"))  # the scripts and their libraries (lua/lib)
 
 # What each code must become, and how many args its scripts send, written out here rather
 # than read back from the table.
@@ -92,7 +95,7 @@ CTX = ErrorContext(
 
 async def call_common(redis: Redis, prefix: str, body: str) -> object:
     """Run ``body`` after the real prologue every broker script starts with."""
-    src = keys.lua_prologue() + (LUA / "common.lua").read_text() + "\n" + body
+    src = lua_source("-- requires: replies\n" + body)
     return await redis.register_script(src)(
         keys=[keys.run_key(prefix, "r")], args=[keys.wake_channel(prefix)]
     )
@@ -155,9 +158,8 @@ def test_over_capacity_carries_retry_after():
 
 def script_error_codes() -> set[str]:
     codes: set[str] = set()
-    for path in LUA.iterdir():
-        if path.name.endswith(".lua"):
-            codes |= set(re.findall(r"\berr\('([a-z_]+)'", path.read_text()))
+    for path in SCRIPT_FILES:
+        codes |= set(re.findall(r"\berr\('([a-z_]+)'", path.read_text()))
     return codes
 
 
@@ -169,8 +171,8 @@ def test_every_code_a_script_can_return_is_in_the_table():
 
 def test_no_script_builds_a_reply_by_hand():
     """Every reply goes through ok() and err(): no table literal starting with a reply word."""
-    for path in LUA.iterdir():
-        if path.name.endswith(".lua") and path.name != "common.lua":
+    for path in SCRIPT_FILES:
+        if path.name != "replies.lua":
             src = path.read_text()
             assert not re.search(r"return\s*\{\s*'", src), path.name
 

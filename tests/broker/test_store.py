@@ -13,7 +13,7 @@ import msgpack
 import pytest
 
 from app.broker.config import RunConfig
-from app.broker.packing import pack_rollout, unpack_rollout
+from app.broker.packing import pack_rollout, unpack_rollouts
 from app.broker.store import Lease, RedisStore, StoreError
 
 
@@ -59,7 +59,7 @@ async def lease(store, size, *, version=None, partial=False, run_id="r"):
 
 
 def ids(got: Lease) -> list[str]:
-    return [unpack_rollout(r.blob).rollout_id for r in got.rollouts]
+    return [r.rollout_id for r in unpack_rollouts([r.blob for r in got.rollouts])]
 
 
 async def ack(store, got: Lease, *, kl=(), kl_mean=None, run_id="r"):

@@ -459,8 +459,7 @@ def _accounting(**fields: Any) -> Accounting:
 
 def _rendered(acc: Accounting) -> list[str]:
     from rich.console import Console
-
-    from app.cli import accounting_table
+    from rollout_broker_client.cli.views import accounting_table
 
     console = Console(width=160, record=True, file=io.StringIO())
     console.print(accounting_table(acc))

@@ -18,16 +18,29 @@ SERVER_ONLY = {
 }  # fmt: skip
 
 
-def test_installing_the_client_pulls_in_no_server_package(tmp_path: Path) -> None:
+def _installed(requirement: str, tmp_path: Path) -> set[str]:
+    """The distributions ``pip install <requirement>`` would install in a fresh environment."""
     report = tmp_path / "report.json"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--dry-run", "--ignore-installed",
-         "--report", str(report), str(REPO / "clients" / "python")],
+         "--report", str(report), requirement],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
-    names = {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
+    return {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
+
+
+def test_installing_the_client_pulls_in_no_server_package(tmp_path: Path) -> None:
+    names = _installed(str(REPO / "clients" / "python"), tmp_path)
     assert "rollout-broker-client" in names
     assert {"httpx", "msgpack", "numpy"} <= names
+    assert not names & SERVER_ONLY, f"the client would install {sorted(names & SERVER_ONLY)}"
+
+
+def test_the_cli_extra_alone_brings_typer_and_rich(tmp_path: Path) -> None:
+    base = _installed(str(REPO / "clients" / "python"), tmp_path)
+    assert not base & {"typer", "rich"}
+    names = _installed(f"{REPO / 'clients' / 'python'}[cli]", tmp_path)
+    assert {"typer", "rich"} <= names
     assert not names & SERVER_ONLY, f"the client would install {sorted(names & SERVER_ONLY)}"
 
 

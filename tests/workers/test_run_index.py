@@ -256,16 +256,3 @@ async def test_a_wake_up_that_died_half_way_is_parked_again(broker, drain, redis
     assert await active(store) == set()
     assert await store.ingest("r", [packed("late")])  # a later wake-up is not stale
     assert await active(store) == {"r"}
-
-
-async def test_runs_of_a_broker_before_the_active_index_are_adopted_once(broker, drain, redis):
-    store = broker.store
-    for rid in ("a", "b"):
-        await store.create_run(rid, RunConfig())
-    await store.close_run("b")
-    await redis.delete(store.active_key, keys.layout_key(store.prefix))  # the old layout
-    assert await store.adopt_runs() == 2
-    assert await active(store) == {"a", "b"}
-    await settle(broker, drain)
-    assert await active(store) == {"a"}
-    assert await store.adopt_runs() == 0

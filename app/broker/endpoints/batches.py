@@ -17,8 +17,8 @@ from app.api import (
     request_body,
     wants_msgpack,
 )
-from app.api._openapi import BatchOutMsgpack
 from app.broker.endpoints.deps import broker_of
+from app.broker.endpoints.openapi import BatchOutMsgpack
 from app.broker.schemas import AckBody, AckMsgpack, AckResult, BatchOut, NackResult
 from app.broker.service import LeasedBatch
 from app.ids import MAX_VERSION, ItemId, LeaseId

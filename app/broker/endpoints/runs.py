@@ -8,8 +8,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from app.api import caller_of, errors, read_model, record_action, render, request_body
-from app.api._openapi import NULLABLE_CONFIG
-from app.broker.config import RunConfigPatch
+from app.broker.config import NULLABLE_CONFIG, RunConfigPatch
 from app.broker.endpoints.deps import broker_of
 from app.broker.schemas import CreateRun, PolicyResult, PolicyUpdate, Run, RunList
 from app.caller import check_run

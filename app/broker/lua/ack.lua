@@ -1,3 +1,4 @@
+-- requires: cleanup, finish
 -- Acknowledge a live batch: every rollout gains one use, units at max_reuse or above kl_max
 -- retire, and a batch mean KL above kl_flush raises the run's version floor to the batch's
 -- version, flushing every buffered unit below it. The first use of a prompt attempt's group

@@ -1,5 +1,5 @@
--- Read a batch as the ack needs it before the ack script runs; changes nothing (a run of the
--- earlier layout is upgraded first, see load_run). One call
+-- requires: batches
+-- Read a batch as the ack needs it before the ack script runs; changes nothing. One call
 -- (the batch's record keeps its rollouts as the lease found them).
 -- ARGV: wake (unused), batch_id, rollouts: 'none' (the state only) or 'meta' (also each
 --       rollout's id, version and tokens; the caller reads the packed rollouts with MGET).

@@ -1,3 +1,4 @@
+-- requires: cleanup, finish
 -- Close a run: no more ingest; every buffered rollout retires with reason run_closed (bounded;
 -- later sweeps finish), leased ones when they come back.
 -- ARGV: wake, limit. Returns ok(more) | err('run_missing').

@@ -1,3 +1,4 @@
+-- requires: run
 -- Create a run, or confirm it: the same config again is a no-op, another config a conflict.
 -- The caller has already put the run in the run index and the active index (index first, so
 -- a run never exists unindexed: see RedisStore.create_run).
@@ -9,7 +10,8 @@ if f[1] then
   if f[1] == ARGV[3] then return ok('exists') end
   return err('run_conflict')
 end
+-- 'lay' names the layout of the run's units (docs/design.md), for a later one to recognise.
 redis.call('HSET', RUN, 'id', ARGV[2], 'cfg', ARGV[3], 'ver', 0, 'st', 'open', 'created', ARGV[4],
-  'floor', 0, 'seq', 0, 'live', 0, 'leased', 0, 'batches', 0, 'tok', 0, 'lay', LAYOUT)
+  'floor', 0, 'seq', 0, 'live', 0, 'leased', 0, 'batches', 0, 'tok', 0, 'lay', '3')
 run_snapshot('created')
 return ok('created')

@@ -1,3 +1,4 @@
+-- requires: settled
 -- Delete a closed run whose live state has settled and whose events the accounting has all
 -- applied (settled.lua), in bounded steps; call again while it answers 'more'. The first step
 -- marks the run deleting and parked: from then on no other script changes it (they find it

@@ -1,3 +1,4 @@
+-- requires: units, finish
 -- Store a request's rollouts: all-or-nothing validation first (Redis does not roll a script
 -- back), then the writes, the accounting events and one wake-up for long-polling trainers.
 -- ARGV: wake, n, then n records of 6: rollout_id, group_id ('' = none), policy_version,
@@ -123,7 +124,7 @@ for i = 1, n do
     table.insert(blobs, blob)
     local u = unit[i]
     if string.sub(u, 1, 2) == 'r:' then  -- a single rollout: a new complete unit
-      ADM_DELTA = ADM_DELTA + 1
+      admit(1)
       local us = next_seq()
       set_unit(u, { v = v, seq = us, uses = 0, k = 1, n = tokens })
       make_ready(u, v, us)
@@ -143,7 +144,7 @@ for i = 1, n do
         if work then
           redis.call('HSET', uk, 'pk', work[1], 'att', work[2])  -- admitted when handed out
         else
-          ADM_DELTA = ADM_DELTA + 1
+          admit(1)
         end
         if gs > 1 then  -- a group of one (a prompt attempt's) is complete at once
           redis.call('ZADD', OPEN, NOW, u)

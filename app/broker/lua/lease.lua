@@ -1,3 +1,4 @@
+-- requires: cleanup, finish
 -- Select eligible units in the run's order and lease them as one batch, atomically: no unit
 -- can be in two live leases. Units found permanently ineligible on the way are retired.
 -- ARGV: wake, batch_id, size, policy_version ('' = current), partial (0/1), trainer_id,

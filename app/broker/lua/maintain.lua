@@ -1,3 +1,4 @@
+-- requires: settled, cleanup, finish
 -- The maintenance worker's call on one run of the active index: the bounded sweep and, once a
 -- closed run has settled (settled.lua) and the sweep left nothing to do, parking it. A parked
 -- run stays as it is until a script would change it: the store then puts it back in the active

@@ -1,3 +1,4 @@
+-- requires: batches, finish
 -- Give a live batch back: its rollouts return to the buffer with no use. A repeat is a no-op.
 -- ARGV: wake, batch_id.
 -- Returns ok('nacked', n) | ok('repeat', n) (nacked before) | err('run_missing')

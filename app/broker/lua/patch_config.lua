@@ -1,3 +1,4 @@
+-- requires: run
 -- Replace a run's config if it is still the one the caller merged into (optimistic check).
 -- ARGV: wake, expected_config_json, new_config_json.
 -- Returns ok('replaced') | ok('changed') (another patch came first: merge again)

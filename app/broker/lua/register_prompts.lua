@@ -1,3 +1,4 @@
+-- requires: passes, finish
 -- Register prompts: each new prompt_id is queued for `epochs` passes, pass 1 first; a known
 -- prompt_id is a duplicate and changes nothing (whatever its epochs or content).
 -- ARGV: wake, epochs, n, then n records of 2: prompt_id, packed prompt.

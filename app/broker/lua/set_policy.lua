@@ -1,3 +1,4 @@
+-- requires: cleanup, finish
 -- Move the run's policy version forward and retire what is now too stale (bounded; the rest
 -- is retired by later sweeps, and never handed out meanwhile: the lease check is the same rule).
 -- ARGV: wake, version, limit.

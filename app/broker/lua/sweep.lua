@@ -1,4 +1,5 @@
--- Periodic clean-up of one run (see sweep() in the prologue). ARGV: wake, limit.
+-- requires: cleanup, finish
+-- Periodic clean-up of one run (see sweep() in lib/cleanup.lua). ARGV: wake, limit.
 -- Returns ok(more, retired) | err('run_missing'); `retired` as retired_counts().
 if not load_run() then return err('run_missing') end
 local more = sweep(tonumber(ARGV[2]))

@@ -1,3 +1,4 @@
+-- requires: replies
 -- Take a parked run back into service. The caller has already put it in the active index at
 -- `token` (RedisStore.activate: index first, so an unparked run is always in the index; a
 -- crash in between leaves a parked run in the index, which the maintenance takes out again).

@@ -1,6 +1,7 @@
+-- requires: cleanup, finish
 -- Hand queued prompt passes to a generator as one work lease, within the staleness budget:
 -- with step_groups = B, no more than (V + max_staleness + 1) * B groups are admitted at once
--- (admission_left() in common.lua). Expired work leases are swept first.
+-- (admission_left() in lib/admission.lua). Expired work leases are swept first.
 -- ARGV: wake, lease_id, max_prompts, generator_id ('' = none), sweep_limit, wait_ms (how long
 --       the caller will wait for a wake-up if this call hands out nothing; 0: it will not),
 --       waited_ms (how long the request has waited so far; recorded with the lease, or in a
@@ -72,7 +73,7 @@ for _, pk in ipairs(picked) do
   table.insert(items, { pk, att })
   table.insert(ev_items, { pass_prompt(pk), pass_number(pk), att })
 end
-ADM_DELTA = ADM_DELTA + #picked
+admit(#picked)
 local items_json = cjson.encode(items)
 redis.call('HSET', wk, 'st', 'l', 'v', I(R.ver), 'exp', I(exp), 'items', items_json,
   'open', #picked, 'gen', ARGV[4], 't', I(NOW))

@@ -1,3 +1,4 @@
+-- requires: units, finish
 -- Give prompts of a work lease back unstarted: each pass still in flight under this lease goes
 -- back to the queue at its next attempt (ahead of fresh passes; a return is not a try), and a
 -- partial group of it retires ('incomplete_group'). Returning every prompt ends the lease.

@@ -99,6 +99,8 @@ from rollout_broker_client._sync import (
 )
 from rollout_broker_client._wire import Retry
 
+__version__ = "0.1.0"  # the distribution's, as in clients/python/pyproject.toml (a test keeps both)
+
 __all__ = [
     "DEFAULT_URL",
     "AccessToken",

@@ -60,7 +60,14 @@ from rollout_broker_client._models import (
     WorkLease,
     WorkPrompt,
 )
-from rollout_broker_client.protocol import JSON, MAX_TOKEN_ID, MSGPACK, MSGPACK_TYPES, new_run_id
+from rollout_broker_client.protocol import (
+    JSON,
+    MAX_TOKEN_ID,
+    MSGPACK,
+    MSGPACK_TYPES,
+    new_run_id,
+    token_id_of,
+)
 
 try:  # optional: faster JSON (the `fast` extra)
     import orjson
@@ -73,7 +80,6 @@ Format = Literal["msgpack", "json"]
 
 TOKEN_ENV = "BROKER_TOKEN"
 _TOKEN_CHARS = re.compile(r"^[\x21-\x7e]+$")  # printable ASCII, no space: a header's value
-_FULL_TOKEN = re.compile(r"^rb_([0-9a-f]{16})_.+$")  # rb_<token_id>_<secret>
 
 
 class BearerToken:
@@ -116,13 +122,6 @@ class BearerToken:
         return "BearerToken('***')"
 
     __str__ = __repr__
-
-
-def token_id_of(token_id: str) -> str:
-    """``token_id`` itself, or the id part of a whole token ``rb_<token_id>_<secret>``, so
-    that a secret passed by mistake never goes into a URL (and from there into logs)."""
-    m = _FULL_TOKEN.match(token_id)
-    return m.group(1) if m else token_id
 
 
 RolloutLike = Rollout | Mapping[str, Any]

@@ -5,9 +5,19 @@ The server imports them from here too, so there is one definition of each.
 
 from __future__ import annotations
 
+import re
 import uuid
 
-__all__ = ["JSON", "MAX_TOKEN_ID", "MSGPACK", "MSGPACK_TYPES", "new_run_id"]
+__all__ = [
+    "JSON",
+    "MAX_TOKEN_ID",
+    "MSGPACK",
+    "MSGPACK_TYPES",
+    "RUN_ID_PATTERN",
+    "is_run_id",
+    "new_run_id",
+    "token_id_of",
+]
 
 JSON = "application/json"
 MSGPACK = "application/msgpack"
@@ -17,7 +27,30 @@ MSGPACK_TYPES = (MSGPACK, "application/x-msgpack", "application/vnd.msgpack")
 # Token ids travel as int32 in binary bodies and are stored as such.
 MAX_TOKEN_ID = 2**31 - 1
 
+# Run ids end up in Redis key names and in the ledger: printable, no spaces, bounded. A run id
+# is a URL path segment: '.' and '..' would resolve away (a non-dot first, a non-dot second, or
+# three characters or more).
+RUN_ID_PATTERN = (
+    r"^(?:[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}|\.[A-Za-z0-9_-][A-Za-z0-9._-]{0,126}"
+    r"|\.\.[A-Za-z0-9._-]{1,126})$"
+)
+_RUN_ID = re.compile(RUN_ID_PATTERN)
+# A whole token reads rb_<token_id>_<secret>; only its id may go into a URL.
+_FULL_TOKEN = re.compile(r"^rb_([0-9a-f]{16})_.+$")
+
 
 def new_run_id() -> str:
     """A fresh run id. Run ids never contain ':' (it delimits Redis keys around the hash tag)."""
     return f"run-{uuid.uuid4().hex[:12]}"
+
+
+def is_run_id(value: str) -> bool:
+    """Whether the broker accepts ``value`` as a run id (``RUN_ID_PATTERN``, the whole string)."""
+    return _RUN_ID.fullmatch(value) is not None
+
+
+def token_id_of(token_id: str) -> str:
+    """``token_id`` itself, or the id part of a whole token ``rb_<token_id>_<secret>``, so
+    that a secret passed by mistake never goes into a URL (and from there into logs)."""
+    m = _FULL_TOKEN.match(token_id)
+    return m.group(1) if m else token_id

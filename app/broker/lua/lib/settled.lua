@@ -1,5 +1,4 @@
--- Included by maintain.lua and delete_run.lua, after the common prologue.
---
+-- requires: run
 -- What a closed run still waits for before it costs the workers nothing (and may be deleted),
 -- or nil when it has settled: nothing buffered, leased, in an open group or in a live work
 -- lease, and every event of its stream read and acknowledged by the accounting consumer group.

@@ -1,0 +1,48 @@
+"""What access adds to the API description (:class:`app.api.OpenAPIPart`): which operations the
+guard stands before and what it may answer there (from the access table,
+:data:`app.access.policy.ROUTES`), the admin-scope rule of a new token, and the token id format."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from pydantic import BaseModel
+
+from app.access.guard import SAFE_METHODS
+from app.access.policy import PUBLIC, Scope, need_of
+from app.access.schemas import TokenCreate
+from app.access.tokens import ID_HEX
+from app.api import Keywords, OpenAPIPart
+from app.settings import Settings
+
+
+def guard_errors(method: str, path: str, auth: bool) -> frozenset[int] | None:
+    """What the guard may answer for ``method path`` (a path template): with auth on, 401 (no
+    token, or an unknown one) and 403 (a token short of the need); with auth off, 403 to a
+    state-changing request from another web origin. None for a public operation."""
+    if need_of(method.upper(), path) == PUBLIC:
+        return None
+    if auth:
+        return frozenset({401, 403})
+    return frozenset() if method.upper() in SAFE_METHODS else frozenset({403})
+
+
+def field_keywords(_: Settings) -> dict[tuple[type[BaseModel], str], Keywords]:
+    return {(TokenCreate, "scopes"): {"uniqueItems": True}}
+
+
+OPENAPI: Final = OpenAPIPart(
+    field_keywords=field_keywords,
+    model_rules={
+        TokenCreate: {  # an admin token touches every run: it names none
+            "if": {
+                "properties": {"scopes": {"contains": {"const": Scope.ADMIN.value}}},
+                "required": ["scopes"],
+            },
+            "then": {"properties": {"runs": {"type": "null"}}},
+        },
+    },
+    path_ids={"token_id": f"^[0-9a-f]{{{ID_HEX}}}$"},  # as token_hex makes them
+    guard=guard_errors,
+)
+"""Access's part of the API description."""

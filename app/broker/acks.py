@@ -1,0 +1,147 @@
+"""The Python half of an ack: the rules on the rollout ids it names, the trainer's logprobs
+checked and set against the generator's (:mod:`app.broker.stats` computes the figures), and the
+``acked`` event the ack script records."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+from app.broker.behaviour import BatchRow
+from app.broker.config import RunConfig
+from app.broker.packing import as_logprobs, check_logprobs
+from app.broker.records import BatchMember
+from app.broker.replies import AckAnswer
+from app.broker.schemas import AckResult, BatchStats
+from app.broker.stats import BatchFigures, Measured, batch_figures
+from app.errors import ValidationFailed
+from app.events import Acked, AckedItem, AckStats, AckSums, pack_payload
+
+
+def check_ack_ids(
+    batch_id: str,
+    rows: Sequence[BatchRow],
+    logprobs: Mapping[str, Any],
+    kl: Mapping[str, Any],
+) -> None:
+    """An ack names only rollouts of its batch, each with logprobs or a kl, not both."""
+    unknown = (logprobs.keys() | kl.keys()) - {row.rollout_id for row in rows}
+    if unknown:
+        raise ValidationFailed(
+            f"batch {batch_id!r} has no rollout {sorted(unknown)[0]!r} "
+            f"({len(unknown)} unknown rollout ids)"
+        )
+    both = logprobs.keys() & kl.keys()
+    if both:
+        raise ValidationFailed(
+            f"rollout {sorted(both)[0]!r} has both logprobs and kl; give one of them"
+        )
+
+
+def measure(
+    rows: Sequence[BatchRow],
+    logprobs: dict[str, Any],
+    kl: Mapping[str, float],
+    config: RunConfig,
+) -> tuple[BatchFigures, BatchStats]:
+    """The batch's off-policy figures from the trainer's logprobs (or ready-made kl values).
+    Ready-made kl values were bounded by AckBody, and stats.py caps what it computes: every
+    figure is finite, so the acked event can always be applied."""
+    current = current_logprobs(rows, logprobs)
+    items = [
+        Measured(row.old, current.get(row.rollout_id), kl.get(row.rollout_id), row.tokens)
+        for row in rows
+    ]
+    fig = batch_figures(items, config.kl_estimator, config.clip_epsilon)
+    stats = BatchStats(
+        kl_mean=fig.kl_mean,
+        kl_max=fig.kl_max,
+        is_ratio_mean=fig.is_ratio_mean,
+        clip_fraction=fig.clip_fraction,
+        ess_fraction=fig.ess_fraction,
+    )
+    return fig, stats
+
+
+def ack_result(answer: AckAnswer, size: int) -> AckResult:
+    return AckResult(
+        consumed=size,
+        retired=answer.retired,
+        flushed=answer.flushed,
+        stats=BatchStats.model_validate_json(answer.stats_json),
+    )
+
+
+def batch_row(m: BatchMember) -> BatchRow:
+    lp = msgpack.unpackb(m.blob, raw=False).get("l") if m.blob is not None else None
+    old = np.frombuffer(lp, dtype="<f4") if lp is not None else None
+    return BatchRow(m.rollout_id, m.policy_version, m.tokens, old)
+
+
+def current_logprobs(
+    rows: Sequence[BatchRow], given: dict[str, Any]
+) -> dict[str, npt.NDArray[np.floating[Any]]]:
+    """The ack's logprobs by rollout id. They are validated in one pass over all the batch's
+    tokens; only when that fails is each rollout checked, to name the one at fault."""
+    arrays: dict[str, npt.NDArray[np.floating[Any]]] = {}
+    for row in rows:
+        value = given.get(row.rollout_id)
+        if value is None:
+            continue
+        if isinstance(value, bytes) and len(value) == 4 * row.tokens:
+            arr = np.frombuffer(value, dtype="<f4")  # raw float32, one per token
+        else:
+            what = f"ack logprobs of rollout {row.rollout_id!r}"
+            arr = as_logprobs(value, what)
+            if arr.size != row.tokens:
+                raise ValidationFailed(f"{what}: {arr.size} values for {row.tokens} tokens")
+        arrays[row.rollout_id] = arr
+    if arrays:
+        try:
+            check_logprobs(np.concatenate(list(arrays.values())), "ack logprobs")
+        except ValidationFailed:
+            for rid, arr in arrays.items():
+                check_logprobs(arr, f"ack logprobs of rollout {rid!r}")
+            raise
+    return arrays
+
+
+def acked_event(
+    batch_id: str,
+    step: int | None,
+    policy_version: int,
+    rows: Sequence[BatchRow],
+    fig: BatchFigures,
+    stats: BatchStats,
+) -> bytes:
+    """The ``acked`` event's payload, without ``t``: the ack script adds it when it records it."""
+    return pack_payload(
+        "acked",
+        Acked(
+            batch_id=batch_id,
+            step=step,
+            policy_version=policy_version,
+            items=tuple(
+                AckedItem(row.rollout_id, row.policy_version, row.tokens, k)
+                for row, k in zip(rows, fig.kl, strict=True)
+            ),
+            stats=AckStats(
+                kl_mean=stats.kl_mean,
+                kl_max=stats.kl_max,
+                is_ratio_mean=stats.is_ratio_mean,
+                clip_fraction=stats.clip_fraction,
+                ess_fraction=stats.ess_fraction,
+            ),
+            sums=AckSums(
+                kl_tokens=fig.kl_tokens,
+                kl_sum=fig.kl_sum,
+                ratio_tokens=fig.ratio_tokens,
+                ratio_sum=fig.ratio_sum,
+                clipped=fig.clipped,
+            ),
+        ),
+    )

@@ -1,0 +1,110 @@
+"""What the broker adds to the API description (:class:`app.api.OpenAPIPart`): the bounds of
+its bodies and queries that are settings (what app/broker/service.py and packing.py enforce),
+the config patch's null rule, the pattern of its path ids, and the models of its msgpack
+answers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+import numpy as np
+from pydantic import BaseModel, Field
+from rollout_broker_client.protocol import MAX_TOKEN_ID
+
+from app.api import Keywords, OpenAPIPart
+from app.broker.config import NULLABLE_CONFIG, RunConfigPatch
+from app.broker.schemas import (
+    AckBody,
+    BatchOut,
+    IngestJSON,
+    LeasedRolloutOut,
+    PromptJSON,
+    PromptsBody,
+    RolloutJSON,
+    WorkBody,
+)
+from app.ids import LEASE_ID_PATTERN, RUN_ID_PATTERN
+from app.settings import Settings
+
+TOKEN_ID: Final[Mapping[str, Any]] = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}
+LOGPROB: Final[Mapping[str, Any]] = {
+    "type": "number",
+    "maximum": 0,
+    "minimum": float(np.finfo(np.float32).min),  # logprobs are stored as float32
+}
+
+
+def field_keywords(s: Settings) -> dict[tuple[type[BaseModel], str], Keywords]:
+    """JSON Schema keywords of body fields, from the settings the broker enforces them with."""
+    tokens = s.max_tokens_per_rollout
+    data: Keywords = {
+        "description": f"Free-form JSON, at most {s.max_prompt_data_bytes} bytes as compact "
+        "JSON: finite numbers, 64-bit integers, nested at most 16 deep"
+    }
+    if s.max_prompt_data_bytes < 2:  # even {} is 2 bytes: no object fits
+        data = {"type": "null", "description": "This broker takes no prompt data"}
+    return {
+        (IngestJSON, "rollouts"): {"maxItems": s.max_rollouts_per_request},
+        (RolloutJSON, "response_ids"): {"minItems": 1, "maxItems": tokens, "items": TOKEN_ID},
+        (RolloutJSON, "prompt_ids"): {"maxItems": tokens, "items": TOKEN_ID},
+        (RolloutJSON, "logprobs"): {
+            "maxItems": tokens,
+            "items": LOGPROB,
+            "description": "One per response token (as many as response_ids)",
+        },
+        (RolloutJSON, "metadata"): {
+            "description": "Free-form JSON: finite numbers, 64-bit integers, nested at most 16 deep"
+        },
+        (AckBody, "logprobs"): {
+            "additionalProperties": {"type": "array", "maxItems": tokens, "items": LOGPROB},
+            "description": "The current policy's logprobs of each rollout of the batch, one "
+            "per response token, by rollout id",
+        },
+        (PromptsBody, "prompts"): {
+            "maxItems": s.max_prompts_per_request,
+            "description": f"At most {s.max_prompts_per_request} prompt passes (prompts × "
+            "epochs) in one request",
+        },
+        (PromptJSON, "prompt_ids"): {"maxItems": s.max_tokens_per_prompt, "items": TOKEN_ID},
+        (PromptJSON, "data"): data,
+        (WorkBody, "max_prompts"): {"maximum": s.max_prompts_per_lease},
+        (WorkBody, "wait_s"): {"maximum": s.max_wait_s},
+    }
+
+
+def query_keywords(s: Settings) -> dict[tuple[str, str, str], Keywords]:
+    """(method, path, query parameter) → the keywords of the bounds that are settings."""
+    return {
+        ("get", "/v1/runs/{run_id}/batch", "size"): {"maximum": s.max_batch_size},
+        ("get", "/v1/runs/{run_id}/batch", "wait_s"): {"maximum": s.max_wait_s},
+    }
+
+
+# -- documentation-only models ---------------------------------------------------------------
+
+
+class LeasedRolloutMsgpack(LeasedRolloutOut):
+    """A leased rollout in a msgpack answer: its arrays are raw little-endian bytes."""
+
+    prompt_ids: bytes | None = Field(description="int32 token ids")  # type: ignore[assignment]
+    response_ids: bytes = Field(description="int32 token ids")  # type: ignore[assignment]
+    logprobs: bytes | None = Field(description="float32 logprobs")  # type: ignore[assignment]
+
+
+class BatchOutMsgpack(BatchOut):
+    """A leased batch as a msgpack answer."""
+
+    rollouts: list[LeasedRolloutMsgpack]  # type: ignore[assignment]
+
+
+OPENAPI: Final = OpenAPIPart(
+    field_keywords=field_keywords,
+    query_keywords=query_keywords,
+    # A config patch's field is absent or a value, null only where RunConfig allows it.
+    never_null={RunConfigPatch: frozenset(RunConfigPatch.model_fields) - NULLABLE_CONFIG},
+    # An id of another shape names nothing (404): the description says which ids can exist
+    # (ids chosen by the broker match too: uuid4().hex).
+    path_ids={"run_id": RUN_ID_PATTERN, "batch_id": LEASE_ID_PATTERN, "lease_id": LEASE_ID_PATTERN},
+)
+"""The broker's part of the API description."""

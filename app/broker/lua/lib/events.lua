@@ -1,0 +1,43 @@
+-- requires: replies
+-- The run's accounting events (its stream EV) and the wake-ups of long-polling trainers and
+-- generators, sent by finish() (wake_waiting) when a call made units ready or freed prompts or
+-- budget.
+local WAKE = ARGV[1]  -- pub/sub channel that wakes long-polling trainers and generators
+local WOKE = false  -- units were made ready: trainers waiting on the run are woken
+local WORK_WOKE = false  -- prompts or budget came free, or the run closed: generators are woken
+
+local function emit(e, d)
+  d['t'] = NOW
+  redis.call('XADD', EV, '*', 'e', e, 'd', cmsgpack.pack(d))
+end
+
+-- The payload of an event the caller packed (a msgpack map without 't'), with 't' added by
+-- rewriting the map's header and appending the pair: no unpacking and packing again. Raises an
+-- error for anything but a map, so call it before the first write.
+local function timed(payload)
+  local b, head = string.byte(payload, 1), nil
+  local rest = 2
+  if b >= 0x80 and b < 0x8f then
+    head = string.char(b + 1)  -- fixmap
+  elseif b == 0x8f then
+    head = '\222\0\16'  -- 15 pairs and 't': map16
+  elseif b == 0xde then
+    local n = string.byte(payload, 2) * 256 + string.byte(payload, 3) + 1
+    head, rest = '\222' .. string.char(math.floor(n / 256), n % 256), 4
+  else
+    return error('event payload is not a msgpack map')
+  end
+  return head .. string.sub(payload, rest) .. cmsgpack.pack('t') .. cmsgpack.pack(NOW)
+end
+
+local function emit_timed(e, d) redis.call('XADD', EV, '*', 'e', e, 'd', d) end
+
+-- Every API process receives every wake-up, so none is sent while nobody waits.
+local function wake_waiting()
+  if WOKE and redis.call('EXISTS', WAITING) == 1 then
+    redis.call('PUBLISH', WAKE, TAG)
+  end
+  if WORK_WOKE and redis.call('EXISTS', WWAITING) == 1 then
+    redis.call('PUBLISH', WAKE, WORK_WAKE)
+  end
+end

@@ -1,0 +1,44 @@
+-- requires: events
+-- The run's state and config, read once per call, and the rules that judge a rollout by them.
+
+local R = nil
+local CFG = nil
+local function load_run()
+  local f = redis.call('HMGET', RUN, 'cfg', 'ver', 'st', 'floor')
+  if not f[1] then return false end
+  CFG = cjson.decode(f[1])
+  R = { ver = tonumber(f[2]), st = f[3], floor = tonumber(f[4]), cfg = f[1] }
+  return true
+end
+
+-- The version rule, in one place. Lowest version still eligible: the staleness bound, raised
+-- by the last kl_flush; retire_below() walks the indexes up to it.
+local function min_version()
+  return math.max(R.ver - CFG.max_staleness, R.floor)
+end
+
+-- Why a rollout of version v may not be handed out any more ('stale': its lag is above
+-- max_staleness; 'kl_flush': below the floor the last flush raised), or nil.
+local function version_reason(v)
+  if v >= min_version() then return nil end
+  if v < R.ver - CFG.max_staleness then return 'stale' end
+  return 'kl_flush'
+end
+
+-- Why a complete unit can never be handed out again under the current rules, or nil.
+local function permanent_reason(uses, v, kl)
+  if R.st == 'closed' then return 'run_closed' end
+  if uses >= CFG.max_reuse then return 'max_reuse' end
+  local vr = version_reason(v)
+  if vr then return vr end
+  if kl and kl > CFG.kl_max then return 'kl' end
+  return nil
+end
+
+local function run_snapshot(change)
+  local f = redis.call('HMGET', RUN, 'id', 'cfg', 'ver', 'st', 'created')
+  emit('run', {
+    run_id = f[1], change = change, config = cjson.decode(f[2]),
+    policy_version = tonumber(f[3]), status = f[4], created_at = tonumber(f[5]),
+  })
+end

@@ -1,0 +1,188 @@
+-- requires: passes
+-- Units: what is buffered, handed out and retired whole. A single rollout is its own unit,
+-- 'r:<rollout_id>'; a group is 'g:<group_id>'. A group lists its members in arrival order
+-- (mkey), each entry '<version> <tokens> <rollout_id>'.
+--
+-- A complete unit, ready or leased, is one field of the run's US hash: its record
+-- 'v,seq,uses,k,n,kl,att,pk' (version, arrival seq, uses so far, rollouts, tokens of a single
+-- rollout (0 for a group: its members carry theirs), KL of its last measured use ('' = none),
+-- and the prompt attempt it answers ('' = none)). Lease and ack read and write the records of a
+-- whole batch in one command each; a group still filling keeps a hash of its own (ukey: need,
+-- have, v, seq, rmin, rmax, pk, att) until it completes. A ready unit is also in the ready
+-- indexes: Q (by arrival seq), and qv(v) (by arrival seq) with its version in VS.
+
+local function qv(v) return qvkey(I(v)) end
+
+local function unit_text(r)
+  return string.format('%d,%d,%d,%d,%d,%s,%s,%s', r.v, r.seq, r.uses, r.k, r.n,
+    r.kl and string.format('%.17g', r.kl) or '', r.att and I(r.att) or '', r.pk or '')
+end
+
+local function parse_unit(text)
+  local v, seq, uses, k, n, kl, att, pk =
+    string.match(text, '^(%d+),(%d+),(%d+),(%d+),(%d+),([^,]*),(%d*),(.*)$')
+  return {
+    v = tonumber(v), seq = tonumber(seq), uses = tonumber(uses), k = tonumber(k),
+    n = tonumber(n), kl = tonumber(kl), att = tonumber(att), pk = pk ~= '' and pk or nil,
+  }
+end
+
+local function member_entry(v, n, rid) return I(v) .. ' ' .. I(n) .. ' ' .. rid end
+
+-- A unit's rollouts, { {rollout_id, version, tokens}, ... }: a single rollout's from its record
+-- `r`, a group's from its member list.
+local function rollouts_of(u, r)
+  if string.sub(u, 1, 2) == 'r:' then return { { string.sub(u, 3), r.v, r.n } } end
+  local out = {}
+  for _, e in ipairs(redis.call('LRANGE', mkey(u), 0, -1)) do
+    local v, n, rid = string.match(e, '^(%d+) (%d+) (.*)$')
+    table.insert(out, { rid, tonumber(v), tonumber(n) })
+  end
+  return out
+end
+
+-- Writes collected during a call and made in a few variadic commands: records to set, units
+-- made ready (flush_units), and records and keys to delete (finish). Nothing reads a key after
+-- it was queued for deletion; a script that reads the ready indexes or records after making
+-- units ready calls flush_units() first.
+local US_SET, READY, US_DEL, DELS = {}, {}, {}, {}
+
+-- Retirements are collected per reason and written as one event per reason at the end.
+local RETIRED = {}
+local RETIRED_ORDER = {}
+local RETIRED_N = 0
+local LIVE_DELTA = 0  -- change of the run's 'live' count, written once by finish()
+
+-- Take a ready unit out of the ready indexes; a version whose index empties leaves VS.
+local function unready(u, v)
+  redis.call('ZREM', Q, u)
+  local k = qv(v)
+  redis.call('ZREM', k, u)
+  if redis.call('EXISTS', k) == 0 then redis.call('ZREM', VS, I(v)) end
+end
+
+-- unready() for many units { {u, v}, ... } at once: one ZREM per index.
+local function unready_many(units)
+  local all, by_v = {}, {}
+  for _, x in ipairs(units) do
+    table.insert(all, x[1])
+    local l = by_v[x[2]]
+    if not l then l = {} by_v[x[2]] = l end
+    table.insert(l, x[1])
+  end
+  each_chunk(all, 1000, function(...) redis.call('ZREM', Q, ...) end)
+  for v, l in pairs(by_v) do
+    each_chunk(l, 1000, function(...) redis.call('ZREM', qv(v), ...) end)
+    if redis.call('EXISTS', qv(v)) == 0 then redis.call('ZREM', VS, I(v)) end
+  end
+end
+
+-- A complete unit becomes ready (in the indexes at the next flush_units).
+local function make_ready(u, v, seq)
+  table.insert(READY, { u, v, seq })
+  WOKE = true
+end
+
+local function set_unit(u, r) table.insert(US_SET, u) table.insert(US_SET, unit_text(r)) end
+
+local function flush_units()
+  if #US_SET > 0 then
+    each_chunk(US_SET, 1000, function(...) redis.call('HSET', US, ...) end)
+    US_SET = {}
+  end
+  if #READY == 0 then return end
+  local q, by_v = {}, {}
+  for _, x in ipairs(READY) do
+    table.insert(q, x[3]) table.insert(q, x[1])
+    local l = by_v[x[2]]
+    if not l then l = {} by_v[x[2]] = l end
+    table.insert(l, x[3]) table.insert(l, x[1])
+  end
+  each_chunk(q, 1000, function(...) redis.call('ZADD', Q, ...) end)
+  for v, l in pairs(by_v) do
+    each_chunk(l, 1000, function(...) redis.call('ZADD', qv(v), ...) end)
+    redis.call('ZADD', VS, I(v), I(v))
+  end
+  READY = {}
+end
+
+-- Remove a unit's rollouts: their retirement (one event per reason, written by finish()), their
+-- keys, and what the unit counted for. `rows` = rollouts_of(u, ...), `uses` its uses so far,
+-- `pk`, `att` the prompt attempt it answers, if any.
+local function retire_rollouts(u, reason, rows, uses, pk, att)
+  local items = RETIRED[reason]
+  if not items then
+    items = {}
+    RETIRED[reason] = items
+    table.insert(RETIRED_ORDER, reason)
+  end
+  for _, row in ipairs(rows) do
+    table.insert(items, { row[1], row[2], row[3], uses })
+    table.insert(DELS, dkey(row[1]))
+  end
+  if string.sub(u, 1, 2) == 'g:' then
+    table.insert(DELS, mkey(u))
+    redis.call('SADD', GDONE, u)
+    if pk then
+      attempt_retired(pk, att, uses, reason)
+    elseif uses == 0 then
+      release()
+    end
+  elseif uses == 0 then
+    release()
+  end
+  LIVE_DELTA = LIVE_DELTA - #rows
+  RETIRED_N = RETIRED_N + #rows
+  return #rows
+end
+
+-- Retire a complete unit, whose record is `r`: ready (`ready`: in the indexes) or back from a
+-- lease (in none). `rows`: its rollouts when the caller has them.
+local function retire_unit(u, reason, r, ready, rows)
+  if ready then unready(u, r.v) end
+  table.insert(US_DEL, u)
+  return retire_rollouts(u, reason, rows or rollouts_of(u, r), r.uses, r.pk, r.att)
+end
+
+-- Retire a group still filling (0 when it has no rollout yet).
+local function retire_open(u, reason)
+  local uk = ukey(u)
+  local f = redis.call('HMGET', uk, 'have', 'pk', 'att')
+  if not f[1] then return 0 end
+  redis.call('ZREM', OPEN, u)
+  redis.call('ZREM', OV, u)
+  table.insert(DELS, uk)
+  return retire_rollouts(u, reason, rollouts_of(u), 0, f[2], tonumber(f[3]))
+end
+
+-- A unit back from a nack or an expiry, whose record is `r`: retire it or make it ready again
+-- (ack.lua does the same with the use and KL the ack adds).
+local function settle(u, r, rows)
+  local reason = permanent_reason(r.uses, r.v, r.kl)
+  if reason then
+    retire_unit(u, reason, r, false, rows)
+  else
+    make_ready(u, r.v, r.seq)
+  end
+end
+
+-- What this call retired, per reason in first-retired order: { {reason, rollouts}, ... }.
+local function retired_counts()
+  local res = {}
+  for _, reason in ipairs(RETIRED_ORDER) do table.insert(res, { reason, #RETIRED[reason] }) end
+  return res
+end
+
+-- The collected writes of units (finish()): records, ready indexes, deletions, the live count.
+local function write_units()
+  flush_units()
+  each_chunk(US_DEL, 1000, function(...) redis.call('HDEL', US, ...) end)
+  each_chunk(DELS, 1000, function(...) redis.call('DEL', ...) end)
+  if LIVE_DELTA ~= 0 then redis.call('HINCRBY', RUN, 'live', LIVE_DELTA) end
+end
+
+local function emit_retired()
+  for _, reason in ipairs(RETIRED_ORDER) do
+    emit('retired', { reason = reason, items = RETIRED[reason] })
+  end
+end

@@ -1,0 +1,175 @@
+"""What the store reads back from Redis: the states of runs, leases, batches and work leases,
+and the cursor of the run listing."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, cast, get_args
+
+from app.broker.config import RunConfig
+from app.broker.replies import AckAnswer, text
+
+
+@dataclass(frozen=True, slots=True)
+class RunState:
+    run_id: str
+    config: RunConfig
+    config_json: str
+    policy_version: int
+    status: Literal["open", "closed"]
+    created_at_ms: int
+    live: int  # buffered + leased rollouts
+    leased: int
+    floor: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunPage:
+    runs: list[RunState]
+    next_cursor: str | None  # None: the listing is complete
+
+
+MaintainState = Literal["active", "parked", "missing", "deleted"]
+
+
+def maintain_state(state: str) -> MaintainState:
+    """maintain.lua's first reply value, checked."""
+    if state not in get_args(MaintainState):
+        raise ValueError(f"maintain.lua answered an unknown state {state!r}")
+    return cast(MaintainState, state)
+
+
+@dataclass(frozen=True, slots=True)
+class MaintainOutcome:
+    state: MaintainState
+    more: bool  # sweep work was left for another call
+    retired: dict[str, int]
+    now_ms: int  # Redis's clock, for the age of a missing run's index entry
+
+    @property
+    def total(self) -> int:
+        return sum(self.retired.values())
+
+
+@dataclass(frozen=True, slots=True)
+class IngestOutcome:
+    accepted: int
+    duplicates: int
+    rejected: list[tuple[str, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class LeasedRollout:
+    uses: int
+    lag: int
+    blob: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    batch_id: str
+    policy_version: int
+    expires_at_ms: int
+    rollouts: list[LeasedRollout]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchMember:
+    rollout_id: str
+    policy_version: int
+    tokens: int
+    blob: bytes | None  # only when asked for
+
+
+@dataclass(frozen=True, slots=True)
+class BatchView:
+    """A batch as the ack needs it before the ack script runs: leased, or acked already (a
+    batch that was nacked or expired is refused with a StoreError)."""
+
+    config: RunConfig  # the run's
+    state: Literal["leased", "acked"]
+    policy_version: int
+    size: int
+    answer: AckAnswer | None  # when acked
+    members: list[BatchMember]  # while leased, when asked for
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    prompt_id: str
+    pass_: int
+    attempt: int
+    blob: bytes
+
+    @property
+    def group_id(self) -> str:
+        """The group a generator posts this attempt's rollouts under (ingest.lua parses it)."""
+        return f"{self.prompt_id}#{self.pass_}.{self.attempt}"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkLease:
+    lease_id: str
+    policy_version: int
+    expires_at_ms: int
+    items: list[WorkItem]
+
+
+@dataclass(frozen=True, slots=True)
+class SweepOutcome:
+    more: bool  # work was left for another call
+    retired: dict[str, int]  # rollouts retired, by reason
+
+    @property
+    def total(self) -> int:
+        return sum(self.retired.values())
+
+
+RUN_FIELDS = ("cfg", "ver", "st", "created", "live", "leased", "floor")
+
+
+def _run_state(run_id: str, f: Sequence[Any]) -> RunState | None:
+    if f[0] is None:
+        return None  # no such run, or the tombstone of a deleted one
+    cfg = text(f[0])
+    return RunState(
+        run_id=run_id,
+        config=RunConfig.model_validate_json(cfg),
+        config_json=cfg,
+        policy_version=int(f[1]),
+        status="closed" if text(f[2]) == "closed" else "open",
+        created_at_ms=int(f[3]),
+        live=int(f[4]),
+        leased=int(f[5]),
+        floor=int(f[6]),
+    )
+
+
+def _score_text(score: float) -> str:
+    """A score as Redis reads it back exactly (an integer, the usual case, without '.0')."""
+    return f"{score:.17g}"
+
+
+def _cursor(score: float, run_id: str) -> str:
+    """A page's ``next_cursor``: the last entry read, '<creation ms>:<run id>'."""
+    return f"{_score_text(score)}:{run_id}"
+
+
+def _parse_cursor(cursor: str | None) -> tuple[float, str] | None:
+    if cursor is None:
+        return None
+    ms, sep, rid = cursor.partition(":")
+    try:
+        score = float(ms)
+    except ValueError:
+        score = math.nan
+    if not sep or not rid or not math.isfinite(score) or ms != _score_text(score):
+        raise ValueError(f"not a cursor of this listing: {cursor!r}")
+    return score, rid
+
+
+def _counts(rows: Sequence[Any]) -> dict[str, int]:
+    """A retired_counts() reply value: {reason: rollouts}."""
+    return {text(reason): int(n) for reason, n in rows}

@@ -1,0 +1,356 @@
+"""The rich tables of the operator commands: runs, the accounting (with the ledger's check),
+prompt passes, tokens and the audit log."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+    from rich.table import Table
+
+    from rollout_broker_client import (
+        AccessToken,
+        Accounting,
+        AuditEntry,
+        PromptCounts,
+        PromptState,
+        Run,
+        TrainingVersion,
+        VersionAccounting,
+    )
+
+
+def fmt(value: float | int | None, digits: int = 4) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:.{digits}g}"
+
+
+def reasons(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())) or "–"
+
+
+def histogram(hist: dict[int, int], width: int = 16) -> str:
+    if not hist:
+        return "–"
+    top = max(hist.values()) or 1
+    lines = []
+    for lag in sorted(hist):
+        n = hist[lag]
+        bar = "█" * max(1 if n else 0, round(width * n / top))
+        lines.append(f"lag {lag:>2} {bar} {n:,}")
+    return "\n".join(lines)
+
+
+def seconds(value: float) -> str:
+    return f"{value:,.1f} s"
+
+
+def prompt_line(p: PromptCounts) -> str:
+    return (
+        f"queued {p.queued:,}, in flight {p.in_flight:,}, done {p.done:,}, failed {p.failed:,}"
+        f" (retried {p.retried:,})"
+    )
+
+
+def _when(at: datetime | None) -> str:
+    return at.isoformat(timespec="seconds") if at is not None else "–"
+
+
+# -- runs ------------------------------------------------------------------------------------------
+
+
+def run_table(runs: list[Run]) -> RenderableType:
+    from rich.table import Table
+
+    table = Table(title="Runs")
+    for col in ("run_id", "status", "version", "group_size", "max_staleness", "max_reuse"):
+        table.add_column(col, justify="left" if col in ("run_id", "status") else "right")
+    table.add_column("created_at")
+    for r in runs:
+        c = r.config
+        table.add_row(
+            r.run_id,
+            r.status,
+            str(r.policy_version),
+            str(c.get("group_size", "")),
+            str(c.get("max_staleness", "")),
+            str(c.get("max_reuse", "")),
+            r.created_at.isoformat(timespec="seconds"),
+        )
+    return table
+
+
+def run_detail(run: Run) -> RenderableType:
+    from rich.table import Table
+
+    table = Table(title=f"Run {run.run_id}", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    table.add_row("status", run.status)
+    table.add_row("policy_version", str(run.policy_version))
+    table.add_row("created_at", run.created_at.isoformat())
+    for key, value in sorted(run.config.items()):
+        table.add_row(key, json.dumps(value))
+    return table
+
+
+# -- accounting ------------------------------------------------------------------------------------
+
+
+def ledger_check(acc: Accounting) -> tuple[bool, str]:
+    """Whether the accounting can be trusted, and why not: the ledger's buffered and leased
+    equal the broker's live counts (``live``), every event is applied (``pending_events`` 0),
+    none was dead-lettered, and received = buffered + leased + retired. A broker that does not
+    report ``live`` or ``dead_letters`` cannot be checked: no ✓ then."""
+    raw = acc.raw
+    why = []
+    if acc.unaccounted:
+        why.append(f"off by {acc.unaccounted:,}")
+    live = raw.get("live")
+    if not isinstance(live, dict):
+        why.append("the broker does not report its live counts")
+    elif (acc.buffered, acc.leased) != (live.get("buffered"), live.get("leased")):
+        why.append(
+            f"the ledger's buffered {acc.buffered:,}, leased {acc.leased:,} are not the live "
+            f"{live.get('buffered')}, {live.get('leased')}"
+        )
+    if acc.pending_events is None:
+        why.append("the broker does not report pending events")
+    elif acc.pending_events:
+        why.append(f"{acc.pending_events:,} events not yet applied")
+    dead = raw.get("dead_letters")
+    if dead is None:
+        why.append("the broker does not report dead letters")
+    elif dead:
+        why.append(f"{dead:,} dead letters")
+    return not why, "; ".join(why)
+
+
+def _section(table: Table, title: str) -> None:
+    table.add_row(f"[cyan]{title}[/]", "", "", end_section=False)
+
+
+def _prompt_rows(table: Table, p: PromptCounts) -> None:
+    """The accounting's prompt passes, and their check."""
+    _section(table, "prompts (passes)")
+    table.add_row("registered", fmt(p.registered), "")
+    table.add_row("queued", fmt(p.queued), "waiting for a generator")
+    table.add_row("in flight", fmt(p.in_flight), "in work leases, or groups not yet used")
+    table.add_row("done", fmt(p.done), "reached a gradient (or retired zero_variance)")
+    table.add_row("failed", fmt(p.failed), "ran out of attempts")
+    table.add_row("retried", fmt(p.retried), "attempts after the first")
+    check = "✓" if p.unaccounted == 0 else f"✗ off by {p.unaccounted:,}"
+    table.add_row(
+        "queued + in flight + done + failed",
+        check,
+        f"{p.queued:,} + {p.in_flight:,} + {p.done:,} + {p.failed:,} = {p.registered:,} registered",
+        end_section=True,
+    )
+
+
+def accounting_table(acc: Accounting, run: Run | None = None) -> RenderableType:
+    """The accounting as a readable table: prompts handed out (for runs that use work leases),
+    where rollouts went and what became samples."""
+    from rich.table import Table
+
+    name = run.run_id if run is not None else "run"
+    table = Table(title=f"Accounting of {name}", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("count", justify="right")
+    table.add_column("notes")
+
+    if acc.prompts.registered:  # a run whose generators take their work from the broker
+        _prompt_rows(table, acc.prompts)
+    _section(table, "rollouts in")
+    table.add_row("rollouts received", fmt(acc.rollouts_received), "accepted into the buffer")
+    gs = run.config.get("group_size") if run is not None else None
+    table.add_row(
+        "groups received",
+        fmt(acc.groups_received),
+        f"group_size {gs}" if gs is not None else "",
+    )
+    table.add_row("duplicates", fmt(acc.duplicates), "repeated rollout_ids, not counted")
+    table.add_row("rejected", fmt(sum(acc.rejected.values())), reasons(acc.rejected))
+    table.add_row("tokens generated", fmt(acc.tokens_generated), "")
+    _section(table, "where they are")
+    table.add_row("buffered", fmt(acc.buffered), "")
+    table.add_row("leased", fmt(acc.leased), "in live leases")
+    table.add_row("retired", fmt(acc.retired_total), reasons(acc.retired))
+    table.add_row("wasted tokens", fmt(acc.wasted_tokens), "of rollouts retired unused")
+    ok, why = ledger_check(acc)
+    table.add_row(
+        "buffered + leased + retired",
+        "✓" if ok else "✗",
+        f"{acc.buffered:,} + {acc.leased:,} + {acc.retired_total:,} = {acc.rollouts_received:,}"
+        " received",
+    )
+    table.add_row(
+        "ledger = live",
+        "",
+        "buffered and leased as the broker counts them, all events applied, none dead-lettered"
+        if ok
+        else f"✗ {why}",
+        end_section=True,
+    )
+    _section(table, "waits")
+    table.add_row("generators waited", seconds(acc.wait.generator_s), "for prompts or budget")
+    table.add_row("trainers waited", seconds(acc.wait.trainer_s), "for rollouts", end_section=True)
+    _section(table, "samples out")
+    max_reuse = run.config.get("max_reuse") if run is not None else None
+    table.add_row("samples consumed", fmt(acc.samples_consumed), "Σ uses = Σ acked batch sizes")
+    table.add_row("tokens consumed", fmt(acc.tokens_consumed), "")
+    table.add_row(
+        "reuse factor",
+        fmt(acc.reuse_factor, 3),
+        "samples / rollouts" + (f" (max_reuse {max_reuse})" if max_reuse is not None else ""),
+    )
+    b = acc.batches
+    table.add_row(
+        "batches",
+        fmt(b.leased),
+        f"acked {b.acked:,}, nacked {b.nacked:,}, expired {b.expired:,}",
+        end_section=True,
+    )
+    _section(table, "off-policy")
+    table.add_row("lag", f"mean {fmt(acc.lag.mean, 3)}", f"max {fmt(acc.lag.max)}")
+    table.add_row("lag histogram", "", histogram(acc.lag.histogram))
+    table.add_row("KL", f"mean {fmt(acc.kl.mean, 3)}", f"max {fmt(acc.kl.max, 3)}")
+    table.add_row(
+        "IS ratio",
+        f"mean {fmt(acc.is_ratio.mean, 4)}",
+        f"clip fraction {fmt(acc.is_ratio.clip_fraction, 3)}",
+    )
+    if acc.pending_events:
+        table.caption = f"{acc.pending_events} events not yet in the accounting"
+    return table
+
+
+def versions_table(rows: list[VersionAccounting]) -> RenderableType:
+    from rich import box
+    from rich.table import Table
+
+    reasons = sorted({k for v in rows for k in v.retired})
+    table = Table(
+        title="Accounting by policy version",
+        caption="retired, by reason, on the right",
+        box=box.SIMPLE_HEAD,
+    )
+    for col in ("version", "received", "buffered", "leased", "samples", "reuse", "lag", *reasons):
+        table.add_column(col, justify="right")
+    for v in rows:
+        table.add_row(
+            str(v.policy_version),
+            fmt(v.rollouts_received),
+            fmt(v.buffered),
+            fmt(v.leased),
+            fmt(v.samples_consumed),
+            fmt(v.reuse_factor, 3),
+            fmt(v.lag.mean, 3),
+            *(fmt(v.retired.get(k, 0)) for k in reasons),
+        )
+    return table
+
+
+def training_table(rows: list[TrainingVersion]) -> RenderableType:
+    from rich import box
+    from rich.table import Table
+
+    table = Table(
+        title="Training by policy version",
+        caption="acknowledged batches by the trainer's version V of their lease",
+        box=box.SIMPLE_HEAD,
+    )
+    for col in ("version", "batches", "samples", "tokens", "KL mean", "KL max", "IS mean", "clip"):
+        table.add_column(col, justify="right")
+    for v in rows:
+        table.add_row(
+            str(v.policy_version),
+            fmt(v.batches),
+            fmt(v.samples),
+            fmt(v.tokens),
+            fmt(v.kl_mean, 3),
+            fmt(v.kl_max, 3),
+            fmt(v.is_ratio_mean, 4),
+            fmt(v.clip_fraction, 3),
+        )
+    return table
+
+
+# -- prompts ---------------------------------------------------------------------------------------
+
+
+def prompts_table(
+    run_id: str, rows: list[PromptState], counts: PromptCounts | None, more: bool
+) -> RenderableType:
+    """The run's passes counted by state, then the passes listed one per line."""
+    from rich import box
+    from rich.console import Group
+    from rich.table import Table
+
+    table = Table(
+        title=f"Prompt passes of {run_id}",
+        caption=f"{len(rows):,} shown; more with --limit (0: all)" if more else None,
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+    )
+    for col in ("prompt_id", "pass", "attempt", "state", "tries"):
+        table.add_column(col, justify="left" if col in ("prompt_id", "state") else "right")
+    for r in rows:
+        table.add_row(r.prompt_id, str(r.pass_), str(r.attempt), r.state, str(r.tries))
+    if counts is None:
+        return table
+    return Group(f"{counts.registered:,} passes registered: {prompt_line(counts)}", table)
+
+
+# -- access: tokens and the audit log --------------------------------------------------------------
+
+
+def tokens_table(rows: list[AccessToken]) -> RenderableType:
+    """The tokens, newest first, revoked ones marked; never a secret (the broker has none)."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="Tokens", box=box.SIMPLE_HEAD, title_justify="left")
+    for col in ("token_id", "name", "scopes", "runs", "created_at", "created_by", "status"):
+        table.add_column(col)
+    for t in rows:
+        table.add_row(
+            t.token_id,
+            t.name,
+            ",".join(t.scopes),
+            "all" if t.runs is None else ",".join(t.runs),
+            _when(t.created_at),
+            t.created_by or "–",
+            f"revoked {_when(t.revoked_at)}" if t.revoked else "active",
+        )
+    return table
+
+
+def audit_table(rows: list[AuditEntry], more: bool) -> RenderableType:
+    from rich import box
+    from rich.table import Table
+
+    table = Table(
+        title="Audit log, newest first",
+        caption=f"{len(rows):,} shown; more with --limit (0: all)" if more else None,
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+    )
+    for col in ("id", "at", "actor", "action", "run_id", "detail"):
+        table.add_column(col, justify="right" if col == "id" else "left")
+    for e in rows:
+        table.add_row(
+            str(e.id),
+            _when(e.at),
+            e.actor,
+            e.action,
+            e.run_id or "–",
+            json.dumps(e.detail, sort_keys=True, separators=(",", ":")),
+        )
+    return table
