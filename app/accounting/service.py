@@ -8,15 +8,7 @@ from __future__ import annotations
 from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.accounting import listings, queries
-from app.accounting.schemas import (
-    BatchPage,
-    DeadLetterPage,
-    PromptPage,
-    RunAccounting,
-    TrainingAccounting,
-    VersionsAccounting,
-)
+from app.accounting import listings, queries, schemas
 from app.accounting.stream import EventStream
 
 __all__ = ["AccountingService"]
@@ -32,21 +24,25 @@ class AccountingService:
     def create(cls, redis: Redis, prefix: str) -> AccountingService:
         return cls(EventStream(redis, prefix))
 
-    async def run_accounting(self, session: AsyncSession, run_id: str) -> RunAccounting:
+    async def run_accounting(self, session: AsyncSession, run_id: str) -> schemas.RunAccounting:
         """Exact totals of the run, as of the newest drained event."""
         return await queries.run_accounting(session, self.stream, run_id)
 
-    async def version_accounting(self, session: AsyncSession, run_id: str) -> VersionsAccounting:
+    async def version_accounting(
+        self, session: AsyncSession, run_id: str
+    ) -> schemas.VersionsAccounting:
         """The same accounting per policy version of the rollouts."""
         return await queries.version_accounting(session, self.stream, run_id)
 
-    async def training_accounting(self, session: AsyncSession, run_id: str) -> TrainingAccounting:
+    async def training_accounting(
+        self, session: AsyncSession, run_id: str
+    ) -> schemas.TrainingAccounting:
         """Per policy version of the trainer (the V of the acknowledged batches' leases)."""
         return await queries.training_accounting(session, self.stream, run_id)
 
     async def batches(
         self, session: AsyncSession, run_id: str, *, limit: int, cursor: str | None
-    ) -> BatchPage:
+    ) -> schemas.BatchPage:
         """The batch ledger in lease order, ``limit`` rows after ``cursor``."""
         return await listings.list_batches(session, self.stream, run_id, limit=limit, cursor=cursor)
 
@@ -58,7 +54,7 @@ class AccountingService:
         state: str | None,
         limit: int,
         cursor: str | None,
-    ) -> PromptPage:
+    ) -> schemas.PromptPage:
         """The prompt ledger in (prompt_id, pass) order, of one state or all."""
         return await listings.list_prompts(
             session, self.stream, run_id, state=state, limit=limit, cursor=cursor
@@ -66,6 +62,6 @@ class AccountingService:
 
     async def dead_letters(
         self, session: AsyncSession, run_id: str, *, limit: int, cursor: str | None
-    ) -> DeadLetterPage:
+    ) -> schemas.DeadLetterPage:
         """The run's dead letters, oldest first."""
         return await listings.dead_letters(session, self.stream, run_id, limit=limit, cursor=cursor)
