@@ -34,8 +34,8 @@ from benchmarks.servers import proc_cpu_s, redis_server, uvicorn_server
 
 
 def script_names(app_dir: Path) -> dict[str, str]:
-    """SHA1 -> script name, for the scripts as app/broker/store.py loads them (the key prologue,
-    common.lua, the script) and, for older trees, without the key prologue or common.lua."""
+    """SHA1 -> script name, for the scripts as app/broker/scripts.py builds them (the key prologue,
+    its libraries, the script) and, for older trees, the key prologue and common.lua."""
     lua = app_dir / "app" / "broker" / "lua"
     names: dict[str, str] = {}
     if not lua.is_dir():

@@ -41,8 +41,8 @@ LABEL_VALUES: Mapping[str, frozenset[str]] = {
     "state": frozenset({"queued", "in_flight", "done", "failed"}),
     "status_class": frozenset({"1xx", "2xx", "3xx", "4xx", "5xx", "other"}),
 }
-"""The values of the enumerated labels (app/metrics.py): a matcher on any other value selects
-nothing, silently, so an alert on it would never fire."""
+"""The values of the enumerated labels (app/metrics/catalogue.py): a matcher on any other value
+selects nothing, silently, so an alert on it would never fire."""
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 

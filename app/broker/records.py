@@ -1,9 +1,8 @@
-"""What the store reads back from Redis: the states of runs, leases, batches and work leases,
-and the cursor of the run listing."""
+"""What the store reads back from Redis: the states of runs, leases, batches, work leases and
+the maintenance's calls."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
@@ -125,49 +124,6 @@ class SweepOutcome:
     @property
     def total(self) -> int:
         return sum(self.retired.values())
-
-
-RUN_FIELDS = ("cfg", "ver", "st", "created", "live", "leased", "floor")
-
-
-def _run_state(run_id: str, f: Sequence[Any]) -> RunState | None:
-    if f[0] is None:
-        return None  # no such run, or the tombstone of a deleted one
-    cfg = text(f[0])
-    return RunState(
-        run_id=run_id,
-        config=RunConfig.model_validate_json(cfg),
-        config_json=cfg,
-        policy_version=int(f[1]),
-        status="closed" if text(f[2]) == "closed" else "open",
-        created_at_ms=int(f[3]),
-        live=int(f[4]),
-        leased=int(f[5]),
-        floor=int(f[6]),
-    )
-
-
-def _score_text(score: float) -> str:
-    """A score as Redis reads it back exactly (an integer, the usual case, without '.0')."""
-    return f"{score:.17g}"
-
-
-def _cursor(score: float, run_id: str) -> str:
-    """A page's ``next_cursor``: the last entry read, '<creation ms>:<run id>'."""
-    return f"{_score_text(score)}:{run_id}"
-
-
-def _parse_cursor(cursor: str | None) -> tuple[float, str] | None:
-    if cursor is None:
-        return None
-    ms, sep, rid = cursor.partition(":")
-    try:
-        score = float(ms)
-    except ValueError:
-        score = math.nan
-    if not sep or not rid or not math.isfinite(score) or ms != _score_text(score):
-        raise ValueError(f"not a cursor of this listing: {cursor!r}")
-    return score, rid
 
 
 def _counts(rows: Sequence[Any]) -> dict[str, int]:

@@ -31,6 +31,7 @@ from app.broker.packing import (
     unpack_rollouts,
 )
 from app.broker.replies import ErrorContext, StoreError, error_for
+from app.broker.run_index import ORPHAN_GRACE_MS
 from app.broker.schemas import (
     AckBody,
     AckResult,
@@ -49,7 +50,6 @@ from app.broker.schemas import (
     WorkOut,
 )
 from app.broker.store import (
-    ORPHAN_GRACE_MS,
     BatchView,
     Lease,
     RedisStore,

@@ -20,7 +20,6 @@ from app import keys
 from app.broker.config import RunConfig
 from app.broker.packing import PackedRollout
 from app.broker.records import (
-    RUN_FIELDS,
     BatchMember,
     BatchView,
     IngestOutcome,
@@ -33,13 +32,10 @@ from app.broker.records import (
     WorkItem,
     WorkLease,
     _counts,
-    _cursor,
-    _parse_cursor,
-    _run_state,
-    _score_text,
     maintain_state,
 )
 from app.broker.replies import AckAnswer, StoreError, ack_answer, decode, text
+from app.broker.run_index import RunIndex
 from app.broker.scripts import load_scripts
 
 __all__ = [
@@ -80,58 +76,17 @@ def scan_limit(size: int) -> int:
 
 _WAKE_TRIES = 5
 
-# The active index lives in one slot of its own, so these touch only it. A token is the time
-# (ms) of the call, and always above the run's previous token and above `floor`: it only ever
-# grows, so a worker that read an older one cannot take the run out after a wake-up.
-_ACTIVATE_LUA = """
-redis.replicate_commands()
-local t = redis.call('TIME')
-local s = math.max(tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), tonumber(ARGV[2]))
-local prev = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if prev then s = math.max(s, tonumber(prev) + 1) end
-s = string.format('%d', s)
-redis.call('ZADD', KEYS[1], s, ARGV[1])
-return s
-"""
-_DEACTIVATE_LUA = """
-local s = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if s and tonumber(s) == tonumber(ARGV[2]) then return redis.call('ZREM', KEYS[1], ARGV[1]) end
-return 0
-"""
 
-# An active-index entry whose run does not exist is a creation under way (the index is written
-# first) or one that never finished; after this long, it is the latter.
-ORPHAN_GRACE_MS = 10 * 60 * 1000
-# A page of GET /v1/runs reads at most this many index entries beyond the runs it returns
-# (entries of runs of the other status, of runs being created or deleted); it is then short.
-PAGE_SCAN_SLACK = 10_000
+class RedisStore(RunIndex):
+    """Every change to a run's keys, one script call each (or a short loop of bounded calls),
+    and the reads that need no script; the run indexes' part is :class:`RunIndex`'s."""
 
-
-class RedisStore:
     def __init__(self, redis: Redis, prefix: str) -> None:
-        self.redis = redis
-        self.prefix = prefix
+        super().__init__(redis, prefix)
         self.wake_channel = keys.wake_channel(prefix)
         self._scripts: dict[str, AsyncScript] = {
             name: redis.register_script(src) for name, src in load_scripts().items()
         }
-        self._activate = redis.register_script(_ACTIVATE_LUA)
-        self._deactivate = redis.register_script(_DEACTIVATE_LUA)
-
-    # -- keys -----------------------------------------------------------------------------
-    def run_key(self, run_id: str) -> str:
-        return keys.run_key(self.prefix, run_id)
-
-    def events_key(self, run_id: str) -> str:
-        return keys.events_key(self.prefix, run_id)
-
-    @property
-    def runs_key(self) -> str:
-        return keys.runs_key(self.prefix)
-
-    @property
-    def active_key(self) -> str:
-        return keys.active_key(self.prefix)
 
     async def _call(self, name: str, run_id: str, *args: Any) -> list[Any]:
         """The body of the script's ok reply; StoreError when it refuses. A parked run is
@@ -148,21 +103,6 @@ class RedisStore:
                 await self.wake(run_id, int(err.args_[0]))
         raise StoreError("run_parked")  # parked again at every try: not seen in practice
 
-    # -- the run indexes --------------------------------------------------------------------
-    # RUNS holds every run by creation time, for listing. ACTIVE holds the runs the workers
-    # visit: open runs, and closed ones until they have settled (nothing live, every event
-    # drained). Both are written before the run's own keys (create_run, wake), so a run is never
-    # without its entries, on one Redis or on a cluster, where they live in other slots. The
-    # order of the two writes matters only in that both come first; an entry whose run does
-    # not exist is skipped by the readers and cleared after ORPHAN_GRACE_MS.
-    async def activate(self, run_id: str, floor: int = 0) -> int:
-        """Put the run in the active index; returns its new token (above ``floor``)."""
-        return int(await self._activate(keys=[self.active_key], args=[run_id, floor]))
-
-    async def deactivate(self, run_id: str, token: int) -> bool:
-        """Take the run out of the active index if its token is still ``token``."""
-        return bool(await self._deactivate(keys=[self.active_key], args=[run_id, token]))
-
     async def wake(self, run_id: str, held: int) -> None:
         """Take a parked run (holding token ``held``) back into the active index, then into
         service. StoreError('run_missing') for a run being deleted."""
@@ -173,11 +113,6 @@ class RedisStore:
                 keys=keys.script_keys(self.prefix, run_id), args=[self.wake_channel, token]
             ),
         )
-
-    async def active_runs(self) -> list[tuple[str, int]]:
-        """(run id, token) of every run the workers visit."""
-        rows: list[Any] = await self.redis.zrange(self.active_key, 0, -1, withscores=True)
-        return [(text(rid), int(score)) for rid, score in rows]
 
     # -- runs -----------------------------------------------------------------------------
     async def create_run(self, run_id: str, config: RunConfig) -> Literal["created", "exists"]:
@@ -196,93 +131,6 @@ class RedisStore:
             "create_run", run_id, run_id, config.canonical_json(), int(created)
         )
         return "created" if text(outcome) == "created" else "exists"
-
-    async def get_run(self, run_id: str) -> RunState | None:
-        f: list[Any] = await self.redis.hmget(self.run_key(run_id), *RUN_FIELDS)
-        return _run_state(run_id, f)
-
-    async def run_ids(self) -> list[str]:
-        """The runs the workers visit (the active index), oldest token first."""
-        return [rid for rid, _ in await self.active_runs()]
-
-    async def list_runs(
-        self,
-        status: Literal["open", "closed"] | None = None,
-        limit: int = 100,
-        cursor: str | None = None,
-    ) -> RunPage:
-        """Runs newest first (by creation, then id), ``limit`` at most, after ``cursor`` (a
-        previous page's ``next_cursor``); ValueError for a malformed cursor.
-
-        Open runs come from the active index, which holds them all and few others, ordered
-        here; the others from the run index, newest first. A page reads at most
-        PAGE_SCAN_SLACK entries beyond its runs, and is then short, with a cursor."""
-        after = _parse_cursor(cursor)
-        if status == "open":
-            return await self._list_open(limit, after)
-        runs: list[RunState] = []
-        scanned, last = 0, after
-        while len(runs) < limit and scanned < limit + PAGE_SCAN_SLACK:
-            chunk = await self._index_after(last, limit - len(runs))
-            if not chunk:
-                return RunPage(runs, None)
-            scanned += len(chunk)
-            states = await self._states([rid for rid, _ in chunk])
-            for (rid, created), state in zip(chunk, states, strict=True):
-                last = (created, rid)
-                if state is not None and status in (None, state.status):
-                    runs.append(state)
-        return RunPage(runs, _cursor(*last) if last else None)
-
-    async def _index_after(
-        self, after: tuple[float, str] | None, count: int
-    ) -> list[tuple[str, float]]:
-        """Up to ``count`` entries of the run index after ``after``, newest first; entries of
-        one score in reverse id order, as ZREVRANGEBYSCORE gives them."""
-        if after is None:
-            rows: list[Any] = await self.redis.zrevrangebyscore(
-                self.runs_key, "+inf", "-inf", start=0, num=count, withscores=True
-            )
-            return [(text(r), float(sc)) for r, sc in rows]
-        score, rid = after
-        exact = _score_text(score)
-        # Runs created in the same millisecond: as many as Redis can create in one.
-        ties: list[Any] = await self.redis.zrevrangebyscore(self.runs_key, exact, exact)
-        got = [(text(r), score) for r in ties if text(r).encode() < rid.encode()][:count]
-        if len(got) < count:
-            older: list[Any] = await self.redis.zrevrangebyscore(
-                self.runs_key, f"({exact}", "-inf", start=0, num=count - len(got), withscores=True
-            )
-            got += [(text(r), float(sc)) for r, sc in older]
-        return got
-
-    async def _list_open(self, limit: int, after: tuple[float, str] | None) -> RunPage:
-        ids = [rid for rid, _ in await self.active_runs()]
-        states = [s for s in await self._states(ids) if s is not None and s.status == "open"]
-        order = sorted(states, key=lambda s: (s.created_at_ms, s.run_id.encode()), reverse=True)
-        if after is not None:
-            order = [
-                s
-                for s in order
-                if (s.created_at_ms, s.run_id.encode()) < (after[0], after[1].encode())
-            ]
-        page = order[:limit]
-        more = len(order) > limit
-        return RunPage(page, _cursor(page[-1].created_at_ms, page[-1].run_id) if more else None)
-
-    async def _states(self, run_ids: Sequence[str]) -> list[RunState | None]:
-        """Each run as get_run reads it (None: no such run, or a deleted one's tombstone)."""
-        out: list[RunState | None] = []
-        for start in range(0, len(run_ids), 1000):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for rid in run_ids[start : start + 1000]:
-                    pipe.hmget(self.run_key(rid), *RUN_FIELDS)
-                rows = await pipe.execute()
-            out += [
-                _run_state(rid, f)
-                for rid, f in zip(run_ids[start : start + 1000], rows, strict=True)
-            ]
-        return out
 
     async def replace_config(
         self, run_id: str, expected_json: str, new: RunConfig

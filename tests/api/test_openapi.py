@@ -97,8 +97,8 @@ async def test_every_body_a_handler_reads_is_documented_as_json_and_msgpack(api)
         for path, method, op in operations(doc)
         if set(op.get("requestBody", {}).get("content", {})) == {"application/json", MSGPACK}
     }
-    # Every handler that reads a body (app/api/*.py) but /v1/tokens (app/api/tokens.py, to
-    # come: it does not name its model yet).
+    # Every endpoint that reads a body (the domains' endpoints) but /v1/tokens
+    # (app/access/endpoints.py, to come: it does not name its model yet).
     assert documented >= {
         ("post", "/v1/runs"),
         ("patch", "/v1/runs/{run_id}/config"),
