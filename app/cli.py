@@ -74,10 +74,10 @@ def _auth_settings(settings: Settings, host: str) -> Settings:
     """``settings`` with auth decided for a listener on ``host`` (on, unless BROKER_AUTH says,
     for a non-loopback address); a set-up nobody could sign in to ends the command with its
     one line. Says on stderr when auth is on, and when it is off on a non-loopback address."""
-    from app.access.startup import AuthSetupError, is_loopback, resolve_auth
+    from app.access.startup import AuthSetupError, is_loopback, resolve_auth, served_on
 
     try:
-        resolved = resolve_auth(settings, host)
+        resolved = served_on(resolve_auth(settings, host), host)
     except AuthSetupError as exc:
         raise _fail(str(exc)) from None
     if resolved.auth:
@@ -248,6 +248,8 @@ def _settings_env(settings: Settings) -> dict[str, str | None]:
             value = value.get_secret_value()
         elif isinstance(value, bool):
             value = "true" if value else "false"
+        elif isinstance(value, tuple):
+            value = ",".join(value)
         out[_env_name((name,))] = None if value is None else str(value)
     return out
 

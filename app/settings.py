@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_HOST_NAME_RE = re.compile(r"^(?!-)[a-z0-9_-]{1,63}(?<!-)(\.(?!-)[a-z0-9_-]{1,63}(?<!-))*$")
 
 
 class Settings(BaseSettings):
@@ -50,6 +52,13 @@ class Settings(BaseSettings):
         default=None,
         min_length=32,
         description="Accepted as an admin token named `bootstrap` (at least 32 characters)",
+    )
+    allowed_hosts: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=(),
+        description="With auth off, the host names a request may be addressed to (its `Host`) "
+        "besides `localhost`, any IP address and the name `serve --host` binds; "
+        "comma-separated. A name not listed is refused (403), so that a web page cannot reach "
+        "the broker through a name of its own that resolves to it (DNS rebinding)",
     )
     token_cache_s: float = Field(
         default=60.0,
@@ -160,6 +169,21 @@ class Settings(BaseSettings):
         if not _PREFIX_RE.match(v):
             raise ValueError("redis_prefix must be 1-64 characters of [A-Za-z0-9_.-]")
         return v
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _host_names(cls, v: object) -> object:
+        if isinstance(v, str):
+            v = v.split(",")
+        if not isinstance(v, list | tuple):
+            return v
+        names = [str(name).strip().lower().removesuffix(".") for name in v]
+        for name in names:
+            if name and not _HOST_NAME_RE.match(name):
+                raise ValueError(
+                    f"allowed_hosts: {name!r} is not a host name (no port, scheme or path)"
+                )
+        return tuple(name for name in names if name)
 
     @field_validator("database_url")
     @classmethod

@@ -143,7 +143,7 @@ async def failing(
 ) -> AsyncIterator[httpx.AsyncClient]:
     """The app with a route ``/fail/{name}`` that runs one of the failures above."""
     app: FastAPI = create_app(settings)
-    monkeypatch.setitem(policy.ROUTES, ("GET", "/fail/{name}"), policy.PUBLIC)
+    monkeypatch.setitem(policy.ROUTES, ("GET", "/fail/{name}"), policy.reading(policy.PUBLIC))
 
     async def fail(name: str) -> None:
         await (OUTAGES[name][0] if name in OUTAGES else BUGS[name])()
