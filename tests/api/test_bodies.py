@@ -447,7 +447,7 @@ _MEASURE = textwrap.dedent(
 
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://b") as c:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
                 resp = await c.post("/v1/runs", json={"run_id": "big"})
                 assert resp.status_code == 201, resp.text
             gc.collect()
