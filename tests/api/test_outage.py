@@ -221,7 +221,7 @@ class Connection:
     async def request(
         self, method: str, path: str, body: bytes = b""
     ) -> tuple[int, dict[str, str], bytes]:
-        head = f"{method} {path} HTTP/1.1\r\nHost: api\r\nContent-Length: {len(body)}\r\n"
+        head = f"{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(body)}\r\n"
         if body:
             head += "Content-Type: application/json\r\n"
         self.writer.write(head.encode() + b"\r\n" + body)
