@@ -168,6 +168,7 @@ def serve(
     import uvicorn
 
     from app.main import create_app
+    from app.serving import uvicorn_options
     from workers.runner import run_workers
 
     settings = _settings()
@@ -194,7 +195,7 @@ def serve(
             _serve_processes(settings, host, port, api_processes)
             return
         app = create_app(settings, background=run_workers if settings.workers_in_process else None)
-        uvicorn.run(app, host=host, port=port, log_level="info")
+        uvicorn.run(app, host=host, port=port, log_level="info", **uvicorn_options(settings))
     finally:
         if services is not None:
             services.stop()  # type: ignore[attr-defined]
@@ -211,6 +212,7 @@ def _serve_processes(settings: Settings, host: str, port: int, processes: int) -
     import uvicorn
 
     from app.metrics import MULTIPROC_DIR
+    from app.serving import uvicorn_options
 
     metrics_dir = tempfile.mkdtemp(prefix="rollout-broker-metrics-")
     api = settings.model_copy(update={"workers_in_process": False})
@@ -231,6 +233,7 @@ def _serve_processes(settings: Settings, host: str, port: int, processes: int) -
                     port=port,
                     workers=processes,
                     log_level="info",
+                    **uvicorn_options(api),
                 )
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)

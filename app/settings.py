@@ -83,6 +83,37 @@ class Settings(BaseSettings):
         description="A request body that sends no byte for this long is answered 408 and its "
         "connection closed (the wait between two reads, not the whole upload)",
     )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=3600,
+        description="A connection closed unless its request line and headers arrive in full "
+        "within this long of its opening, or of its first byte after a keep-alive pause "
+        "(`serve`)",
+    )
+    keep_alive_timeout_s: int = Field(
+        default=5,
+        ge=1,
+        le=3600,
+        description="An idle keep-alive connection is closed after this many seconds without "
+        "a new request (`serve`)",
+    )
+    max_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        le=16 * 1024 * 1024,
+        description="A request line and headers over this size are answered 400 and the "
+        "connection closed (`serve`)",
+    )
+    max_connections: int = Field(
+        default=1000,
+        ge=1,
+        le=1_000_000,
+        description="Open connections per API process; beyond them a new connection's request "
+        "is answered 503 with Retry-After and the connection closed (`serve`). Keep it under the "
+        "process's open-file limit (`ulimit -n`), which its Redis and Postgres connections "
+        "share",
+    )
     max_rollouts_per_request: int = Field(default=4096, ge=1, le=65536)
     max_tokens_per_rollout: int = Field(default=262_144, ge=1, le=16_777_216)
     max_batch_size: int = Field(default=8192, ge=1, le=1_000_000)
