@@ -22,11 +22,13 @@ from typing import Final
 
 from redis.asyncio import Redis
 from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.access.models import ApiToken
+from app.access.models import LIVE_NAME_INDEX, ApiToken
 from app.access.policy import Scope
 from app.caller import Caller
+from app.errors import TokenNameTaken
 from app.pubsub import Subscription
 
 log = logging.getLogger("rollout_broker")
@@ -89,7 +91,9 @@ async def insert_token(
     runs: Sequence[str] | None,
     created_by: str,
 ) -> tuple[ApiToken, str]:
-    """Add a token (in the caller's transaction); returns its row and the secret token."""
+    """Add a token (in the caller's transaction); returns its row and the secret token. A live
+    token's name is unique (the database's partial unique index holds it against concurrent
+    creations): another live token of ``name`` is :class:`TokenNameTaken`."""
     token_id, token, sha = new_token()
     row = ApiToken(
         token_id=token_id,
@@ -100,7 +104,15 @@ async def insert_token(
         created_by=created_by,
     )
     session.add(row)
-    await session.flush()
+    try:
+        await session.flush()
+    except IntegrityError as exc:
+        if LIVE_NAME_INDEX not in str(exc.orig):
+            raise
+        raise TokenNameTaken(
+            f"a live token is named {name!r} already: choose another name, or revoke that "
+            "token first (a revoked token's name may be reused)"
+        ) from None
     await session.refresh(row)
     return row, token
 

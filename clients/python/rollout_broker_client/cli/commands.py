@@ -368,7 +368,7 @@ def audit(
     token: Token = None,
     as_json: AsJson = False,
 ) -> None:
-    """Operator actions, newest first: who (the token's name) created, changed, closed or
+    """Operator actions, newest first: who (the token's name and id) created, changed, closed or
     deleted which run, set its policy version, or created or revoked a token (scope operate)."""
     with connect(url, token) as broker:
         page_size = min(limit + 1, 1000) if limit else 1000

@@ -342,13 +342,14 @@ def audit_table(rows: list[AuditEntry], more: bool) -> RenderableType:
         box=box.SIMPLE_HEAD,
         title_justify="left",
     )
-    for col in ("id", "at", "actor", "action", "run_id", "detail"):
+    for col in ("id", "at", "actor", "token_id", "action", "run_id", "detail"):
         table.add_column(col, justify="right" if col == "id" else "left")
     for e in rows:
         table.add_row(
             str(e.id),
             _when(e.at),
             e.actor,
+            e.token_id or "–",
             e.action,
             e.run_id or "–",
             json.dumps(e.detail, sort_keys=True, separators=(",", ":")),
