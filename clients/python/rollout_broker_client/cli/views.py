@@ -154,12 +154,15 @@ def _prompt_rows(table: Table, p: PromptCounts) -> None:
     )
 
 
-def accounting_table(acc: Accounting, run: Run | None = None) -> RenderableType:
+def accounting_table(
+    acc: Accounting, run: Run | None = None, *, deleted: str | None = None
+) -> RenderableType:
     """The accounting as a readable table: prompts handed out (for runs that use work leases),
-    where rollouts went and what became samples."""
+    where rollouts went and what became samples. ``deleted`` names a run whose live state is
+    gone (its accounting stays)."""
     from rich.table import Table
 
-    name = run.run_id if run is not None else "run"
+    name = run.run_id if run is not None else f"{deleted} (deleted)" if deleted else "run"
     table = Table(title=f"Accounting of {name}", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("count", justify="right")
