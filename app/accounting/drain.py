@@ -251,9 +251,8 @@ class Drainer:
     async def _read_new(
         self, run_ids: list[str], counts: DrainCounts, block_ms: int | None
     ) -> set[str]:
-        """Read and process new entries of ``run_ids`` (blocking ``block_ms`` when the pass has
-        read nothing yet), in rounds while some stream still has a full batch; adds to
-        ``counts`` and returns the runs that had entries."""
+        """Process new entries of ``run_ids`` (blocking ``block_ms`` if the pass read nothing),
+        in rounds while a stream has a full batch; adds to ``counts``, returns the runs read."""
         active = list(run_ids)
         busy: set[str] = set()
         block = block_ms if counts.read == 0 else None
@@ -291,8 +290,7 @@ class Drainer:
             return DrainCounts()
 
     def _skip(self, gone: StreamGone) -> None:
-        """A run's stream went during the pass (the run was deleted): said in one line, and not
-        read again until :meth:`streams` finds its stream and group again."""
+        """One line, and no more reads of the run until :meth:`streams` finds its group again."""
         log.info(
             "run %r: its event stream or consumer group is gone (the run was deleted "
             "meanwhile); the drain skips it",
