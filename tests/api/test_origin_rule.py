@@ -16,7 +16,7 @@ from app.access import policy
 from app.access.startup import served_on
 from app.main import create_app
 from app.settings import Settings
-from tests.api.support import assert_error, events, ids
+from tests.api.support import asgi_client, assert_error, events, ids
 from tests.helpers import KNOWN_SECRETS, make_run, post, rollout
 
 ADMIN = secrets.token_urlsafe(32)
@@ -31,25 +31,18 @@ FROM_ANOTHER_PAGE = (
 )
 
 
-async def _client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://broker") as c:
-            yield c
-
-
 @pytest.fixture
 async def named(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
     """Auth off, with a name of BROKER_ALLOWED_HOSTS besides the tests' own."""
-    async for c in _client(settings.model_copy(update={"allowed_hosts": ("broker", "rb.lan")})):
+    app = create_app(settings.model_copy(update={"allowed_hosts": ("broker", "rb.lan")}))
+    async with asgi_client(app) as c:
         yield c
 
 
 @pytest.fixture
 async def with_auth(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
     auth = {"auth": True, "admin_token": SecretStr(ADMIN)}
-    async for c in _client(settings.model_copy(update=auth)):
+    async with asgi_client(create_app(settings.model_copy(update=auth))) as c:
         c.headers["authorization"] = f"Bearer {ADMIN}"
         yield c
 
