@@ -85,7 +85,8 @@ def _auth_settings(settings: Settings, host: str) -> Settings:
     elif not is_loopback(host):
         typer.echo(
             f"warning: auth is off (BROKER_AUTH=off) on {host}: whoever reaches the port may "
-            "do anything",
+            "do anything (addressing it by IP address, localhost or a name of "
+            "BROKER_ALLOWED_HOSTS)",
             err=True,
         )
     return resolved
