@@ -55,7 +55,7 @@ def container_budget(size: int) -> int:
     return max(1 << 16, size // 8)
 
 
-_WINDOW = 1 << 20
+_WINDOW = 1 << 18  # 256 KiB: the arrays of one window are a few megabytes
 _KEY = re.compile(rb'"((?:[^"\\]|\\.){0,256})"[ \t\n\r]*:[ \t\n\r]*$')
 _KEY_LOOKBACK = 600  # enough for a key of 256 characters, escaped, and its colon
 
@@ -112,7 +112,7 @@ class _State:
         """Per byte, 1 where a quote opens or closes a string."""
         q = a == 0x22
         bs = a == 0x5C
-        if bs.any():
+        if self.backslashes or bs.any():
             idx = np.arange(a.size)
             last_other = np.maximum.accumulate(np.where(bs, -1, idx))
             pos = np.flatnonzero(q)
