@@ -178,7 +178,7 @@ class _State:
             opened = ev[at_level][k == _OPEN]
             closed = k == _CLOSE
             if lvl == 2:
-                self._named(body, at, opened, commas, closed, segment, out)
+                self._named(body, at, opened, commas, closed, out)
             else:
                 out.widest = max(out.widest, int(commas.max()) + 1)
             still_open = not closed[-1]
@@ -191,7 +191,6 @@ class _State:
         opened: np.ndarray,
         commas: np.ndarray,
         closed: np.ndarray,
-        segment: np.ndarray,
         out: Outline,
     ) -> None:
         """Level 2: the values of the top-level object, counted under their keys."""
