@@ -7,7 +7,15 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
 
-from app.api import errors, msgpack_answer, read_model, render, request_body, wants_msgpack
+from app.api import (
+    SMALL_BODY_BYTES,
+    errors,
+    msgpack_answer,
+    read_model,
+    render,
+    request_body,
+    wants_msgpack,
+)
 from app.broker.endpoints.deps import broker_of
 from app.broker.schemas import (
     PromptsBody,
@@ -20,6 +28,10 @@ from app.broker.schemas import (
 from app.ids import LEASE_ID_PATTERN, RUN_ID_PATTERN
 
 router = APIRouter(prefix="/v1/runs", tags=["prompts"])
+
+# A prompt id in a JSON body at its longest: 200 characters, each escaped as a surrogate pair
+# (12 bytes), its quotes and a comma.
+_QUOTED_PROMPT_ID = 200 * 12 + 3
 
 
 @router.post(
@@ -37,8 +49,9 @@ router = APIRouter(prefix="/v1/runs", tags=["prompts"])
     openapi_extra=request_body(PromptsBody),
 )
 async def register_prompts(run_id: str, request: Request) -> Response:
-    body = await read_model(request, PromptsBody)
-    return render(await broker_of(request).register_prompts(run_id, body), status_code=202)
+    broker = broker_of(request)
+    body = await read_model(request, PromptsBody, counts={"prompts": broker.check_prompt_count})
+    return render(await broker.register_prompts(run_id, body), status_code=202)
 
 
 @router.post(
@@ -52,7 +65,7 @@ async def register_prompts(run_id: str, request: Request) -> Response:
     openapi_extra=request_body(WorkBody),
 )
 async def take_work(run_id: str, request: Request) -> Response:
-    body = await read_model(request, WorkBody)
+    body = await read_model(request, WorkBody, limit=SMALL_BODY_BYTES)
     lease = await broker_of(request).work(run_id, body)
     if lease is None:
         return Response(status_code=204)
@@ -76,8 +89,10 @@ async def return_work(
     lease_id: Annotated[str, Path(pattern=LEASE_ID_PATTERN)],
     request: Request,
 ) -> Response:
-    body = await read_model(request, ReturnBody)
     broker = broker_of(request)
+    # A work lease holds at most BROKER_MAX_PROMPTS_PER_LEASE prompts: their ids, quoted.
+    limit = broker.prompt_limits.per_lease * _QUOTED_PROMPT_ID + SMALL_BODY_BYTES
+    body = await read_model(request, ReturnBody, limit=limit)
     if body.prompt_ids == []:
         await broker.get_run(run_id)
     return render(await broker.return_work(run_id, lease_id, body.prompt_ids))
