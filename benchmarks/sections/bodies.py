@@ -101,8 +101,10 @@ def _json_list(field: str, item: bytes, size: int) -> bytes:
     return head + b",".join([item] * n) + b"]}"
 
 
-def _prompts(n: int) -> bytes:
-    return json.dumps({"prompts": [{"prompt_id": f"p{i:07d}"} for i in range(n)]}).encode()
+def _prompts(n: int, tokens: int = 0) -> bytes:
+    ids = [12345] * tokens
+    prompts = [{"prompt_id": f"p{i:07d}", "prompt_ids": ids} for i in range(n)]
+    return json.dumps({"prompts": prompts}).encode()
 
 
 # The hostile bodies: name -> () -> (body, content type, what it is)
@@ -132,6 +134,13 @@ HOSTILE: dict[str, Callable[[], tuple[bytes, str, str]]] = {
         JSON_TYPE,
         "JSON registration of 1,000,000 valid prompts (25 MB)",
     ),
+    # Not hostile: the largest registration a generator may send (4,096 prompts of 2,560
+    # tokens, 60 MiB), accepted, for what a valid body near the limit costs.
+    "prompts_valid_max": lambda: (
+        _prompts(4096, 2560),
+        JSON_TYPE,
+        "JSON registration of 4,096 valid prompts of 2,560 tokens (60 MiB)",
+    ),
     "rollouts_json_objects": lambda: (
         _json_list("rollouts", b'{"rollout_id":"x"}', 5 * MIB),
         JSON_TYPE,
@@ -139,7 +148,7 @@ HOSTILE: dict[str, Callable[[], tuple[bytes, str, str]]] = {
     ),
 }
 
-# Where each is sent ({run} is the run's id): all refused with a 422.
+# Where each is sent ({run} is the run's id): all refused with a 422 but the valid registration.
 _PATHS = {
     "rollouts": "/v1/runs/{run}/rollouts",
     "prompts": "/v1/runs/{run}/prompts",
