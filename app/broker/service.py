@@ -31,7 +31,7 @@ from app.broker.packing import (
     unpack_rollouts,
 )
 from app.broker.replies import ErrorContext, StoreError, error_for
-from app.broker.run_index import ORPHAN_GRACE_MS
+from app.broker.run_index import ORPHAN_GRACE_MS, Visible
 from app.broker.schemas import (
     AckBody,
     AckResult,
@@ -155,10 +155,15 @@ class Broker:
         return run_view(await self._run(run_id))
 
     async def list_runs(
-        self, status: Literal["open", "closed"] | None, limit: int, cursor: str | None
+        self,
+        status: Literal["open", "closed"] | None,
+        limit: int,
+        cursor: str | None,
+        visible: Visible | None = None,
     ) -> RunList:
+        """A page of the runs ``visible`` admits (None: every run)."""
         try:
-            page = await self.store.list_runs(status, limit, cursor)
+            page = await self.store.list_runs(status, limit, cursor, visible)
         except ValueError as exc:
             raise ValidationFailed(str(exc)) from None
         return RunList(runs=[run_view(s) for s in page.runs], next_cursor=page.next_cursor)

@@ -58,13 +58,11 @@ async def list_runs(
         Query(pattern=RUN_CURSOR_PATTERN, description="A previous page's next_cursor"),
     ] = None,
 ) -> Response:
-    """Runs newest first, a page at a time. A token limited to some runs sees only those (its
-    pages may hold fewer than ``limit``; follow ``next_cursor`` to the end)."""
-    page = await broker_of(request).list_runs(status, limit, cursor)
+    """Runs newest first, a page at a time (follow ``next_cursor`` to the end). A token limited
+    to some runs sees only those: its pages and cursors name no other run."""
     caller = caller_of(request)
-    if not caller.every_run:
-        page.runs = [r for r in page.runs if caller.may_touch(r.run_id)]
-    return render(page)
+    visible = None if caller.every_run else caller.may_touch
+    return render(await broker_of(request).list_runs(status, limit, cursor, visible))
 
 
 @router.get("/{run_id}", response_model=Run)
