@@ -243,8 +243,8 @@ async def test_get_run_and_unknown_run_404(api):
         ("POST", "/v1/runs/nope/policy", {"version": 1}),
         ("POST", "/v1/runs/nope/rollouts", {"rollouts": [rollout("a")]}),
         ("GET", "/v1/runs/nope/batch?size=1", None),
-        ("POST", "/v1/runs/nope/batches/abc/ack", {}),
-        ("POST", "/v1/runs/nope/batches/abc/nack", None),
+        ("POST", "/v1/runs/nope/batches/abcdefgh/ack", {}),
+        ("POST", "/v1/runs/nope/batches/abcdefgh/nack", None),
     ],
 )
 async def test_every_run_endpoint_answers_404_for_an_unknown_run(api, method, path, body):

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from app.api import errors, msgpack_answer, read_model, render, request_body, wants_msgpack
@@ -17,7 +15,7 @@ from app.broker.schemas import (
     WorkBody,
     WorkOut,
 )
-from app.ids import LEASE_ID_PATTERN, RUN_ID_PATTERN
+from app.ids import LeaseId, RunId
 
 router = APIRouter(prefix="/v1/runs", tags=["prompts"])
 
@@ -36,7 +34,7 @@ router = APIRouter(prefix="/v1/runs", tags=["prompts"])
     ),
     openapi_extra=request_body(PromptsBody),
 )
-async def register_prompts(run_id: str, request: Request) -> Response:
+async def register_prompts(run_id: RunId, request: Request) -> Response:
     body = await read_model(request, PromptsBody)
     return render(await broker_of(request).register_prompts(run_id, body), status_code=202)
 
@@ -51,7 +49,7 @@ async def register_prompts(run_id: str, request: Request) -> Response:
     },
     openapi_extra=request_body(WorkBody),
 )
-async def take_work(run_id: str, request: Request) -> Response:
+async def take_work(run_id: RunId, request: Request) -> Response:
     body = await read_model(request, WorkBody)
     lease = await broker_of(request).work(run_id, body)
     if lease is None:
@@ -68,14 +66,9 @@ async def take_work(run_id: str, request: Request) -> Response:
     ),
     openapi_extra=request_body(ReturnBody, required=False),
 )
-async def return_work(
-    # The broker answers an empty prompt_ids without a look at the run or the lease: their
-    # ids are checked here, so that one of another shape is 422 as the description says, and
-    # a run that does not exist is 404 whatever the body.
-    run_id: Annotated[str, Path(pattern=RUN_ID_PATTERN)],
-    lease_id: Annotated[str, Path(pattern=LEASE_ID_PATTERN)],
-    request: Request,
-) -> Response:
+async def return_work(run_id: RunId, lease_id: LeaseId, request: Request) -> Response:
+    # The broker answers an empty prompt_ids without a look at the run or the lease: a run
+    # that does not exist is 404 whatever the body.
     body = await read_model(request, ReturnBody)
     broker = broker_of(request)
     if body.prompt_ids == []:

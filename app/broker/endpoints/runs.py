@@ -13,7 +13,7 @@ from app.broker.endpoints.deps import broker_of
 from app.broker.schemas import CreateRun, PolicyResult, PolicyUpdate, Run, RunList
 from app.caller import check_run
 from app.errors import Forbidden, ValidationFailed
-from app.ids import RUN_ID_PATTERN
+from app.ids import RUN_ID_PATTERN, RunId
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 
@@ -66,7 +66,7 @@ async def list_runs(
 
 
 @router.get("/{run_id}", response_model=Run)
-async def get_run(run_id: str, request: Request) -> Response:
+async def get_run(run_id: RunId, request: Request) -> Response:
     return render(await broker_of(request).get_run(run_id))
 
 
@@ -75,7 +75,7 @@ async def get_run(run_id: str, request: Request) -> Response:
     response_model=Run,
     openapi_extra=request_body(RunConfigPatch, required=False),
 )
-async def patch_config(run_id: str, request: Request) -> Response:
+async def patch_config(run_id: RunId, request: Request) -> Response:
     patch = await read_model(request, RunConfigPatch)
     # null stands for "no value" only where RunConfig has one (step_groups: no staleness
     # budget); any other null was refused only once merged, with pydantic's raw error text.
@@ -98,7 +98,7 @@ async def patch_config(run_id: str, request: Request) -> Response:
         (409, "The run is open, or its live state or accounting has not settled (Retry-After)")
     ),
 )
-async def delete_run(run_id: str, request: Request) -> Response:
+async def delete_run(run_id: RunId, request: Request) -> Response:
     """Delete a closed run's live state once its accounting has caught up."""
     await broker_of(request).delete_run(run_id)
     await record_action(request, "run.delete", run_id, {})
@@ -106,7 +106,7 @@ async def delete_run(run_id: str, request: Request) -> Response:
 
 
 @router.post("/{run_id}/close", response_model=Run)
-async def close_run(run_id: str, request: Request) -> Response:
+async def close_run(run_id: RunId, request: Request) -> Response:
     run = await broker_of(request).close_run(run_id)
     await record_action(request, "run.close", run_id, {})
     return render(run)
@@ -118,7 +118,7 @@ async def close_run(run_id: str, request: Request) -> Response:
     responses=errors((409, "The version is below the run's current version")),
     openapi_extra=request_body(PolicyUpdate),
 )
-async def set_policy(run_id: str, request: Request) -> Response:
+async def set_policy(run_id: RunId, request: Request) -> Response:
     update = await read_model(request, PolicyUpdate)
     result = await broker_of(request).set_policy(run_id, update.version)
     await record_action(request, "run.policy", run_id, {"version": update.version})
