@@ -17,6 +17,7 @@
     │   ├── RunClosed
     │   ├── WorkLeaseOver
     │   ├── RunConflict            same run_id, different config (or a deleted run's id)
+    │   ├── TokenNameTaken         a live token has the name already
     │   ├── RunOpen                deleting a run that is not closed
     │   ├── RunBusy                deleting a closed run not yet settled; carries Retry-After
     │   ├── VersionConflict        policy version moving backwards
@@ -114,6 +115,10 @@ class WorkLeaseOver(Conflict):
 
 
 class RunConflict(Conflict):
+    pass
+
+
+class TokenNameTaken(Conflict):
     pass
 
 

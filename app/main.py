@@ -24,7 +24,7 @@ from app.access.audit import StreamActionLog
 from app.access.guard import guard
 from app.access.tokens import TokenCache
 from app.accounting import endpoints as accounting_endpoints
-from app.api import DirectRoutes, install_error_handlers, install_openapi
+from app.api import DirectRoutes, install_error_handlers, install_openapi, query_rules
 from app.broker import endpoints as broker_endpoints
 from app.broker.endpoints import openapi as broker_openapi
 from app.db import create_sessionmaker, schema_at_head
@@ -63,7 +63,7 @@ def create_app(
         lifespan=_lifespan(settings, background),
         docs_url=None,
         redoc_url=None,
-        dependencies=[Depends(guard)],
+        dependencies=[Depends(guard), Depends(query_rules)],
     )
     app.state.settings = settings
     app.state.tokens = None  # auth off; the lifespan sets it when auth is on

@@ -24,6 +24,7 @@ from app.access.tokens import TokenCache, insert_token, list_tokens, revoke_toke
 from app.api import (
     Session,
     caller_of,
+    errors,
     read_model,
     render,
     request_body,
@@ -57,6 +58,7 @@ def _info(row: ApiToken) -> TokenInfo:
     response_model=TokenCreated,
     status_code=201,
     openapi_extra=request_body(TokenCreate),
+    responses=errors((409, "TokenNameTaken: a live token has this name")),
 )
 async def create_token(request: Request, session: Session) -> Response:
     """A new token; its secret is in this answer only."""
@@ -128,6 +130,7 @@ async def get_audit(
             id=r.id,
             at=r.at.isoformat(),
             actor=r.actor,
+            token_id=r.token_id or None,
             action=r.action,
             run_id=r.run_id,
             detail=r.detail,

@@ -1,20 +1,31 @@
-"""The access tables: tokens (secrets stored only as SHA-256 digests) and the audit log. They
-share the accounting database and its migrations (``migrations/versions/0004_access.py``)."""
+"""The access tables: tokens (secrets stored only as SHA-256 digests, a live token's name unique)
+and the audit log. They share the accounting database and its migrations
+(``migrations/versions/0004_access.py``, ``0006_live_token_names.py``)."""
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Final
 
-from sqlalchemy import BigInteger, DateTime, Index, LargeBinary, Text, func
+from sqlalchemy import BigInteger, DateTime, Index, LargeBinary, Text, func, text
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
 from app.db import Base
 
+LIVE_NAME_INDEX: Final = "uq_api_tokens_live_name"
+
 
 class ApiToken(Base):
     __tablename__ = "api_tokens"
+    __table_args__ = (  # a live token's name is unique (the audit log names it)
+        Index(
+            LIVE_NAME_INDEX,
+            "name",
+            unique=True,
+            postgresql_where=text("revoked_at IS NULL"),
+        ),
+    )
 
     token_id: Mapped[str] = mapped_column(Text, primary_key=True)
     name: Mapped[str] = mapped_column(Text)

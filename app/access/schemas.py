@@ -6,8 +6,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from app.access.policy import Scope
-from app.access.tokens import ID_HEX
+from app.access.policy import ANONYMOUS, Scope
+from app.access.tokens import BOOTSTRAP_NAME, ID_HEX
 from app.ids import LedgerText
 
 TOKEN_ID_PATTERN = rf"^[0-9a-f]{{{ID_HEX}}}$"
@@ -17,6 +17,9 @@ RUN_PATTERN = r"^(?:[A-Za-z0-9._-]{1,128}|[A-Za-z0-9._-]{0,127}\*)$"
 """A run a token may touch: a run id, or ``prefix*`` for every run id starting with prefix."""
 RunPattern = Annotated[str, StringConstraints(pattern=RUN_PATTERN)]
 MAX_RUN_PATTERNS = 100
+RESERVED_NAMES = frozenset({BOOTSTRAP_NAME, ANONYMOUS.name})
+"""The names the audit log gives callers that are not tokens: ``BROKER_ADMIN_TOKEN`` and, with
+auth off, everybody."""
 TokenName = Annotated[
     str, StringConstraints(min_length=1, max_length=100, pattern=r"^[^\x00-\x1f\x7f]+$")
 ]
@@ -25,7 +28,11 @@ TokenName = Annotated[
 class TokenCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: TokenName = Field(description="Who holds the token; the audit log names it")
+    name: TokenName = Field(
+        description="Who holds the token; the audit log names it. Unique among live tokens "
+        "(another live token's name is 409 TokenNameTaken; a revoked token's may be reused); "
+        f"never {' or '.join(sorted(RESERVED_NAMES))}, whatever the case"
+    )
     scopes: list[Scope] = Field(min_length=1, max_length=len(Scope))
     runs: list[RunPattern] | None = Field(
         default=None,
@@ -36,6 +43,11 @@ class TokenCreate(BaseModel):
 
     @model_validator(mode="after")
     def _coherent(self) -> TokenCreate:
+        if self.name.strip().casefold() in RESERVED_NAMES:
+            raise ValueError(
+                f"name: {self.name!r} is reserved (the audit log's name for a caller "
+                "that is not a token)"
+            )
         if len(set(self.scopes)) != len(self.scopes):
             raise ValueError("scopes: each scope at most once")
         if Scope.ADMIN in self.scopes and self.runs is not None:
@@ -70,6 +82,11 @@ class AuditItem(BaseModel):
     id: int
     at: str
     actor: str = Field(description="The name of the token that acted")
+    token_id: str | None = Field(
+        description="The id of the token that acted, which tells tokens of one name apart "
+        f"(a revoked token's name may be reused): `{BOOTSTRAP_NAME}` for BROKER_ADMIN_TOKEN, "
+        "null with auth off"
+    )
     action: str
     run_id: str | None
     detail: dict[str, Any]

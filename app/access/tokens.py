@@ -10,23 +10,28 @@ no slow hash: nobody can guess one from its SHA-256.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
+import math
+import re
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Final
 
 from redis.asyncio import Redis
 from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.access.models import ApiToken
+from app.access.models import LIVE_NAME_INDEX, ApiToken
 from app.access.policy import Scope
 from app.caller import Caller
+from app.errors import TokenNameTaken, Unavailable
 from app.pubsub import Subscription
 
 log = logging.getLogger("rollout_broker")
@@ -39,6 +44,16 @@ NEGATIVE_S: Final = 1.0
 """An unknown token id is remembered this long, so a client with a wrong token does not send
 the database one query per request."""
 MAX_CACHED: Final = 10_000
+"""Known tokens cached per process (the oldest forgotten first beyond it)."""
+MAX_UNKNOWN: Final = 10_000
+"""Unknown token ids remembered per process, apart from the known ones."""
+LOOKUP_RATE: Final = 50.0
+LOOKUP_BURST: Final = 100
+"""Look-ups of token ids a process does not know: at most LOOKUP_BURST at once, refilled at
+LOOKUP_RATE a second (a legitimate token is looked up once per BROKER_TOKEN_CACHE_S)."""
+
+
+_HEX_ID: Final = re.compile(f"[0-9a-f]{{{ID_HEX}}}")
 
 
 def digest(secret: str) -> bytes:
@@ -57,7 +72,7 @@ def split_token(token: str) -> tuple[str, str] | None:
     if not token.startswith(TOKEN_PREFIX):
         return None
     token_id, sep, secret = token[len(TOKEN_PREFIX) :].partition("_")
-    if not sep or len(token_id) != ID_HEX or not secret:
+    if not sep or not _HEX_ID.fullmatch(token_id) or not secret:
         return None
     return token_id, secret
 
@@ -89,7 +104,9 @@ async def insert_token(
     runs: Sequence[str] | None,
     created_by: str,
 ) -> tuple[ApiToken, str]:
-    """Add a token (in the caller's transaction); returns its row and the secret token."""
+    """Add a token (in the caller's transaction); returns its row and the secret token. A live
+    token's name is unique (the database's partial unique index holds it against concurrent
+    creations): another live token of ``name`` is :class:`TokenNameTaken`."""
     token_id, token, sha = new_token()
     row = ApiToken(
         token_id=token_id,
@@ -100,7 +117,15 @@ async def insert_token(
         created_by=created_by,
     )
     session.add(row)
-    await session.flush()
+    try:
+        await session.flush()
+    except IntegrityError as exc:
+        if LIVE_NAME_INDEX not in str(exc.orig):
+            raise
+        raise TokenNameTaken(
+            f"a live token is named {name!r} already: choose another name, or revoke that "
+            "token first (a revoked token's name may be reused)"
+        ) from None
     await session.refresh(row)
     return row, token
 
@@ -130,10 +155,38 @@ def _now() -> datetime:
 # -- look-ups -----------------------------------------------------------------------------------
 
 
+class _Budget:
+    """A token bucket: at most ``burst`` at once, refilled at ``rate`` a second."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float]) -> None:
+        self._rate = rate
+        self._burst = float(burst)
+        self._clock = clock
+        self._level = float(burst)
+        self._at = clock()
+
+    def take(self) -> bool:
+        now = self._clock()
+        self._level = min(self._burst, self._level + (now - self._at) * self._rate)
+        self._at = now
+        if self._level < 1:
+            return False
+        self._level -= 1
+        return True
+
+
 class TokenCache:
     """Token records by id, as Postgres had them, for at most ``ttl_s`` (a revocation reaches
     every process at once through :meth:`listen`; the ttl bounds what a lost message costs).
-    While the subscription is down nothing cached is trusted."""
+    While the subscription is down nothing cached is trusted.
+
+    Ids Postgres does not know are remembered apart, for :data:`NEGATIVE_S`, at most
+    :data:`MAX_UNKNOWN` of them (the oldest forgotten first), so a flood of made-up ids never
+    evicts a known token. Their database cost is bounded: one query at a time per id, however
+    many requests present it, and looking up an id not known before draws on a budget of
+    :data:`LOOKUP_BURST` queries refilled at :data:`LOOKUP_RATE` a second; past it the request
+    is ``503`` with ``Retry-After`` (a known token, even one due for a fresh look, never waits
+    on the budget)."""
 
     def __init__(
         self,
@@ -142,13 +195,18 @@ class TokenCache:
         channel: str,
         ttl_s: float,
         bootstrap: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._sessionmaker = sessionmaker
         self._redis = redis
         self._channel = channel
         self._ttl_s = ttl_s
         self._bootstrap = digest(bootstrap) if bootstrap else None
-        self._entries: dict[str, tuple[TokenRecord | None, float]] = {}
+        self._clock = clock
+        self._known: dict[str, tuple[TokenRecord, float]] = {}
+        self._unknown: dict[str, float] = {}
+        self._pending: dict[str, asyncio.Future[TokenRecord | None]] = {}
+        self._budget = _Budget(LOOKUP_RATE, LOOKUP_BURST, clock)
         self._subscribed = False
         self._subscription = Subscription(
             redis, channel, self.forget, on_up=self._up, on_lost=self._lost, name="token-cache"
@@ -177,22 +235,53 @@ class TokenCache:
         return None
 
     async def _record(self, token_id: str) -> TokenRecord | None:
-        now = time.monotonic()
-        hit = self._entries.get(token_id)
-        if hit is not None and hit[1] > now and self._subscribed:
-            return hit[0]
+        now = self._clock()
+        known = self._known.get(token_id)
+        if self._subscribed:
+            if known is not None and known[1] > now:
+                return known[0]
+            if self._unknown.get(token_id, now) > now:
+                return None
         if self._sessionmaker is None:
             return None
+        pending = self._pending.get(token_id)
+        if pending is None:
+            if known is None and not self._budget.take():
+                raise Unavailable(
+                    "too many look-ups of tokens this process does not know; retry shortly",
+                    retry_after_s=1,
+                )
+            pending = asyncio.ensure_future(self._look_up(token_id))
+            self._pending[token_id] = pending
+            pending.add_done_callback(lambda done: self._looked_up(token_id, done))
+        return await asyncio.shield(pending)
+
+    async def _look_up(self, token_id: str) -> TokenRecord | None:
+        assert self._sessionmaker is not None
         async with self._sessionmaker() as session:
             row = await session.get(ApiToken, token_id)
-        record = _record(row) if row is not None else None
-        if len(self._entries) >= MAX_CACHED:
-            self._entries.clear()
-        self._entries[token_id] = (record, now + (self._ttl_s if record else NEGATIVE_S))
-        return record
+        return _record(row) if row is not None else None
+
+    def _looked_up(self, token_id: str, done: asyncio.Future[TokenRecord | None]) -> None:
+        """Remember what the look-up of ``token_id`` found (its error is its waiters')."""
+        self._pending.pop(token_id, None)
+        if done.cancelled() or done.exception() is not None:
+            return
+        record, now = done.result(), self._clock()
+        self._known.pop(token_id, None)
+        self._unknown.pop(token_id, None)
+        if record is None:
+            if len(self._unknown) >= MAX_UNKNOWN:
+                del self._unknown[next(iter(self._unknown))]
+            self._unknown[token_id] = now + NEGATIVE_S
+        else:
+            if len(self._known) >= MAX_CACHED:
+                del self._known[next(iter(self._known))]
+            self._known[token_id] = (record, now + self._ttl_s)
 
     def forget(self, token_id: str) -> None:
-        self._entries.pop(token_id, None)
+        self._known.pop(token_id, None)
+        self._unknown.pop(token_id, None)
 
     async def announce_revoked(self, token_id: str) -> None:
         """Tell every process (this one included) to forget ``token_id``."""
@@ -208,7 +297,9 @@ class TokenCache:
         await self._subscription.stop()
 
     def _up(self) -> None:
-        self._entries.clear()  # whatever was revoked while nobody listened
+        # Whatever was revoked while nobody listened: every known token is due for a fresh look
+        # (still known, so not drawing on the budget); unknown ids stay unknown.
+        self._known = {tid: (record, -math.inf) for tid, (record, _) in self._known.items()}
         self._subscribed = True
 
     def _lost(self) -> None:

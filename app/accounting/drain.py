@@ -16,7 +16,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -26,7 +26,7 @@ from sqlalchemy.exc import DBAPIError, StatementError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting import ledger, repository
-from app.accounting.stream import Entry, EventStream
+from app.accounting.stream import Entry, EventStream, StreamGone
 from app.events import Event, EventError, decode_entry
 from app.settings import Settings
 
@@ -225,19 +225,34 @@ class Drainer:
             self._dirty.update(run_ids)  # acks a failover lost without failing a command
         touched: set[str] = set()
         for run_id in sorted(self._dirty.intersection(run_ids)):
-            got = await self.drain_own_pending(run_id)
+            got = await self._unless_gone(run_id, self.drain_own_pending)
             if got.read:
                 touched.add(run_id)
             counts.add(got)
         if claim or (claim is None and now - self._last_claim >= self.options.claim_idle_ms / 2000):
             self._last_claim = now
             alive = await self.stream.beating(self.options.heartbeat_timeout_ms)
-            for run_id in run_ids:
-                got = await self.drain_claimable(run_id)
+            for run_id in [r for r in run_ids if r in self._grouped]:
+                got = await self._unless_gone(run_id, self.drain_claimable)
                 got.consumers_deleted += await self._delete_gone(run_id, alive)
                 if got.read or got.missing:
                     touched.add(run_id)
                 counts.add(got)
+        busy = await self._read_new([r for r in run_ids if r in self._grouped], counts, block_ms)
+        touched |= busy
+        if self.options.trim:
+            for run_id in sorted(touched):
+                counts.trimmed += await self.stream.trim_acknowledged(run_id)
+        # A run that got nothing new in this pass may have caught up: check its ledger.
+        for run_id in sorted(self._unchecked.intersection(run_ids) - busy):
+            counts.add(await self.check_ledger(run_id))
+        return counts
+
+    async def _read_new(
+        self, run_ids: list[str], counts: DrainCounts, block_ms: int | None
+    ) -> set[str]:
+        """Process new entries of ``run_ids`` (blocking ``block_ms`` if the pass read nothing),
+        in rounds while a stream has a full batch; adds to ``counts``, returns the runs read."""
         active = list(run_ids)
         busy: set[str] = set()
         block = block_ms if counts.read == 0 else None
@@ -248,6 +263,10 @@ class Drainer:
                 new = await self.stream.read_new(
                     active, self.consumer, self.options.batch_size, block
                 )
+            except StreamGone as gone:
+                self._skip(gone)
+                active.remove(gone.run_id)
+                continue
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
@@ -255,17 +274,30 @@ class Drainer:
                 break
             block = None
             for run_id, entries in new.items():
-                touched.add(run_id)
                 busy.add(run_id)
                 counts.add(await self.process(run_id, entries))
             active = [r for r in active if len(new.get(r, ())) >= self.options.batch_size]
-        if self.options.trim:
-            for run_id in sorted(touched):
-                counts.trimmed += await self.stream.trim_acknowledged(run_id)
-        # A run that got nothing new in this pass may have caught up: check its ledger.
-        for run_id in sorted(self._unchecked.intersection(run_ids) - busy):
-            counts.add(await self.check_ledger(run_id))
-        return counts
+        return busy
+
+    async def _unless_gone(
+        self, run_id: str, read: Callable[[str], Awaitable[DrainCounts]]
+    ) -> DrainCounts:
+        """``read(run_id)``, or nothing read when the run's stream went meanwhile."""
+        try:
+            return await read(run_id)
+        except StreamGone as gone:
+            self._skip(gone)
+            return DrainCounts()
+
+    def _skip(self, gone: StreamGone) -> None:
+        """One line, and no more reads of the run until :meth:`streams` finds its group again."""
+        log.info(
+            "run %r: its event stream or consumer group is gone (the run was deleted "
+            "meanwhile); the drain skips it",
+            gone.run_id,
+        )
+        self._grouped.discard(gone.run_id)
+        self._dirty.discard(gone.run_id)
 
     async def check_ledger(self, run_id: str) -> DrainCounts:
         """Compare the run's ledger with the broker's live counts once nothing is pending; a

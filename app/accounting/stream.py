@@ -26,6 +26,7 @@ __all__ = [
     "Entry",
     "EventStream",
     "LiveSnapshot",
+    "StreamGone",
 ]
 
 # Dead-letter entries keep the original fields verbatim and add these.
@@ -104,6 +105,27 @@ def _slot_groups(redis: Redis, names: list[str]) -> list[list[str]]:
     return list(slots.values())
 
 
+class StreamGone(Exception):
+    """A run's event stream, or its consumer group, went between the listing of the runs and a
+    read (``DELETE /v1/runs/{run_id}`` unlinks the stream)."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"run {run_id!r} has no event stream or consumer group")
+        self.run_id = run_id
+
+
+def _gone(exc: ResponseError, streams: Mapping[str, str]) -> StreamGone | None:
+    """The :class:`StreamGone` of a read's NOGROUP error, naming the run whose stream (of
+    ``streams``, key -> run id) it names; None for any other error."""
+    message = str(exc)
+    if not message.startswith("NOGROUP"):
+        return None
+    for key, run_id in streams.items():
+        if f"'{key}'" in message:
+            return StreamGone(run_id)
+    return None
+
+
 def _entries(raw: Sequence[Any] | None) -> list[Entry]:
     # Redis 6.2 XAUTOCLAIM reports a deleted entry as (None, None) and keeps it pending; it is
     # acknowledged when it comes back through the consumer's own history (with no fields).
@@ -147,7 +169,12 @@ class EventStream(ConsumerGroup):
     ) -> list[Entry]:
         """This consumer's delivered-but-unacknowledged entries with ids above ``after``."""
         key = self.events_key(run_id)
-        reply: Any = await self.redis.xreadgroup(self.group, consumer, {key: after}, count=count)
+        try:
+            reply: Any = await self.redis.xreadgroup(
+                self.group, consumer, {key: after}, count=count
+            )
+        except ResponseError as exc:
+            raise _gone(exc, {key: run_id}) or exc from None
         return _entries(reply[0][1] if reply else None)
 
     async def claim_idle(
@@ -158,16 +185,21 @@ class EventStream(ConsumerGroup):
         Returns the next cursor, the claimed entries and (Redis 7+) ids of entries that were
         deleted meanwhile and dropped from the pending list by Redis itself.
         """
-        reply: Any = await self.redis.xautoclaim(
-            self.events_key(run_id), self.group, consumer, min_idle_ms, start, count=count
-        )
+        key = self.events_key(run_id)
+        try:
+            reply: Any = await self.redis.xautoclaim(
+                key, self.group, consumer, min_idle_ms, start, count=count
+            )
+        except ResponseError as exc:
+            raise _gone(exc, {key: run_id}) or exc from None
         deleted = list(reply[2]) if len(reply) > 2 else []
         return reply[0], _entries(reply[1]), deleted
 
     async def read_new(
         self, run_ids: Sequence[str], consumer: str, count: int, block_ms: int | None
     ) -> dict[str, list[Entry]]:
-        """Entries never delivered to the group, from every stream.
+        """Entries never delivered to the group, from every stream (:class:`StreamGone` for
+        one that went meanwhile).
 
         One XREADGROUP may name streams of one cluster slot only, so on a cluster the streams
         are read with one call per slot, all sent in one pipeline (the client groups them by
@@ -177,18 +209,10 @@ class EventStream(ConsumerGroup):
             return {}
         streams = {self.events_key(r): r for r in run_ids}
         calls = _slot_groups(self.redis, list(streams))
-        replies: list[Any]
-        if len(calls) == 1:
-            one: Any = dict.fromkeys(calls[0], ">")
-            replies = [
-                await self.redis.xreadgroup(self.group, consumer, one, count=count, block=block_ms)
-            ]
-        else:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for group in calls:
-                    some: Any = dict.fromkeys(group, ">")
-                    pipe.xreadgroup(self.group, consumer, some, count=count)
-                replies = await pipe.execute()
+        try:
+            replies = await self._read_new(calls, consumer, count, block_ms)
+        except ResponseError as exc:
+            raise _gone(exc, streams) or exc from None
         result: dict[str, list[Entry]] = {}
         for reply in replies:
             for key, raw in reply or ():
@@ -198,6 +222,20 @@ class EventStream(ConsumerGroup):
         if not result and len(calls) > 1 and block_ms:
             await asyncio.sleep(block_ms / 1000)
         return result
+
+    async def _read_new(
+        self, calls: list[list[str]], consumer: str, count: int, block_ms: int | None
+    ) -> list[Any]:
+        if len(calls) == 1:
+            one: Any = dict.fromkeys(calls[0], ">")
+            return [
+                await self.redis.xreadgroup(self.group, consumer, one, count=count, block=block_ms)
+            ]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for group in calls:
+                some: Any = dict.fromkeys(group, ">")
+                pipe.xreadgroup(self.group, consumer, some, count=count)
+            return list(await pipe.execute())
 
     async def delivery_counts(self, run_id: str, ids: Sequence[bytes]) -> dict[bytes, int]:
         """How often each still-pending entry has been delivered (XPENDING)."""

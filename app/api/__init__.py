@@ -17,6 +17,7 @@ from app.api._errors import install_error_handlers
 from app.api._openapi import OpenAPIPart, install_openapi
 from app.api._openapi_errors import errors
 from app.api._openapi_schemas import RAW_ARRAYS, Keywords, msgpack_answer, request_body
+from app.api._params import query_rules
 from app.api._state import Session, caller_of, record_action, sessionmaker_of, settings_of
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "msgpack_answer",
     "pack_items",
     "parse_body",
+    "query_rules",
     "read_body",
     "read_model",
     "record_action",

@@ -12,6 +12,7 @@ this broker does; FastAPI's own description is the starting point:
   ``field_keywords`` and ``query_keywords``): what the handlers and the domains enforce.
 - **Access.** With auth on, every operation the access guard stands before (the ``guard`` of a
   part) requires the ``bearer`` scheme; with auth off none does.
+- **Query rules** (:mod:`app.api._params`): integers in digits, cursors never empty.
 - **Links** (:mod:`app.api._openapi_links`) from each answer's ids (the parts' ``path_ids``)
   and ``next_cursor`` to the operations that take them.
 
@@ -44,6 +45,7 @@ from app.api._openapi_schemas import (
     set_field_keywords,
     set_model_rules,
 )
+from app.api._params import describe as describe_query_rules
 from app.settings import Settings
 
 FieldKeywords = Mapping[tuple[type[BaseModel], str], Keywords]
@@ -138,6 +140,7 @@ def describe(
         _set_query_keywords(op, method, path, merged.query_keywords)
         _check_path_ids(op, merged.path_ids)
         document_errors(op, method, path, auth, merged.guard)
+    describe_query_rules(doc, ops)
     if auth:
         doc["components"]["securitySchemes"] = {BEARER: {"type": "http", "scheme": "bearer"}}
     add_links(doc, ops, merged.path_ids)

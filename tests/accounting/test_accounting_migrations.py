@@ -118,3 +118,46 @@ async def test_alembic_command_line_from_any_directory(
         assert await schema_at_head(engine)
     finally:
         await engine.dispose()
+
+
+async def test_live_token_names_become_unique_without_losing_a_token(
+    database_factory: Callable[[], Awaitable[str]],
+) -> None:
+    """Tokens made before names were unique: the oldest live token of a name keeps it, later
+    ones and those with a reserved name are renamed ``<name>-<token_id>``; revoked ones keep
+    theirs."""
+    url = await database_factory()
+    await upgrade_to_head(url)
+    await downgrade(url, "0005_training_totals")
+    rows = [  # token_id, name, seconds after the first, revoked
+        ("a1", "ops", 0, False),
+        ("a2", "ops", 1, False),
+        ("a3", "ops", 2, True),
+        ("b1", "bootstrap", 3, False),
+        ("c1", "solo", 4, False),
+    ]
+    engine = create_engine(url)
+    try:
+        async with engine.begin() as conn:
+            for token_id, name, after, revoked in rows:
+                await conn.execute(
+                    text(
+                        "INSERT INTO api_tokens (token_id, name, scopes, secret_sha256,"
+                        " created_at, created_by, revoked_at) VALUES (:id, :name, '{train}',"
+                        " '\\x00', now() + make_interval(secs => :after), 'test',"
+                        " CASE WHEN :revoked THEN now() END)"
+                    ),
+                    {"id": token_id, "name": name, "after": after, "revoked": revoked},
+                )
+        await upgrade_to_head(url)
+        async with engine.connect() as conn:
+            names = dict((await conn.execute(text("SELECT token_id, name FROM api_tokens"))).all())
+        assert names == {
+            "a1": "ops",
+            "a2": "ops-a2",
+            "a3": "ops",
+            "b1": "bootstrap-b1",
+            "c1": "solo",
+        }
+    finally:
+        await engine.dispose()

@@ -6,9 +6,11 @@ cleanly leaves, and consumers from before heartbeats are deleted once idle and e
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from accounting_helpers import RunSim, register_run, xadd_events
 from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -287,3 +289,45 @@ async def test_acks_a_failed_master_lost_are_made_again_when_no_pass_failed(
         assert loop.time() < deadline, "own pending entries not taken again"
         await drain_once(ctx, block_ms=10)  # a pass waits for new entries this long
     assert await _applied(sessionmaker, run_id) == {StreamId.parse(i) for i in ids}
+
+
+@pytest.mark.parametrize("read", ["own pending", "claimable", "new"])
+async def test_a_run_deleted_mid_read_is_one_log_line(
+    redis: Redis,
+    prefix: str,
+    run_id: str,
+    make_ctx: Callable[..., DrainContext],
+    caplog: pytest.LogCaptureFixture,
+    read: str,
+) -> None:
+    """The run's stream goes between the pass's listing of the runs and its reads (as
+    DELETE /v1/runs/{run_id} unlinks it), whichever read meets it first: the drain says so in
+    one line, with no traceback, and goes on."""
+    ctx = make_ctx(consumer="c", claim_idle_ms=0 if read == "claimable" else 60_000)
+    if read == "own pending":
+        await _run_with_events(redis, prefix, run_id)
+        await _crashed_holding(ctx, run_id, 5)  # entries it read and must read again
+    else:
+        await _run_with_events(redis, prefix, run_id)
+        await _drain(ctx)
+        if read == "new":  # more to read (never read: the stream goes first)
+            sim = RunSim(run_id, seed=8)
+            sim.workload(3)
+            await xadd_events(redis, prefix, run_id, sim.events)
+    listed = ctx.drainer.stream.run_ids
+
+    async def then_deleted() -> list[str]:
+        run_ids = await listed()
+        await redis.delete(events_key(prefix, run_id))
+        return run_ids
+
+    ctx.drainer.stream.run_ids = then_deleted  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    with caplog.at_level(logging.DEBUG):
+        await asyncio.wait_for(run_drain(ctx, stop, done=stop.set), timeout=30)
+    lines = [r for r in caplog.records if r.levelno >= logging.INFO]
+    assert [r.getMessage() for r in lines] == [
+        f"run {run_id!r}: its event stream or consumer group is gone (the run was deleted "
+        "meanwhile); the drain skips it"
+    ]
+    assert all(r.exc_info is None for r in caplog.records), "a traceback was logged"

@@ -22,9 +22,10 @@ from sqlalchemy import func, select
 
 from app import keys
 from app.access import policy, tokens
-from app.access.models import AuditEntry
+from app.access.models import ApiToken, AuditEntry
 from app.access.startup import AuthSetupError, resolve_auth
 from app.caller import run_matches
+from app.errors import TokenNameTaken
 from app.main import create_app
 from app.settings import Settings
 from tests.api.support import assert_error
@@ -377,6 +378,56 @@ def test_the_log_watch_sees_a_leaked_secret(no_secret_in_any_log_line: SecretWat
     assert len(leaks) == 2, leaks
 
 
+async def test_a_live_token_name_is_unique_and_the_reserved_names_are_refused(app_client):
+    admin = bearer(ADMIN)
+    first = await new_token(app_client, "alice", ["operate"])
+    resp = await app_client.post(
+        "/v1/tokens", json={"name": "alice", "scopes": ["train"]}, headers=admin
+    )
+    detail = assert_error(resp, 409, "TokenNameTaken")
+    assert "'alice'" in detail and "revoke" in detail
+    for name in ("bootstrap", "Bootstrap", " bootstrap ", "anonymous"):
+        resp = await app_client.post(
+            "/v1/tokens", json={"name": name, "scopes": ["operate"]}, headers=admin
+        )
+        assert "reserved" in assert_error(resp, 422, "ValidationFailed"), name
+    listed = (await app_client.get("/v1/tokens", headers=admin)).json()["tokens"]
+    assert [t["name"] for t in listed] == ["alice"]
+    # A revoked token's name may be reused.
+    first_id = tokens.split_token(first)[0]  # type: ignore[index]
+    assert (await app_client.delete(f"/v1/tokens/{first_id}", headers=admin)).status_code == 204
+    second = await new_token(app_client, "alice", ["train"])
+    assert tokens.split_token(second)[0] != first_id
+
+
+async def test_concurrent_creations_of_one_name_make_one_token(app_client):
+    body = {"name": "twin", "scopes": ["generate"]}
+    answers = await asyncio.gather(
+        *(app_client.post("/v1/tokens", json=body, headers=bearer(ADMIN)) for _ in range(4))
+    )
+    assert sorted(r.status_code for r in answers) == [201, 409, 409, 409]
+    listed = (await app_client.get("/v1/tokens", headers=bearer(ADMIN))).json()["tokens"]
+    assert [t["name"] for t in listed] == ["twin"]
+
+
+async def test_the_database_keeps_a_live_name_unique_across_open_transactions(sessionmaker):
+    """The rule holds where no request could check it first: the second of two uncommitted
+    creations of one name fails once the first commits."""
+    async with sessionmaker() as a, sessionmaker() as b:
+        async with a.begin():
+            await tokens.insert_token(a, "twin", [policy.Scope.TRAIN], None, "test")
+
+            async def second() -> None:
+                async with b.begin():
+                    await tokens.insert_token(b, "twin", [policy.Scope.TRAIN], None, "test")
+
+            racer = asyncio.create_task(second())
+        with pytest.raises(TokenNameTaken, match="'twin'"):
+            await racer
+    async with sessionmaker() as s:
+        assert await s.scalar(select(func.count()).select_from(ApiToken)) == 1
+
+
 # -- the audit log ---------------------------------------------------------------------------------
 
 
@@ -431,6 +482,28 @@ async def test_operator_actions_are_in_the_audit_log_with_the_token_name(app_cli
     assert {e["run_id"] for e in mine} == {"run-1"} and len(mine) == 4
     resp = await app_client.delete("/v1/runs/run-1", headers=ops)
     assert resp.status_code in (204, 409), resp.text
+
+
+async def test_audit_entries_name_the_token_id_that_tells_one_name_apart(app_client):
+    admin = bearer(ADMIN)
+    first = await new_token(app_client, "ops", ["operate"])
+    first_id = tokens.split_token(first)[0]  # type: ignore[index]
+    resp = await app_client.post("/v1/runs", json={"run_id": "a-1"}, headers=bearer(first))
+    assert resp.status_code == 201
+    assert (await app_client.delete(f"/v1/tokens/{first_id}", headers=admin)).status_code == 204
+    second = await new_token(app_client, "ops", ["operate"])
+    second_id = tokens.split_token(second)[0]  # type: ignore[index]
+    resp = await app_client.post("/v1/runs", json={"run_id": "a-2"}, headers=bearer(second))
+    assert resp.status_code == 201
+    page = (await app_client.get("/v1/audit", headers=admin)).json()
+    got = [(e["actor"], e["token_id"], e["action"]) for e in page["entries"]]
+    assert got == [  # run actions not yet moved into Postgres are listed first
+        ("ops", second_id, "run.create"),
+        ("ops", first_id, "run.create"),
+        ("bootstrap", "bootstrap", "token.create"),
+        ("bootstrap", "bootstrap", "token.revoke"),
+        ("bootstrap", "bootstrap", "token.create"),
+    ]
 
 
 # -- auth off: the Origin rule ---------------------------------------------------------------------
@@ -497,7 +570,9 @@ async def test_reading_the_audit_log_writes_nothing(app_client, redis, prefix, s
 async def test_with_auth_off_the_audit_log_names_the_caller_anonymous(api):
     assert (await api.post("/v1/runs", json={"run_id": "r"})).status_code == 201
     entries = (await api.get("/v1/audit")).json()["entries"]
-    assert [(e["actor"], e["action"]) for e in entries] == [("anonymous", "run.create")]
+    assert [(e["actor"], e["token_id"], e["action"]) for e in entries] == [
+        ("anonymous", None, "run.create")
+    ]
 
 
 # -- start-up --------------------------------------------------------------------------------------

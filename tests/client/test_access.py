@@ -230,6 +230,7 @@ async def test_the_audit_log_reads_a_page_at_a_time(guarded: Recorder) -> None:
         assert got == [("alice", "run.close", "a"), ("trainer-0", "run.policy", "a"),
                        ("alice", "run.create", "b")]  # fmt: skip
         assert first.entries[1].detail == {"version": 1}
+        assert [e.token_id for e in first] == [ops.token_id, trainer.token_id, ops.token_id]
         rest = []
         cursor: str | None = first.next_cursor
         while cursor is not None:  # the last page may be empty: the broker cannot tell sooner
@@ -237,6 +238,7 @@ async def test_the_audit_log_reads_a_page_at_a_time(guarded: Recorder) -> None:
             rest += page.entries
             cursor = page.next_cursor
         assert [e.action for e in rest] == ["run.create", "token.create", "token.create"]
+        assert [e.token_id for e in rest] == [ops.token_id, "bootstrap", "bootstrap"]
 
         every = [e async for e in alice.audit_entries(page_size=2)]
         assert [e.id for e in every] == [e.id for e in [*first, *rest]]

@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rollout_broker_client import Accounting, BrokerClient, Rollout, ValidationFailed
+from rollout_broker_client import (
+    Accounting,
+    BrokerClient,
+    Rollout,
+    RunNotFound,
+    ValidationFailed,
+)
 from rollout_broker_client._wire import parse_accounting
 from typer.testing import CliRunner
 
@@ -127,6 +133,24 @@ def test_accounting_table_and_json(live_server: LiveServer, trained_run: str) ->
     assert code == 0
     rows = json.loads(out)
     assert [(r["policy_version"], r["rollouts_received"]) for r in rows] == [(0, 4)]
+
+
+@pytest.mark.slow
+def test_accounting_of_a_deleted_run(live_server: LiveServer, trained_run: str) -> None:
+    """The API serves a deleted run's accounting; so does the command, without its live state."""
+    with BrokerClient(live_server.url) as broker:
+        broker.close_run(trained_run)
+        broker.wait_for_accounting(trained_run, timeout_s=20)
+        broker.delete_run(trained_run)
+        with pytest.raises(RunNotFound):
+            broker.get_run(trained_run)
+    code, out, err = invoke(live_server, "accounting", trained_run)
+    assert code == 0, err
+    assert f"Accounting of {trained_run} (deleted)" in out
+    assert "0 + 0 + 4 = 4 received" in out
+    code, out, err = invoke(live_server, "accounting", trained_run, "--json")
+    assert code == 0, err
+    assert json.loads(out)["rollouts_received"] == 4
 
 
 @pytest.mark.slow

@@ -98,10 +98,10 @@ def test_tokens_create_list_revoke_and_audit(auth_server: LiveServer) -> None:
     code, out, err = invoke(auth_server, "audit", "--json", token=token)
     assert code == 0, err
     entries = json.loads(out)
-    assert [(e["actor"], e["action"], e["run_id"]) for e in entries] == [
-        ("ops-1", "run.close", "cli-a"),
-        ("ops-1", "run.policy", "cli-a"),
-        ("ops-1", "run.create", "cli-a"),
+    assert [(e["actor"], e["token_id"], e["action"], e["run_id"]) for e in entries] == [
+        ("ops-1", token_id, "run.close", "cli-a"),
+        ("ops-1", token_id, "run.policy", "cli-a"),
+        ("ops-1", token_id, "run.create", "cli-a"),
     ]  # a token limited to runs sees only theirs: no token action
     code, out, err = invoke(auth_server, "audit", "--limit", "2", token=ADMIN)
     assert code == 0, err
@@ -109,6 +109,7 @@ def test_tokens_create_list_revoke_and_audit(auth_server: LiveServer) -> None:
     assert "2 shown; more with --limit" in out
     code, out, _ = invoke(auth_server, "audit", "--run", "cli-a", "--limit", "0", token=ADMIN)
     assert code == 0 and out.count("ops-1") == 3 and "token.create" not in out
+    assert out.count(token_id) == 3  # the token's id beside its name
     assert "more with --limit" not in out
 
     code, out, err = invoke(auth_server, "tokens", "revoke", token_id, token=ADMIN)

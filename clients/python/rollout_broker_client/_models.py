@@ -485,11 +485,15 @@ class AuditEntry:
     """One operator action: ``actor`` (the name of the token that acted; ``anonymous`` with
     auth off) did ``action`` (``run.create``, ``run.config``, ``run.close``, ``run.delete``,
     ``run.policy``, ``token.create``, ``token.revoke``) to ``run_id`` (None for a token
-    action) at ``at``, with ``detail`` (the config, the version, the token id...)."""
+    action) at ``at``, with ``detail`` (the config, the version, the token id...).
+    ``token_id`` is the id of the token that acted (``bootstrap`` for the broker's admin token,
+    None with auth off): a name is unique only among live tokens, so a revoked token's name may
+    name another token later."""
 
     id: int
     at: datetime
     actor: str
+    token_id: str | None
     action: str
     run_id: str | None
     detail: dict[str, Any]

@@ -524,6 +524,7 @@ def parse_audit_entry(doc: Any) -> AuditEntry:
         id=int(doc["id"]),
         at=_time(doc["at"]),
         actor=str(doc["actor"]),
+        token_id=doc.get("token_id"),
         action=str(doc["action"]),
         run_id=doc.get("run_id"),
         detail=dict(doc.get("detail") or {}),

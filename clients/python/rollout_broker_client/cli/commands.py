@@ -3,6 +3,7 @@ passes, access tokens and the audit log, each one or a few requests through the 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 from enum import StrEnum
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Literal, cast
 
 import typer
 
-from rollout_broker_client import RunConflict
+from rollout_broker_client import RunConflict, RunNotFound
 from rollout_broker_client.cli.common import (
     AsJson,
     RunArg,
@@ -232,11 +233,14 @@ def accounting(
             show(trained, as_json, training_table)
             return
         acc = broker.accounting(run_id)
-        run = None if as_json else broker.get_run(run_id)
+        run = None
+        if not as_json:
+            with contextlib.suppress(RunNotFound):  # deleted: its accounting stays
+                run = broker.get_run(run_id)
     if as_json:
         typer.echo(json.dumps(acc.raw, indent=2, sort_keys=True, default=str))
     else:
-        console().print(accounting_table(acc, run))
+        console().print(accounting_table(acc, run, deleted=None if run else run_id))
 
 
 # -- prompts ---------------------------------------------------------------------------------------
@@ -368,7 +372,7 @@ def audit(
     token: Token = None,
     as_json: AsJson = False,
 ) -> None:
-    """Operator actions, newest first: who (the token's name) created, changed, closed or
+    """Operator actions, newest first: who (the token's name and id) created, changed, closed or
     deleted which run, set its policy version, or created or revoked a token (scope operate)."""
     with connect(url, token) as broker:
         page_size = min(limit + 1, 1000) if limit else 1000

@@ -154,12 +154,15 @@ def _prompt_rows(table: Table, p: PromptCounts) -> None:
     )
 
 
-def accounting_table(acc: Accounting, run: Run | None = None) -> RenderableType:
+def accounting_table(
+    acc: Accounting, run: Run | None = None, *, deleted: str | None = None
+) -> RenderableType:
     """The accounting as a readable table: prompts handed out (for runs that use work leases),
-    where rollouts went and what became samples."""
+    where rollouts went and what became samples. ``deleted`` names a run whose live state is
+    gone (its accounting stays)."""
     from rich.table import Table
 
-    name = run.run_id if run is not None else "run"
+    name = run.run_id if run is not None else f"{deleted} (deleted)" if deleted else "run"
     table = Table(title=f"Accounting of {name}", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
     table.add_column("count", justify="right")
@@ -342,13 +345,14 @@ def audit_table(rows: list[AuditEntry], more: bool) -> RenderableType:
         box=box.SIMPLE_HEAD,
         title_justify="left",
     )
-    for col in ("id", "at", "actor", "action", "run_id", "detail"):
+    for col in ("id", "at", "actor", "token_id", "action", "run_id", "detail"):
         table.add_column(col, justify="right" if col == "id" else "left")
     for e in rows:
         table.add_row(
             str(e.id),
             _when(e.at),
             e.actor,
+            e.token_id or "–",
             e.action,
             e.run_id or "–",
             json.dumps(e.detail, sort_keys=True, separators=(",", ":")),
