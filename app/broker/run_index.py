@@ -7,8 +7,9 @@ run does not exist is skipped by the readers and cleared after ORPHAN_GRACE_MS."
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, Literal
 
 from redis.asyncio import Redis
@@ -156,24 +157,25 @@ class RunIndex:
         after = _parse_cursor(cursor)
         if status == "open":
             return await self._list_open(limit, after, visible)
-        entries = self._entries_after(after, visible, limit if visible is None else ID_CHUNK)
         runs: list[RunState] = []
         read, last = 0, after
-        while len(runs) < limit and read < limit + PAGE_SCAN_SLACK:
-            chunk = await _take(entries, limit - len(runs))
-            if not chunk:
-                return RunPage(runs, None)
-            read += len(chunk)
-            states = await self._states([rid for rid, _ in chunk])
-            for (rid, created), state in zip(chunk, states, strict=True):
-                last = (created, rid)
-                if state is not None and status in (None, state.status):
-                    runs.append(state)
+        chunk_size = limit if visible is None else ID_CHUNK
+        async with contextlib.aclosing(self._entries_after(after, visible, chunk_size)) as entries:
+            while len(runs) < limit and read < limit + PAGE_SCAN_SLACK:
+                chunk = await _take(entries, limit - len(runs))
+                if not chunk:
+                    return RunPage(runs, None)
+                read += len(chunk)
+                states = await self._states([rid for rid, _ in chunk])
+                for (rid, created), state in zip(chunk, states, strict=True):
+                    last = (created, rid)
+                    if state is not None and status in (None, state.status):
+                        runs.append(state)
         return RunPage(runs, _cursor(*last) if last else None)
 
     async def _entries_after(
         self, after: tuple[float, str] | None, visible: Visible | None, chunk: int
-    ) -> AsyncIterator[tuple[str, float]]:
+    ) -> AsyncGenerator[tuple[str, float], None]:
         """The run index's entries after ``after`` that ``visible`` admits, newest first, read
         ``chunk`` at a time."""
         while rows := await self._index_after(after, chunk):
