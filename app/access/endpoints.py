@@ -22,6 +22,7 @@ from app.access.schemas import (
 )
 from app.access.tokens import TokenCache, insert_token, list_tokens, revoke_token
 from app.api import (
+    SMALL_BODY_BYTES,
     Session,
     caller_of,
     errors,
@@ -62,7 +63,7 @@ def _info(row: ApiToken) -> TokenInfo:
 )
 async def create_token(request: Request, session: Session) -> Response:
     """A new token; its secret is in this answer only."""
-    req = await read_model(request, TokenCreate)
+    req = await read_model(request, TokenCreate, limit=SMALL_BODY_BYTES)
     caller = caller_of(request)
     async with session.begin():
         row, token = await insert_token(session, req.name, req.scopes, req.runs, caller.name)

@@ -17,11 +17,13 @@ from app.api._errors import install_error_handlers
 from app.api._openapi import OpenAPIPart, install_openapi
 from app.api._openapi_errors import errors
 from app.api._openapi_schemas import RAW_ARRAYS, Keywords, msgpack_answer, request_body
+from app.api._outline import SMALL_BODY_BYTES, widest_list
 from app.api._params import query_rules
 from app.api._state import Session, caller_of, record_action, sessionmaker_of, settings_of
 
 __all__ = [
     "RAW_ARRAYS",
+    "SMALL_BODY_BYTES",
     "DirectRoutes",
     "Keywords",
     "OpenAPIPart",
@@ -43,4 +45,5 @@ __all__ = [
     "settings_of",
     "sized_call",
     "wants_msgpack",
+    "widest_list",
 ]

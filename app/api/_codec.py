@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from rollout_broker_client.protocol import MSGPACK, MSGPACK_TYPES
 
 from app import allocator
+from app.api._outline import WIDEST, Counts, check_counts, msgpack_limits, unpack, widest_list
 from app.errors import BrokerError, PayloadTooLarge, UnsupportedMediaType, ValidationFailed
 
 if TYPE_CHECKING:
@@ -171,20 +172,26 @@ def _is_json(kind: str) -> bool:
     return kind == "application/json" or kind.endswith("+json")
 
 
+def _format(content_type: str | None) -> str | None:
+    kind = _kind(content_type)
+    return "msgpack" if kind in MSGPACK_TYPES else "json" if _is_json(kind) else None
+
+
 def parse_body(
-    body: Body, content_type: str | None, json_model: type[J], msgpack_model: type[M]
+    body: Body,
+    content_type: str | None,
+    json_model: type[J],
+    msgpack_model: type[M],
+    counts: Counts | None = None,
+    widest: int = WIDEST,
 ) -> J | M:
-    """Validate a body with the model of its format; malformed input is one 422."""
+    """Validate a body with the model of its format, after :func:`check_counts`; malformed
+    input is one 422."""
+    check_counts(body, _format(content_type), counts, widest)
     kind = _kind(content_type)
     try:
         if kind in MSGPACK_TYPES:
-            try:
-                doc = msgpack.unpackb(body, raw=False, strict_map_key=True)
-            except Exception as exc:
-                raise ValidationFailed(
-                    f"body is not valid msgpack ({type(exc).__name__}: {exc or 'truncated'})"
-                ) from None
-            return msgpack_model.model_validate(doc)
+            return msgpack_model.model_validate(unpack(body, widest))
         if _is_json(kind):
             return json_model.model_validate_json(body or b"{}")
     except ValidationError as exc:
@@ -195,17 +202,32 @@ def parse_body(
 
 
 async def read_model(
-    request: Request, model: type[J], msgpack_model: type[M] | None = None
+    request: Request,
+    model: type[J],
+    msgpack_model: type[M] | None = None,
+    *,
+    counts: Counts | None = None,
+    limit: int | None = None,
 ) -> J | M:
-    """The request's body, read within the broker's size limit and validated with ``model``
-    (or ``msgpack_model`` for a msgpack body, when it reads differently): what every endpoint
-    that takes a body calls."""
+    """The request's body, read within ``limit`` bytes (default: the broker's size limit),
+    its lists counted (:func:`check_counts`, ``counts`` the rules on its top-level lists) and
+    validated with ``model`` (or ``msgpack_model`` for a msgpack body, when it reads
+    differently): what every endpoint that takes a body calls. A big body is parsed off the
+    event loop (:func:`sized_call`)."""
     settings: Settings = request.app.state.settings
-    raw = await read_body(request, settings.max_body_bytes)
+    most = settings.max_body_bytes if limit is None else min(limit, settings.max_body_bytes)
+    raw = await read_body(request, most)
     content_type = request.headers.get("content-type")
-    if msgpack_model is None:
-        return parse_body(raw, content_type, model, model)
-    return parse_body(raw, content_type, model, msgpack_model)
+    return await sized_call(
+        len(raw),
+        parse_body,
+        raw,
+        content_type,
+        model,
+        model if msgpack_model is None else msgpack_model,
+        counts,
+        widest_list(settings),
+    )
 
 
 class _Malformed(Exception):
@@ -232,59 +254,56 @@ def pack_items(
     whole: tuple[type[BaseModel], type[BaseModel]],
     pack: Callable[[Sequence[Any]], list[T]],
     check_count: Callable[[int], None],
+    widest: int = WIDEST,
 ) -> list[T]:
     """``pack(parse_body(body, content_type, *whole).<field>)``, with the same answer and the
     same errors, holding the Python objects of one item at a time. ``check_count`` is the rule
-    ``pack`` applies to the number of items, which this checks before any item is packed.
+    ``pack`` applies to the number of items, which this checks before any item is parsed.
 
     ``items`` are the models of one item of the list ``field`` (JSON, msgpack), ``whole`` those
     of the document. A body below :data:`STREAM_BYTES`, or one that is not exactly
     ``{"<field>": [...]}``, takes the whole-document parse. Otherwise the items are validated
-    and packed one by one, and the order of the whole parse's answers is kept: any item's
-    validation errors first (all of them, as one 422), then ``pack``'s rules on the count, then
-    the first item ``pack`` refuses. A body found malformed on the way goes to the whole parse,
-    which names the error as it always has.
+    and packed one by one, and the order of the whole parse's answers is kept: the rules on
+    the counts first (:func:`check_counts`), then the errors of the first invalid item (the
+    parse stops there), then the first item ``pack`` refuses. A body found malformed on the
+    way goes to the whole parse, which names the error as it always has.
     """
-    listing = _listing(body, content_type, field, items) if len(body) >= STREAM_BYTES else None
+    counts: Counts = {field: check_count}
+    listing = (
+        _listing(body, content_type, field, items, widest) if len(body) >= STREAM_BYTES else None
+    )
     if listing is None:
-        return pack(getattr(parse_body(body, content_type, *whole), field))
+        return pack(getattr(parse_body(body, content_type, *whole, counts, widest), field))
+    check_counts(body, _format(content_type), counts, widest)
     count, validated = listing
+    check_count(count)
     out: list[T] = []
-    shown: list[Any] = []  # the first errors, as many as describe_errors shows
-    errors = 0
     refused: BrokerError | None = None
-    try:
-        check_count(count)
-    except BrokerError as exc:
-        refused = exc
     try:
         for item in validated:
             if isinstance(item, _Invalid):
-                shown.extend(item.errors[: max(0, 5 - len(shown))])
-                errors += len(item.errors)
-            elif not errors and refused is None:
+                raise ValidationFailed(describe_errors(item.errors))
+            if refused is None:
                 try:
                     out.extend(pack([item]))
                 except BrokerError as exc:
-                    refused = exc
+                    refused = exc  # unless a later item is invalid, which the parse says first
                     out.clear()
     except _Malformed:
-        return pack(getattr(parse_body(body, content_type, *whole), field))
-    if errors:
-        raise ValidationFailed(describe_errors(shown, total=errors))
+        return pack(getattr(parse_body(body, content_type, *whole, counts, widest), field))
     if refused is not None:
         raise refused
     return out
 
 
 def _listing(
-    body: Body, content_type: str | None, field: str, items: tuple[type[J], type[M]]
+    body: Body, content_type: str | None, field: str, items: tuple[type[J], type[M]], widest: int
 ) -> tuple[int, Iterator[J | M | _Invalid]] | None:
     """The number of items and an iterator validating them one by one, or None when the body is
     not exactly ``{"<field>": [...]}`` in a format this reads."""
     kind = _kind(content_type)
     if kind in MSGPACK_TYPES:
-        found = _msgpack_listing(body, field)
+        found = _msgpack_listing(body, field, widest)
         if found is None:
             return None
         count, unpacker = found
@@ -401,11 +420,10 @@ class _Reader:
         return chunk
 
 
-def _msgpack_listing(body: Body, field: str) -> tuple[int, msgpack.Unpacker] | None:
+def _msgpack_listing(body: Body, field: str, widest: int) -> tuple[int, msgpack.Unpacker] | None:
     unpacker = msgpack.Unpacker(
         _Reader(body),
-        raw=False,
-        strict_map_key=True,
+        **msgpack_limits(len(body), widest),
         read_size=_READ_SIZE,
         max_buffer_size=max(len(body), 2 * _READ_SIZE),
     )
@@ -424,6 +442,8 @@ def _msgpack_items(
     for i in range(count):
         try:
             doc = unpacker.unpack()
+        except BrokerError:
+            raise
         except Exception:
             raise _Malformed from None
         try:

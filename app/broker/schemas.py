@@ -15,6 +15,11 @@ from app.ids import MAX_VERSION, ItemId, LeaseId, PromptId, RunId
 
 FinishReason = Literal["stop", "length", "abort"]
 
+# The lists of a body stop at their first invalid item: a list of a million bad items is one
+# error, not a million (their number is bounded before the parse, app/api/_outline.py).
+TokenIds = Annotated[list[int], Field(fail_fast=True)]
+Floats = Annotated[list[float], Field(fail_fast=True)]
+
 
 MAX_METADATA_DEPTH = 16
 
@@ -51,9 +56,9 @@ class RolloutJSON(BaseModel):
     rollout_id: ItemId
     group_id: ItemId | None = None
     policy_version: int = Field(ge=0, le=MAX_VERSION)
-    prompt_ids: list[int] | None = None
-    response_ids: list[int]
-    logprobs: list[float] | None = None
+    prompt_ids: TokenIds | None = None
+    response_ids: TokenIds
+    logprobs: Floats | None = None
     reward: float = Field(allow_inf_nan=False)
     finish_reason: FinishReason | None = None
     metadata: dict[str, Any] | None = None
@@ -67,19 +72,19 @@ class RolloutJSON(BaseModel):
 
 
 class RolloutMsgpack(RolloutJSON):
-    prompt_ids: list[int] | bytes | None = None  # type: ignore[assignment]
-    response_ids: list[int] | bytes  # type: ignore[assignment]
-    logprobs: list[float] | bytes | None = None  # type: ignore[assignment]
+    prompt_ids: TokenIds | bytes | None = None  # type: ignore[assignment]
+    response_ids: TokenIds | bytes  # type: ignore[assignment]
+    logprobs: Floats | bytes | None = None  # type: ignore[assignment]
 
 
 class IngestJSON(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    rollouts: list[RolloutJSON]
+    rollouts: Annotated[list[RolloutJSON], Field(fail_fast=True)]
 
 
 class IngestMsgpack(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    rollouts: list[RolloutMsgpack]
+    rollouts: Annotated[list[RolloutMsgpack], Field(fail_fast=True)]
 
 
 class Rejection(BaseModel):
@@ -132,7 +137,7 @@ ReadyKl = Annotated[float, Field(ge=0, le=FIGURE_CAP, allow_inf_nan=False)]
 
 class AckBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    logprobs: dict[str, list[float]] | None = None
+    logprobs: dict[str, Floats] | None = None
     kl: dict[str, ReadyKl] | None = Field(
         None,
         description=f"Ready-made KL by rollout id, 0 to {FIGURE_CAP:g}, instead of logprobs",
@@ -141,7 +146,7 @@ class AckBody(BaseModel):
 
 
 class AckMsgpack(AckBody):
-    logprobs: dict[str, list[float] | bytes] | None = None  # type: ignore[assignment]
+    logprobs: dict[str, Floats | bytes] | None = None  # type: ignore[assignment]
 
 
 class BatchStats(BaseModel):
@@ -210,7 +215,7 @@ class BatchOut(BaseModel):
 class PromptJSON(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     prompt_id: PromptId
-    prompt_ids: list[int] | None = None
+    prompt_ids: TokenIds | None = None
     data: dict[str, Any] | None = None
 
     @field_validator("data")
@@ -223,7 +228,7 @@ class PromptJSON(BaseModel):
 
 class PromptsBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    prompts: list[PromptJSON]
+    prompts: Annotated[list[PromptJSON], Field(fail_fast=True)]
     epochs: int = Field(1, ge=1, le=MAX_EPOCHS)
 
 
@@ -261,7 +266,9 @@ class WorkOut(BaseModel):
 
 class ReturnBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    prompt_ids: list[PromptId] | None = Field(None, max_length=65536)
+    prompt_ids: Annotated[list[PromptId], Field(fail_fast=True)] | None = Field(
+        None, max_length=65536
+    )
 
 
 class ReturnResult(BaseModel):

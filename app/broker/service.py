@@ -345,6 +345,13 @@ class Broker:
             rollouts=[(r, lr.uses, lr.lag) for r, lr in zip(rollouts, leased, strict=True)],
         )
 
+    def check_ack_count(self, n: int) -> None:
+        """The most rollouts one ack may name (in its logprobs, or its kl): a batch's."""
+        if n > self.max_batch_size:
+            raise ValidationFailed(
+                f"{n} rollouts named in one ack, at most {self.max_batch_size} (the largest batch)"
+            )
+
     async def ack(self, run_id: str, batch_id: str, body: AckBody) -> AckResult:
         new_lp: dict[str, Any] = body.logprobs or {}
         ready_kl = body.kl or {}
@@ -411,6 +418,14 @@ class Broker:
                 )
         packed: bytes = msgpack.packb({"i": ids, "d": prompt.data})
         return packed
+
+    def check_prompt_count(self, n: int) -> None:
+        """The most prompts one registration may carry (each makes one pass at least)."""
+        if n > self.prompt_limits.per_request:
+            raise ValidationFailed(
+                f"{n} prompts in one request, at most {self.prompt_limits.per_request} prompt "
+                "passes"
+            )
 
     async def register_prompts(self, run_id: str, body: PromptsBody) -> PromptsResult:
         # One script call writes every pass: bound the passes, not only the prompts.

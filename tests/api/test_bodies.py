@@ -132,7 +132,7 @@ CASES: list[tuple[str, str, bytes, bool]] = [
     ("extra data", MP, _mp({"rollouts": GOOD}) + b"\x00", False),
     ("two keys", MP, _mp({"rollouts": GOOD, "x": 1}), False),
     ("not a map", MP, _mp([GOOD]), False),
-    ("a count beyond the items", MP, b"\x81\xa8rollouts\xdd\xff\xff\xff\xff" + _mp(GOOD[0]), False),
+    ("a count beyond the items", MP, b"\x81\xa8rollouts\xdd\xff\xff\xff\xff" + _mp(GOOD[0]), True),
     ("an int key in an item", MP, _mp({"rollouts": [{1: 2}]}), False),
 ]
 
@@ -152,7 +152,10 @@ def test_item_by_item_parse_answers_as_the_whole_document(
     fmt: str, body: bytes, itemwise: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ctype = {"json": "application/json", "msgpack": "application/msgpack"}[fmt]
-    whole = _outcome(lambda: PACK(parse_body(body, ctype, IngestJSON, IngestMsgpack).rollouts))
+    counts = {"rollouts": BROKER.check_count}
+    whole = _outcome(
+        lambda: PACK(parse_body(body, ctype, IngestJSON, IngestMsgpack, counts).rollouts)
+    )
 
     monkeypatch.setattr(codec, "STREAM_BYTES", 0)  # every body takes the item-by-item path
     calls: list[int] = []

@@ -141,8 +141,10 @@ def batch_body(batch: LeasedBatch, as_msgpack: bool) -> dict[str, Any]:
     ),
 )
 async def ack_batch(run_id: RunId, batch_id: LeaseId, request: Request) -> Response:
-    ack = await read_model(request, AckBody, AckMsgpack)
-    return render(await broker_of(request).ack(run_id, batch_id, ack))
+    broker = broker_of(request)
+    rule = broker.check_ack_count
+    ack = await read_model(request, AckBody, AckMsgpack, counts={"logprobs": rule, "kl": rule})
+    return render(await broker.ack(run_id, batch_id, ack))
 
 
 @router.post(

@@ -5,7 +5,15 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from app.api import errors, msgpack_answer, read_model, render, request_body, wants_msgpack
+from app.api import (
+    SMALL_BODY_BYTES,
+    errors,
+    msgpack_answer,
+    read_model,
+    render,
+    request_body,
+    wants_msgpack,
+)
 from app.broker.endpoints.deps import broker_of
 from app.broker.schemas import (
     PromptsBody,
@@ -18,6 +26,10 @@ from app.broker.schemas import (
 from app.ids import LeaseId, RunId
 
 router = APIRouter(prefix="/v1/runs", tags=["prompts"])
+
+# A prompt id in a JSON body at its longest: 200 characters, each escaped as a surrogate pair
+# (12 bytes), its quotes and a comma.
+_QUOTED_PROMPT_ID = 200 * 12 + 3
 
 
 @router.post(
@@ -35,8 +47,9 @@ router = APIRouter(prefix="/v1/runs", tags=["prompts"])
     openapi_extra=request_body(PromptsBody),
 )
 async def register_prompts(run_id: RunId, request: Request) -> Response:
-    body = await read_model(request, PromptsBody)
-    return render(await broker_of(request).register_prompts(run_id, body), status_code=202)
+    broker = broker_of(request)
+    body = await read_model(request, PromptsBody, counts={"prompts": broker.check_prompt_count})
+    return render(await broker.register_prompts(run_id, body), status_code=202)
 
 
 @router.post(
@@ -50,7 +63,7 @@ async def register_prompts(run_id: RunId, request: Request) -> Response:
     openapi_extra=request_body(WorkBody),
 )
 async def take_work(run_id: RunId, request: Request) -> Response:
-    body = await read_model(request, WorkBody)
+    body = await read_model(request, WorkBody, limit=SMALL_BODY_BYTES)
     lease = await broker_of(request).work(run_id, body)
     if lease is None:
         return Response(status_code=204)
@@ -69,8 +82,10 @@ async def take_work(run_id: RunId, request: Request) -> Response:
 async def return_work(run_id: RunId, lease_id: LeaseId, request: Request) -> Response:
     # The broker answers an empty prompt_ids without a look at the run or the lease: a run
     # that does not exist is 404 whatever the body.
-    body = await read_model(request, ReturnBody)
     broker = broker_of(request)
+    # A work lease holds at most BROKER_MAX_PROMPTS_PER_LEASE prompts: their ids, quoted.
+    limit = broker.prompt_limits.per_lease * _QUOTED_PROMPT_ID + SMALL_BODY_BYTES
+    body = await read_model(request, ReturnBody, limit=limit)
     if body.prompt_ids == []:
         await broker.get_run(run_id)
     return render(await broker.return_work(run_id, lease_id, body.prompt_ids))

@@ -14,6 +14,7 @@ from app.api import (
     request_body,
     settings_of,
     sized_call,
+    widest_list,
 )
 from app.broker.endpoints.deps import broker_of
 from app.broker.schemas import IngestJSON, IngestMsgpack, IngestResult, RolloutJSON, RolloutMsgpack
@@ -55,6 +56,7 @@ async def post_rollouts(run_id: RunId, request: Request) -> Response:
         (IngestJSON, IngestMsgpack),
         broker.pack,
         broker.check_count,
+        widest_list(settings_of(request)),
     )
     del body  # the packed rollouts are all that is needed from here
     result = await broker.ingest_packed(run_id, packed)

@@ -7,7 +7,15 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from app.api import caller_of, errors, read_model, record_action, render, request_body
+from app.api import (
+    SMALL_BODY_BYTES,
+    caller_of,
+    errors,
+    read_model,
+    record_action,
+    render,
+    request_body,
+)
 from app.broker.config import NULLABLE_CONFIG, RunConfigPatch
 from app.broker.endpoints.deps import broker_of
 from app.broker.schemas import CreateRun, PolicyResult, PolicyUpdate, Run, RunList
@@ -29,7 +37,7 @@ router = APIRouter(prefix="/v1/runs", tags=["runs"])
     openapi_extra=request_body(CreateRun, required=False),
 )
 async def create_run(request: Request) -> Response:
-    req = await read_model(request, CreateRun)
+    req = await read_model(request, CreateRun, limit=SMALL_BODY_BYTES)
     caller = caller_of(request)
     if req.run_id is not None:
         check_run(caller, req.run_id)
@@ -76,7 +84,7 @@ async def get_run(run_id: RunId, request: Request) -> Response:
     openapi_extra=request_body(RunConfigPatch, required=False),
 )
 async def patch_config(run_id: RunId, request: Request) -> Response:
-    patch = await read_model(request, RunConfigPatch)
+    patch = await read_model(request, RunConfigPatch, limit=SMALL_BODY_BYTES)
     # null stands for "no value" only where RunConfig has one (step_groups: no staleness
     # budget); any other null was refused only once merged, with pydantic's raw error text.
     nulls = sorted(f for f in patch.model_fields_set - NULLABLE_CONFIG if getattr(patch, f) is None)
@@ -119,7 +127,7 @@ async def close_run(run_id: RunId, request: Request) -> Response:
     openapi_extra=request_body(PolicyUpdate),
 )
 async def set_policy(run_id: RunId, request: Request) -> Response:
-    update = await read_model(request, PolicyUpdate)
+    update = await read_model(request, PolicyUpdate, limit=SMALL_BODY_BYTES)
     result = await broker_of(request).set_policy(run_id, update.version)
     await record_action(request, "run.policy", run_id, {"version": update.version})
     return render(result)

@@ -1,0 +1,201 @@
+"""A body's cost is bounded before it is parsed: its lists are counted and refused by their
+count alone, and its parse stops at the first invalid item. The work done is counted here (the
+models' parses started, the validation errors built), not timed."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import msgpack
+import pytest
+from pydantic import BaseModel
+
+from app.api import _codec as codec
+from app.api import _outline as outline
+from app.main import create_app
+from app.settings import Settings
+from tests.api.support import JSON, MSGPACK, asgi_client, assert_error
+from tests.helpers import make_run
+
+N = 100_000  # items: far beyond every count rule, a few hundred kilobytes of body
+
+
+@pytest.fixture
+async def api(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    """The test client, with room for bodies of some megabytes."""
+    async with asgi_client(
+        create_app(settings.model_copy(update={"max_body_bytes": 8 << 20}))
+    ) as c:
+        yield c
+
+
+class Work:
+    """The parses started and the validation errors described while a request was answered."""
+
+    def __init__(self) -> None:
+        self.parses: list[str] = []
+        self.errors: list[int] = []
+
+
+@pytest.fixture
+def work(monkeypatch: pytest.MonkeyPatch) -> Iterator[Work]:
+    seen = Work()
+    validate, validate_json = (
+        BaseModel.model_validate.__func__,
+        BaseModel.model_validate_json.__func__,
+    )  # type: ignore[attr-defined]
+
+    def counted(cls: type[BaseModel], *args: Any, **kwargs: Any) -> Any:
+        seen.parses.append(cls.__name__)
+        return validate(cls, *args, **kwargs)
+
+    def counted_json(cls: type[BaseModel], *args: Any, **kwargs: Any) -> Any:
+        seen.parses.append(cls.__name__)
+        return validate_json(cls, *args, **kwargs)
+
+    describe = codec.describe_errors
+
+    def described(errors: list[Any], *args: Any, **kwargs: Any) -> str:
+        seen.errors.append(len(errors))
+        return describe(errors, *args, **kwargs)
+
+    monkeypatch.setattr(BaseModel, "model_validate", classmethod(counted))
+    monkeypatch.setattr(BaseModel, "model_validate_json", classmethod(counted_json))
+    monkeypatch.setattr(codec, "describe_errors", described)
+    yield seen
+
+
+def _body(doc: Any, fmt: str) -> tuple[bytes, dict[str, str]]:
+    if fmt == "json":
+        return json.dumps(doc, separators=(",", ":")).encode(), JSON
+    return msgpack.packb(doc, use_bin_type=True), MSGPACK
+
+
+FORMATS = ["json", "msgpack"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "item by item"])
+async def test_a_list_of_millions_of_rollouts_is_refused_by_its_count_alone(
+    api, work, fmt, streamed, monkeypatch
+):
+    await make_run(api, "r1")
+    work.parses.clear()
+    if streamed:
+        monkeypatch.setattr(codec, "STREAM_BYTES", 0)
+    body, headers = _body({"rollouts": [0] * N}, fmt)
+    resp = await api.post("/v1/runs/r1/rollouts", content=body, headers=headers)
+    detail = assert_error(resp, 422, "ValidationFailed")
+    assert detail == f"{N} rollouts in one request, at most 4096"
+    assert work.parses == [] and work.errors == []
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "item by item"])
+async def test_invalid_rollouts_stop_the_parse_at_the_first(api, work, fmt, streamed, monkeypatch):
+    await make_run(api, "r1")
+    work.parses.clear()
+    if streamed:
+        monkeypatch.setattr(codec, "STREAM_BYTES", 0)
+    body, headers = _body({"rollouts": [0] * 4096}, fmt)
+    resp = await api.post("/v1/runs/r1/rollouts", content=body, headers=headers)
+    detail = assert_error(resp, 422, "ValidationFailed")
+    assert detail.startswith("rollouts.0: ") and "rollouts.1" not in detail, detail
+    assert work.errors == [1]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_a_rollout_of_millions_of_invalid_tokens_is_one_error(api, work, fmt):
+    await make_run(api, "r1")
+    work.parses.clear()
+    r = {"rollout_id": "a", "policy_version": 0, "reward": 0.0, "response_ids": [None] * 4096}
+    body, headers = _body({"rollouts": [r]}, fmt)
+    resp = await api.post("/v1/runs/r1/rollouts", content=body, headers=headers)
+    assert "rollouts.0.response_ids" in assert_error(resp, 422, "ValidationFailed")
+    assert work.errors == [2 if fmt == "msgpack" else 1]  # msgpack: the list, or raw bytes
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_a_registration_of_too_many_prompts_is_refused_by_its_count(api, work, fmt):
+    await make_run(api, "r")
+    work.parses.clear()
+    for doc in ({"prompts": [0] * N}, {"prompts": [{"prompt_id": f"p{i}"} for i in range(N)]}):
+        body, headers = _body(doc, fmt)
+        resp = await api.post("/v1/runs/r/prompts", content=body, headers=headers)
+        detail = assert_error(resp, 422, "ValidationFailed")
+        assert detail == f"{N} prompts in one request, at most 4096 prompt passes"
+    assert work.parses == [] and work.errors == []
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_an_ack_is_bounded_by_the_largest_batch_and_the_longest_list(api, work, fmt):
+    path = "/v1/runs/r/batches/b/ack"  # neither exists: the body is refused first
+    many = {"logprobs": {f"r{i}": [-1.0] for i in range(10_000)}}
+    body, headers = _body(many, fmt)
+    detail = assert_error(
+        await api.post(path, content=body, headers=headers), 422, "ValidationFailed"
+    )
+    assert detail == "10000 rollouts named in one ack, at most 8192 (the largest batch)"
+    long = {"logprobs": {"a": [None] * 600_000}}
+    body, headers = _body(long, fmt)
+    detail = assert_error(
+        await api.post(path, content=body, headers=headers), 422, "ValidationFailed"
+    )
+    assert "a list or object in the body holds " in detail and "at most 524288" in detail
+    assert work.parses == [] and work.errors == []
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_a_body_of_countless_empty_lists_is_refused_before_its_parse(api, work, fmt):
+    await make_run(api, "r1")
+    work.parses.clear()
+    r = {"rollout_id": "a", "policy_version": 0, "reward": 0.0, "response_ids": [1]}
+    r["metadata"] = {f"k{i}": [[]] * 4000 for i in range(20)}
+    body, headers = _body({"rollouts": [r]}, fmt)
+    resp = await api.post("/v1/runs/r1/rollouts", content=body, headers=headers)
+    assert "lists and objects" in assert_error(resp, 422, "ValidationFailed")
+    assert work.errors == []
+    if fmt == "json":
+        assert work.parses == []
+
+
+async def test_small_bodies_have_a_small_limit(api, work):
+    body = json.dumps({"max_prompts": 1, "generator_id": "x" * 70_000}).encode()
+    resp = await api.post("/v1/runs/r/work", content=body, headers=JSON)
+    assert "above the limit of 65536 bytes" in assert_error(resp, 413, "PayloadTooLarge")
+    assert work.parses == []
+
+
+# -- the counting itself ----------------------------------------------------------------------
+
+
+TRICKY = [
+    {"rollouts": [{"a": [1, 2, 3], "m": {"s": 'a]},{"x\\"', "t": "\\\\", "u": "\\"}}, {"a": []}]},
+    {"logprobs": {"a": [None] * 10, "b": [1]}, "kl": {}, "step": 3},
+    {"prompts": [{"prompt_id": '"[', "data": {"k": [[], [[1, 2]], {}]}}], "epochs": 2},
+]
+
+
+@pytest.mark.parametrize("doc", TRICKY)
+@pytest.mark.parametrize("window", [1, 2, 3, 7, 1 << 20])
+def test_the_counts_of_a_body_are_those_of_its_parse(doc, window, monkeypatch):
+    """Strings holding brackets, quotes and backslashes, counted in windows of any size (a
+    backslash run or a string may straddle two)."""
+    monkeypatch.setattr(outline, "_WINDOW", window)
+    got = outline.json_outline(json.dumps(doc).encode())
+
+    def walk(v: Any, depth: int) -> Iterator[tuple[int, int]]:
+        if isinstance(v, (list, dict)):
+            yield depth, len(v)
+            for item in v.values() if isinstance(v, dict) else v:
+                yield from walk(item, depth + 1)
+
+    found = list(walk(doc, 1))
+    fields = {k: len(v) for k, v in doc.items() if isinstance(v, (list, dict)) and v}
+    assert {k: n for k, n in got.fields.items() if doc[k]} == fields
+    assert got.containers == len(found)
+    assert got.deepest == max(d for d, _ in found)
+    assert got.widest == max(max(n for d, n in found if d != 2), 1)
