@@ -48,6 +48,7 @@ PAGE_SCAN_SLACK = 10_000
 # those it may show alone: the runs it may not show are never read, counted or named.
 ID_CHUNK = 1000
 
+RunStatus = Literal["open", "closed"]
 Visible = Callable[[str], bool]
 """Whether a listing may show a run (by its id): a caller limited to some runs sees only those."""
 
@@ -142,7 +143,7 @@ class RunIndex:
 
     async def list_runs(
         self,
-        status: Literal["open", "closed"] | None = None,
+        status: RunStatus | None = None,
         limit: int = 100,
         cursor: str | None = None,
         visible: Visible | None = None,
