@@ -74,10 +74,10 @@ def _auth_settings(settings: Settings, host: str) -> Settings:
     """``settings`` with auth decided for a listener on ``host`` (on, unless BROKER_AUTH says,
     for a non-loopback address); a set-up nobody could sign in to ends the command with its
     one line. Says on stderr when auth is on, and when it is off on a non-loopback address."""
-    from app.access.startup import AuthSetupError, is_loopback, resolve_auth
+    from app.access.startup import AuthSetupError, is_loopback, resolve_auth, served_on
 
     try:
-        resolved = resolve_auth(settings, host)
+        resolved = served_on(resolve_auth(settings, host), host)
     except AuthSetupError as exc:
         raise _fail(str(exc)) from None
     if resolved.auth:
@@ -85,7 +85,8 @@ def _auth_settings(settings: Settings, host: str) -> Settings:
     elif not is_loopback(host):
         typer.echo(
             f"warning: auth is off (BROKER_AUTH=off) on {host}: whoever reaches the port may "
-            "do anything",
+            "do anything (addressing it by IP address, localhost or a name of "
+            "BROKER_ALLOWED_HOSTS)",
             err=True,
         )
     return resolved
@@ -168,6 +169,7 @@ def serve(
     import uvicorn
 
     from app.main import create_app
+    from app.serving import uvicorn_options
     from workers.runner import run_workers
 
     settings = _settings()
@@ -194,7 +196,7 @@ def serve(
             _serve_processes(settings, host, port, api_processes)
             return
         app = create_app(settings, background=run_workers if settings.workers_in_process else None)
-        uvicorn.run(app, host=host, port=port, log_level="info")
+        uvicorn.run(app, host=host, port=port, log_level="info", **uvicorn_options(settings))
     finally:
         if services is not None:
             services.stop()  # type: ignore[attr-defined]
@@ -211,6 +213,7 @@ def _serve_processes(settings: Settings, host: str, port: int, processes: int) -
     import uvicorn
 
     from app.metrics import MULTIPROC_DIR
+    from app.serving import uvicorn_options
 
     metrics_dir = tempfile.mkdtemp(prefix="rollout-broker-metrics-")
     api = settings.model_copy(update={"workers_in_process": False})
@@ -231,6 +234,7 @@ def _serve_processes(settings: Settings, host: str, port: int, processes: int) -
                     port=port,
                     workers=processes,
                     log_level="info",
+                    **uvicorn_options(api),
                 )
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
@@ -248,6 +252,8 @@ def _settings_env(settings: Settings) -> dict[str, str | None]:
             value = value.get_secret_value()
         elif isinstance(value, bool):
             value = "true" if value else "false"
+        elif isinstance(value, tuple):
+            value = ",".join(value)
         out[_env_name((name,))] = None if value is None else str(value)
     return out
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_HOST_NAME_RE = re.compile(r"^(?!-)[a-z0-9_-]{1,63}(?<!-)(\.(?!-)[a-z0-9_-]{1,63}(?<!-))*$")
 
 
 class Settings(BaseSettings):
@@ -51,6 +53,13 @@ class Settings(BaseSettings):
         min_length=32,
         description="Accepted as an admin token named `bootstrap` (at least 32 characters)",
     )
+    allowed_hosts: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=(),
+        description="With auth off, the host names a request may be addressed to (its `Host`) "
+        "besides `localhost`, any IP address and the name `serve --host` binds; "
+        "comma-separated. A name not listed is refused (403), so that a web page cannot reach "
+        "the broker through a name of its own that resolves to it (DNS rebinding)",
+    )
     token_cache_s: float = Field(
         default=60.0,
         gt=0,
@@ -73,6 +82,37 @@ class Settings(BaseSettings):
         le=3600,
         description="A request body that sends no byte for this long is answered 408 and its "
         "connection closed (the wait between two reads, not the whole upload)",
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=3600,
+        description="A connection closed unless its request line and headers arrive in full "
+        "within this long of its opening, or of its first byte after a keep-alive pause "
+        "(`serve`)",
+    )
+    keep_alive_timeout_s: int = Field(
+        default=5,
+        ge=1,
+        le=3600,
+        description="An idle keep-alive connection is closed after this many seconds without "
+        "a new request (`serve`)",
+    )
+    max_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        le=16 * 1024 * 1024,
+        description="A request line and headers over this size are answered 400 and the "
+        "connection closed (`serve`)",
+    )
+    max_connections: int = Field(
+        default=1000,
+        ge=1,
+        le=1_000_000,
+        description="Open connections per API process; beyond them a new connection's request "
+        "is answered 503 with Retry-After and the connection closed (`serve`). Keep it under the "
+        "process's open-file limit (`ulimit -n`), which its Redis and Postgres connections "
+        "share",
     )
     max_rollouts_per_request: int = Field(default=4096, ge=1, le=65536)
     max_tokens_per_rollout: int = Field(default=262_144, ge=1, le=16_777_216)
@@ -160,6 +200,21 @@ class Settings(BaseSettings):
         if not _PREFIX_RE.match(v):
             raise ValueError("redis_prefix must be 1-64 characters of [A-Za-z0-9_.-]")
         return v
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _host_names(cls, v: object) -> object:
+        if isinstance(v, str):
+            v = v.split(",")
+        if not isinstance(v, list | tuple):
+            return v
+        names = [str(name).strip().lower().removesuffix(".") for name in v]
+        for name in names:
+            if name and not _HOST_NAME_RE.match(name):
+                raise ValueError(
+                    f"allowed_hosts: {name!r} is not a host name (no port, scheme or path)"
+                )
+        return tuple(name for name in names if name)
 
     @field_validator("database_url")
     @classmethod

@@ -85,7 +85,7 @@ so it
         app = create_app(settings)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://broker") as http:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
                 broker = AsyncBrokerClient(http=http)
 """,
         """\
@@ -93,7 +93,7 @@ so it can
     reach an app in this process through :class:`SyncASGITransport`::
 
         with SyncASGITransport(create_app(settings)) as transport:    # runs the lifespan
-            http = httpx.Client(transport=transport, base_url="http://broker")
+            http = httpx.Client(transport=transport, base_url="http://localhost")
             broker = BrokerClient(http=http)
 """,
     ),

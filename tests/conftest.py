@@ -177,9 +177,11 @@ def settings(
     request: pytest.FixtureRequest, prefix: str, database_url: str, redis_backend: RedisBackend
 ) -> Settings:
     """The app's settings on the test's services. A long poll re-checks only when woken, unless
-    the test is marked ``wake_fallback_s(seconds)``: one that counts on the re-check."""
+    the test is marked ``wake_fallback_s(seconds)``: one that counts on the re-check. Requests
+    may be addressed to ``broker`` (the tests' in-process base URL) as to a served name."""
     marker = request.node.get_closest_marker("wake_fallback_s")
     return Settings(
+        allowed_hosts=("broker",),
         redis_url=redis_backend.url,
         redis_cluster=redis_backend.cluster,
         database_url=database_url,

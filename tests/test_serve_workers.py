@@ -152,6 +152,11 @@ def test_the_settings_reach_the_api_processes_through_the_environment(tmp_path: 
         drain_trim=False,
         drain_consumer="c-1",
         worker_heartbeat_file=tmp_path / "beat",
+        allowed_hosts=("rb.lan", "broker_1"),
+        header_timeout_s=2.5,
+        keep_alive_timeout_s=9,
+        max_header_bytes=4096,
+        max_connections=77,
     )
     unset = {name for name, f in Settings.model_fields.items() if f.default is None}
     assert not unset - chosen.model_fields_set, "give every optional setting a value above"

@@ -1,39 +1,42 @@
 """The request guard: one dependency of every route that applies :mod:`app.access.policy` to
-the caller named by the request's bearer token, or, with auth off, refuses state-changing
-requests from a foreign web page (their ``Origin``)."""
+the caller named by the request's bearer token, or, with auth off, refuses what a foreign web
+page may send: a state-changing request from another origin (its ``Origin`` or
+``Sec-Fetch-Site``), and any request addressed to a host name the broker does not serve (its
+``Host``, which DNS rebinding makes the page's own)."""
 
 from __future__ import annotations
 
+import ipaddress
+from collections.abc import Collection
 from typing import Final
 from urllib.parse import SplitResult, urlsplit
 
 from fastapi import Request
 
-from app.access.policy import ANONYMOUS, PUBLIC, has, need_of
+from app.access.policy import ANONYMOUS, PUBLIC, has, rule_of
 from app.access.tokens import TokenCache
 from app.caller import check_run
 from app.errors import Forbidden, Unauthorized
 
-SAFE_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
 _DEFAULT_PORTS: Final = {"http": 80, "https": 443}
+_OTHER_SITES: Final = frozenset({"cross-site", "same-site"})
+"""``Sec-Fetch-Site`` values of a request a page of another origin made (``same-site`` is
+another port or subdomain); ``same-origin`` and ``none`` (the user's own navigation) are not."""
 
 
 async def guard(request: Request) -> None:
     """Let the request through, with ``request.state.caller`` set, or refuse it (401/403)."""
     route = request.scope.get("route")
     path: str = route.path if route is not None else request.url.path
-    need = need_of(request.method, path)
-    if need is None:
+    rule = rule_of(request.method, path)
+    if rule is None:
         raise Forbidden(f"{request.method} {path} is not in the access table")
+    need = rule.need
     if need == PUBLIC:
         return
     tokens: TokenCache | None = getattr(request.app.state, "tokens", None)
     if tokens is None:  # auth off
-        if request.method not in SAFE_METHODS and foreign_origin(request):
-            raise Forbidden(
-                "a state-changing request from another web origin "
-                f"({request.headers['origin']!r}) is refused while auth is off"
-            )
+        refuse_web_pages(request, rule.changes_state)
         request.state.caller = ANONYMOUS
         return
     caller = await tokens.caller(bearer(request))
@@ -55,6 +58,58 @@ def bearer(request: Request) -> str:
     if scheme.lower() != "bearer" or not token.strip():
         raise Unauthorized("the Authorization header must read 'Bearer <token>'")
     return token.strip()
+
+
+def refuse_web_pages(request: Request, changes_state: bool) -> None:
+    """With auth off, the Origin rule (SPEC "Access control"): a request addressed to a host
+    name the broker does not serve is refused, and so is a state-changing one from a page of
+    another origin (403)."""
+    host = request.headers.get("host")
+    if host is not None and not served_host(host, request.app.state.settings.allowed_hosts):
+        raise Forbidden(
+            f"Host {host!r} is not a name this broker serves while auth is off: address it as "
+            "localhost, by IP address or by a name of BROKER_ALLOWED_HOSTS"
+        )
+    if not changes_state:
+        return
+    site = request.headers.get("sec-fetch-site", "").lower()
+    if site in _OTHER_SITES:
+        raise Forbidden(
+            "a state-changing request from another web origin (Sec-Fetch-Site: "
+            f"{site}) is refused while auth is off"
+        )
+    if foreign_origin(request):
+        raise Forbidden(
+            "a state-changing request from another web origin "
+            f"({request.headers['origin']!r}) is refused while auth is off"
+        )
+
+
+def served_host(host: str, allowed: Collection[str]) -> bool:
+    """Whether a ``Host`` header (a name or address, and a port) names this broker (see
+    :func:`served_name`)."""
+    if "@" in host:
+        return False
+    try:
+        url = urlsplit("//" + host)
+        name, _ = url.hostname, url.port
+    except ValueError:  # a port that is no number, or a broken IPv6 address
+        return False
+    return name is not None and served_name(name, allowed)
+
+
+def served_name(name: str, allowed: Collection[str]) -> bool:
+    """Whether the host ``name`` is one the broker serves: ``localhost``, an IP address (an
+    address, unlike a name, cannot be pointed elsewhere by a web page's owner), or a name of
+    ``allowed`` (lower case, without a final dot)."""
+    name = name.lower().removesuffix(".")
+    if name == "localhost" or name in allowed:
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 def foreign_origin(request: Request) -> bool:

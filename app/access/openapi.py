@@ -8,7 +8,6 @@ from typing import Final
 
 from pydantic import BaseModel
 
-from app.access.guard import SAFE_METHODS
 from app.access.policy import PUBLIC, Scope, need_of
 from app.access.schemas import TOKEN_ID_PATTERN, TokenCreate
 from app.api import Keywords, OpenAPIPart
@@ -18,12 +17,11 @@ from app.settings import Settings
 def guard_errors(method: str, path: str, auth: bool) -> frozenset[int] | None:
     """What the guard may answer for ``method path`` (a path template): with auth on, 401 (no
     token, or an unknown one) and 403 (a token short of the need); with auth off, 403 to a
-    state-changing request from another web origin. None for a public operation."""
+    request addressed to a host name the broker does not serve, or to one that changes state
+    from another web origin. None for a public operation."""
     if need_of(method.upper(), path) == PUBLIC:
         return None
-    if auth:
-        return frozenset({401, 403})
-    return frozenset() if method.upper() in SAFE_METHODS else frozenset({403})
+    return frozenset({401, 403}) if auth else frozenset({403})
 
 
 def field_keywords(_: Settings) -> dict[tuple[type[BaseModel], str], Keywords]:

@@ -11,7 +11,7 @@ touch. A token limited to runs (ids or ``prefix*`` patterns) touches only those.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Final
+from typing import Final, NamedTuple
 
 from app.caller import Caller
 
@@ -31,46 +31,71 @@ PUBLIC: Final = "public"
 
 Need = Scope | str  # a Scope, READ or PUBLIC
 
-ROUTES: Final[dict[tuple[str, str], Need]] = {
-    ("GET", "/healthz"): PUBLIC,
-    ("GET", "/readyz"): PUBLIC,
-    ("GET", "/openapi.json"): PUBLIC,
-    ("GET", "/docs"): PUBLIC,
-    ("GET", "/redoc"): PUBLIC,
-    ("GET", "/ui"): PUBLIC,
-    ("GET", "/metrics"): Scope.OPERATE,
-    ("POST", "/v1/runs"): Scope.OPERATE,
-    ("GET", "/v1/runs"): READ,
-    ("GET", "/v1/runs/{run_id}"): READ,
-    ("DELETE", "/v1/runs/{run_id}"): Scope.OPERATE,
-    ("PATCH", "/v1/runs/{run_id}/config"): Scope.OPERATE,
-    ("POST", "/v1/runs/{run_id}/close"): Scope.OPERATE,
-    ("POST", "/v1/runs/{run_id}/policy"): Scope.TRAIN,
-    ("POST", "/v1/runs/{run_id}/rollouts"): Scope.GENERATE,
-    ("GET", "/v1/runs/{run_id}/batch"): Scope.TRAIN,
-    ("POST", "/v1/runs/{run_id}/batches/{batch_id}/ack"): Scope.TRAIN,
-    ("POST", "/v1/runs/{run_id}/batches/{batch_id}/nack"): Scope.TRAIN,
-    ("POST", "/v1/runs/{run_id}/prompts"): Scope.OPERATE,
-    ("GET", "/v1/runs/{run_id}/prompts"): Scope.OPERATE,
-    ("POST", "/v1/runs/{run_id}/work"): Scope.GENERATE,
-    ("POST", "/v1/runs/{run_id}/work/{lease_id}/return"): Scope.GENERATE,
-    ("GET", "/v1/runs/{run_id}/accounting"): Scope.OPERATE,
-    ("GET", "/v1/runs/{run_id}/accounting/versions"): Scope.OPERATE,
-    ("GET", "/v1/runs/{run_id}/accounting/training"): Scope.OPERATE,
-    ("GET", "/v1/runs/{run_id}/batches"): Scope.OPERATE,
-    ("GET", "/v1/runs/{run_id}/accounting/dead-letters"): Scope.OPERATE,
-    ("POST", "/v1/tokens"): Scope.ADMIN,
-    ("GET", "/v1/tokens"): Scope.ADMIN,
-    ("DELETE", "/v1/tokens/{token_id}"): Scope.ADMIN,
-    ("GET", "/v1/audit"): Scope.OPERATE,
+
+class Rule(NamedTuple):
+    """A route's line of the access table."""
+
+    need: Need
+    changes_state: bool
+    """Whether the route changes anything (a lease does, though it is a GET): with auth off, a
+    web page of another origin may not call it (SPEC "Access control", the Origin rule)."""
+
+
+def reading(need: Need) -> Rule:
+    return Rule(need, changes_state=False)
+
+
+def changing(need: Need) -> Rule:
+    return Rule(need, changes_state=True)
+
+
+ROUTES: Final[dict[tuple[str, str], Rule]] = {
+    ("GET", "/healthz"): reading(PUBLIC),
+    ("GET", "/readyz"): reading(PUBLIC),
+    ("GET", "/openapi.json"): reading(PUBLIC),
+    ("GET", "/docs"): reading(PUBLIC),
+    ("GET", "/redoc"): reading(PUBLIC),
+    ("GET", "/ui"): reading(PUBLIC),
+    ("GET", "/metrics"): reading(Scope.OPERATE),
+    ("POST", "/v1/runs"): changing(Scope.OPERATE),
+    ("GET", "/v1/runs"): reading(READ),
+    ("GET", "/v1/runs/{run_id}"): reading(READ),
+    ("DELETE", "/v1/runs/{run_id}"): changing(Scope.OPERATE),
+    ("PATCH", "/v1/runs/{run_id}/config"): changing(Scope.OPERATE),
+    ("POST", "/v1/runs/{run_id}/close"): changing(Scope.OPERATE),
+    ("POST", "/v1/runs/{run_id}/policy"): changing(Scope.TRAIN),
+    ("POST", "/v1/runs/{run_id}/rollouts"): changing(Scope.GENERATE),
+    ("GET", "/v1/runs/{run_id}/batch"): changing(Scope.TRAIN),  # it leases a batch
+    ("POST", "/v1/runs/{run_id}/batches/{batch_id}/ack"): changing(Scope.TRAIN),
+    ("POST", "/v1/runs/{run_id}/batches/{batch_id}/nack"): changing(Scope.TRAIN),
+    ("POST", "/v1/runs/{run_id}/prompts"): changing(Scope.OPERATE),
+    ("GET", "/v1/runs/{run_id}/prompts"): reading(Scope.OPERATE),
+    ("POST", "/v1/runs/{run_id}/work"): changing(Scope.GENERATE),
+    ("POST", "/v1/runs/{run_id}/work/{lease_id}/return"): changing(Scope.GENERATE),
+    ("GET", "/v1/runs/{run_id}/accounting"): reading(Scope.OPERATE),
+    ("GET", "/v1/runs/{run_id}/accounting/versions"): reading(Scope.OPERATE),
+    ("GET", "/v1/runs/{run_id}/accounting/training"): reading(Scope.OPERATE),
+    ("GET", "/v1/runs/{run_id}/batches"): reading(Scope.OPERATE),
+    ("GET", "/v1/runs/{run_id}/accounting/dead-letters"): reading(Scope.OPERATE),
+    ("POST", "/v1/tokens"): changing(Scope.ADMIN),
+    ("GET", "/v1/tokens"): reading(Scope.ADMIN),
+    ("DELETE", "/v1/tokens/{token_id}"): changing(Scope.ADMIN),
+    ("GET", "/v1/audit"): reading(Scope.OPERATE),
 }
-"""Every route of the API and what it needs; a route missing here is refused (a test checks the
-table against the app's routes). ``HEAD`` needs what ``GET`` needs."""
+"""Every route of the API, what it needs and whether it changes state; a route missing here is
+refused (a test checks the table against the app's routes). ``HEAD`` is as ``GET``."""
+
+
+def rule_of(method: str, path: str) -> Rule | None:
+    """The access table's line for ``method path`` (the route's path template); None for an
+    unknown route."""
+    return ROUTES.get(("GET" if method == "HEAD" else method, path))
 
 
 def need_of(method: str, path: str) -> Need | None:
-    """What ``method path`` (the route's path template) needs; None for an unknown route."""
-    return ROUTES.get(("GET" if method == "HEAD" else method, path))
+    """What ``method path`` needs; None for an unknown route."""
+    rule = rule_of(method, path)
+    return None if rule is None else rule.need
 
 
 def has(caller: Caller, need: Need) -> bool:

@@ -7,6 +7,7 @@ import asyncio
 import ipaddress
 import logging
 
+from app.access.guard import served_name
 from app.settings import Settings
 
 log = logging.getLogger("rollout_broker")
@@ -40,6 +41,16 @@ def resolve_auth(settings: Settings, host: str) -> Settings:
             "BROKER_AUTH=off to serve without access control"
         )
     return settings.model_copy(update={"auth": auth})
+
+
+def served_on(settings: Settings, host: str) -> Settings:
+    """``settings`` with the name the API listens on (``serve --host``) among the host names
+    requests may be addressed to while auth is off (``allowed_hosts``), unless it is one
+    already (an address or ``localhost``)."""
+    name = host.strip("[]").lower().removesuffix(".")
+    if served_name(name, settings.allowed_hosts):
+        return settings
+    return settings.model_copy(update={"allowed_hosts": (*settings.allowed_hosts, name)})
 
 
 def _admin_token_stored(settings: Settings) -> bool:

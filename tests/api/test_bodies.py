@@ -373,7 +373,7 @@ def _uvicorn(prefix: str, log: Path, **settings: str) -> Iterator[int]:
 def _partial_post(port: int) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=20)
     sock.sendall(
-        b"POST /v1/runs/r1/rollouts HTTP/1.1\r\nHost: broker\r\n"
+        b"POST /v1/runs/r1/rollouts HTTP/1.1\r\nHost: localhost\r\n"
         b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n" + b"{" * 16
     )
     return sock
@@ -450,7 +450,7 @@ _MEASURE = textwrap.dedent(
 
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://b") as c:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
                 resp = await c.post("/v1/runs", json={"run_id": "big"})
                 assert resp.status_code == 201, resp.text
             gc.collect()

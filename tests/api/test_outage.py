@@ -143,7 +143,7 @@ async def failing(
 ) -> AsyncIterator[httpx.AsyncClient]:
     """The app with a route ``/fail/{name}`` that runs one of the failures above."""
     app: FastAPI = create_app(settings)
-    monkeypatch.setitem(policy.ROUTES, ("GET", "/fail/{name}"), policy.PUBLIC)
+    monkeypatch.setitem(policy.ROUTES, ("GET", "/fail/{name}"), policy.reading(policy.PUBLIC))
 
     async def fail(name: str) -> None:
         await (OUTAGES[name][0] if name in OUTAGES else BUGS[name])()
@@ -221,7 +221,7 @@ class Connection:
     async def request(
         self, method: str, path: str, body: bytes = b""
     ) -> tuple[int, dict[str, str], bytes]:
-        head = f"{method} {path} HTTP/1.1\r\nHost: api\r\nContent-Length: {len(body)}\r\n"
+        head = f"{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(body)}\r\n"
         if body:
             head += "Content-Type: application/json\r\n"
         self.writer.write(head.encode() + b"\r\n" + body)

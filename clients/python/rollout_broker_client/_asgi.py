@@ -18,7 +18,7 @@ class SyncASGITransport(httpx.BaseTransport):
     """Runs the app on an event loop in a background thread, its lifespan included::
 
         with SyncASGITransport(create_app(settings)) as transport:
-            http = httpx.Client(transport=transport, base_url="http://broker")
+            http = httpx.Client(transport=transport, base_url="http://localhost")
             broker = BrokerClient(http=http)
 
     ``lifespan=False`` skips start-up and shut-down (for an app whose lifespan already runs).

@@ -88,7 +88,7 @@ class AsyncBrokerClient:
         app = create_app(settings)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://broker") as http:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as http:
                 broker = AsyncBrokerClient(http=http)
 
     ``format="msgpack"`` (the default) sends rollouts and acks as msgpack with token ids and

@@ -86,7 +86,7 @@ class BrokerClient:
     reach an app in this process through :class:`SyncASGITransport`::
 
         with SyncASGITransport(create_app(settings)) as transport:    # runs the lifespan
-            http = httpx.Client(transport=transport, base_url="http://broker")
+            http = httpx.Client(transport=transport, base_url="http://localhost")
             broker = BrokerClient(http=http)
 
     ``format="msgpack"`` (the default) sends rollouts and acks as msgpack with token ids and
