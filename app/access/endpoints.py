@@ -16,6 +16,7 @@ from app.access.schemas import (
     AuditPage,
     TokenCreate,
     TokenCreated,
+    TokenId,
     TokenInfo,
     TokenList,
 )
@@ -85,7 +86,7 @@ async def get_tokens(session: Session) -> Response:
 
 
 @router.delete("/v1/tokens/{token_id}", status_code=204)
-async def delete_token(token_id: str, request: Request, session: Session) -> Response:
+async def delete_token(token_id: TokenId, request: Request, session: Session) -> Response:
     """Revoke a token: every API process refuses it within a second."""
     async with session.begin():
         row = await revoke_token(session, token_id)

@@ -9,8 +9,7 @@ from typing import Final
 from pydantic import BaseModel
 
 from app.access.policy import PUBLIC, Scope, need_of
-from app.access.schemas import TokenCreate
-from app.access.tokens import ID_HEX
+from app.access.schemas import TOKEN_ID_PATTERN, TokenCreate
 from app.api import Keywords, OpenAPIPart
 from app.settings import Settings
 
@@ -40,7 +39,7 @@ OPENAPI: Final = OpenAPIPart(
             "then": {"properties": {"runs": {"type": "null"}}},
         },
     },
-    path_ids={"token_id": f"^[0-9a-f]{{{ID_HEX}}}$"},  # as token_hex makes them
+    path_ids={"token_id": TOKEN_ID_PATTERN},
     guard=guard_errors,
 )
 """Access's part of the API description."""

@@ -7,8 +7,12 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from app.access.policy import ANONYMOUS, Scope
-from app.access.tokens import BOOTSTRAP_NAME
+from app.access.tokens import BOOTSTRAP_NAME, ID_HEX
+from app.ids import LedgerText
 
+TOKEN_ID_PATTERN = rf"^[0-9a-f]{{{ID_HEX}}}$"
+"""A token's id, as token_hex makes them."""
+TokenId = Annotated[str, StringConstraints(pattern=TOKEN_ID_PATTERN), LedgerText]
 RUN_PATTERN = r"^(?:[A-Za-z0-9._-]{1,128}|[A-Za-z0-9._-]{0,127}\*)$"
 """A run a token may touch: a run id, or ``prefix*`` for every run id starting with prefix."""
 RunPattern = Annotated[str, StringConstraints(pattern=RUN_PATTERN)]

@@ -17,6 +17,7 @@ from app.accounting.schemas import (
 )
 from app.accounting.service import AccountingService
 from app.api import Session, errors
+from app.ids import RunId
 
 __all__ = ["router"]
 
@@ -36,14 +37,14 @@ _CURSOR_400 = errors((400, "The cursor is not one this listing handed out"))
 
 
 @router.get("/accounting", response_model=RunAccounting)
-async def get_accounting(run_id: str, session: Session, accounting: Accounting) -> RunAccounting:
+async def get_accounting(run_id: RunId, session: Session, accounting: Accounting) -> RunAccounting:
     """Exact totals of the run, as of the newest drained event."""
     return await accounting.run_accounting(session, run_id)
 
 
 @router.get("/accounting/versions", response_model=VersionsAccounting)
 async def get_version_accounting(
-    run_id: str, session: Session, accounting: Accounting
+    run_id: RunId, session: Session, accounting: Accounting
 ) -> VersionsAccounting:
     """The same accounting per policy version of the rollouts."""
     return await accounting.version_accounting(session, run_id)
@@ -51,7 +52,7 @@ async def get_version_accounting(
 
 @router.get("/accounting/training", response_model=TrainingAccounting)
 async def get_training_accounting(
-    run_id: str, session: Session, accounting: Accounting
+    run_id: RunId, session: Session, accounting: Accounting
 ) -> TrainingAccounting:
     """KL, importance ratio and clip fraction per policy version of the trainer: the acknowledged
     batches grouped by the version V of their lease, not by the rollouts' versions."""
@@ -60,7 +61,7 @@ async def get_training_accounting(
 
 @router.get("/batches", response_model=BatchPage, responses=_CURSOR_400)
 async def list_batches(
-    run_id: str,
+    run_id: RunId,
     session: Session,
     accounting: Accounting,
     limit: Limit = 100,
@@ -78,7 +79,7 @@ async def list_batches(
     ),
 )
 async def list_prompts(
-    run_id: str,
+    run_id: RunId,
     session: Session,
     accounting: Accounting,
     state: Annotated[
@@ -95,7 +96,7 @@ async def list_prompts(
 
 @router.get("/accounting/dead-letters", response_model=DeadLetterPage, responses=_CURSOR_400)
 async def list_dead_letters(
-    run_id: str,
+    run_id: RunId,
     session: Session,
     accounting: Accounting,
     limit: Limit = 100,

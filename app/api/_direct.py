@@ -8,6 +8,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.dependencies.utils import request_params_to_args
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute, iter_route_contexts
 from starlette.routing import compile_path
@@ -21,12 +23,13 @@ Guard = Callable[[Request], Awaitable[None]]
 class DirectRoutes:
     """ASGI layer in front of the router, inside the app's error handling: a request for one of
     the given endpoints goes straight to it, with what the router and FastAPI would give it (the
-    scope's route, endpoint and path parameters; the guard before the endpoint) but without their
-    route matching and dependency solving, which cost more than a small ingest's own work.
+    scope's route, endpoint and path parameters, validated by their declared types after the
+    guard, as FastAPI does) but without their route matching and dependency solving, which cost
+    more than a small ingest's own work.
     Every other request goes to the router, and so does every request while dependency
     overrides are set or while FastAPI's OpenTelemetry instrumentation records it.
 
-    Only an endpoint whose parameters are its path's (plain strings) and the ``Request``, and
+    Only an endpoint whose parameters are its path's (strings, ``[^/]+``) and the ``Request``, and
     whose one dependency is the guard, is served so: any other is refused at start. Its route
     must be the one the router picks for its method and path (no earlier route of the app takes
     them); tests/api/test_direct_routes.py checks that both ways answer alike.
@@ -43,7 +46,7 @@ class DirectRoutes:
         self.guard = guard
         self.router = fastapi_app.router
         self.overrides = fastapi_app.dependency_overrides
-        self.by_method: dict[str, list[APIRoute]] = {}
+        self.by_method: dict[str, list[tuple[APIRoute, Any]]] = {}
         for endpoint in endpoints:
             found = [
                 context
@@ -56,7 +59,7 @@ class DirectRoutes:
             _check_direct(route, found[0].dependant, guard)
             _check_alone(route, fastapi_app)
             for method in route.methods or ():
-                self.by_method.setdefault(method, []).append(route)
+                self.by_method.setdefault(method, []).append((route, found[0].dependant))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # FastAPI's own telemetry, when it records this request, names the route it takes.
@@ -64,15 +67,21 @@ class DirectRoutes:
             routes = self.by_method.get(scope["method"])
             if routes:
                 path = route_path(scope)
-                for route in routes:
+                for route, dependant in routes:
                     match = route.path_regex.match(path)
                     if match is not None:
-                        await self._serve(scope, receive, send, route, match.groupdict())
+                        await self._serve(scope, receive, send, route, dependant, match.groupdict())
                         return
         await self.app(scope, receive, send)
 
     async def _serve(
-        self, scope: Scope, receive: Receive, send: Send, route: APIRoute, found: dict[str, str]
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        route: APIRoute,
+        dependant: Any,
+        found: dict[str, str],
     ) -> None:
         params: dict[str, Any] = dict(scope.get("path_params", {}))
         for key, value in found.items():
@@ -84,7 +93,10 @@ class DirectRoutes:
         scope["route"] = route
         request = Request(scope, receive, send)
         await self.guard(request)
-        response: Response = await route.endpoint(request=request, **params)
+        values, errors = request_params_to_args(dependant.path_params, params)
+        if errors:
+            raise RequestValidationError(errors)
+        response: Response = await route.endpoint(request=request, **values)
         await response(scope, receive, send)
 
 

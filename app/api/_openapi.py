@@ -74,8 +74,10 @@ class OpenAPIPart:
     never_null: Mapping[type[BaseModel], frozenset[str]] = field(default_factory=dict)
     """Body fields optional in their model that the API takes absent or as a value, never null."""
     path_ids: Mapping[str, str] = field(default_factory=dict)
-    """The pattern of the ids a path parameter of that name takes (an id of another shape names
-    nothing: 404); an answer's field of that name links to the operations that take it."""
+    """The pattern of the ids a path parameter of that name takes; an answer's field of that
+    name links to the operations that take it. Every route checks it by the parameter's type (an
+    id of another shape is 422 before any store sees it): a route that would take any string
+    there fails the description."""
     guard: GuardErrors | None = None
     """What the access guard may answer for each operation (at most one part says it)."""
 
@@ -136,7 +138,7 @@ def describe(
     ops = list(_operations(doc))
     for path, method, op in ops:
         _set_query_keywords(op, method, path, merged.query_keywords)
-        _describe_path_ids(op, merged.path_ids)
+        _check_path_ids(op, merged.path_ids)
         document_errors(op, method, path, auth, merged.guard)
     describe_query_rules(doc, ops)
     if auth:
@@ -161,11 +163,18 @@ def _set_query_keywords(
             non_null(param["schema"]).update(copy.deepcopy(values))
 
 
-def _describe_path_ids(op: dict[str, Any], path_ids: Mapping[str, str]) -> None:
+def _check_path_ids(op: dict[str, Any], path_ids: Mapping[str, str]) -> None:
     for param in op.get("parameters", ()):
         pattern = path_ids.get(param["name"])
-        if pattern is not None and param.get("in") == "path":
-            param["schema"]["pattern"] = pattern
+        if (
+            pattern is not None
+            and param.get("in") == "path"
+            and param["schema"].get("pattern") != pattern
+        ):
+            raise ValueError(
+                f"{op.get('operationId')}: its path parameter {param['name']} is not of "
+                f"the id type that checks {pattern}"
+            )
 
 
 # -- the pages -------------------------------------------------------------------------------

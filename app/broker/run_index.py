@@ -7,8 +7,9 @@ run does not exist is skipped by the readers and cleared after ORPHAN_GRACE_MS."
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, Literal
 
 from redis.asyncio import Redis
@@ -40,9 +41,16 @@ return 0
 # An active-index entry whose run does not exist is a creation under way (the index is written
 # first) or one that never finished; after this long, it is the latter.
 ORPHAN_GRACE_MS = 10 * 60 * 1000
-# A page of GET /v1/runs reads at most this many index entries beyond the runs it returns
-# (entries of runs of the other status, of runs being created or deleted); it is then short.
+# A page of GET /v1/runs reads at most this many runs beyond those it returns (runs of the
+# other status, runs being created or deleted); it is then short.
 PAGE_SCAN_SLACK = 10_000
+# A listing of some runs only reads the index's ids this many at a time, and the states of
+# those it may show alone: the runs it may not show are never read, counted or named.
+ID_CHUNK = 1000
+
+RunStatus = Literal["open", "closed"]
+Visible = Callable[[str], bool]
+"""Whether a listing may show a run (by its id): a caller limited to some runs sees only those."""
 
 
 RUN_FIELDS = ("cfg", "ver", "st", "created", "live", "leased", "floor")
@@ -135,32 +143,47 @@ class RunIndex:
 
     async def list_runs(
         self,
-        status: Literal["open", "closed"] | None = None,
+        status: RunStatus | None = None,
         limit: int = 100,
         cursor: str | None = None,
+        visible: Visible | None = None,
     ) -> RunPage:
         """Runs newest first (by creation, then id), ``limit`` at most, after ``cursor`` (a
-        previous page's ``next_cursor``); ValueError for a malformed cursor.
+        previous page's ``next_cursor``); ValueError for a malformed cursor. With ``visible``,
+        only the runs it admits: they fill the page, and the cursor names one of them.
 
         Open runs come from the active index, which holds them all and few others, ordered
-        here; the others from the run index, newest first. A page reads at most
-        PAGE_SCAN_SLACK entries beyond its runs, and is then short, with a cursor."""
+        here; the others from the run index, newest first. A page reads the states of at most
+        PAGE_SCAN_SLACK runs beyond its own, and is then short, with a cursor."""
         after = _parse_cursor(cursor)
         if status == "open":
-            return await self._list_open(limit, after)
+            return await self._list_open(limit, after, visible)
         runs: list[RunState] = []
-        scanned, last = 0, after
-        while len(runs) < limit and scanned < limit + PAGE_SCAN_SLACK:
-            chunk = await self._index_after(last, limit - len(runs))
-            if not chunk:
-                return RunPage(runs, None)
-            scanned += len(chunk)
-            states = await self._states([rid for rid, _ in chunk])
-            for (rid, created), state in zip(chunk, states, strict=True):
-                last = (created, rid)
-                if state is not None and status in (None, state.status):
-                    runs.append(state)
+        read, last = 0, after
+        chunk_size = limit if visible is None else ID_CHUNK
+        async with contextlib.aclosing(self._entries_after(after, visible, chunk_size)) as entries:
+            while len(runs) < limit and read < limit + PAGE_SCAN_SLACK:
+                chunk = await _take(entries, limit - len(runs))
+                if not chunk:
+                    return RunPage(runs, None)
+                read += len(chunk)
+                states = await self._states([rid for rid, _ in chunk])
+                for (rid, created), state in zip(chunk, states, strict=True):
+                    last = (created, rid)
+                    if state is not None and status in (None, state.status):
+                        runs.append(state)
         return RunPage(runs, _cursor(*last) if last else None)
+
+    async def _entries_after(
+        self, after: tuple[float, str] | None, visible: Visible | None, chunk: int
+    ) -> AsyncGenerator[tuple[str, float], None]:
+        """The run index's entries after ``after`` that ``visible`` admits, newest first, read
+        ``chunk`` at a time."""
+        while rows := await self._index_after(after, chunk):
+            for rid, created in rows:
+                if visible is None or visible(rid):
+                    yield rid, created
+            after = (rows[-1][1], rows[-1][0])
 
     async def _index_after(
         self, after: tuple[float, str] | None, count: int
@@ -184,8 +207,10 @@ class RunIndex:
             got += [(text(r), float(sc)) for r, sc in older]
         return got
 
-    async def _list_open(self, limit: int, after: tuple[float, str] | None) -> RunPage:
-        ids = [rid for rid, _ in await self.active_runs()]
+    async def _list_open(
+        self, limit: int, after: tuple[float, str] | None, visible: Visible | None
+    ) -> RunPage:
+        ids = [rid for rid, _ in await self.active_runs() if visible is None or visible(rid)]
         states = [s for s in await self._states(ids) if s is not None and s.status == "open"]
         order = sorted(states, key=lambda s: (s.created_at_ms, s.run_id.encode()), reverse=True)
         if after is not None:
@@ -211,3 +236,14 @@ class RunIndex:
                 for rid, f in zip(run_ids[start : start + 1000], rows, strict=True)
             ]
         return out
+
+
+async def _take(entries: AsyncIterator[tuple[str, float]], count: int) -> list[tuple[str, float]]:
+    """The next ``count`` entries of ``entries`` (fewer at its end)."""
+    out: list[tuple[str, float]] = []
+    if count > 0:
+        async for entry in entries:
+            out.append(entry)
+            if len(out) == count:
+                break
+    return out

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import msgpack
 import orjson
@@ -31,7 +31,7 @@ from app.broker.packing import (
     unpack_rollouts,
 )
 from app.broker.replies import ErrorContext, StoreError, error_for
-from app.broker.run_index import ORPHAN_GRACE_MS
+from app.broker.run_index import ORPHAN_GRACE_MS, RunStatus, Visible
 from app.broker.schemas import (
     AckBody,
     AckResult,
@@ -155,10 +155,10 @@ class Broker:
         return run_view(await self._run(run_id))
 
     async def list_runs(
-        self, status: Literal["open", "closed"] | None, limit: int, cursor: str | None
+        self, status: RunStatus | None, limit: int, cursor: str | None, visible: Visible | None
     ) -> RunList:
         try:
-            page = await self.store.list_runs(status, limit, cursor)
+            page = await self.store.list_runs(status, limit, cursor, visible)
         except ValueError as exc:
             raise ValidationFailed(str(exc)) from None
         return RunList(runs=[run_view(s) for s in page.runs], next_cursor=page.next_cursor)

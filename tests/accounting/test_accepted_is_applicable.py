@@ -18,7 +18,14 @@ from redis.asyncio import Redis
 
 from app.broker.stats import FIGURE_CAP, LOG_FIGURE_CAP
 from app.broker.store import RedisStore
-from app.events import MAX_TEXT, text_fault
+from app.events import (
+    MAX_TEXT,
+    Accepted,
+    AcceptedItem,
+    decode_entry,
+    encode_entry,
+    text_fault,
+)
 from app.ids import (
     ITEM_ID_PATTERN,
     LEASE_ID_PATTERN,
@@ -87,6 +94,48 @@ def test_what_an_id_pattern_admits_the_ledger_can_store(pattern, data):
     pattern admits: it only stops one a wider pattern would let through."""
     value = data.draw(st.from_regex(pattern, fullmatch=True))
     assert text_fault(value) is None
+
+
+# Characters an id may not hold that the ledger held before: format characters (bidi controls,
+# zero-width ones, the soft hyphen, a tag) and C1 controls (U+009B opens an escape sequence).
+SPOOFING = ["\u202e", "\u200f", "\u2066", "\u200b", "\xad", "\u061c", "\U000e0041", "\x9b"]
+
+
+@pytest.mark.parametrize("char", SPOOFING, ids=lambda c: f"U+{ord(c):04X}")
+def test_the_ledger_still_applies_ids_the_api_no_longer_takes(char):
+    """The id rule is narrower than the ledger's: events written before it refused these
+    characters are applied as before, not dead-lettered."""
+    rid = f"a{char}b"
+    assert text_fault(rid) is None
+    item = AcceptedItem(
+        rollout_id=rid, unit_id=f"r:{rid}", policy_version=0, tokens=4, new_unit=True
+    )
+    event = decode_entry("r1", b"1-1", encode_entry("accepted", Accepted(items=(item,)), t_ms=1))
+    assert event.body == Accepted(items=(item,))
+
+
+@pytest.mark.parametrize("char", SPOOFING, ids=lambda c: f"U+{ord(c):04X}")
+async def test_an_id_that_could_pass_for_another_is_422_and_changes_nothing(
+    api, redis, prefix, make_ctx, char
+):
+    """A bidi control or a zero-width character makes an id look like another (or reorders what
+    follows it) where the command line or a log shows it; they were accepted in every id."""
+    bad = f"a{char}b"
+    await make_run(api, "r1")
+    await make_run(api, "g1", group_size=2)
+    for resp in (
+        await post(api, "r1", rollout(bad)),
+        await post(api, "g1", rollout("x", group=bad), rollout("y", group=bad)),
+        await api.post("/v1/runs/r1/prompts", json={"prompts": [{"prompt_id": bad}]}),
+        await api.post("/v1/runs/r1/work", json={"max_prompts": 1, "generator_id": bad}),
+        await lease(api, "r1", 1, trainer_id=bad),
+    ):
+        assert resp.status_code == 422, resp.text
+        assert resp.json()["error"] == "ValidationFailed"
+    for run in ("r1", "g1"):
+        acc = await _settled(api, redis, prefix, run, make_ctx())
+        assert (acc["rollouts_received"], acc["batches"]["leased"]) == (0, 0)
+    assert (await api.get("/v1/runs/r1/prompts")).json()["prompts"] == []
 
 
 # -- the reported cases, end to end -----------------------------------------------------------

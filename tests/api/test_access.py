@@ -224,6 +224,47 @@ async def test_a_token_limited_to_runs_touches_only_those(app_client):
     assert run["status"] == "open" and run["policy_version"] == 0
 
 
+@pytest.mark.parametrize("status", [None, "open", "closed"])
+async def test_a_token_limited_to_runs_lists_and_pages_through_only_those(app_client, status):
+    """Neither a page nor its cursor names a run of others: the listing was filtered after
+    paging, and each cursor named the last run of the unfiltered page, so following the
+    cursors walked every run id of the broker."""
+    admin = bearer(ADMIN)
+    mine = {"team-a-1", "team-a-2", "team-a-3"}
+    order = [f"other-{i:02d}" for i in range(20)]
+    for at, run in zip((0, 9, 19), sorted(mine), strict=True):
+        order.insert(at, run)
+    for run in order:  # created one after another: the listing is newest first
+        resp = await app_client.post("/v1/runs", json={"run_id": run}, headers=admin)
+        assert resp.status_code == 201
+        if status == "closed":
+            assert (await app_client.post(f"/v1/runs/{run}/close", headers=admin)).is_success
+    limited = bearer(await new_token(app_client, "team-a", ["operate"], ["team-a-*"]))
+    for limit in (1, 2, 3, 1000):
+        seen: list[str] = []
+        cursor = None
+        for _ in range(len(order) + 2):  # the walk ends
+            query = {"limit": limit, **({"status": status} if status else {})}
+            resp = await app_client.get(
+                "/v1/runs",
+                params={**query, **({"cursor": cursor} if cursor else {})},
+                headers=limited,
+            )
+            assert resp.status_code == 200, resp.text
+            page = resp.json()
+            got = [r["run_id"] for r in page["runs"]]
+            assert set(got) <= mine, got
+            assert len(got) == min(limit, len(mine) - len(seen))  # full pages while it has runs
+            seen += got
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+            assert cursor.partition(":")[2] in mine, cursor
+        else:
+            raise AssertionError("the cursors never ended")
+        assert seen == sorted(mine, reverse=True), (limit, seen)
+
+
 async def test_a_token_request_that_is_wrong_is_422_and_creates_nothing(app_client):
     admin = bearer(ADMIN)
     for body in (

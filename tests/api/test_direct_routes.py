@@ -153,6 +153,11 @@ def _ingest_requests(run: str) -> list[Request]:
         ("POST", "/v1/runs/no-such-run/rollouts", _json(rollout("n1")), JSON),
         ("POST", "/v1/runs/a%20b/rollouts", _json(rollout("n2")), JSON),
         ("POST", "/v1/runs/.x/rollouts", _json(rollout("n3")), JSON),
+        # Ids no run can have: refused by the run id's rule on both ways, before any store.
+        ("POST", "/v1/runs/a%00b/rollouts", _json(rollout("n4")), JSON),
+        ("POST", "/v1/runs/a%E2%80%AEb/rollouts", _json(rollout("n5")), JSON),
+        ("POST", "/v1/runs/a%ED%A0%80b/rollouts", _json(rollout("n6")), JSON),
+        ("POST", f"/v1/runs/{'a' * 129}/rollouts", _json(rollout("n7")), JSON),
     ]
 
 

@@ -5,7 +5,11 @@ with the one error body, the bounds this app's settings enforce, the access tabl
 from __future__ import annotations
 
 import contextlib
+import json
 import re
+import shutil
+import subprocess
+import unicodedata
 from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any
 from urllib.parse import urljoin, urlsplit
@@ -315,20 +319,27 @@ ECMA_SPACE = set("\t\n\v\f\r \xa0\u1680\u2028\u2029\u202f\u205f\u3000\ufeff") | 
 }
 
 
+def _refused_in_an_id(c: str) -> bool:
+    """No whitespace to any reader, no control or format character (Unicode Cc, Cf: bidi
+    controls, zero-width characters, the soft hyphen, tags), no brace."""
+    return c.isspace() or c in ECMA_SPACE or unicodedata.category(c) in ("Cc", "Cf") or c in "{}"
+
+
 @pytest.mark.parametrize("pattern", [ITEM_ID_PATTERN, PROMPT_ID_PATTERN])
 def test_an_id_pattern_admits_the_same_characters_for_every_reader(pattern: str) -> None:
     """The published pattern, read by ECMA-262 (OpenAPI clients), Python's re and pydantic's
     Rust regex, admits exactly the characters that are no whitespace to any of them, no control
-    character and no brace. An id one reader admits and another refuses was a schema-valid
-    request answered 422 (U+0085 in a trainer id)."""
+    or format character and no brace. An id one reader admits and another refuses was a
+    schema-valid request answered 422 (U+0085 in a trainer id); bidi controls and zero-width
+    characters were admitted, and made an id look like another where it is shown."""
     # Shorthand classes mean different things to different engines; explicit ones do not.
-    assert not re.search(r"\\[sSwWdDbB]", pattern), pattern
+    assert not re.search(r"\\[sSwWdDbBpP]", pattern), pattern
     server = TypeAdapter(Annotated[str, StringConstraints(pattern=pattern)])
-    for code in range(0x10000):
+    for code in range(0x110000):
         if 0xD800 <= code < 0xE000:
             continue  # surrogates: no UTF-8 form, refused on the way in
         c = chr(code)
-        expected = not (c.isspace() or c in ECMA_SPACE or code < 0x20 or code == 0x7F or c in "{}")
+        expected = not _refused_in_an_id(c)
         assert (re.fullmatch(pattern, f"a{c}b") is not None) == expected, hex(code)
         try:
             server.validate_python(f"a{c}b")
@@ -336,6 +347,44 @@ def test_an_id_pattern_admits_the_same_characters_for_every_reader(pattern: str)
             assert not expected, hex(code)
         else:
             assert expected, hex(code)
+
+
+_ECMA_CHECK = """
+const [pattern, flags] = JSON.parse(require("fs").readFileSync(0, "utf8"));
+const re = new RegExp(pattern, flags);
+const refused = [];
+for (let c = 0; c < 0x110000; c++) {
+  if ((c < 0xd800 || c >= 0xe000) && !re.test("a" + String.fromCodePoint(c) + "b")) refused.push(c);
+}
+console.log(JSON.stringify(refused));
+"""
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="no ECMA-262 engine (node) here")
+@pytest.mark.parametrize("pattern", [ITEM_ID_PATTERN, PROMPT_ID_PATTERN])
+def test_an_ecma_262_engine_reads_an_id_pattern_as_the_server_does(pattern: str) -> None:
+    """In Unicode mode (as JSON Schema reads patterns) it refuses exactly what the server
+    refuses; without it (a reader of older habits) the pattern compiles, and refuses the same
+    characters up to U+FFFF (beyond, it reads UTF-16 units and refuses more)."""
+    expected = {
+        code
+        for code in range(0x110000)
+        if not 0xD800 <= code < 0xE000 and _refused_in_an_id(chr(code))
+    }
+    for flags in ("u", ""):
+        out = subprocess.run(
+            ["node", "-e", _ECMA_CHECK],
+            input=json.dumps([pattern, flags]),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        refused = set(json.loads(out.stdout))
+        if flags:
+            assert refused == expected
+        else:
+            assert {c for c in refused if c < 0x10000} == {c for c in expected if c < 0x10000}
+            assert refused >= expected
 
 
 # -- 405 -----------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime, timedelta
+from typing import Literal
 
 import pytest
 
@@ -172,6 +173,42 @@ async def test_runs_created_in_the_same_millisecond_page_exactly_once(api, monke
         )
 
 
+async def test_a_page_short_at_its_bound_names_only_runs_it_may_show(api, store, monkeypatch):
+    """A page reads the states of PAGE_SCAN_SLACK runs beyond its own at most; with a view of
+    some runs, those it may not show are neither read nor counted, and its cursor is always one
+    of those it may show."""
+    monkeypatch.setattr("app.broker.run_index.PAGE_SCAN_SLACK", 2)
+    order = [f"{'mine' if i % 3 == 0 else 'other'}-{i:02d}" for i in range(18)]
+    for rid in order:
+        await make_run(api, rid)
+    for rid in order[-6:]:
+        assert (await api.post(f"/v1/runs/{rid}/close")).status_code == 200
+    visible = lambda rid: rid.startswith("mine-")  # noqa: E731
+    everything = [r for r in reversed(order) if visible(r)]
+
+    async def walk(status: Literal["open", "closed"] | None) -> list[str]:
+        seen, cursor = [], None
+        while True:
+            page = await store.list_runs(status, 1, cursor, visible)
+            seen += [s.run_id for s in page.runs]
+            cursor = page.next_cursor
+            if cursor is None:
+                return seen
+            assert visible(cursor.partition(":")[2]), cursor
+
+    assert await walk("open") == everything[2:]  # the closed ones are the newest
+    assert await walk(None) == everything
+    # Closed: its two runs are the newest of the caller's; after them, one page reads the
+    # states of 1 + 2 open runs of its own, finds none closed, and stops short at the third.
+    first = await store.list_runs("closed", 1, None, visible)
+    assert [s.run_id for s in first.runs] == everything[:1]
+    second = await store.list_runs("closed", 1, first.next_cursor, visible)
+    assert [s.run_id for s in second.runs] == everything[1:2]
+    short = await store.list_runs("closed", 1, second.next_cursor, visible)
+    assert short.runs == [] and short.next_cursor is not None
+    assert short.next_cursor.partition(":")[2] == everything[4]
+
+
 @pytest.mark.parametrize(
     "query",
     [
@@ -206,8 +243,8 @@ async def test_get_run_and_unknown_run_404(api):
         ("POST", "/v1/runs/nope/policy", {"version": 1}),
         ("POST", "/v1/runs/nope/rollouts", {"rollouts": [rollout("a")]}),
         ("GET", "/v1/runs/nope/batch?size=1", None),
-        ("POST", "/v1/runs/nope/batches/abc/ack", {}),
-        ("POST", "/v1/runs/nope/batches/abc/nack", None),
+        ("POST", "/v1/runs/nope/batches/abcdefgh/ack", {}),
+        ("POST", "/v1/runs/nope/batches/abcdefgh/nack", None),
     ],
 )
 async def test_every_run_endpoint_answers_404_for_an_unknown_run(api, method, path, body):

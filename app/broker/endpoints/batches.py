@@ -21,7 +21,7 @@ from app.broker.endpoints.deps import broker_of
 from app.broker.endpoints.openapi import BatchOutMsgpack
 from app.broker.schemas import AckBody, AckMsgpack, AckResult, BatchOut, NackResult
 from app.broker.service import LeasedBatch
-from app.ids import MAX_VERSION, ItemId, LeaseId
+from app.ids import MAX_VERSION, ItemId, LeaseId, RunId
 
 router = APIRouter(prefix="/v1/runs", tags=["batches"])
 
@@ -47,7 +47,7 @@ router = APIRouter(prefix="/v1/runs", tags=["batches"])
     },
 )
 async def lease_batch(
-    run_id: str,
+    run_id: RunId,
     request: Request,
     # At most BROKER_MAX_BATCH_SIZE (the broker refuses more; the description says this
     # app's value).
@@ -140,7 +140,7 @@ def batch_body(batch: LeasedBatch, as_msgpack: bool) -> dict[str, Any]:
         AckBody, required=False, description=RAW_ARRAYS.format("each rollout's logprobs")
     ),
 )
-async def ack_batch(run_id: str, batch_id: str, request: Request) -> Response:
+async def ack_batch(run_id: RunId, batch_id: LeaseId, request: Request) -> Response:
     broker = broker_of(request)
     rule = broker.check_ack_count
     ack = await read_model(request, AckBody, AckMsgpack, counts={"logprobs": rule, "kl": rule})
@@ -152,5 +152,5 @@ async def ack_batch(run_id: str, batch_id: str, request: Request) -> Response:
     response_model=NackResult,
     responses=errors(404, (409, "The batch was acked, or its lease expired")),
 )
-async def nack_batch(run_id: str, batch_id: str, request: Request) -> Response:
+async def nack_batch(run_id: RunId, batch_id: LeaseId, request: Request) -> Response:
     return render(await broker_of(request).nack(run_id, batch_id))

@@ -103,7 +103,7 @@ OPENAPI: Final = OpenAPIPart(
     query_keywords=query_keywords,
     # A config patch's field is absent or a value, null only where RunConfig allows it.
     never_null={RunConfigPatch: frozenset(RunConfigPatch.model_fields) - NULLABLE_CONFIG},
-    # An id of another shape names nothing (404): the description says which ids can exist
+    # The endpoints take these ids by their types (app/ids.py): one of another shape is 422
     # (ids chosen by the broker match too: uuid4().hex).
     path_ids={"run_id": RUN_ID_PATTERN, "batch_id": LEASE_ID_PATTERN, "lease_id": LEASE_ID_PATTERN},
 )

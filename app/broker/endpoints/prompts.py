@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from app.api import (
@@ -25,7 +23,7 @@ from app.broker.schemas import (
     WorkBody,
     WorkOut,
 )
-from app.ids import LEASE_ID_PATTERN, RUN_ID_PATTERN
+from app.ids import LeaseId, RunId
 
 router = APIRouter(prefix="/v1/runs", tags=["prompts"])
 
@@ -48,7 +46,7 @@ _QUOTED_PROMPT_ID = 200 * 12 + 3
     ),
     openapi_extra=request_body(PromptsBody),
 )
-async def register_prompts(run_id: str, request: Request) -> Response:
+async def register_prompts(run_id: RunId, request: Request) -> Response:
     broker = broker_of(request)
     body = await read_model(request, PromptsBody, counts={"prompts": broker.check_prompt_count})
     return render(await broker.register_prompts(run_id, body), status_code=202)
@@ -64,7 +62,7 @@ async def register_prompts(run_id: str, request: Request) -> Response:
     },
     openapi_extra=request_body(WorkBody),
 )
-async def take_work(run_id: str, request: Request) -> Response:
+async def take_work(run_id: RunId, request: Request) -> Response:
     body = await read_model(request, WorkBody, limit=SMALL_BODY_BYTES)
     lease = await broker_of(request).work(run_id, body)
     if lease is None:
@@ -81,14 +79,9 @@ async def take_work(run_id: str, request: Request) -> Response:
     ),
     openapi_extra=request_body(ReturnBody, required=False),
 )
-async def return_work(
-    # The broker answers an empty prompt_ids without a look at the run or the lease: their
-    # ids are checked here, so that one of another shape is 422 as the description says, and
-    # a run that does not exist is 404 whatever the body.
-    run_id: Annotated[str, Path(pattern=RUN_ID_PATTERN)],
-    lease_id: Annotated[str, Path(pattern=LEASE_ID_PATTERN)],
-    request: Request,
-) -> Response:
+async def return_work(run_id: RunId, lease_id: LeaseId, request: Request) -> Response:
+    # The broker answers an empty prompt_ids without a look at the run or the lease: a run
+    # that does not exist is 404 whatever the body.
     broker = broker_of(request)
     # A work lease holds at most BROKER_MAX_PROMPTS_PER_LEASE prompts: their ids, quoted.
     limit = broker.prompt_limits.per_lease * _QUOTED_PROMPT_ID + SMALL_BODY_BYTES

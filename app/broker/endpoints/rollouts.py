@@ -18,6 +18,7 @@ from app.api import (
 )
 from app.broker.endpoints.deps import broker_of
 from app.broker.schemas import IngestJSON, IngestMsgpack, IngestResult, RolloutJSON, RolloutMsgpack
+from app.ids import RunId
 
 router = APIRouter(prefix="/v1/runs", tags=["rollouts"])
 
@@ -40,7 +41,7 @@ router = APIRouter(prefix="/v1/runs", tags=["rollouts"])
         IngestJSON, description=RAW_ARRAYS.format("response_ids, prompt_ids and logprobs")
     ),
 )
-async def post_rollouts(run_id: str, request: Request) -> Response:
+async def post_rollouts(run_id: RunId, request: Request) -> Response:
     body = await read_body(request, settings_of(request).max_body_bytes)
     broker = broker_of(request)
     # A big body is validated and packed in a worker thread, one rollout at a time: the event

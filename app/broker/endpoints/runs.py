@@ -21,7 +21,7 @@ from app.broker.endpoints.deps import broker_of
 from app.broker.schemas import CreateRun, PolicyResult, PolicyUpdate, Run, RunList
 from app.caller import check_run
 from app.errors import Forbidden, ValidationFailed
-from app.ids import RUN_ID_PATTERN
+from app.ids import RUN_ID_PATTERN, RunId
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 
@@ -66,17 +66,15 @@ async def list_runs(
         Query(pattern=RUN_CURSOR_PATTERN, description="A previous page's next_cursor"),
     ] = None,
 ) -> Response:
-    """Runs newest first, a page at a time. A token limited to some runs sees only those (its
-    pages may hold fewer than ``limit``; follow ``next_cursor`` to the end)."""
-    page = await broker_of(request).list_runs(status, limit, cursor)
+    """Runs newest first, a page at a time (follow ``next_cursor`` to the end). A token limited
+    to some runs sees only those: its pages and cursors name no other run."""
     caller = caller_of(request)
-    if not caller.every_run:
-        page.runs = [r for r in page.runs if caller.may_touch(r.run_id)]
-    return render(page)
+    visible = None if caller.every_run else caller.may_touch
+    return render(await broker_of(request).list_runs(status, limit, cursor, visible))
 
 
 @router.get("/{run_id}", response_model=Run)
-async def get_run(run_id: str, request: Request) -> Response:
+async def get_run(run_id: RunId, request: Request) -> Response:
     return render(await broker_of(request).get_run(run_id))
 
 
@@ -85,7 +83,7 @@ async def get_run(run_id: str, request: Request) -> Response:
     response_model=Run,
     openapi_extra=request_body(RunConfigPatch, required=False),
 )
-async def patch_config(run_id: str, request: Request) -> Response:
+async def patch_config(run_id: RunId, request: Request) -> Response:
     patch = await read_model(request, RunConfigPatch, limit=SMALL_BODY_BYTES)
     # null stands for "no value" only where RunConfig has one (step_groups: no staleness
     # budget); any other null was refused only once merged, with pydantic's raw error text.
@@ -108,7 +106,7 @@ async def patch_config(run_id: str, request: Request) -> Response:
         (409, "The run is open, or its live state or accounting has not settled (Retry-After)")
     ),
 )
-async def delete_run(run_id: str, request: Request) -> Response:
+async def delete_run(run_id: RunId, request: Request) -> Response:
     """Delete a closed run's live state once its accounting has caught up."""
     await broker_of(request).delete_run(run_id)
     await record_action(request, "run.delete", run_id, {})
@@ -116,7 +114,7 @@ async def delete_run(run_id: str, request: Request) -> Response:
 
 
 @router.post("/{run_id}/close", response_model=Run)
-async def close_run(run_id: str, request: Request) -> Response:
+async def close_run(run_id: RunId, request: Request) -> Response:
     run = await broker_of(request).close_run(run_id)
     await record_action(request, "run.close", run_id, {})
     return render(run)
@@ -128,7 +126,7 @@ async def close_run(run_id: str, request: Request) -> Response:
     responses=errors((409, "The version is below the run's current version")),
     openapi_extra=request_body(PolicyUpdate),
 )
-async def set_policy(run_id: str, request: Request) -> Response:
+async def set_policy(run_id: RunId, request: Request) -> Response:
     update = await read_model(request, PolicyUpdate, limit=SMALL_BODY_BYTES)
     result = await broker_of(request).set_policy(run_id, update.version)
     await record_action(request, "run.policy", run_id, {"version": update.version})
