@@ -134,12 +134,12 @@ HOSTILE: dict[str, Callable[[], tuple[bytes, str, str]]] = {
         JSON_TYPE,
         "JSON registration of 1,000,000 valid prompts (25 MB)",
     ),
-    # Not hostile: the largest registration a generator may send (4,096 prompts of 2,560
-    # tokens, 60 MiB), accepted, for what a valid body near the limit costs.
+    # Not hostile: the largest registration a generator may send (4,096 prompts of 2,048
+    # tokens, 56 MiB), accepted, for what a valid body near the limit costs.
     "prompts_valid_max": lambda: (
-        _prompts(4096, 2560),
+        _prompts(4096, 2048),
         JSON_TYPE,
-        "JSON registration of 4,096 valid prompts of 2,560 tokens (60 MiB)",
+        "JSON registration of 4,096 valid prompts of 2,048 tokens (56 MiB)",
     ),
     "rollouts_json_objects": lambda: (
         _json_list("rollouts", b'{"rollout_id":"x"}', 5 * MIB),
