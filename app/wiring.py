@@ -12,7 +12,8 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.broker.notify import Waker
-from app.broker.service import Broker, PromptLimits
+from app.broker.prompt_limits import PromptLimits
+from app.broker.service import Broker
 from app.broker.store import RedisStore
 from app.db import create_engine
 from app.settings import Settings

@@ -3,16 +3,16 @@ msgpack).
 
 A big body is parsed in a worker thread (:func:`sized_call`), so the event loop keeps serving
 other requests meanwhile, and it is never held as Python objects all at once: a document of one
-list field (``{"rollouts": [...]}``) of :data:`STREAM_BYTES` or more is validated and packed one
-item at a time (:func:`pack_items`), with exactly the answers the whole-document parse gives.
+big list (``{"rollouts": [...]}``, ``{"prompts": [...], "epochs": 2}``) of :data:`STREAM_BYTES`
+or more is validated and packed one item at a time (:func:`pack_items`), with exactly the
+answers the whole-document parse gives.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import msgpack
@@ -24,7 +24,8 @@ from pydantic import BaseModel, ValidationError
 from rollout_broker_client.protocol import MSGPACK, MSGPACK_TYPES
 
 from app import allocator
-from app.api._outline import WIDEST, Counts, check_counts, msgpack_limits, unpack, widest_list
+from app.api._listing import Invalid, Listing, Whole, listing
+from app.api._outline import WIDEST, Counts, check_counts, unpack, widest_list
 from app.errors import BrokerError, PayloadTooLarge, UnsupportedMediaType, ValidationFailed
 
 if TYPE_CHECKING:
@@ -34,6 +35,8 @@ log = logging.getLogger("rollout_broker")
 
 M = TypeVar("M", bound=BaseModel)
 J = TypeVar("J", bound=BaseModel)
+I = TypeVar("I", bound=BaseModel)  # noqa: E741
+W = TypeVar("W", bound=BaseModel)
 T = TypeVar("T")
 P = ParamSpec("P")
 
@@ -188,6 +191,12 @@ def parse_body(
     """Validate a body with the model of its format, after :func:`check_counts`; malformed
     input is one 422."""
     check_counts(body, _format(content_type), counts, widest)
+    return _validate(body, content_type, json_model, msgpack_model, widest)
+
+
+def _validate(
+    body: Body, content_type: str | None, json_model: type[J], msgpack_model: type[M], widest: int
+) -> J | M:
     kind = _kind(content_type)
     try:
         if kind in MSGPACK_TYPES:
@@ -230,228 +239,84 @@ async def read_model(
     )
 
 
-class _Malformed(Exception):
-    """An item is not well-formed JSON or msgpack: the whole-document parse names the error."""
-
-
-class _Invalid:
-    """The validation errors of one item, located in the whole document."""
-
-    __slots__ = ("errors",)
-
-    def __init__(self, exc: ValidationError, field: str, index: int) -> None:
-        errors = exc.errors(include_input=False)
-        if any(e["type"] == "json_invalid" for e in errors):
-            raise _Malformed
-        self.errors = [{**e, "loc": (field, index, *e["loc"])} for e in errors]
-
-
 def pack_items(
     body: Body,
     content_type: str | None,
     field: str,
-    items: tuple[type[J], type[M]],
-    whole: tuple[type[BaseModel], type[BaseModel]],
-    pack: Callable[[Sequence[Any]], list[T]],
+    items: tuple[type[I], type[I]],
+    whole: tuple[type[W], type[W]],
+    pack: Callable[[W, Sequence[I], int], list[T]],
     check_count: Callable[[int], None],
     widest: int = WIDEST,
-) -> list[T]:
-    """``pack(parse_body(body, content_type, *whole).<field>)``, with the same answer and the
-    same errors, holding the Python objects of one item at a time. ``check_count`` is the rule
-    ``pack`` applies to the number of items, which this checks before any item is parsed.
+) -> tuple[W, list[T]]:
+    """The document ``parse_body(body, content_type, *whole)`` with its list ``field`` emptied,
+    and ``pack(document, list, len(list))``, with the same answers and the same errors, holding
+    the Python objects of one item at a time. ``check_count`` is the rule on the number of
+    items, checked before any item is parsed.
 
-    ``items`` are the models of one item of the list ``field`` (JSON, msgpack), ``whole`` those
-    of the document. A body below :data:`STREAM_BYTES`, or one that is not exactly
-    ``{"<field>": [...]}``, takes the whole-document parse. Otherwise the items are validated
-    and packed one by one, and the order of the whole parse's answers is kept: the rules on
-    the counts first (:func:`check_counts`), then the errors of the first invalid item (the
-    parse stops there), then the first item ``pack`` refuses. A body found malformed on the
-    way goes to the whole parse, which names the error as it always has.
+    ``items`` are the models of one item of the list (JSON, msgpack), ``whole`` those of the
+    document. A body below :data:`STREAM_BYTES`, or one that is not an object holding the list
+    ``field`` beside other fields (app/api/_listing.py), takes the whole-document parse.
+    Otherwise the other fields are validated first, then the items one by one, each packed
+    alone (``pack(document, [item], count)``), and the order of the whole parse's answers is
+    kept: the rules on the counts first (:func:`check_counts`), then the validation errors (of
+    the first invalid item, where the parse stops, and of the other fields), then the first
+    refusal of ``pack``. A body found malformed on the way goes to the whole parse, which
+    names the error as it always has.
     """
-    counts: Counts = {field: check_count}
-    listing = (
-        _listing(body, content_type, field, items, widest) if len(body) >= STREAM_BYTES else None
-    )
-    if listing is None:
-        return pack(getattr(parse_body(body, content_type, *whole, counts, widest), field))
-    check_counts(body, _format(content_type), counts, widest)
-    count, validated = listing
-    check_count(count)
+    fmt = _format(content_type)
+    check_counts(body, fmt, {field: check_count}, widest)
+    listed = listing(body, fmt, field, items, whole, widest) if len(body) >= STREAM_BYTES else None
+    if listed is not None:
+        check_count(listed.count)
+        try:
+            return _pack_listed(listed, field, pack)
+        except Whole:
+            pass
+    doc = _validate(body, content_type, *whole, widest)
+    held: list[I] = getattr(doc, field)
+    setattr(doc, field, [])
+    return doc, pack(doc, held, len(held))
+
+
+def _pack_listed(
+    listed: Listing[I, W], field: str, pack: Callable[[W, Sequence[I], int], list[T]]
+) -> tuple[W, list[T]]:
+    try:
+        doc, others = listed.rest([]), []
+    except ValidationError as exc:
+        doc, others = None, exc.errors(include_input=False)
+        if any(e["type"] == "json_invalid" or e["loc"][:1] == (field,) for e in others):
+            raise Whole from None
     out: list[T] = []
     refused: BrokerError | None = None
-    try:
-        for item in validated:
-            if isinstance(item, _Invalid):
-                raise ValidationFailed(describe_errors(item.errors))
-            if refused is None:
-                try:
-                    out.extend(pack([item]))
-                except BrokerError as exc:
-                    refused = exc  # unless a later item is invalid, which the parse says first
-                    out.clear()
-    except _Malformed:
-        return pack(getattr(parse_body(body, content_type, *whole, counts, widest), field))
+    for item in listed.items:
+        if isinstance(item, Invalid):
+            errors = _placed(item.errors, listed, field) if others else item.errors
+            raise ValidationFailed(describe_errors(errors))
+        if doc is not None and refused is None:
+            try:
+                out.extend(pack(doc, [item], listed.count))
+            except BrokerError as exc:
+                refused = exc  # unless an item is invalid, which the parse says first
+                out.clear()
+    if doc is None:
+        raise ValidationFailed(describe_errors(others))
     if refused is not None:
         raise refused
-    return out
+    return doc, out
 
 
-def _listing(
-    body: Body, content_type: str | None, field: str, items: tuple[type[J], type[M]], widest: int
-) -> tuple[int, Iterator[J | M | _Invalid]] | None:
-    """The number of items and an iterator validating them one by one, or None when the body is
-    not exactly ``{"<field>": [...]}`` in a format this reads."""
-    kind = _kind(content_type)
-    if kind in MSGPACK_TYPES:
-        found = _msgpack_listing(body, field, widest)
-        if found is None:
-            return None
-        count, unpacker = found
-        return count, _msgpack_items(unpacker, count, len(body), field, items[1])
-    if _is_json(kind):
-        spans = _json_spans(body, field)
-        if spans is None:
-            return None
-        return len(spans), _json_items(body, spans, field, items[0])
-    return None
-
-
-# JSON: where each item of the list lies, found from the positions of the characters that
-# shape a document (quotes, backslashes, brackets, braces): numpy finds them a window at a
-# time, and Python walks those few (some tens an item) rather than every byte. Each item is
-# then parsed by pydantic exactly as within the whole document.
-_JSON_HEAD = re.compile(rb'[ \t\n\r]*\{[ \t\n\r]*"([A-Za-z_]+)"[ \t\n\r]*:[ \t\n\r]*\[')
-_JSON_BLANK = re.compile(rb"[ \t\n\r]*")
-_JSON_COMMA = re.compile(rb"[ \t\n\r]*,[ \t\n\r]*")
-_JSON_TAIL = re.compile(rb"[ \t\n\r]*\}[ \t\n\r]*")
-_QUOTE, _BACKSLASH, _OPEN_ITEM, _CLOSE_LIST = (ord(c) for c in '"\\{]')
-_WINDOW = 1 << 20
-# Shaping characters per MiB of body beyond which walking them would cost more than it saves
-# (metadata of many small strings or lists): such a body takes the whole-document parse.
-_MAX_SHAPING = 1 << 16
-
-
-def _shaping(body: Body, start: int) -> list[int] | None:
-    """The positions of every quote, backslash, bracket and brace from ``start`` on, or None
-    when there are too many to walk."""
-    found: list[int] = []
-    limit = _MAX_SHAPING * (1 + len(body) // _WINDOW)
-    for at in range(start, len(body), _WINDOW):
-        a = np.frombuffer(body, np.uint8, min(_WINDOW, len(body) - at), at)
-        folded = a | 0x20  # '[' and '{', ']' and '}' differ only in that bit
-        hits = np.flatnonzero((folded == 0x7B) | (folded == 0x7D) | (a == 0x22) | (a == 0x5C))
-        if len(found) + hits.size > limit:
-            return None
-        found.extend((hits + at).tolist())
-    return found
-
-
-def _json_spans(body: Body, field: str) -> list[tuple[int, int]] | None:
-    """The (start, end) of each item of the document's list ``field``; None unless the body is
-    ``{"<field>": [...]}`` whose items are objects, with its strings terminated and its
-    brackets balanced: any other body takes the whole-document parse."""
-    head = _JSON_HEAD.match(body)
-    if head is None or head[1] != field.encode():
-        return None
-    shaping = _shaping(body, head.end())
-    if shaping is None:
-        return None
-    spans: list[tuple[int, int]] = []
-    last = head.end()  # where the text between items starts
-    depth = 0
-    in_string = False
-    escaped = -1  # the position a backslash escapes
-    for at in shaping:
-        c = body[at]
-        if in_string:
-            if at == escaped:
-                continue
-            if c == _BACKSLASH:
-                escaped = at + 1
-            elif c == _QUOTE:
-                in_string = False
-            continue
-        if c == _QUOTE:
-            in_string = True
-        elif c == _BACKSLASH:  # outside a string: not JSON
-            return None
-        elif c in b"{[":
-            if depth == 0:  # an item starts: after '[' or a comma, and it is an object
-                between = _JSON_COMMA if spans else _JSON_BLANK
-                if c != _OPEN_ITEM or not between.fullmatch(body, last, at):
-                    return None
-                start = at
-            depth += 1
-        elif depth:
-            depth -= 1
-            if depth == 0:
-                spans.append((start, at + 1))
-                last = at + 1
-        else:  # the list closes
-            if c != _CLOSE_LIST or not _JSON_BLANK.fullmatch(body, last, at):
-                return None
-            return spans if _JSON_TAIL.fullmatch(body, at + 1) else None
-    return None  # the list never closes
-
-
-def _json_items(
-    body: Body, spans: list[tuple[int, int]], field: str, model: type[J]
-) -> Iterator[J | _Invalid]:
-    for i, (start, end) in enumerate(spans):
-        try:
-            yield model.model_validate_json(body[start:end])
-        except ValidationError as exc:
-            yield _Invalid(exc, field, i)
-
-
-# msgpack: a streaming unpacker reads the document's map and list headers, then one item at a
-# time, through a reader that copies one slice of the body at a time.
-_READ_SIZE = 1 << 20
-
-
-class _Reader:
-    def __init__(self, data: Body) -> None:
-        self._view = memoryview(data)
-        self._pos = 0
-
-    def read(self, n: int) -> bytes:
-        chunk = self._view[self._pos : self._pos + n].tobytes()
-        self._pos += len(chunk)
-        return chunk
-
-
-def _msgpack_listing(body: Body, field: str, widest: int) -> tuple[int, msgpack.Unpacker] | None:
-    unpacker = msgpack.Unpacker(
-        _Reader(body),
-        **msgpack_limits(len(body), widest),
-        read_size=_READ_SIZE,
-        max_buffer_size=max(len(body), 2 * _READ_SIZE),
-    )
+def _placed(item_errors: list[Any], listed: Listing[I, W], field: str) -> list[Any]:
+    """An invalid item's errors among those of the document's other fields, where the whole
+    parse puts them: where it puts those of a list of one invalid item (``null``)."""
     try:
-        if unpacker.read_map_header() != 1 or unpacker.unpack() != field:
-            return None
-        count: int = unpacker.read_array_header()
-    except Exception:  # not a map of one list: the whole parse says what it is
-        return None
-    return count, unpacker
-
-
-def _msgpack_items(
-    unpacker: msgpack.Unpacker, count: int, size: int, field: str, model: type[M]
-) -> Iterator[M | _Invalid]:
-    for i in range(count):
-        try:
-            doc = unpacker.unpack()
-        except BrokerError:
-            raise
-        except Exception:
-            raise _Malformed from None
-        try:
-            yield model.model_validate(doc)
-        except ValidationError as exc:
-            yield _Invalid(exc, field, i)
-    if unpacker.tell() != size:  # bytes after the document
-        raise _Malformed
+        listed.rest([None])
+        return item_errors  # unreachable: null is no item
+    except ValidationError as exc:
+        errors = exc.errors(include_input=False)
+    at = next(i for i, e in enumerate(errors) if e["loc"][:1] == (field,))
+    return [*errors[:at], *item_errors, *(e for e in errors[at:] if e["loc"][:1] != (field,))]
 
 
 # -- responses -----------------------------------------------------------------------------------

@@ -14,8 +14,6 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import msgpack
-import orjson
 from rollout_broker_client.protocol import new_run_id
 
 from app import keys
@@ -27,9 +25,9 @@ from app.broker.packing import (
     PackedRollout,
     StoredRollout,
     pack_rollouts,
-    token_ids,
     unpack_rollouts,
 )
+from app.broker.prompt_limits import PromptLimits
 from app.broker.replies import ErrorContext, StoreError, error_for
 from app.broker.run_index import ORPHAN_GRACE_MS, RunStatus, Visible
 from app.broker.schemas import (
@@ -38,8 +36,6 @@ from app.broker.schemas import (
     IngestResult,
     NackResult,
     PolicyResult,
-    PromptJSON,
-    PromptsBody,
     PromptsResult,
     Rejection,
     ReturnResult,
@@ -83,16 +79,6 @@ class Try:
     last: bool
     wait_ms: int
     waited_ms: int
-
-
-@dataclass(frozen=True, slots=True)
-class PromptLimits:
-    """Bounds of registered prompts and work leases (the BROKER_MAX_PROMPT* settings)."""
-
-    per_request: int = 4096  # prompt passes (prompts × epochs) in one registration
-    tokens: int = 262_144
-    data_bytes: int = 65_536
-    per_lease: int = 1024
 
 
 class Broker:
@@ -395,44 +381,12 @@ class Broker:
         return NackResult(returned=n)
 
     # -- prompts and work leases ----------------------------------------------------------
-    def pack_prompt(self, prompt: PromptJSON) -> bytes:
-        """The stored form of a prompt, within the bounds of ``prompt_limits``."""
-        lim, pid = self.prompt_limits, prompt.prompt_id
-        ids = prompt.prompt_ids
-        if ids is not None:
-            if len(ids) > lim.tokens:
-                raise ValidationFailed(
-                    f"prompt {pid!r}: {len(ids)} prompt_ids, at most {lim.tokens}"
-                )
-            token_ids(ids, f"prompt {pid!r}: prompt_ids")
-        if prompt.data is not None:
-            size = len(orjson.dumps(prompt.data))
-            if size > lim.data_bytes:
-                raise ValidationFailed(
-                    f"prompt {pid!r}: data is {size} bytes as JSON, at most {lim.data_bytes}"
-                )
-        packed: bytes = msgpack.packb({"i": ids, "d": prompt.data})
-        return packed
-
-    def check_prompt_count(self, n: int) -> None:
-        """The most prompts one registration may carry (each makes one pass at least)."""
-        if n > self.prompt_limits.per_request:
-            raise ValidationFailed(
-                f"{n} prompts in one request, at most {self.prompt_limits.per_request} prompt "
-                "passes"
-            )
-
-    async def register_prompts(self, run_id: str, body: PromptsBody) -> PromptsResult:
-        # One script call writes every pass: bound the passes, not only the prompts.
-        passes = len(body.prompts) * body.epochs
-        if passes > self.prompt_limits.per_request:
-            raise ValidationFailed(
-                f"{len(body.prompts)} prompts × {body.epochs} epochs = {passes} prompt passes "
-                f"in one request, at most {self.prompt_limits.per_request}"
-            )
-        packed = [(p.prompt_id, self.pack_prompt(p)) for p in body.prompts]
+    async def register_prompts(
+        self, run_id: str, packed: list[tuple[str, bytes]], epochs: int
+    ) -> PromptsResult:
+        """Register prompts ``prompt_limits.pack`` has packed, each for ``epochs`` passes."""
         with self._refusals(run_id):
-            accepted, duplicates = await self.store.register_prompts(run_id, packed, body.epochs)
+            accepted, duplicates = await self.store.register_prompts(run_id, packed, epochs)
         return PromptsResult(accepted=accepted, duplicates=duplicates)
 
     async def work(self, run_id: str, body: WorkBody) -> WorkOut | None:

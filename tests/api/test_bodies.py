@@ -28,10 +28,19 @@ from fastapi import FastAPI
 from redis.asyncio import Redis
 
 from app.api import _codec as codec
+from app.api import _listing as listing
 from app.api._codec import pack_items, parse_body
 from app.broker import service
 from app.broker.packing import PackedRollout
-from app.broker.schemas import IngestJSON, IngestMsgpack, RolloutJSON, RolloutMsgpack
+from app.broker.prompt_limits import PromptLimits
+from app.broker.schemas import (
+    IngestJSON,
+    IngestMsgpack,
+    PromptJSON,
+    PromptsBody,
+    RolloutJSON,
+    RolloutMsgpack,
+)
 from app.errors import BrokerError
 from app.main import create_app
 from app.settings import Settings
@@ -113,12 +122,23 @@ CASES: list[tuple[str, str, bytes, bool]] = [
     ("unterminated string", J, HEAD + b'{"rollout_id": "a]}', False),
     ("garbage after", J, VALID + b" x", False),
     ("closed by a brace", J, VALID[:-2] + b"}}", False),
-    ("another key", J, _json({"rollouts": GOOD, "x": 1}), False),
-    ("key first elsewhere", J, _json({"x": 1, "rollouts": GOOD}), False),
-    ("escaped key", J, VALID.replace(b'"rollouts"', b'"rollout\\u0073"'), False),
+    ("another key", J, _json({"rollouts": GOOD, "x": 1}), True),
+    ("key first elsewhere", J, _json({"x": 1, "rollouts": GOOD}), True),
+    ("escaped key", J, VALID.replace(b'"rollouts"', b'"rollout\\u0073"'), True),
     ("not a list", J, _json({"rollouts": {"a": 1}}), False),
     ("a list at the top", J, _json([GOOD]), False),
     ("bad utf-8 in a string", J, VALID.replace(b'"a"', b'"\xff"'), False),
+    ("the key twice", J, VALID[:-1] + b', "rollouts": []}', False),
+    ("another key, invalid items", J, _json({"x": 1, "rollouts": [{}, {}], "y": 2}), True),
+    ("the key within another field", J, _json({"x": {"rollouts": 1}, "rollouts": GOOD}), True),
+    ("a list in another field", J, _json({"x": [[1], {"a": "]"}], "rollouts": GOOD}), True),
+    ("malformed another field", J, b'{"x": [1,,2], "rollouts": []}', False),
+    (
+        "an invalid item, then a malformed one",
+        J,
+        HEAD + b'{"reward": 1},' + ITEM.replace(b"[1, 2, 3]", b"[1,, 3]") + b"]}",
+        False,
+    ),
     ("valid", MP, _mp({"rollouts": GOOD}), True),
     (
         "raw arrays",
@@ -130,10 +150,18 @@ CASES: list[tuple[str, str, bytes, bool]] = [
     ("too many", MP, _mp({"rollouts": _rollouts(*"abcde")}), True),
     ("truncated", MP, _mp({"rollouts": GOOD})[:-3], False),
     ("extra data", MP, _mp({"rollouts": GOOD}) + b"\x00", False),
-    ("two keys", MP, _mp({"rollouts": GOOD, "x": 1}), False),
+    ("two keys", MP, _mp({"rollouts": GOOD, "x": 1}), True),
     ("not a map", MP, _mp([GOOD]), False),
     ("a count beyond the items", MP, b"\x81\xa8rollouts\xdd\xff\xff\xff\xff" + _mp(GOOD[0]), True),
     ("an int key in an item", MP, _mp({"rollouts": [{1: 2}]}), False),
+    ("another key, invalid items", MP, _mp({"x": 1, "rollouts": [{}, {}], "y": 2}), True),
+    ("the key twice", MP, b"\x82" + _mp("rollouts") + _mp(GOOD) + _mp("rollouts") + _mp([]), False),
+    (
+        "an invalid item, then a string of bad utf-8",
+        MP,
+        _mp({"rollouts": [{}, {"rollout_id": "Z"}]}).replace(b"\xa1Z", b"\xa1\xff"),
+        False,
+    ),
 ]
 
 
@@ -160,11 +188,13 @@ def test_item_by_item_parse_answers_as_the_whole_document(
     monkeypatch.setattr(codec, "STREAM_BYTES", 0)  # every body takes the item-by-item path
     calls: list[int] = []
 
+    validate = codec._validate
+
     def counted(*args: Any) -> Any:
         calls.append(1)
-        return parse_body(*args)
+        return validate(*args)
 
-    monkeypatch.setattr(codec, "parse_body", counted)
+    monkeypatch.setattr(codec, "_validate", counted)
     streamed = _outcome(
         lambda: pack_items(
             bytearray(body),
@@ -172,11 +202,90 @@ def test_item_by_item_parse_answers_as_the_whole_document(
             "rollouts",
             (RolloutJSON, RolloutMsgpack),
             (IngestJSON, IngestMsgpack),
-            PACK,
+            lambda _doc, rollouts, _count: PACK(rollouts),
             BROKER.check_count,
-        )
+        )[1]
     )
     assert streamed == whole
+    assert not calls if itemwise else calls == [1]
+
+
+LIMITS = PromptLimits(per_request=4, tokens=8, data_bytes=64)
+P = [{"prompt_id": "a", "prompt_ids": [1, 2]}, {"prompt_id": "b", "data": {"k": "]}"}}]
+
+# (name, format, body, parsed item by item)
+PROMPT_CASES: list[tuple[str, str, bytes, bool]] = [
+    ("valid", J, _json({"prompts": P, "epochs": 2}), True),
+    ("epochs first", J, _json({"epochs": 2, "prompts": P}), True),
+    ("no epochs", J, _json({"prompts": P}), True),
+    ("epochs invalid", J, _json({"prompts": P, "epochs": 0}), True),
+    ("epochs a whole float", J, _json({"epochs": 2.0, "prompts": P}), True),
+    ("epochs and a prompt invalid", J, _json({"epochs": "2", "prompts": [*P, {}]}), True),
+    (
+        "other keys, epochs and a prompt invalid",
+        J,
+        _json({"x": 1, "epochs": 0, "prompts": [{"p": 1}, {}], "y": [2]}),
+        True,
+    ),
+    ("too many passes", J, _json({"prompts": P, "epochs": 3}), True),
+    ("too many passes, then invalid", J, _json({"prompts": [*P, {}], "epochs": 2}), True),
+    (
+        "too many prompt_ids",
+        J,
+        _json({"prompts": [{"prompt_id": "a", "prompt_ids": [1] * 9}]}),
+        True,
+    ),
+    ("data too big", J, _json({"prompts": [{"prompt_id": "a", "data": {"k": "x" * 64}}]}), True),
+    ("too many prompts", J, _json({"prompts": [{}] * 5}), True),
+    ("a number in the list", J, _json({"prompts": [P[0], 0]}), False),
+    ("epochs twice", J, _json({"prompts": P, "epochs": 0})[:-1] + b', "epochs": 1}', True),
+    ("valid", MP, _mp({"prompts": P, "epochs": 2}), True),
+    ("epochs first", MP, _mp({"epochs": 2, "prompts": P}), True),
+    ("epochs and a prompt invalid", MP, _mp({"epochs": "2", "x": 1, "prompts": [*P, {}]}), True),
+    ("too many passes", MP, _mp({"prompts": P, "epochs": 3}), True),
+    ("not a list", MP, _mp({"prompts": 1, "epochs": 3}), False),
+]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "body", "itemwise"),
+    [pytest.param(f, b, i, id=f"{f}: {name}") for name, f, b, i in PROMPT_CASES],
+)
+def test_prompts_item_by_item_answer_as_the_whole_document(
+    fmt: str, body: bytes, itemwise: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ctype = {"json": "application/json", "msgpack": "application/msgpack"}[fmt]
+
+    def outcome(run: Callable[[], tuple[int, list[tuple[str, bytes]]]]) -> tuple[str, Any]:
+        try:
+            return "ok", run()
+        except BrokerError as exc:
+            return exc.name, exc.detail
+
+    def whole() -> tuple[int, list[tuple[str, bytes]]]:
+        doc = parse_body(body, ctype, PromptsBody, PromptsBody, {"prompts": LIMITS.check_count})
+        return doc.epochs, LIMITS.pack(doc, doc.prompts, len(doc.prompts))
+
+    expected = outcome(whole)
+    monkeypatch.setattr(codec, "STREAM_BYTES", 0)
+    calls: list[int] = []
+    validate = codec._validate
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return validate(*args)
+
+    monkeypatch.setattr(codec, "_validate", counted)
+
+    def streamed() -> tuple[int, list[tuple[str, bytes]]]:
+        doc, packed = pack_items(
+            bytearray(body), ctype, "prompts", (PromptJSON, PromptJSON),
+            (PromptsBody, PromptsBody), LIMITS.pack, LIMITS.check_count,
+        )  # fmt: skip
+        assert doc.prompts == []
+        return doc.epochs, packed
+
+    assert outcome(streamed) == expected
     assert not calls if itemwise else calls == [1]
 
 
@@ -185,12 +294,12 @@ def test_a_body_of_too_many_strings_and_brackets_takes_the_whole_parse(
 ) -> None:
     body = _json({"rollouts": _rollouts("a", "b", metadata=TRICKY_META)})
     monkeypatch.setattr(codec, "STREAM_BYTES", 0)
-    assert codec._json_spans(body, "rollouts") is not None
-    monkeypatch.setattr(codec, "_MAX_SHAPING", 10)
-    assert codec._json_spans(body, "rollouts") is None
-    packed = pack_items(
+    assert listing.json_spans(body, "rollouts") is not None
+    monkeypatch.setattr(listing, "_MAX_SHAPING", 10)
+    assert listing.json_spans(body, "rollouts") is None
+    _, packed = pack_items(
         body, "application/json", "rollouts", (RolloutJSON, RolloutMsgpack),
-        (IngestJSON, IngestMsgpack), PACK, BROKER.check_count,
+        (IngestJSON, IngestMsgpack), lambda _doc, rs, _n: PACK(rs), BROKER.check_count,
     )  # fmt: skip
     assert [p.rollout_id for p in packed] == ["a", "b"]
 

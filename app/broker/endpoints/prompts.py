@@ -9,13 +9,19 @@ from app.api import (
     SMALL_BODY_BYTES,
     errors,
     msgpack_answer,
+    pack_items,
+    read_body,
     read_model,
     render,
     request_body,
+    settings_of,
+    sized_call,
     wants_msgpack,
+    widest_list,
 )
 from app.broker.endpoints.deps import broker_of
 from app.broker.schemas import (
+    PromptJSON,
     PromptsBody,
     PromptsResult,
     ReturnBody,
@@ -47,9 +53,23 @@ _QUOTED_PROMPT_ID = 200 * 12 + 3
     openapi_extra=request_body(PromptsBody),
 )
 async def register_prompts(run_id: RunId, request: Request) -> Response:
+    body = await read_body(request, settings_of(request).max_body_bytes)
     broker = broker_of(request)
-    body = await read_model(request, PromptsBody, counts={"prompts": broker.check_prompt_count})
-    return render(await broker.register_prompts(run_id, body), status_code=202)
+    # A big body is validated and packed in a worker thread, one prompt at a time, as ingest is.
+    doc, packed = await sized_call(
+        len(body),
+        pack_items,
+        body,
+        request.headers.get("content-type"),
+        "prompts",
+        (PromptJSON, PromptJSON),
+        (PromptsBody, PromptsBody),
+        broker.prompt_limits.pack,
+        broker.prompt_limits.check_count,
+        widest_list(settings_of(request)),
+    )
+    del body
+    return render(await broker.register_prompts(run_id, packed, doc.epochs), status_code=202)
 
 
 @router.post(

@@ -46,7 +46,7 @@ async def post_rollouts(run_id: RunId, request: Request) -> Response:
     broker = broker_of(request)
     # A big body is validated and packed in a worker thread, one rollout at a time: the event
     # loop keeps serving, and the body's rollouts never all exist as Python lists at once.
-    packed = await sized_call(
+    _, packed = await sized_call(
         len(body),
         pack_items,
         body,
@@ -54,7 +54,7 @@ async def post_rollouts(run_id: RunId, request: Request) -> Response:
         "rollouts",
         (RolloutJSON, RolloutMsgpack),
         (IngestJSON, IngestMsgpack),
-        broker.pack,
+        lambda _doc, rollouts, _count: broker.pack(rollouts),
         broker.check_count,
         widest_list(settings_of(request)),
     )

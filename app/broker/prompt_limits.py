@@ -1,0 +1,62 @@
+"""The bounds of registered prompts and work leases, and the stored form of a prompt."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgpack
+import orjson
+
+from app.broker.packing import token_ids
+from app.broker.schemas import PromptJSON, PromptsBody
+from app.errors import ValidationFailed
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLimits:
+    """Bounds of registered prompts and work leases (the BROKER_MAX_PROMPT* settings)."""
+
+    per_request: int = 4096  # prompt passes (prompts × epochs) in one registration
+    tokens: int = 262_144
+    data_bytes: int = 65_536
+    per_lease: int = 1024
+
+    def check_count(self, n: int) -> None:
+        """The most prompts one registration may carry (each makes one pass at least)."""
+        if n > self.per_request:
+            raise ValidationFailed(
+                f"{n} prompts in one request, at most {self.per_request} prompt passes"
+            )
+
+    def pack(
+        self, body: PromptsBody, prompts: Sequence[PromptJSON], count: int
+    ) -> list[tuple[str, bytes]]:
+        """The stored form of ``prompts`` by prompt id: some or all of the ``count`` of the
+        registration ``body`` (the API packs a big body's prompts one at a time)."""
+        # One script call writes every pass: bound the passes, not only the prompts.
+        passes = count * body.epochs
+        if passes > self.per_request:
+            raise ValidationFailed(
+                f"{count} prompts × {body.epochs} epochs = {passes} prompt passes "
+                f"in one request, at most {self.per_request}"
+            )
+        return [(p.prompt_id, self.pack_one(p)) for p in prompts]
+
+    def pack_one(self, prompt: PromptJSON) -> bytes:
+        """The stored form of a prompt, within these bounds."""
+        pid, ids = prompt.prompt_id, prompt.prompt_ids
+        if ids is not None:
+            if len(ids) > self.tokens:
+                raise ValidationFailed(
+                    f"prompt {pid!r}: {len(ids)} prompt_ids, at most {self.tokens}"
+                )
+            token_ids(ids, f"prompt {pid!r}: prompt_ids")
+        if prompt.data is not None:
+            size = len(orjson.dumps(prompt.data))
+            if size > self.data_bytes:
+                raise ValidationFailed(
+                    f"prompt {pid!r}: data is {size} bytes as JSON, at most {self.data_bytes}"
+                )
+        packed: bytes = msgpack.packb({"i": ids, "d": prompt.data})
+        return packed
