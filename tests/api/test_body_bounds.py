@@ -131,6 +131,22 @@ async def test_a_registration_of_too_many_prompts_is_refused_by_its_count(api, w
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "item by item"])
+async def test_invalid_prompts_stop_the_parse_at_the_first(api, work, fmt, streamed, monkeypatch):
+    await make_run(api, "r")
+    work.parses.clear()
+    if streamed:
+        monkeypatch.setattr(codec, "STREAM_BYTES", 0)
+    body, headers = _body({"prompts": [{"prompt_id": "a", "p": 1}] * 4096, "epochs": 2}, fmt)
+    resp = await api.post("/v1/runs/r/prompts", content=body, headers=headers)
+    detail = assert_error(resp, 422, "ValidationFailed")
+    assert detail == "prompts.0.p: Extra inputs are not permitted", detail
+    assert work.errors == [1]
+    # item by item: the other fields, then the first prompt; the others are only read
+    assert work.parses == (["PromptsBody", "PromptJSON"] if streamed else ["PromptsBody"])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 async def test_an_ack_is_bounded_by_the_largest_batch_and_the_longest_list(api, work, fmt):
     path = "/v1/runs/r/batches/b/ack"  # neither exists: the body is refused first
     many = {"logprobs": {f"r{i}": [-1.0] for i in range(10_000)}}

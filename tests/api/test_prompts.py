@@ -10,6 +10,7 @@ import pytest
 from redis.asyncio import Redis
 
 from app import keys
+from app.api import _codec as codec
 from app.main import create_app
 from tests.api.support import (
     asgi_client,
@@ -94,7 +95,15 @@ async def test_register_is_idempotent_by_prompt_id(api, redis, prefix):
     assert [item[0] for d in regs for item in d["items"]] == ["a", "b", "c"]
 
 
-async def test_epochs_queue_every_pass_after_the_previous_one(api):
+@pytest.fixture(params=[False, True], ids=["whole", "item by item"])
+def streamed(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """A registration parsed whole, or one prompt at a time as a big body is."""
+    if request.param:
+        monkeypatch.setattr(codec, "STREAM_BYTES", 0)
+    return bool(request.param)
+
+
+async def test_epochs_queue_every_pass_after_the_previous_one(api, streamed):
     await make_run(api, "r")
     await register(api, "r", "a", "b", epochs=3)
     got = await work(api, "r", 6)
@@ -125,7 +134,7 @@ async def test_epochs_queue_every_pass_after_the_previous_one(api):
         ({"prompts": [{"prompt_id": "ok"}, {"prompt_id": "a", "prompt_ids": [2**40]}]}, "token"),
     ],
 )
-async def test_bad_prompts_are_422_and_register_nothing(api, body, what):
+async def test_bad_prompts_are_422_and_register_nothing(api, body, what, streamed):
     await make_run(api, "r")
     resp = await api.post("/v1/runs/r/prompts", json=body)
     detail = assert_error(resp, 422, "ValidationFailed")
