@@ -4,9 +4,9 @@ API description's helpers (what a domain adds to the description is an :class:`O
 Its modules are private; the endpoints import from here."""
 
 from app.api._codec import (
-    pack_items,
     parse_body,
     read_body,
+    read_items,
     read_model,
     render,
     sized_call,
@@ -33,10 +33,10 @@ __all__ = [
     "install_error_handlers",
     "install_openapi",
     "msgpack_answer",
-    "pack_items",
     "parse_body",
     "query_rules",
     "read_body",
+    "read_items",
     "read_model",
     "record_action",
     "render",

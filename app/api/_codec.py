@@ -279,6 +279,27 @@ def pack_items(
     return doc, pack(doc, held, len(held))
 
 
+async def read_items(
+    request: Request,
+    field: str,
+    items: tuple[type[I], type[I]],
+    whole: tuple[type[W], type[W]],
+    pack: Callable[[W, Sequence[I], int], list[T]],
+    check_count: Callable[[int], None],
+) -> tuple[W, list[T]]:
+    """The request's body, read within the broker's size limit, and :func:`pack_items` of it:
+    what an endpoint whose body is one big list (an ingest, a prompt registration) calls. A big
+    body is validated and packed in a worker thread, one item at a time (:func:`sized_call`):
+    the event loop keeps serving, and the body's items never all exist as Python objects."""
+    settings: Settings = request.app.state.settings
+    body = await read_body(request, settings.max_body_bytes)
+    content_type = request.headers.get("content-type")
+    widest = widest_list(settings)
+    return await sized_call(
+        len(body), pack_items, body, content_type, field, items, whole, pack, check_count, widest
+    )
+
+
 def _pack_listed(
     listed: Listing[I, W], field: str, pack: Callable[[W, Sequence[I], int], list[T]]
 ) -> tuple[W, list[T]]:

@@ -172,6 +172,21 @@ def _outcome(run: Callable[[], list[PackedRollout]]) -> tuple[str, Any]:
         return exc.name, exc.detail
 
 
+def _whole_parses(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every body takes the item-by-item path from here; the whole-document parses it falls
+    back to are counted in the list returned."""
+    monkeypatch.setattr(codec, "STREAM_BYTES", 0)
+    calls: list[int] = []
+    validate = codec._validate
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return validate(*args)
+
+    monkeypatch.setattr(codec, "_validate", counted)
+    return calls
+
+
 @pytest.mark.parametrize(
     ("fmt", "body", "itemwise"),
     [pytest.param(fmt, body, itemwise, id=f"{fmt}: {name}") for name, fmt, body, itemwise in CASES],
@@ -185,16 +200,7 @@ def test_item_by_item_parse_answers_as_the_whole_document(
         lambda: PACK(parse_body(body, ctype, IngestJSON, IngestMsgpack, counts).rollouts)
     )
 
-    monkeypatch.setattr(codec, "STREAM_BYTES", 0)  # every body takes the item-by-item path
-    calls: list[int] = []
-
-    validate = codec._validate
-
-    def counted(*args: Any) -> Any:
-        calls.append(1)
-        return validate(*args)
-
-    monkeypatch.setattr(codec, "_validate", counted)
+    calls = _whole_parses(monkeypatch)
     streamed = _outcome(
         lambda: pack_items(
             bytearray(body),
@@ -267,15 +273,7 @@ def test_prompts_item_by_item_answer_as_the_whole_document(
         return doc.epochs, LIMITS.pack(doc, doc.prompts, len(doc.prompts))
 
     expected = outcome(whole)
-    monkeypatch.setattr(codec, "STREAM_BYTES", 0)
-    calls: list[int] = []
-    validate = codec._validate
-
-    def counted(*args: Any) -> Any:
-        calls.append(1)
-        return validate(*args)
-
-    monkeypatch.setattr(codec, "_validate", counted)
+    calls = _whole_parses(monkeypatch)
 
     def streamed() -> tuple[int, list[tuple[str, bytes]]]:
         doc, packed = pack_items(

@@ -9,15 +9,11 @@ from app.api import (
     SMALL_BODY_BYTES,
     errors,
     msgpack_answer,
-    pack_items,
-    read_body,
+    read_items,
     read_model,
     render,
     request_body,
-    settings_of,
-    sized_call,
     wants_msgpack,
-    widest_list,
 )
 from app.broker.endpoints.deps import broker_of
 from app.broker.schemas import (
@@ -53,22 +49,10 @@ _QUOTED_PROMPT_ID = 200 * 12 + 3
     openapi_extra=request_body(PromptsBody),
 )
 async def register_prompts(run_id: RunId, request: Request) -> Response:
-    body = await read_body(request, settings_of(request).max_body_bytes)
     broker = broker_of(request)
-    # A big body is validated and packed in a worker thread, one prompt at a time, as ingest is.
-    doc, packed = await sized_call(
-        len(body),
-        pack_items,
-        body,
-        request.headers.get("content-type"),
-        "prompts",
-        (PromptJSON, PromptJSON),
-        (PromptsBody, PromptsBody),
-        broker.prompt_limits.pack,
-        broker.prompt_limits.check_count,
-        widest_list(settings_of(request)),
-    )
-    del body
+    limits = broker.prompt_limits
+    models = (PromptJSON, PromptJSON), (PromptsBody, PromptsBody)
+    doc, packed = await read_items(request, "prompts", *models, limits.pack, limits.check_count)
     return render(await broker.register_prompts(run_id, packed, doc.epochs), status_code=202)
 
 

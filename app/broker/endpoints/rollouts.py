@@ -8,13 +8,9 @@ from fastapi.responses import Response
 from app.api import (
     RAW_ARRAYS,
     errors,
-    pack_items,
-    read_body,
+    read_items,
     render,
     request_body,
-    settings_of,
-    sized_call,
-    widest_list,
 )
 from app.broker.endpoints.deps import broker_of
 from app.broker.schemas import IngestJSON, IngestMsgpack, IngestResult, RolloutJSON, RolloutMsgpack
@@ -42,22 +38,14 @@ router = APIRouter(prefix="/v1/runs", tags=["rollouts"])
     ),
 )
 async def post_rollouts(run_id: RunId, request: Request) -> Response:
-    body = await read_body(request, settings_of(request).max_body_bytes)
     broker = broker_of(request)
-    # A big body is validated and packed in a worker thread, one rollout at a time: the event
-    # loop keeps serving, and the body's rollouts never all exist as Python lists at once.
-    _, packed = await sized_call(
-        len(body),
-        pack_items,
-        body,
-        request.headers.get("content-type"),
+    _, packed = await read_items(
+        request,
         "rollouts",
         (RolloutJSON, RolloutMsgpack),
         (IngestJSON, IngestMsgpack),
         lambda _doc, rollouts, _count: broker.pack(rollouts),
         broker.check_count,
-        widest_list(settings_of(request)),
     )
-    del body  # the packed rollouts are all that is needed from here
     result = await broker.ingest_packed(run_id, packed)
     return render(result, status_code=202)
