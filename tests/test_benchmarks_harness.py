@@ -22,6 +22,7 @@ from benchmarks.harness import QUICK
 from benchmarks.payloads import RAW_BYTES, big_json_body
 from benchmarks.rediscluster import MASTERS, cluster_binaries
 from benchmarks.sections.auth import AUTH_NEED
+from benchmarks.sections.bodies import HOSTILE
 from benchmarks.sections.cluster import BALANCE_NEED
 from benchmarks.sections.drain import DRAIN_GROUP_NEED, DRAIN_NEED_S
 from benchmarks.sections.long import LONG_NEED
@@ -51,6 +52,9 @@ def expected_rows() -> list[str]:
     rows += [f"work.queued.{n}.{k}" for n in s.work_levels for k in ("rate", "p50", "p99")]
     rows += ["bodies.healthz.idle.p50", "bodies.healthz.ingest.p50", "bodies.healthz.ingest.max"]
     rows += ["bodies.ingest", "bodies.peak_rss"]
+    rows += [
+        f"bodies.hostile.{name}.{k}" for name in HOSTILE for k in ("cpu", "peak_rss", "healthz_max")
+    ]
     rows += [f"long.ingest.msgpack.{s.long_per_req}.p{n}" for n in (1, 4)]
     rows += ["long.ingest.json.1.p1", f"long.lease_ack.msgpack.{s.long_batch}"]
     rows += [
@@ -195,8 +199,15 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
             assert (f"{toggle}.{case}.on", target) in targets
             assert not rows[f"{toggle}.{case}.off"]["targets"]
     big_body = len(big_json_body(QUICK.big_rollouts))
+    hostile_size = {name: len(make()[0]) for name, make in HOSTILE.items()}
 
     def expected(rid: str, r: dict[str, Any], name: str) -> tuple[float, float, bool]:
+        if rid.startswith("bodies.hostile."):  # CPU and /healthz in ms, memory against its body
+            return {
+                "≤1 s CPU": (r["value"] / 1e3, 1.0, True),
+                "≤4× body": (r["value"] / hostile_size[rid.split(".")[2]], 4.0, True),
+                "≤100 ms": (r["value"] / 1e3, 0.1, True),
+            }[name]
         if name in (AUTH_TARGET, METRICS_TARGET):
             off = rows[rid.removesuffix(".on") + ".off"]
             return (

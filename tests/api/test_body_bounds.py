@@ -148,7 +148,7 @@ async def test_invalid_prompts_stop_the_parse_at_the_first(api, work, fmt, strea
 
 @pytest.mark.parametrize("fmt", FORMATS)
 async def test_an_ack_is_bounded_by_the_largest_batch_and_the_longest_list(api, work, fmt):
-    path = "/v1/runs/r/batches/b/ack"  # neither exists: the body is refused first
+    path = "/v1/runs/r/batches/no-such-batch/ack"  # neither exists: the body is refused first
     many = {"logprobs": {f"r{i}": [-1.0] for i in range(10_000)}}
     body, headers = _body(many, fmt)
     detail = assert_error(
