@@ -141,7 +141,11 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
     rows = {r["id"]: r for r in doc["rows"]}
     assert list(rows) == expected_rows()  # every section, every row, in order
     for rid, r in rows.items():
-        assert _number(r["value"]), (rid, r["value"])
+        # What a hostile body costs may round to nothing (CPU by the clock tick, memory by page).
+        assert _number(r["value"]) or (rid.startswith("bodies.hostile.") and r["value"] == 0), (
+            rid,
+            r["value"],
+        )
         assert r["unit"] in (*RATES, "ms", "bytes"), rid
 
     # Every comparable row carries its baselines, measured in the same run, and its ratios are
