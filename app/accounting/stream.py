@@ -75,15 +75,20 @@ class LiveSnapshot:
 
     ``live`` and ``leased`` are the run hash's counts (buffered + leased, and leased), ``None``
     when the run has none (deleted). ``last_delivered`` is the consumer group's last delivered
-    id, ``None`` without a group; ``lag`` is the group's undelivered count where Redis reports
-    it (7+). ``length`` is the stream's length, for a stream with no group yet.
+    id, ``None`` without a group; ``last_entry`` is the stream's newest entry id, ``None`` when
+    it holds none. ``length`` is the stream's length, for a stream with no group yet.
+
+    The group's ``lag`` (``XINFO GROUPS``, Redis 7) is not read: it is derived from the group's
+    ``entries-read``, which a replica that joined by full sync keeps wrong for good (Redis 7.0),
+    and a failover promotes such a replica. Whether anything is undelivered is the comparison of
+    the two ids instead, as ``settled.lua`` makes it.
     """
 
     live: int | None
     leased: int | None
     group_pending: int | None
-    lag: int | None
     last_delivered: bytes | None
+    last_entry: bytes | None
     length: int
     dead_letters: int
 
@@ -305,10 +310,11 @@ class EventStream(ConsumerGroup):
     async def pending_events(self, run_id: str) -> int:
         """Entries not yet drained: the group's pending entries plus those never delivered.
 
-        Redis 7 reports the undelivered count as the group's ``lag``. Where it is missing or
-        unknown (Redis 6.2, or after deletions) it is the stream length minus the delivered
-        entries still in the stream, which trimming keeps to the pending window. Without a
-        group yet, every entry of the stream is pending.
+        None is undelivered when the stream's newest entry is not after the group's last
+        delivered id. Otherwise the undelivered count is the stream length minus the delivered
+        entries still in the stream, which trimming keeps to the pending window (the group's
+        ``lag`` is not trusted: see :class:`LiveSnapshot`). Without a group yet, every entry of
+        the stream is pending.
         """
         return await self.pending_of(run_id, await self.live_snapshot(run_id))
 
@@ -355,35 +361,36 @@ class EventStream(ConsumerGroup):
             pipe.hmget(keys.run_key(self.prefix, run_id), "live", "leased")
             pipe.xinfo_groups(events)
             pipe.xlen(events)
+            pipe.xrevrange(events, count=1)
             pipe.xlen(self.dead_key(run_id))
-            counts, groups, length, dead = await pipe.execute(raise_on_error=False)
+            counts, groups, length, newest, dead = await pipe.execute(raise_on_error=False)
         live = leased = None
         if not isinstance(counts, Exception) and None not in counts:
             live, leased = int(counts[0]), int(counts[1])
         ours = None
         if not isinstance(groups, Exception):
             ours = next((g for g in groups if as_text(g["name"]) == self.group), None)
-        lag = ours.get("lag") if ours is not None else None
         return LiveSnapshot(
             live=live,
             leased=leased,
             group_pending=int(ours["pending"]) if ours is not None else None,
-            lag=int(lag) if lag is not None else None,
             last_delivered=ours["last-delivered-id"] if ours is not None else None,
+            last_entry=newest[0][0] if newest and not isinstance(newest, Exception) else None,
             length=0 if isinstance(length, Exception) else int(length),
             dead_letters=0 if isinstance(dead, Exception) else int(dead),
         )
 
     async def pending_of(self, run_id: str, snapshot: LiveSnapshot) -> int:
-        """:meth:`pending_events` as of ``snapshot``. Where Redis does not report the lag, the
-        undelivered entries are counted now, which may count entries added since: never
-        fewer."""
+        """:meth:`pending_events` as of ``snapshot``. Nothing is undelivered when the stream's
+        newest entry is not after the group's last delivered id: that is decided within the
+        snapshot. Otherwise the undelivered entries are counted now (:meth:`undelivered`),
+        which may count entries added since, never fewer than the one the snapshot saw."""
         if snapshot.group_pending is None or snapshot.last_delivered is None:
             return snapshot.length  # no group: nothing has been read yet
-        lag = snapshot.lag
-        if lag is None:
-            lag = await self.undelivered(run_id, snapshot.last_delivered)
-        return snapshot.group_pending + lag
+        newest, delivered = snapshot.last_entry, snapshot.last_delivered
+        if newest is None or not StreamId.parse(delivered) < StreamId.parse(newest):
+            return snapshot.group_pending
+        return snapshot.group_pending + max(1, await self.undelivered(run_id, delivered))
 
     async def dead_letter_count(self, run_id: str) -> int:
         return int(await self.redis.xlen(self.dead_key(run_id)))

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from accounting_helpers import drain_all
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 from rollout_broker_client._models import LiveCounts
 from rollout_broker_client._wire import parse_accounting
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -243,3 +244,39 @@ async def test_runs_read_together_answer_as_each_read_alone(
     assert together["off"].check.mismatch
     assert together["other"].check.settled and together["other"].accounting.rollouts_received == 2
     assert together["pending"].accounting.pending_events == 1
+
+
+async def test_a_wrong_group_lag_neither_holds_back_nor_hides_a_mismatch(
+    api: httpx.AsyncClient,
+    make_ctx: Callable[..., DrainContext],
+    redis: Redis,
+    prefix: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """After a failover onto a replica that joined by full sync, Redis 7.0 keeps the group's
+    ``entries-read`` wrong for good, and with it ``XINFO GROUPS``'s ``lag`` (issue 31, finding
+    3). ``XGROUP SETID ... ENTRIESREAD`` leaves the group in that state: everything drained,
+    and a lag of 2 that reading more never clears."""
+    await _workload(api)
+    ctx = make_ctx()
+    assert (await _drain(ctx)).checked == 1
+    key = EventStream(redis, prefix).events_key(RUN)
+    [group] = await redis.xinfo_groups(key)
+    try:
+        await redis.xgroup_setid(key, group["name"], group["last-delivered-id"], entries_read=1)
+    except ResponseError as exc:  # Redis 6.2 has neither ENTRIESREAD nor a lag to mislead
+        pytest.skip(f"no XGROUP SETID ... ENTRIESREAD: {exc}")
+
+    # More traffic, and a live count the ledger cannot know of: a real mismatch.
+    assert (await post(api, RUN, rollout("after", 0))).status_code == 202
+    await redis.hincrby(run_key(prefix, RUN), "live", 1)
+    with caplog.at_level(logging.ERROR, logger="app.accounting.drain"):
+        counts = await _drain(ctx)
+    [group] = await redis.xinfo_groups(key)
+    assert group["pending"] == 0 and group["lag"] > 0  # the lag is still wrong
+
+    acc = (await api.get(f"/v1/runs/{RUN}/accounting")).json()
+    assert acc["pending_events"] == 0
+    assert acc["live"] == {"buffered": acc["buffered"] + 1, "leased": acc["leased"]}
+    assert (counts.checked, counts.mismatched, ctx.drainer.mismatches) == (1, 1, 1)
+    assert any("disagrees with the live" in r.getMessage() for r in caplog.records)
