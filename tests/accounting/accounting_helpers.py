@@ -14,12 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import pytest
 from fastapi import FastAPI
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app import keys
+from app.accounting.consumers import as_text
 from app.accounting.endpoints import router
 from app.api import install_error_handlers
 from app.events import (
@@ -105,6 +108,18 @@ async def xadd_events(
                 pipe.xadd(key, entry(event_type, payload))
             ids.extend(await pipe.execute())
     return ids
+
+
+async def miscount_entries_read(redis: Redis, key: str, group: str, entries_read: int) -> None:
+    """Give the consumer group a wrong ``entries-read``, as a Redis 7.0 replica that joined by
+    full sync keeps it (issue 31, finding 3): ``XINFO GROUPS`` then reports a wrong ``lag`` for
+    good, however much the group reads. Skips the test on Redis 6.2, which has neither
+    ``ENTRIESREAD`` nor a lag to mislead."""
+    info = next(g for g in await redis.xinfo_groups(key) if as_text(g["name"]) == group)
+    try:
+        await redis.xgroup_setid(key, group, info["last-delivered-id"], entries_read=entries_read)
+    except ResponseError as exc:
+        pytest.skip(f"no XGROUP SETID ... ENTRIESREAD: {exc}")
 
 
 def lua_style(value: Any) -> Any:

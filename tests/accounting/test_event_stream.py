@@ -3,8 +3,7 @@ on a stream written with known ids."""
 
 from __future__ import annotations
 
-import pytest
-from redis.exceptions import ResponseError
+from accounting_helpers import miscount_entries_read
 
 from app.accounting.stream import EventStream
 from app.events import StreamId
@@ -34,16 +33,6 @@ async def test_the_oldest_undrained_event_is_the_oldest_pending_then_the_first_u
     assert await stream.oldest_undrained(run_id) is None  # all drained
 
 
-async def _miscount_entries_read(redis, key: str, group: str, entries_read: int) -> None:
-    """Give the group a wrong ``entries-read``, as a Redis 7.0 replica that joined by full sync
-    keeps it (issue 31, finding 3): ``XINFO GROUPS`` then reports a wrong ``lag`` for good."""
-    info = next(g for g in await redis.xinfo_groups(key) if g["name"].decode() == group)
-    try:
-        await redis.xgroup_setid(key, group, info["last-delivered-id"], entries_read=entries_read)
-    except ResponseError as exc:  # Redis 6.2 has neither ENTRIESREAD nor a lag to mislead
-        pytest.skip(f"no XGROUP SETID ... ENTRIESREAD: {exc}")
-
-
 async def test_pending_events_do_not_trust_the_groups_lag(redis, prefix, run_id):
     stream = EventStream(redis, prefix)
     key = stream.events_key(run_id)
@@ -55,7 +44,7 @@ async def test_pending_events_do_not_trust_the_groups_lag(redis, prefix, run_id)
     assert await stream.pending_events(run_id) == 0
 
     # Too few entries read: the lag says 2 where nothing is left, and stays so after reads.
-    await _miscount_entries_read(redis, key, stream.group, 1)
+    await miscount_entries_read(redis, key, stream.group, 1)
     assert (await redis.xinfo_groups(key))[0]["lag"] == 2
     assert await stream.pending_events(run_id) == 0
     await redis.xadd(key, {"e": "x"}, id="4000-0")
@@ -69,7 +58,7 @@ async def test_pending_events_do_not_trust_the_groups_lag(redis, prefix, run_id)
     # Too many: the lag says none (or fewer than none) where entries wait.
     for ms in (5000, 6000):
         await redis.xadd(key, {"e": "x"}, id=f"{ms}-0")
-    await _miscount_entries_read(redis, key, stream.group, 9)
+    await miscount_entries_read(redis, key, stream.group, 9)
     assert (await redis.xinfo_groups(key))[0]["lag"] <= 0
     assert await stream.pending_events(run_id) == 2
     await redis.xreadgroup(stream.group, "drain-a", {key: ">"}, count=1)
