@@ -182,6 +182,7 @@ async def test_writes_redis_refuses_are_503_change_nothing_and_are_retried_once(
         detail = assert_error(resp, 503, "Unavailable")
         assert resp.headers["retry-after"] == "1", path  # BROKER_RETRY_AFTER_S
         assert detail.startswith("Redis refuses writes for now (NOREPLICAS)"), (path, detail)
+    assert (await http.get(f"/v1/runs/{RUN}")).status_code == 200  # reads are served
     ready = await http.get("/readyz")
     assert "redis refuses writes: NOREPLICAS" in assert_error(ready, 503, "Unavailable")
     assert await refusing.snapshot(settings.redis_prefix) == before  # nothing stored
