@@ -35,6 +35,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from types import TracebackType
 
 import asyncpg  # type: ignore[import-untyped]
@@ -247,27 +248,24 @@ def outage_of(exc: BaseException) -> str | None:
     or reset connection, a failed name lookup, a connect timeout), never one of the
     application's own. A group counts when every exception in it does. Anything else is a bug
     or a bad request, not an outage."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        store = _direct_outage(current)
-        if store is not None:
-            return store
-        current = current.__cause__
-    return None
+    return _along_causes(exc, _direct_outage)
 
 
 def write_refusal_of(exc: BaseException) -> str | None:
     """The code (one of :data:`WRITE_REFUSALS`) when ``exc``, or an explicit cause of it, is
     Redis refusing a write for now, else None."""
+    return _along_causes(exc, _direct_refusal)
+
+
+def _along_causes(exc: BaseException, direct: Callable[[BaseException], str | None]) -> str | None:
+    """The first answer of ``direct`` along ``exc`` and its explicit causes."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        code = _direct_refusal(current)
-        if code is not None:
-            return code
+        found = direct(current)
+        if found is not None:
+            return found
         current = current.__cause__
     return None
 
