@@ -27,12 +27,15 @@
     ├── UnsupportedMediaType (415)
     ├── ValidationFailed (422)
     ├── OverCapacity (429)         carries Retry-After
-    └── Unavailable (503)          Redis or Postgres unreachable (see :func:`outage_of`);
-                                   carries Retry-After when the outage is expected to pass
+    └── Unavailable (503)          Redis or Postgres unreachable, or Redis refusing writes for
+                                   now (see :func:`outage_of`); carries Retry-After when the
+                                   outage is expected to pass
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from types import TracebackType
 
 import asyncpg  # type: ignore[import-untyped]
@@ -196,6 +199,18 @@ _REDIS_OUTAGES: tuple[type[BaseException], ...] = (
     redis.exceptions.ClusterError,
 )
 
+# Redis that answers but refuses writes for now. Each is the error code a reply starts with:
+# NOREPLICAS, a master with fewer good replicas than its min-replicas-to-write (after a failover,
+# until a replica attaches to the promoted master); READONLY, a replica (a client still talking
+# to a demoted master); MASTERDOWN, a replica cut from its master with replica-serve-stale-data
+# no; MISCONF, a master that cannot persist to disk. Redis refuses the command whole (in a
+# script, its first write, which ends the script), so a refused write changed nothing.
+WRITE_REFUSALS = ("NOREPLICAS", "READONLY", "MASTERDOWN", "MISCONF")
+# Where the code stands in redis-py's text of the error: at its start, after a pipeline's
+# "Command # n (...) of pipeline caused error: ", or after "-" where Redis 6.2 wraps the error of
+# a script's redis.call ("Error running script (...): @user_script:1: ... -NOREPLICAS ...").
+_REFUSAL = re.compile(rf"(?:^|caused error: |: -)({'|'.join(WRITE_REFUSALS)}) ")
+
 # Postgres that cannot be reached or cannot serve: connection failures and lost connections
 # (SQLSTATE class 08), shutting down or starting up (57P01-57P03), out of connection slots.
 _POSTGRES_OUTAGES: tuple[type[BaseException], ...] = (
@@ -227,19 +242,43 @@ _DRIVERS = {"redis": "Redis", "asyncpg": "Postgres", "sqlalchemy": "Postgres"}
 
 def outage_of(exc: BaseException) -> str | None:
     """``"Redis"`` or ``"Postgres"`` when ``exc`` means that store cannot be reached (or cannot
-    serve for now), else None. Explicit causes (``raise ... from``) are followed, so a
-    SQLAlchemy error wrapping a lost asyncpg connection counts; an OSError counts when it was
-    raised inside a driver's code (a refused or reset connection, a failed name lookup, a
-    connect timeout), never one of the application's own. A group counts when every exception
-    in it does. Anything else is a bug or a bad request, not an outage."""
+    serve for now, as Redis refusing writes: :func:`write_refusal_of`), else None. Explicit
+    causes (``raise ... from``) are followed, so a SQLAlchemy error wrapping a lost asyncpg
+    connection counts; an OSError counts when it was raised inside a driver's code (a refused
+    or reset connection, a failed name lookup, a connect timeout), never one of the
+    application's own. A group counts when every exception in it does. Anything else is a bug
+    or a bad request, not an outage."""
+    return _along_causes(exc, _direct_outage)
+
+
+def write_refusal_of(exc: BaseException) -> str | None:
+    """The code (one of :data:`WRITE_REFUSALS`) when ``exc``, or an explicit cause of it, is
+    Redis refusing a write for now, else None."""
+    return _along_causes(exc, _direct_refusal)
+
+
+def _along_causes(exc: BaseException, direct: Callable[[BaseException], str | None]) -> str | None:
+    """The first answer of ``direct`` along ``exc`` and its explicit causes."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        store = _direct_outage(current)
-        if store is not None:
-            return store
+        found = direct(current)
+        if found is not None:
+            return found
         current = current.__cause__
+    return None
+
+
+def _direct_refusal(exc: BaseException) -> str | None:
+    # redis-py strips the code of the errors it has a class for
+    if isinstance(exc, redis.exceptions.ReadOnlyError):
+        return "READONLY"
+    if isinstance(exc, redis.exceptions.MasterDownError):
+        return "MASTERDOWN"
+    if isinstance(exc, redis.exceptions.ResponseError):
+        found = _REFUSAL.search(str(exc))
+        return None if found is None else found.group(1)
     return None
 
 
@@ -247,7 +286,7 @@ def _direct_outage(exc: BaseException) -> str | None:
     if isinstance(exc, BaseExceptionGroup):
         stores = [outage_of(e) for e in exc.exceptions]
         return stores[0] if stores and all(stores) else None
-    if isinstance(exc, _REDIS_OUTAGES):
+    if isinstance(exc, _REDIS_OUTAGES) or _direct_refusal(exc) is not None:
         return "Redis"
     if isinstance(exc, _POSTGRES_OUTAGES):
         return "Postgres"

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
+from app import keys
 from app.api import errors, render
+from app.errors import write_refusal_of
 
 router = APIRouter(tags=["health"])
 
@@ -30,15 +35,14 @@ async def healthz() -> Response:
 @router.get(
     "/readyz",
     response_model=Ready,
-    responses=errors((503, "Redis or Postgres is unreachable, or not migrated")),
+    responses=errors(
+        (503, "Redis or Postgres is unreachable, Redis refuses writes, or Postgres is not migrated")
+    ),
 )
 async def readyz(request: Request) -> Response:
-    checks: dict[str, Any] = {}
-    try:
-        await request.app.state.redis.ping()
-        checks["redis"] = "ok"
-    except Exception as exc:  # readiness reports the failure instead of raising it
-        checks["redis"] = f"unreachable: {type(exc).__name__}"
+    checks: dict[str, Any] = {
+        "redis": await redis_check(request.app.state.redis, request.app.state.settings.redis_prefix)
+    }
     probe = getattr(request.app.state, "readiness_probe", None)
     if probe is not None:
         checks.update(await probe())
@@ -47,3 +51,36 @@ async def readyz(request: Request) -> Response:
         failing = ", ".join(f"{k} {v}" for k, v in checks.items() if v != "ok")
         return render({"error": "Unavailable", "detail": f"not ready: {failing}"}, status_code=503)
     return render({"status": "ready", "checks": checks})
+
+
+async def redis_check(redis: Redis | RedisCluster, prefix: str) -> str:
+    """``"ok"`` when Redis takes writes, on a cluster every master. The probe deletes a key
+    that never exists: a write, which Redis refuses as it would any (NOREPLICAS while a master
+    has fewer replicas than its min-replicas-to-write, READONLY from a replica), and which
+    otherwise changes nothing and replicates nothing. One round trip, as a PING."""
+    outcomes = await asyncio.gather(
+        *(redis.delete(key) for key in _probe_keys(redis, prefix)), return_exceptions=True
+    )
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):  # reported, not raised
+            refused = write_refusal_of(outcome)
+            if refused is not None:
+                return f"refuses writes: {refused}"
+            return f"unreachable: {type(outcome).__name__}"
+    return "ok"
+
+
+def _probe_keys(redis: Redis | RedisCluster, prefix: str) -> list[str]:
+    """One probe key per master: on a cluster, the first tags that reach every master."""
+    if not isinstance(redis, RedisCluster):
+        return [keys.write_probe_key(prefix)]
+    masters = {node.name for node in redis.get_primaries()}
+    found: dict[str, str] = {}
+    tag = 0
+    while masters - found.keys() and tag < 1 << 16:  # ~n·ln(n) tags for n masters
+        key = keys.write_probe_key(prefix, tag)
+        node = redis.get_node_from_key(key)
+        if node is not None:
+            found.setdefault(node.name, key)
+        tag += 1
+    return list(found.values()) or [keys.write_probe_key(prefix)]  # no slot map yet

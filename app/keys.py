@@ -32,6 +32,7 @@ __all__ = [
     "tokens_channel",
     "wake_channel",
     "work_wake",
+    "write_probe_key",
 ]
 
 # -- per-run keys: the part after "<prefix>:{<run_id>}:" ------------------------------------
@@ -76,6 +77,10 @@ WAKE = "wake"  # pub/sub channel: "units became ready in a run" for long-polling
 # A wake-up names its run by the run's tag (see run_tag), followed by what woke up: nothing for
 # trainers (units became ready), WORK_WAKE for generators (prompts or staleness budget).
 WORK_WAKE = "work"
+
+# Never written: /readyz deletes it (under a hash tag, one per cluster master) to learn whether
+# Redis takes writes; the delete of a missing key is a write Redis refuses like any other.
+WRITE_PROBE = "writable"
 
 # The consumer group of every run's events stream: the accounting drain reads through it.
 CONSUMER_GROUP = "accounting"
@@ -154,6 +159,12 @@ def active_key(prefix: str) -> str:
 
 def audit_key(prefix: str) -> str:
     return f"{prefix}:{AUDIT}"
+
+
+def write_probe_key(prefix: str, tag: int = 0) -> str:
+    """The never-written key of :data:`WRITE_PROBE` under hash tag ``{tag}``: tags 0, 1, ...
+    land on every master of a cluster."""
+    return f"{prefix}:{WRITE_PROBE}:{{{tag}}}"
 
 
 def tokens_channel(prefix: str) -> str:

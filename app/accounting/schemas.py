@@ -216,7 +216,10 @@ class PromptPassRecord(BaseModel):
     pass_: int = Field(alias="pass", description="1 .. the prompt's epochs")
     attempt: int = Field(description="1 for the first hand-out; one more each time it came back")
     state: str = Field(description="queued, in_flight, done or failed")
-    tries: int = Field(description="Attempts whose group retired unused or whose lease expired")
+    tries: int = Field(
+        description="Attempts whose group retired unused, whose lease expired or that a stale "
+        "rollout ended"
+    )
 
 
 class PromptPage(BaseModel):

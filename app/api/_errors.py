@@ -19,7 +19,14 @@ from starlette.routing import compile_path
 
 from app.api._codec import describe_errors, render
 from app.api._direct import route_path
-from app.errors import OUTAGE_CANDIDATES, BrokerError, Unavailable, outage_of, status_name
+from app.errors import (
+    OUTAGE_CANDIDATES,
+    BrokerError,
+    Unavailable,
+    outage_of,
+    status_name,
+    write_refusal_of,
+)
 
 log = logging.getLogger("rollout_broker")
 
@@ -82,7 +89,8 @@ class PathMethods:
 
 def install_error_handlers(app: FastAPI) -> None:
     """One renderer for every error: ``{"error": Name, "detail": text}``. A request that fails
-    because Redis or Postgres cannot be reached is ``503 Unavailable`` with ``Retry-After``
+    because Redis or Postgres cannot be reached, or Redis refuses writes for now (NOREPLICAS,
+    READONLY, ...), is ``503 Unavailable`` with ``Retry-After``
     (the exceptions of :data:`app.errors.OUTAGE_CANDIDATES` that :func:`app.errors.outage_of`
     names an outage); it is answered here, so the server keeps the connection open. A ``405``
     lists every method of its path in ``Allow``."""
@@ -112,10 +120,13 @@ def install_error_handlers(app: FastAPI) -> None:
             return _internal(exc)
         outages.note(store, exc)
         retry_after_s: int = request.app.state.settings.retry_after_s
-        err = Unavailable(
-            f"{store} is unreachable ({type(exc).__name__}); try again in {retry_after_s} s",
-            retry_after_s=retry_after_s,
+        refused = write_refusal_of(exc)
+        what = (
+            f"{store} refuses writes for now ({refused})"
+            if refused is not None
+            else f"{store} is unreachable ({type(exc).__name__})"
         )
+        err = Unavailable(f"{what}; try again in {retry_after_s} s", retry_after_s=retry_after_s)
         return error_body(err.name, err.detail, err.status, err.headers)
 
     for cls in OUTAGE_CANDIDATES:

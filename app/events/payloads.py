@@ -317,8 +317,9 @@ class PassItem:
 class PassesChanged:
     cause: str = wire(
         "text",
-        note="`returned`, `expired` (work lease), `retired` (its group retired: the reason "
-        "is in `retired`), `acked` (first use)",
+        note="`returned`, `expired` (work lease), `rejected` (a rollout of its attempt was "
+        "rejected `stale`, in `rejected`: the attempt ended), `retired` (its group retired: the "
+        "reason is in `retired`), `acked` (first use)",
     )
     lease_id: str | None = wire("text", optional=True, note="the work lease, when one")
     items: tuple[PassItem, ...] = wire("items", of=PassItem)

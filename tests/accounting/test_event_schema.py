@@ -348,7 +348,7 @@ def check_meaning(s: Script, events: list[Event]) -> None:
                 (p["prompt_id"], p["pass"], p["attempt"]) for p in reply["prompts"]
             ]
         elif isinstance(body, PassesChanged):
-            assert body.cause in {"returned", "expired", "retired", "acked"}
+            assert body.cause in {"returned", "expired", "rejected", "retired", "acked"}
             assert (body.lease_id is None) == (body.cause in {"retired", "acked"})
             for item in body.items:
                 assert 1 <= item.pass_ <= s.registered[item.prompt_id]

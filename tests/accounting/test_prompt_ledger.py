@@ -26,7 +26,9 @@ from app.accounting.passes import MAX_PASSES, PassState
 from app.accounting.stream import EventStream
 from app.db import create_engine, create_sessionmaker, upgrade_to_head
 from app.events import Event, decode_entry
-from app.keys import CONSUMER_GROUP, dead_key, events_key
+from app.keys import CONSUMER_GROUP, PASS, dead_key, events_key, member_key
+from tests.api.support import set_policy
+from tests.helpers import make_run, post, rollout
 from tests.services import DATABASE_PREFIX, PG_URL, drop_database, url_of_database
 from workers.drain import DrainContext, drain_once
 
@@ -391,6 +393,51 @@ async def test_prompt_ids_are_listed_in_bytewise_order_whatever_the_locale(
     finally:
         await engine.dispose()
         await drop_database(name)
+
+
+# --- against the broker's live state ---------------------------------------------------------
+
+_LIVE_STATE = {"q": "queued", "w": "in_flight", "b": "in_flight", "d": "done", "f": "failed"}
+
+
+async def _live_passes(redis: Redis, prefix: str, run: str, *pids: str) -> list[dict[str, Any]]:
+    """Pass 1 of each prompt as the broker holds it, in the prompt listing's form."""
+    out = []
+    for pid in sorted(pids):
+        f = await redis.hmget(member_key(prefix, run, PASS, f"{pid}#1"), "st", "att", "tries")
+        st, att, tries = (x.decode() for x in f)
+        out.append(
+            {"prompt_id": pid, "pass": 1, "attempt": int(att), "state": _LIVE_STATE[st],
+             "tries": int(tries)}
+        )  # fmt: skip
+    return out
+
+
+async def test_a_prompt_lost_to_a_stale_rollout_is_queued_in_the_ledger_as_live(
+    api: httpx.AsyncClient, redis: Redis, prefix: str, make_ctx: Callable[..., DrainContext]
+) -> None:
+    """A work lease's rollout rejected `stale` ends its attempt: the ledger sees the pass go
+    back to the queue, as the broker holds it."""
+    run = "stale-work"
+    await make_run(api, run, group_size=1, step_groups=1, max_staleness=0)
+    body = {"prompts": [{"prompt_id": p} for p in ("p0", "p1", "p2")]}
+    assert (await api.post(f"/v1/runs/{run}/prompts", json=body)).status_code == 202
+    work = (await api.post(f"/v1/runs/{run}/work", json={"max_prompts": 1})).json()
+    [p0] = work["prompts"]
+    await set_policy(api, run, 1)
+    resp = await post(api, run, rollout("p0-a", 0, group=p0["group_id"]))
+    assert resp.json()["rejected"] == [{"rollout_id": "p0-a", "reason": "stale"}]
+    await drain_all(make_ctx())
+
+    live = await _live_passes(redis, prefix, run, "p0", "p1", "p2")
+    assert live[0] == {"prompt_id": "p0", "pass": 1, "attempt": 2, "state": "queued", "tries": 1}
+    assert (await api.get(f"/v1/runs/{run}/prompts")).json()["prompts"] == live
+    acc = (await api.get(f"/v1/runs/{run}/accounting")).json()
+    assert acc["pending_events"] == 0 and acc["dead_letters"] == 0
+    assert acc["prompts"] == {
+        "registered": 3, "queued": 3, "in_flight": 0, "done": 0, "failed": 0, "retried": 1
+    }  # fmt: skip
+    assert acc["rejected"] == {"stale": 1}
 
 
 # --- events that cannot be applied -----------------------------------------------------------

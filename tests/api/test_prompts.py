@@ -18,6 +18,7 @@ from tests.api.support import (
     events,
     fail_over_before_first,
     replica_of,
+    retired,
     set_policy,
 )
 from tests.helpers import ack, lease, make_run, post, rollout
@@ -304,6 +305,68 @@ async def test_a_group_that_retires_unused_sends_its_prompt_back_until_max_attem
         ("retired", ["a", 1, 2, "queued", 1]),
         ("retired", ["a", 1, 2, "failed", 2]),
     ]
+
+
+async def test_a_work_rollout_rejected_stale_sends_its_prompt_back_at_once(api, redis, prefix):
+    await make_run(api, "r", group_size=1, step_groups=1, max_staleness=0)
+    await register(api, "r", "p0", "p1", "p2")
+    got = await work(api, "r", 1)
+    assert got is not None and handed(got) == [("p0", 1, 1)]
+    p0 = got["prompts"][0]
+    await set_policy(api, "r", 1)
+    out = (await post(api, "r", rollout("p0-a", 0, group=p0["group_id"]))).json()
+    assert out["accepted"] == 0 and out["rejected"] == [{"rollout_id": "p0-a", "reason": "stale"}]
+    # The attempt is over: p0 is queued at its next attempt (a try, like a group that retires
+    # unused), and its place in the budget is free: at version 1 two groups fit.
+    assert await pass_events(redis, prefix, "r") == [("rejected", ["p0", 1, 2, "queued", 1])]
+    again = await work(api, "r", 5)
+    assert again is not None and handed(again) == [("p0", 1, 2), ("p1", 1, 1)]
+    # A later rollout of the lost attempt is refused as such.
+    late = (await post(api, "r", rollout("p0-b", 1, group=p0["group_id"]))).json()
+    assert late["rejected"] == [{"rollout_id": "p0-b", "reason": "stale_attempt"}]
+
+
+async def test_a_stale_member_retires_its_whole_attempt(api, redis, prefix):
+    await make_run(api, "r", group_size=2, max_staleness=1, max_attempts=2)
+    await register(api, "r", "a", "b")
+    got = await work(api, "r", 2)
+    assert got is not None
+    a, b = got["prompts"]
+    await set_policy(api, "r", 1)
+    # Half of a's group comes in fresh; its other half comes in stale, after a step too many.
+    assert (await post(api, "r", rollout("a-0", 1, group=a["group_id"]))).json()["accepted"] == 1
+    await set_policy(api, "r", 2)
+    out = (await post(api, "r", rollout("a-1", 0, group=a["group_id"]))).json()
+    assert out["rejected"] == [{"rollout_id": "a-1", "reason": "stale"}]
+    # The group can never complete: its first half retires and a goes back to the queue.
+    assert await retired(redis, prefix, "r") == {"incomplete_group": ["a-0"]}
+    # In one request, a stale member takes its fresh fellow with it; b's lease is now over.
+    out = (
+        await post(
+            api,
+            "r",
+            rollout("b-0", 2, group=b["group_id"]),
+            rollout("b-1", 0, group=b["group_id"]),
+        )
+    ).json()
+    assert out["accepted"] == 0 and out["rejected"] == [
+        {"rollout_id": "b-0", "reason": "stale_attempt"},
+        {"rollout_id": "b-1", "reason": "stale"},
+    ]
+    assert await pass_events(redis, prefix, "r") == [
+        ("rejected", ["a", 1, 2, "queued", 1]),
+        ("rejected", ["b", 1, 2, "queued", 1]),
+    ]
+    # Neither prompt is the lease's any more: it is complete.
+    lease_key = keys.member_key(prefix, "r", keys.WORK, got["lease_id"])
+    assert await redis.hget(lease_key, "st") == b"c"
+    again = await work(api, "r", 5)
+    assert again is not None and handed(again) == [("a", 1, 2), ("b", 1, 2)]
+    # Lost to staleness a second time, with max_attempts 2, a has failed.
+    await set_policy(api, "r", 4)
+    out = (await post(api, "r", rollout("a-2", 2, group=again["prompts"][0]["group_id"]))).json()
+    assert out["rejected"] == [{"rollout_id": "a-2", "reason": "stale"}]
+    assert ("rejected", ["a", 1, 2, "failed", 2]) in await pass_events(redis, prefix, "r")
 
 
 async def test_a_zero_variance_group_is_done(api, redis, prefix):

@@ -53,6 +53,27 @@ async def test_a_generator_waiting_for_budget_is_woken_by_the_next_version(api, 
     assert resp.status_code == 200 and resp.json()["prompts"][0]["prompt_id"] == "b"
 
 
+async def test_a_waiting_generator_is_woken_by_a_prompt_a_stale_rollout_sent_back(
+    api, redis, prefix
+):
+    await make_run(api, "r", max_staleness=0)
+    await make_run(api, "idle")
+    await api.post("/v1/runs/r/prompts", json={"prompts": [{"prompt_id": "a"}]})
+    first = (await api.post("/v1/runs/r/work", json={"max_prompts": 1})).json()
+    assert (await api.post("/v1/runs/r/policy", json={"version": 1})).status_code == 200
+    waiting = work_poll(api, "r", 20)
+    await until_generator_waits(redis, prefix, "r")
+    idle = work_poll(api, "idle", 4)
+    # The request also admits a rollout of its own: the budget's count is unchanged, yet a
+    # prompt came back.
+    out = await post(
+        api, "r", rollout("own", 1), rollout("a-0", 0, group=first["prompts"][0]["group_id"])
+    )
+    assert out.json()["rejected"] == [{"rollout_id": "a-0", "reason": "stale"}]
+    resp = await answered_before(waiting, idle)
+    assert resp.status_code == 200 and resp.json()["prompts"][0]["group_id"] == "a#1.2"
+
+
 async def test_a_generator_waiting_on_one_process_is_woken_through_another(
     api_servers, redis, prefix
 ):

@@ -5,7 +5,11 @@
 --       tokens, reward (exact decimal text), blob.
 -- A group id that names a prompt attempt ('<prompt_id>#<pass>.<attempt>' of a registered
 -- prompt) makes its rollouts that attempt's group; an attempt that is over (expired, returned,
--- retried) rejects them as 'stale_attempt'.
+-- retried) rejects them as 'stale_attempt'. A rollout of an attempt still in its work lease that
+-- is rejected 'stale' ends the attempt, whose group can no longer complete: the pass goes back
+-- to the queue at its next attempt (a try, as when its group retires unused), what its group
+-- already holds retires ('incomplete_group'), and its other rollouts in the request are
+-- 'stale_attempt'.
 -- Returns ok(accepted, duplicates, { {rollout_id, reason}, ... }) | err('run_missing')
 --       | err('group_missing', rollout_id) | err('group_done', group_id)
 --       | err('group_overflow', group_id, would_have, group_size)
@@ -22,9 +26,9 @@ local pending = {}   -- unit -> members this request adds
 local attempts = {}  -- group id -> {pk, att, live}: the prompt attempt it names, or false
 local accepted = 0
 
--- The prompt attempt a group id names: {pk, att, live, seq} (live: handed out and not yet
--- over; seq: its place in arrival order, taken when it was handed out), or false for a group
--- of a generator that works on its own.
+-- The prompt attempt a group id names: {pk, att, live, seq, open} (live: handed out and not
+-- yet over; seq: its place in arrival order, taken when it was handed out; open: live and its
+-- group not yet complete), or false for a group of a generator that works on its own.
 local function attempt_of(gid)
   local a = attempts[gid]
   if a == nil then
@@ -32,7 +36,8 @@ local function attempt_of(gid)
     local pk, att = group_pass(gid)
     if pk then
       local f = redis.call('HMGET', ppkey(pk), 'st', 'att', 'useq')
-      a = { pk, att, (f[1] == 'w' or f[1] == 'b') and tonumber(f[2]) == att, tonumber(f[3]) }
+      local live = (f[1] == 'w' or f[1] == 'b') and tonumber(f[2]) == att
+      a = { pk, att, live, tonumber(f[3]), live and f[1] == 'w' }
     end
     attempts[gid] = a
   end
@@ -46,6 +51,26 @@ local known = {}
 for i = 1, n, 1000 do
   local part = redis.call('SMISMEMBER', SEEN, unpack(ids, i, math.min(i + 999, n)))
   for j, x in ipairs(part) do known[i + j - 1] = x == 1 end
+end
+
+-- The open attempts a new rollout of this request loses to staleness, by their canonical group
+-- id, in request order: they end after the writes.
+local lost, lost_order = {}, {}
+if R.st ~= 'closed' then
+  local first = {}
+  for i = 1, n do
+    local o = 2 + (i - 1) * 6
+    local rid, gid = ARGV[o + 1], ARGV[o + 2]
+    local work = not known[i] and not first[rid] and gid ~= '' and attempt_of(gid)
+    first[rid] = true
+    if work and work[5] and version_reason(tonumber(ARGV[o + 3])) then
+      local g = attempt_group(work[1], work[2])
+      if not lost[g] then
+        lost[g] = work
+        table.insert(lost_order, g)
+      end
+    end
+  end
 end
 
 for i = 1, n do
@@ -65,6 +90,8 @@ for i = 1, n do
     elseif version_reason(v) then
       -- Below the kl_flush floor too: as far off-policy as what the flush retired.
       fate[i] = 'stale'
+    elseif work and lost[attempt_group(work[1], work[2])] then
+      fate[i] = 'stale_attempt'  -- a fellow member of its group was rejected 'stale'
     else
       fate[i] = 'ok'
       accepted = accepted + 1
@@ -192,6 +219,12 @@ for i = 1, n do
   end
 end
 if seq then redis.call('HSET', RUN, 'seq', I(seq)) end
+for _, g in ipairs(lost_order) do
+  local pk = lost[g][1]
+  local pf = pass_fields(pk)
+  requeue(pk, pf, 'rejected', pf[4], true)
+  retire_open('g:' .. g, 'incomplete_group')
+end
 each_chunk(seen, 1000, function(...) redis.call('SADD', SEEN, ...) end)
 -- Written before finish() deletes the blobs of any group this request completed and retired.
 each_chunk(blobs, 200, function(...) redis.call('MSET', ...) end)

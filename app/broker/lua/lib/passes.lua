@@ -67,6 +67,7 @@ local function requeue(pk, f, cause, lease_id, counts)
     redis.call('HSET', ppkey(pk), 'st', 'q', 'att', att, 'tries', tries)
     redis.call('HDEL', ppkey(pk), 'lease')
     redis.call('ZADD', PQ, pass_score(pk, tonumber(f[5])), pk)
+    WORK_WOKE = true  -- a prompt came free
     note_pass(cause, lease_id, pk, att, 'q', tries)
   end
 end
