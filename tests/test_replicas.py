@@ -12,7 +12,6 @@ import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -97,7 +96,7 @@ async def test_a_write_is_answered_only_once_its_replica_has_it(pair: Pair, own_
         assert TIMEOUT_MS / 1000 <= took < TIMEOUT_MS / 1000 + 2, took
         assert (caught.value.wanted, caught.value.acknowledged) == (1, 0)
         assert caught.value.headers == {"Retry-After": "1"}
-        assert await pair.master.exists(blob) == 1  # made on the master: a resend must be idempotent
+        assert await pair.master.exists(blob) == 1  # made on the master: resends must be idempotent
         # The resend finds a duplicate and changes nothing; it is still not an answer to send
         # while the first try's write is on the master alone.
         with pytest.raises(NotReplicated):
