@@ -97,13 +97,40 @@ async def test_a_write_is_answered_only_once_its_replica_has_it(pair: Pair, own_
         assert (caught.value.wanted, caught.value.acknowledged) == (1, 0)
         assert caught.value.headers == {"Retry-After": "1"}
         assert await pair.master.exists(blob) == 1  # made on the master: resends must be idempotent
-        # The resend finds a duplicate and changes nothing; it is still not an answer to send
-        # while the first try's write is on the master alone.
-        with pytest.raises(NotReplicated):
-            await store.ingest("r", [packed("a")])
-    outcome = await store.ingest("r", [packed("a")])
+        # The resend, through another connection (as through another API process), finds a
+        # duplicate and changes nothing; it is still not an answer to send while the first
+        # try's write is on the master alone.
+        async with Redis(port=pair.primary.port) as other:
+            again = RedisStore(other, own_prefix, Replicas(other, 1, TIMEOUT_MS))
+            with pytest.raises(NotReplicated):
+                await again.ingest("r", [packed("a")])
+    async with Redis(port=pair.primary.port) as other:
+        again = RedisStore(other, own_prefix, Replicas(other, 1, TIMEOUT_MS))
+        outcome = await again.ingest("r", [packed("a")])
     assert (outcome.accepted, outcome.duplicates) == (0, 1)
     assert await pair.replica.exists(blob) == 1  # what the answer relied on is on the replica
+
+
+async def test_a_repeat_that_writes_nothing_waits_for_the_write_it_repeats(
+    pair: Pair, own_prefix: str
+):
+    """A repeated nack changes nothing, so Redis propagates nothing and WAIT alone would count
+    the replicas at once; the barrier write makes it wait for the first nack's write."""
+    store = RedisStore(pair.master, own_prefix, Replicas(pair.master, 1, TIMEOUT_MS))
+    await store.create_run("r", RunConfig())
+    await store.ingest("r", [packed("a")])
+    got = await store.lease(
+        "r", batch_id="b", size=1, policy_version=None, partial=False, trainer_id=None
+    )
+    assert not isinstance(got, int)
+    async with Redis(port=pair.primary.port) as other:  # as another API process's connection
+        again = RedisStore(other, own_prefix, Replicas(other, 1, TIMEOUT_MS))
+        with pair.replica_frozen():
+            with pytest.raises(NotReplicated):
+                await store.nack("r", "b")
+            with pytest.raises(NotReplicated):
+                await again.nack("r", "b")
+        assert await again.nack("r", "b") == ("repeat", 1)
 
 
 async def test_a_refusal_waits_too(pair: Pair, own_prefix: str):
@@ -112,6 +139,14 @@ async def test_a_refusal_waits_too(pair: Pair, own_prefix: str):
     await store.create_run("r", RunConfig())
     with pair.replica_frozen(), pytest.raises(NotReplicated):
         await store.create_run("r", RunConfig(max_reuse=2))  # else StoreError('run_conflict')
+
+
+async def test_a_master_that_lost_its_scripts_is_given_them_again(pair: Pair, own_prefix: str):
+    store = RedisStore(pair.master, own_prefix, Replicas(pair.master, 1, TIMEOUT_MS))
+    await pair.master.script_flush()  # as after a restart or a failover
+    assert await store.create_run("r", RunConfig()) == "created"
+    outcome = await store.ingest("r", [packed("a")])
+    assert outcome.accepted == 1
 
 
 async def test_with_the_setting_off_no_wait_is_sent(pair: Pair, own_prefix: str):
@@ -229,6 +264,8 @@ async def test_on_a_cluster_the_runs_own_master_waits_for_its_replica(
     prefix = new_prefix()
     cluster: RedisCluster = cluster_client(replicated_cluster.url)
     store = RedisStore(cluster, prefix, Replicas(cluster, 1, TIMEOUT_MS))  # type: ignore[arg-type]
+    other: RedisCluster = cluster_client(replicated_cluster.url)  # as another API process's
+    again = RedisStore(other, prefix, Replicas(other, 1, TIMEOUT_MS))  # type: ignore[arg-type]
     replica = _replica_port(replicated_cluster, keys.run_key(prefix, "r"))
     frozen = replicated_cluster.procs[replica]
     try:
@@ -238,10 +275,10 @@ async def test_on_a_cluster_the_runs_own_master_waits_for_its_replica(
             with pytest.raises(NotReplicated):
                 await store.ingest("r", [packed("a")])
             with pytest.raises(NotReplicated):
-                await store.ingest("r", [packed("a")])
+                await again.ingest("r", [packed("a")])  # another connection: a duplicate
         finally:
             frozen.send_signal(signal.SIGCONT)
-        outcome = await store.ingest("r", [packed("a")])
+        outcome = await again.ingest("r", [packed("a")])
         assert (outcome.accepted, outcome.duplicates) == (0, 1)
         with SyncRedis(port=replica) as r:
             r.execute_command("READONLY")
@@ -249,3 +286,4 @@ async def test_on_a_cluster_the_runs_own_master_waits_for_its_replica(
     finally:
         await delete_prefix(cluster, prefix)  # type: ignore[arg-type]
         await cluster.aclose()
+        await other.aclose()
