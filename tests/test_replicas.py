@@ -26,6 +26,7 @@ from app.accounting.drain import DrainOptions
 from app.broker.config import RunConfig
 from app.broker.store import RedisStore
 from app.errors import NotReplicated
+from app.health import replicas_check
 from app.main import create_app
 from app.replicas import Replicas
 from app.settings import Settings
@@ -216,6 +217,18 @@ async def test_an_ingest_unreplicated_is_a_503_and_its_resend_counts_once(
     assert acc["pending_events"] == 0, acc
 
 
+async def test_readiness_counts_each_masters_replicas(
+    pair: Pair, replicated_api: httpx.AsyncClient
+):
+    resp = await replicated_api.get("/readyz")
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["checks"]["replicas"] == "ok"
+    assert await replicas_check(pair.master, 1) == "ok"
+    assert await replicas_check(pair.master, 2) == (
+        "1 connected, 2 asked for (BROKER_REDIS_WAIT_REPLICAS)"
+    )
+
+
 async def test_the_drain_commits_no_event_its_replica_lacks(
     pair: Pair, own_prefix: str, replicated_api: httpx.AsyncClient, sessionmaker: Any
 ):
@@ -280,6 +293,8 @@ async def test_on_a_cluster_the_runs_own_master_waits_for_its_replica(
             frozen.send_signal(signal.SIGCONT)
         outcome = await again.ingest("r", [packed("a")])
         assert (outcome.accepted, outcome.duplicates) == (0, 1)
+        assert await replicas_check(cluster, 1) == "ok"
+        assert (await replicas_check(cluster, 2)).startswith("1 connected")
         with SyncRedis(port=replica) as r:
             r.execute_command("READONLY")
             assert r.exists(keys.member_key(prefix, "r", keys.BLOB, "a")) == 1
