@@ -60,7 +60,9 @@ async def move_actions(request: Request, run_id: str) -> bool:
         await actions.moved(run_id)
     except Exception:  # the action is made: its answer is its success
         log.warning(
-            "moving run %r's audit entries failed; the audit loop will", run_id, exc_info=True
+            "moving the audit entries of run %r failed: the audit loop moves them later",
+            run_id,
+            exc_info=True,
         )
         return False
     return True
