@@ -1,6 +1,8 @@
 """Who is calling: the identity the access guard gives every request it lets through, which each
-domain's endpoints read (may this caller touch that run?) without knowing tokens or scopes, and
-the log of operator actions they write to (``ActionLog``; the access domain keeps it)."""
+domain's endpoints read (may this caller touch that run?) without knowing tokens or scopes; the
+entry of an operator action in the audit log (:func:`action_entry`), which the broker's scripts
+write to the run's outbox with the change; and the log that moves those entries on
+(``ActionLog``; the access domain keeps it)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import orjson
+
 from app.errors import Forbidden
 
-__all__ = ["ActionLog", "Caller", "check_run", "run_matches"]
+__all__ = ["ActionLog", "Caller", "action_entry", "action_fields", "check_run", "run_matches"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +52,29 @@ def check_run(caller: Caller, run_id: str) -> None:
         raise Forbidden(f"token {caller.name!r} may not touch run {run_id!r}")
 
 
-class ActionLog(Protocol):
-    """Where an operator action on run state is recorded, as its caller (the audit log)."""
+def action_fields(
+    caller: Caller, action: str, run_id: str | None, detail: Mapping[str, Any]
+) -> dict[str, Any]:
+    """An audit log entry but its time: who (the token's name and id) did what, to which run,
+    with what."""
+    return {
+        "actor": caller.name,
+        "token_id": caller.token_id,
+        "action": action,
+        "run_id": run_id,
+        "detail": dict(detail),
+    }
 
-    async def record(
-        self, caller: Caller, action: str, run_id: str | None, detail: Mapping[str, Any]
-    ) -> None: ...
+
+def action_entry(caller: Caller, action: str, run_id: str, detail: Mapping[str, Any]) -> bytes:
+    """The entry of an action on a run as its script writes it to the run's outbox (field
+    ``e``); the outbox's stream id tells when."""
+    return orjson.dumps(action_fields(caller, action, run_id, detail))
+
+
+class ActionLog(Protocol):
+    """The audit log, as the endpoints of run actions see it: each action's script wrote its
+    entry to the run's outbox; :meth:`moved` moves the run's outbox into the log now (raising
+    when it cannot: the audit worker loop moves it later)."""
+
+    async def moved(self, run_id: str) -> int: ...

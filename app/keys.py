@@ -23,6 +23,7 @@ __all__ = [
     "every_key",
     "lua_prologue",
     "member_key",
+    "outbox_key",
     "run_base",
     "run_key",
     "run_of_wake",
@@ -53,6 +54,10 @@ PROMPT_QUEUE = "pq"  # zset: queued prompt passes, by (pass, registration seq)
 PROMPTS_SEEN = "pseen"  # set: every prompt_id ever registered (idempotency)
 WORK_LEASES = "wleases"  # zset: live work leases by expiry ms
 WORK_WAITING = "wwaiting"  # string with a TTL: a generator is long-polling the run
+# stream: the run's operator actions (audit log entries), each written by the script that makes
+# the change, in the same call; app/access/audit.py moves them into Postgres. A delete keeps it
+# until the run leaves RUNS.
+OUTBOX = "audit"
 # Never written. Every script declares it beside RUN (see script_keys): while the run's slot is
 # being moved between cluster nodes, a script that declares a key the node lacks is refused
 # before it runs (TRYAGAIN or ASK), instead of failing half-way on a key already moved.
@@ -74,10 +79,13 @@ PROMPT = "pb:"  # string per prompt: the packed prompt (prompt_ids and data)
 WORK = "w:"  # hash per work lease: state, version, expiry, its passes, groups still open
 
 # -- global keys and channels: the part after "<prefix>:" ------------------------------------
-RUNS = "runs"  # zset: every run id by creation ms (listing); a deleted run leaves it
+# zset: every run id by creation ms (listing); a deleted run leaves it once its outbox has moved
+RUNS = "runs"
 ACTIVE = "active"  # zset: the runs the workers visit, by activation token (see store.py)
 DRAIN_CONSUMERS = "drain:consumers"  # zset: every accounting drain consumer by heartbeat ms
-AUDIT = "audit"  # stream: operator actions on their way to Postgres (app/access/audit.py)
+# stream: operator actions, written after each change by versions before the runs' outboxes
+# (OUTBOX); the audit worker loop still moves what is left of it into Postgres
+AUDIT = "audit"
 TOKENS = "tokens"  # pub/sub channel: the id of a revoked token, for every process's cache
 WAKE = "wake"  # pub/sub channel: "units became ready in a run" for long-polling trainers
 # A wake-up names its run by the run's tag (see run_tag), followed by what woke up: nothing for
@@ -113,6 +121,7 @@ LUA_KEYS: dict[str, str] = {
     "PSEEN": PROMPTS_SEEN,
     "WLEASES": WORK_LEASES,
     "WWAITING": WORK_WAITING,
+    "AUD": OUTBOX,
 }
 LUA_FAMILIES: dict[str, str] = {
     "qvkey": VERSION_QUEUE,
@@ -158,6 +167,10 @@ def events_key(prefix: str, run_id: str) -> str:
 
 def dead_key(prefix: str, run_id: str) -> str:
     return run_key(prefix, run_id, DEAD)
+
+
+def outbox_key(prefix: str, run_id: str) -> str:
+    return run_key(prefix, run_id, OUTBOX)
 
 
 def runs_key(prefix: str) -> str:

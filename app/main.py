@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app import __version__, allocator, health, keys, metrics, ui
 from app.access import endpoints as access_endpoints
 from app.access import openapi as access_openapi
-from app.access.audit import StreamActionLog
+from app.access.audit import OutboxLog
 from app.access.guard import guard
 from app.access.tokens import TokenCache
 from app.accounting import endpoints as accounting_endpoints
@@ -100,11 +100,14 @@ def _lifespan(
         app.state.settings = settings
         app.state.redis = redis
         app.state.broker = broker
-        app.state.action_log = StreamActionLog(redis, keys.audit_key(settings.redis_prefix))
+        app.state.action_log = None  # without a database, outboxes wait for one
         engine = database_engine(settings)
         if engine is not None:
             app.state.db_engine = engine
             app.state.db_sessionmaker = create_sessionmaker(engine)
+            app.state.action_log = OutboxLog(
+                redis, settings.redis_prefix, app.state.db_sessionmaker
+            )
             app.state.readiness_probe = lambda: database_checks(engine)
         if settings.auth:
             admin = settings.admin_token

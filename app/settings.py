@@ -149,7 +149,7 @@ class Settings(BaseSettings):
         default=1.0,
         gt=0,
         le=60,
-        description="Seconds between moves of the audit log's new entries into Postgres",
+        description="Seconds between the workers' moves of audit entries left in Redis",
     )
     retry_after_s: int = Field(default=1, ge=1, le=3600)
     worker_heartbeat_file: Path | None = Field(

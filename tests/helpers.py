@@ -11,7 +11,11 @@ from typing import Any
 import httpx
 from redis.asyncio import Redis
 
+from app.caller import Caller
 from app.keys import WAITING, run_key
+
+OPS = Caller(token_id="t-ops", name="ops", scopes=frozenset({"operate"}))
+"""An operator, for the broker's run actions called without HTTP (their audit entries name it)."""
 
 
 def rollout(

@@ -1,7 +1,8 @@
-"""The audit loop: moves the audit stream's entries into Postgres (``app.access.audit.flush``)
-every ``interval`` seconds, run by ``workers.runner.run_workers`` beside the drain. Several
-processes may run it at once: each entry is inserted once. Reading the audit log does not
-wait for it (``app.access.audit.entries`` reads the stream too)."""
+"""The audit loop: every ``interval`` seconds, moves into Postgres the entries left in the runs'
+outboxes (``app.access.audit.move_all``): those whose move right after their action failed (or
+whose API process died first), and what an older version left in its stream. Run by
+``workers.runner.run_workers`` beside the drain. Several processes may run it at once: each
+entry is inserted once."""
 
 from __future__ import annotations
 
@@ -22,18 +23,18 @@ log = logging.getLogger(__name__)
 
 async def run_audit(
     redis: Redis,
-    stream: str,
+    prefix: str,
     sessionmaker: async_sessionmaker[AsyncSession],
     interval: float,
     stop: asyncio.Event,
     done: Callable[[], None] = lambda: None,
 ) -> None:
     """Move entries until ``stop`` is set; ``done`` is called after each pass that succeeded.
-    Redis or Postgres outages are waited out: an entry leaves the stream only once it is in
+    Redis or Postgres outages are waited out: an entry leaves its outbox only once it is in
     Postgres."""
     while not stop.is_set():
         try:
-            await audit.flush(redis, stream, sessionmaker)
+            await audit.move_all(redis, prefix, sessionmaker)
             done()
         except Exception:  # keep moving: a blip must not end the loop
             log.warning("moving the audit log into Postgres failed", exc_info=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from app import keys
 from app.accounting.drain import DrainOptions
 from app.db import create_sessionmaker
 from app.settings import Settings
@@ -51,7 +50,7 @@ async def run_workers(settings: Settings, stop: asyncio.Event) -> None:
         loops.append(
             run_audit(
                 redis,
-                keys.audit_key(settings.redis_prefix),
+                settings.redis_prefix,
                 sessionmaker,
                 settings.audit_interval_s,
                 stop,

@@ -1,34 +1,35 @@
 """The audit log of operator actions (SPEC "Access control"): who (the token's name) did what,
 to which run, when, with what.
 
-A run action changes Redis, so its entry is written there too, right after the change, to the
-stream ``<prefix>:audit`` (:func:`record`); :func:`flush` moves entries into Postgres
-(idempotently: each keeps its stream id), from the audit worker loop (workers/audit.py). A token
-action changes Postgres, so its entry is written in the same transaction (:func:`add`).
-
-Reading (:func:`entries`) writes nothing: an entry not yet moved is read from the stream, and
-listed above the rows, where the move will put it (a move gives the entries row ids above every
-row's, in stream order). Until then its ``id`` is made of its stream id (:func:`pending_id`),
-above every row id; a cursor of either kind pages on as if every entry had been moved at once.
+A run action changes Redis, so its entry is written there, by the script that makes the change,
+in the same call: to the run's outbox, the stream ``<prefix>:{<run_id>}:audit``
+(``app.caller.action_entry``, ``lua/lib/audit.lua``). :func:`move_run` moves a run's outbox into
+Postgres, right after each action (:class:`OutboxLog`), and :func:`move_all` every run's, from
+the audit worker loop (workers/audit.py), with what is left in the stream ``<prefix>:audit``
+that versions before the outboxes wrote. Each entry keeps where it came from (``source``,
+unique), so a move made twice (after a crash, or by two processes at once) inserts it once, and
+leaves the stream only once it is in Postgres. A token action changes Postgres, so its entry is
+written in the same transaction (:func:`add`). Reading (:func:`entries`) reads the rows only.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Final
 
 import orjson
 from redis.asyncio import Redis
-from sqlalchemy import BigInteger, cast, func, or_, select, tuple_
+from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from app import keys
 from app.access.models import AuditEntry
-from app.caller import Caller
+from app.caller import Caller, action_fields
 
-FLUSH_BATCH: Final = 500
+FLUSH_BATCH: Final = 500  # entries one read of a stream takes, and rows one INSERT writes
+RUN_CHUNK: Final = 1000  # runs whose outboxes one pipelined read takes
 
 ACTIONS: Final = (
     "run.create",
@@ -40,45 +41,7 @@ ACTIONS: Final = (
     "token.revoke",
 )
 
-
-def _fields(
-    caller: Caller, action: str, run_id: str | None, detail: Mapping[str, Any]
-) -> dict[str, Any]:
-    return {
-        "actor": caller.name,
-        "token_id": caller.token_id,
-        "action": action,
-        "run_id": run_id,
-        "detail": dict(detail),
-    }
-
-
-async def record(
-    redis: Redis,
-    stream: str,
-    caller: Caller,
-    action: str,
-    run_id: str | None,
-    detail: Mapping[str, Any],
-) -> None:
-    """Write a run action's entry to the audit stream (Postgres gets it at the next flush)."""
-    entry = _fields(caller, action, run_id, detail)
-    entry["at_ms"] = int(time.time() * 1000)
-    await redis.xadd(stream, {"e": orjson.dumps(entry)})
-
-
-class StreamActionLog:
-    """The :class:`app.caller.ActionLog` of the API processes: run actions go to the audit stream
-    (:func:`record`)."""
-
-    def __init__(self, redis: Redis, stream: str) -> None:
-        self.redis = redis
-        self.stream = stream
-
-    async def record(
-        self, caller: Caller, action: str, run_id: str | None, detail: Mapping[str, Any]
-    ) -> None:
-        await record(self.redis, self.stream, caller, action, run_id, detail)
+Sessions = async_sessionmaker[AsyncSession]
 
 
 def add(
@@ -89,147 +52,173 @@ def add(
     detail: Mapping[str, Any],
 ) -> None:
     """Add a token action's entry to the caller's Postgres transaction."""
-    session.add(AuditEntry(at=datetime.now(UTC), **_fields(caller, action, run_id, detail)))
-
-
-def _decoded(sid: Any, fields: Any) -> dict[str, Any] | None:
-    """The row of one stream entry (None for an entry Redis reports without fields)."""
-    if sid is None or fields is None:
-        return None
-    source = sid.decode() if isinstance(sid, bytes) else str(sid)
-    entry = orjson.loads(fields.get(b"e") or fields.get("e") or b"{}")
-    at = datetime.fromtimestamp(entry.pop("at_ms") / 1000, UTC)
-    return {**entry, "at": at, "source": source}
-
-
-async def flush(redis: Redis, stream: str, sessionmaker: async_sessionmaker[AsyncSession]) -> int:
-    """Move every entry of the audit stream into Postgres; returns how many moved. Safe to run
-    in several processes at once: an entry is inserted once (its stream id is unique) and
-    removed from the stream only once it is in Postgres."""
-    moved = 0
-    while True:
-        batch = await redis.xrange(stream, count=FLUSH_BATCH)
-        if not batch:
-            return moved
-        rows = [row for sid, fields in batch if (row := _decoded(sid, fields)) is not None]
-        if rows:
-            async with sessionmaker() as session, session.begin():
-                await session.execute(
-                    insert(AuditEntry)
-                    .values(rows)
-                    .on_conflict_do_nothing(index_elements=["source"])
-                )
-        await redis.xdel(stream, *(row["source"] for row in rows))
-        moved += len(batch)
-        if len(batch) < FLUSH_BATCH:
-            return moved
-
-
-# Row ids count the entries: they stay far below this, and every id made of a stream id
-# (milliseconds since 1970 times 1000, plus the sequence) is above it.
-PENDING_MIN: Final = 10**15
-
-
-def pending_id(source: str) -> int:
-    """The ``id`` an entry still in the stream is listed with, in stream order (an entry's
-    sequence number within its millisecond is below 1000: each is an HTTP request)."""
-    ms, seq = source.split("-")
-    return int(ms) * 1000 + int(seq)
-
-
-def _source_of(pending: int) -> tuple[int, int]:
-    return divmod(pending, 1000)
-
-
-def _visible(row: Mapping[str, Any], caller: Caller, run_id: str | None) -> bool:
-    """The filter of :func:`entries`' query, on an entry of the stream."""
-    if run_id is not None and row.get("run_id") != run_id:
-        return False
-    return caller.every_run or row.get("run_id") is not None
+    session.add(AuditEntry(at=datetime.now(UTC), **action_fields(caller, action, run_id, detail)))
 
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-async def _pending(
-    redis: Redis, stream: str, caller: Caller, run_id: str | None, n: int, below: str | None
-) -> list[AuditEntry]:
-    """Up to ``n`` entries of the stream, newest first, below stream id ``below``: read only
-    (XREVRANGE), as transient rows that no session holds."""
-    out: list[AuditEntry] = []
-    top = "+" if below is None else f"({below}"
-    while len(out) < n:
-        batch = await redis.xrevrange(stream, max=top, min="-", count=FLUSH_BATCH) or []
-        for sid, fields in batch:
-            row = _decoded(sid, fields)
-            if row is not None and _visible(row, caller, run_id):
-                out.append(AuditEntry(id=pending_id(row["source"]), **row))
-        if len(batch) < FLUSH_BATCH:
-            break
-        top = "(" + _text(batch[-1][0])
-    return out[:n]
+def _rows(
+    batch: Sequence[Any] | None, run_id: str | None
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """The rows of stream entries read from ``run_id``'s outbox (None: the old stream), and
+    their stream ids. The ``source`` of an outbox's entry is ``<stream id>-<run_id>`` (two
+    runs' outboxes may give one id; the stream id first, as the readers of the version before
+    the outboxes parse it), the old stream's its stream id alone (what its movers wrote). Its
+    time is the stream id's, or, in the old stream, the ``at_ms`` it carries."""
+    rows, ids = [], []
+    for sid, fields in batch or ():
+        if sid is None or fields is None:  # an entry Redis reports without its fields
+            continue
+        ids.append(_text(sid))
+        entry = orjson.loads(fields.get(b"e") or fields.get("e") or b"{}")
+        at_ms = entry.pop("at_ms", None) or int(ids[-1].partition("-")[0])
+        source = ids[-1] if run_id is None else f"{ids[-1]}-{run_id}"
+        rows.append({**entry, "at": datetime.fromtimestamp(at_ms / 1000, UTC), "source": source})
+    return rows, ids
+
+
+async def _insert(sessionmaker: Sessions, rows: list[dict[str, Any]]) -> None:
+    """Insert the rows, in order, but those already in (by ``source``), in one transaction."""
+    if not rows:
+        return
+    async with sessionmaker() as session, session.begin():
+        for start in range(0, len(rows), FLUSH_BATCH):
+            await session.execute(
+                insert(AuditEntry)
+                .values(rows[start : start + FLUSH_BATCH])
+                .on_conflict_do_nothing(index_elements=["source"])
+            )
+
+
+async def _move_stream(redis: Redis, stream: str, run_id: str | None, sessions: Sessions) -> int:
+    """Move every entry of one stream into Postgres; returns how many moved."""
+    moved = 0
+    while True:
+        batch = await redis.xrange(stream, count=FLUSH_BATCH)
+        rows, ids = _rows(batch, run_id)
+        await _insert(sessions, rows)
+        if ids:
+            await redis.xdel(stream, *ids)
+        moved += len(rows)
+        if len(batch or ()) < FLUSH_BATCH:
+            return moved
+
+
+async def move_run(redis: Redis, prefix: str, run_id: str, sessionmaker: Sessions) -> int:
+    """Move the run's outbox into Postgres; returns how many entries moved. Safe to run in
+    several processes at once: an entry is inserted once, and removed from the outbox only once
+    it is in Postgres."""
+    return await _move_stream(redis, keys.outbox_key(prefix, run_id), run_id, sessionmaker)
+
+
+class OutboxLog:
+    """The :class:`app.caller.ActionLog` of the API processes: moves a run's outbox into
+    Postgres (:func:`move_run`)."""
+
+    def __init__(self, redis: Redis, prefix: str, sessionmaker: Sessions) -> None:
+        self.redis = redis
+        self.prefix = prefix
+        self.sessionmaker = sessionmaker
+
+    async def moved(self, run_id: str) -> int:
+        return await move_run(self.redis, self.prefix, run_id, self.sessionmaker)
+
+
+async def move_all(redis: Redis, prefix: str, sessionmaker: Sessions) -> int:
+    """Move every outbox of the runs in the run index, and what is left in the old stream,
+    into Postgres; returns how many entries moved. A deleted run whose outbox is then empty
+    leaves the run index, as its delete's request (which may have failed to move the outbox, or
+    died first) would have had it (``RedisStore.unlist``). An outbox that
+    could not be emptied (its Redis refuses writes) is left for the next pass, once the others
+    have moved; then the first such error is raised."""
+    moved = await _move_stream(redis, keys.audit_key(prefix), None, sessionmaker)
+    failed: list[BaseException] = []
+    chunk: list[str] = []
+    async for member, _ in redis.zscan_iter(keys.runs_key(prefix), count=RUN_CHUNK):
+        chunk.append(_text(member))
+        if len(chunk) == RUN_CHUNK:
+            moved += await _move_runs(redis, prefix, chunk, sessionmaker, failed)
+            chunk = []
+    moved += await _move_runs(redis, prefix, chunk, sessionmaker, failed)
+    if failed:
+        raise failed[0]
+    return moved
+
+
+async def _move_runs(
+    redis: Redis,
+    prefix: str,
+    run_ids: list[str],
+    sessionmaker: Sessions,
+    failed: list[BaseException],
+) -> int:
+    """Move the runs' outboxes: one pipelined read of them all (and of each run's status), one
+    transaction, one pipelined XDEL of what moved; an outbox with more than one read's worth is
+    then moved on its own. The error of an outbox that could not be emptied goes to
+    ``failed``."""
+    run_ids = list(dict.fromkeys(run_ids))  # a scan may name a run twice
+    if not run_ids:
+        return 0
+    async with redis.pipeline(transaction=False) as pipe:
+        for rid in run_ids:
+            # The status first: a deleted run's outbox read after it holds every entry it will
+            # ever hold (a tombstone takes no action), so once moved the run may leave the index.
+            pipe.hget(keys.run_key(prefix, rid), "st")
+            pipe.xrange(keys.outbox_key(prefix, rid), count=FLUSH_BATCH)
+        replies = await pipe.execute()
+    read = {rid: _rows(batch, rid) for rid, batch in zip(run_ids, replies[1::2], strict=True)}
+    full = {
+        rid
+        for rid, batch in zip(run_ids, replies[1::2], strict=True)
+        if len(batch or ()) >= FLUSH_BATCH
+    }
+    await _insert(sessionmaker, [row for rows, _ in read.values() for row in rows])
+    pending = [rid for rid, (_, ids) in read.items() if ids]
+    errors: dict[str, Any] = {}
+    if pending:
+        async with redis.pipeline(transaction=False) as pipe:
+            for rid in pending:
+                pipe.xdel(keys.outbox_key(prefix, rid), *read[rid][1])
+            errors = dict(zip(pending, await pipe.execute(raise_on_error=False), strict=True))
+    moved, gone = 0, []
+    for rid, st in zip(run_ids, replies[0::2], strict=True):
+        error = errors.get(rid)
+        if isinstance(error, BaseException):
+            failed.append(error)
+        elif rid in full:
+            moved += len(read[rid][0]) + await move_run(redis, prefix, rid, sessionmaker)
+        else:
+            moved += len(read[rid][0])
+            if st is not None and _text(st) == "deleted":
+                gone.append(rid)
+    for rid in gone:  # as the delete's request would have: the empty outbox, then the entry
+        await redis.delete(keys.outbox_key(prefix, rid))
+        await redis.zrem(keys.runs_key(prefix), rid)
+    return moved
 
 
 async def entries(
     session: AsyncSession,
-    redis: Redis,
-    stream: str,
     caller: Caller,
     run_id: str | None,
     limit: int,
     before: int | None,
 ) -> tuple[list[AuditEntry], int | None]:
-    """A page of entries, newest first, and the ``before`` of the next page (None: no more):
-    those still in the stream, then the rows. A caller sees the entries of the runs it may
-    touch, and those of no run (token actions) only when it is not limited to runs; a limited
-    caller's page may hold fewer than ``limit``. Nothing is written."""
-    pending: list[AuditEntry] = []
-    below: tuple[int, int] | None = None  # a pending cursor: the stream id it stands for
-    if before is None or before >= PENDING_MIN:
-        if before is not None:
-            below = _source_of(before)
-        cursor = None if below is None else f"{below[0]}-{below[1]}"
-        pending = await _pending(redis, stream, caller, run_id, limit + 1, cursor)
-    rows = pending
-    if len(pending) <= limit:
-        rows = pending + await _rows(
-            session, caller, run_id, limit + 1 - len(pending), before, below, pending
-        )
+    """A page of entries, newest first (by row id: the order they reached Postgres in), below
+    row id ``before``, and the ``before`` of the next page (None: no more). A caller sees the
+    entries of the runs it may touch, and those of no run (token actions) only when it is not
+    limited to runs; a limited caller's page may hold fewer than ``limit``. Nothing is
+    written."""
+    q = select(AuditEntry).order_by(AuditEntry.id.desc()).limit(limit + 1)
+    if run_id is not None:
+        q = q.where(AuditEntry.run_id == run_id)
+    if before is not None:
+        q = q.where(AuditEntry.id < before)
+    if not caller.every_run:
+        q = q.where(AuditEntry.run_id.is_not(None))
+    rows = list(await session.scalars(q))
     after = rows[limit - 1].id if len(rows) > limit else None
     rows = rows[:limit]
     return [r for r in rows if r.run_id is None or caller.may_touch(r.run_id)], after
-
-
-async def _rows(
-    session: AsyncSession,
-    caller: Caller,
-    run_id: str | None,
-    n: int,
-    before: int | None,
-    below: tuple[int, int] | None,
-    pending: list[AuditEntry],
-) -> list[AuditEntry]:
-    """Up to ``n`` rows, newest first: below row id ``before``, or, after a pending cursor,
-    every row but those moved from the stream at or above it (listed already as pending);
-    never one of ``pending`` (an entry moved while it was read)."""
-    q = select(AuditEntry).order_by(AuditEntry.id.desc()).limit(n)
-    if run_id is not None:
-        q = q.where(AuditEntry.run_id == run_id)
-    if before is not None and before < PENDING_MIN:
-        q = q.where(AuditEntry.id < before)
-    if below is not None:
-        source = (
-            cast(func.split_part(AuditEntry.source, "-", part), BigInteger) for part in (1, 2)
-        )
-        q = q.where(or_(AuditEntry.source.is_(None), tuple_(*source) < tuple_(*below)))
-    if pending:
-        q = q.where(
-            or_(
-                AuditEntry.source.is_(None),
-                AuditEntry.source.not_in([p.source for p in pending]),
-            )
-        )
-    if not caller.every_run:
-        q = q.where(AuditEntry.run_id.is_not(None))
-    return list(await session.scalars(q))

@@ -118,13 +118,7 @@ async def get_audit(
     if run_id is not None:
         check_run(caller, run_id)
     rows, after = await audit.entries(
-        session,
-        request.app.state.redis,
-        keys.audit_key(settings_of(request).redis_prefix),
-        caller,
-        run_id,
-        limit,
-        int(cursor) if cursor else None,
+        session, caller, run_id, limit, int(cursor) if cursor else None
     )
     items = [
         AuditItem(

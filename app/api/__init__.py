@@ -19,7 +19,7 @@ from app.api._openapi_errors import errors
 from app.api._openapi_schemas import RAW_ARRAYS, Keywords, msgpack_answer, request_body
 from app.api._outline import SMALL_BODY_BYTES, widest_list
 from app.api._params import query_rules
-from app.api._state import Session, caller_of, record_action, sessionmaker_of, settings_of
+from app.api._state import Session, caller_of, move_actions, sessionmaker_of, settings_of
 
 __all__ = [
     "RAW_ARRAYS",
@@ -32,13 +32,13 @@ __all__ = [
     "errors",
     "install_error_handlers",
     "install_openapi",
+    "move_actions",
     "msgpack_answer",
     "parse_body",
     "query_rules",
     "read_body",
     "read_items",
     "read_model",
-    "record_action",
     "render",
     "request_body",
     "sessionmaker_of",

@@ -3,8 +3,9 @@ lifespan: the settings, the database session, the caller the guard let through, 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
-from typing import Annotated, Any
+import logging
+from collections.abc import AsyncIterator
+from typing import Annotated
 
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -44,9 +45,24 @@ def caller_of(request: Request) -> Caller:
     return caller
 
 
-async def record_action(
-    request: Request, action: str, run_id: str | None, detail: Mapping[str, Any]
-) -> None:
-    """Write an operator action on run state to the audit log, as the request's caller."""
-    log: ActionLog = request.app.state.action_log
-    await log.record(caller_of(request), action, run_id, detail)
+log = logging.getLogger(__name__)
+
+
+async def move_actions(request: Request, run_id: str) -> bool:
+    """Move the run's outbox, where the action just made wrote its entry with the change, into
+    the audit log; False when that failed (a warning) or there is no database to move it into.
+    Either way the action stands and its entry is safe in the outbox: the audit worker loop
+    moves it later."""
+    actions: ActionLog | None = getattr(request.app.state, "action_log", None)
+    if actions is None:
+        return False
+    try:
+        await actions.moved(run_id)
+    except Exception:  # the action is made: its answer is its success
+        log.warning(
+            "moving the audit entries of run %r failed: the audit loop moves them later",
+            run_id,
+            exc_info=True,
+        )
+        return False
+    return True

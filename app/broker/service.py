@@ -52,6 +52,7 @@ from app.broker.store import (
     RunState,
 )
 from app.broker.views import iso_ms, run_view, work_out
+from app.caller import Caller, action_entry
 from app.errors import BrokerError, ValidationFailed
 
 
@@ -129,12 +130,18 @@ class Broker:
             raise error_for(StoreError("run_missing"), ErrorContext(run_id))
         return state
 
-    async def create_run(self, run_id: str | None, config: RunConfig | None) -> tuple[Run, bool]:
+    # An action on a run writes its entry to the run's outbox in the script that changes the run
+    # (none when it changes nothing, or is refused); the caller moves the outbox on
+    # (app.caller.ActionLog).
+    async def create_run(
+        self, run_id: str | None, config: RunConfig | None, by: Caller
+    ) -> tuple[Run, bool]:
         """The run and whether it was created now (False: it existed with the same config)."""
         rid = run_id or new_run_id()
         cfg = config or RunConfig()
+        entry = action_entry(by, "run.create", rid, {"config": cfg.model_dump(mode="json")})
         with self._refusals(rid):
-            outcome = await self.store.create_run(rid, cfg)
+            outcome = await self.store.create_run(rid, cfg, entry=entry)
         return run_view(await self._run(rid)), outcome == "created"
 
     async def get_run(self, run_id: str) -> Run:
@@ -149,7 +156,9 @@ class Broker:
             raise ValidationFailed(str(exc)) from None
         return RunList(runs=[run_view(s) for s in page.runs], next_cursor=page.next_cursor)
 
-    async def patch_config(self, run_id: str, patch: RunConfigPatch) -> Run:
+    async def patch_config(self, run_id: str, patch: RunConfigPatch, by: Caller) -> Run:
+        detail = {"patch": patch.model_dump(mode="json", exclude_unset=True)}
+        entry = action_entry(by, "run.config", run_id, detail)
         while True:
             state = await self._run(run_id)
             try:
@@ -157,23 +166,32 @@ class Broker:
             except ValueError as exc:
                 raise ValidationFailed(f"invalid config: {exc}") from None
             with self._refusals(run_id):
-                outcome = await self.store.replace_config(run_id, state.config_json, new)
+                outcome = await self.store.replace_config(
+                    run_id, state.config_json, new, entry=entry
+                )
             if outcome == "replaced":
                 return run_view(await self._run(run_id))
             # 'changed': another patch landed between our read and write; merge again.
 
-    async def close_run(self, run_id: str) -> Run:
+    async def close_run(self, run_id: str, by: Caller) -> Run:
         with self._refusals(run_id):
-            await self.store.close_run(run_id)
+            await self.store.close_run(run_id, entry=action_entry(by, "run.close", run_id, {}))
         return run_view(await self._run(run_id))
 
-    async def delete_run(self, run_id: str) -> None:
+    async def delete_run(self, run_id: str, by: Caller) -> None:
+        """Delete the run; it stays in the run index until :meth:`unlist` (after its outbox
+        has moved)."""
         with self._refusals(run_id):
-            await self.store.delete_run(run_id)
+            await self.store.delete_run(run_id, entry=action_entry(by, "run.delete", run_id, {}))
 
-    async def set_policy(self, run_id: str, version: int) -> PolicyResult:
+    async def unlist(self, run_id: str) -> None:
+        """Take a deleted run whose outbox has moved out of the run index."""
+        await self.store.unlist(run_id)
+
+    async def set_policy(self, run_id: str, version: int, by: Caller) -> PolicyResult:
+        entry = action_entry(by, "run.policy", run_id, {"version": version})
         with self._refusals(run_id, version=version):
-            current, evicted = await self.store.set_policy(run_id, version)
+            current, evicted = await self.store.set_policy(run_id, version, entry=entry)
         return PolicyResult(policy_version=current, evicted=evicted)
 
     # -- rollouts -------------------------------------------------------------------------

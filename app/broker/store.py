@@ -128,9 +128,13 @@ class RedisStore(RunIndex):
         decode("wake_run", await self._script("wake_run", run_id, token))
 
     # -- runs -----------------------------------------------------------------------------
-    async def create_run(self, run_id: str, config: RunConfig) -> Literal["created", "exists"]:
+    async def create_run(
+        self, run_id: str, config: RunConfig, *, entry: bytes = b""
+    ) -> Literal["created", "exists"]:
         """'created', or 'exists' with the same config; StoreError('run_conflict'), or
-        StoreError('run_deleted') for the id of a deleted run.
+        StoreError('run_deleted') for the id of a deleted run. ``entry``, the action's audit
+        entry (:func:`app.caller.action_entry`; empty: none), goes to the run's outbox in the
+        script that creates it; so does each run action's below, when it changes the run.
 
         The indexes come first, each write idempotent: a crash before the script leaves
         entries of a run that does not exist (skipped, and the client's retry creates it), never
@@ -141,45 +145,64 @@ class RedisStore(RunIndex):
             _, created = await pipe.execute()
         await self.activate(run_id)
         (outcome,) = await self._call(
-            "create_run", run_id, run_id, config.canonical_json(), int(created)
+            "create_run", run_id, run_id, config.canonical_json(), int(created), entry
         )
         return "created" if text(outcome) == "created" else "exists"
 
     async def replace_config(
-        self, run_id: str, expected_json: str, new: RunConfig
+        self, run_id: str, expected_json: str, new: RunConfig, *, entry: bytes = b""
     ) -> Literal["replaced", "changed"]:
-        """'replaced', or 'changed' (someone else patched first: merge again)."""
-        (outcome,) = await self._call("patch_config", run_id, expected_json, new.canonical_json())
+        """'replaced', or 'changed' (someone else patched first: merge again); the entry is
+        written when the config changes."""
+        (outcome,) = await self._call(
+            "patch_config", run_id, expected_json, new.canonical_json(), entry
+        )
         return "replaced" if text(outcome) == "replaced" else "changed"
 
     async def set_policy(
-        self, run_id: str, version: int, limit: int = SWEEP_LIMIT
+        self, run_id: str, version: int, limit: int = SWEEP_LIMIT, *, entry: bytes = b""
     ) -> tuple[int, int]:
         """(policy_version, evicted): the rollouts this change retired as stale, in bounded
         steps of ``limit`` until none is left. Other retirements of the same sweeps (expired
-        leases, timed-out groups) are not evictions by the new version."""
-        _, current, more, retired = await self._call("set_policy", run_id, str(version), limit)
+        leases, timed-out groups) are not evictions by the new version. The entry is written
+        when the version moves (not for the current one again)."""
+        _, current, more, retired = await self._call(
+            "set_policy", run_id, str(version), limit, entry
+        )
         evicted = _counts(retired).get("stale", 0)
         while int(more):
             step = await self.sweep(run_id, limit)
             more, evicted = step.more, evicted + step.retired.get("stale", 0)
         return int(current), evicted
 
-    async def close_run(self, run_id: str) -> None:
-        (more,) = await self._call("close_run", run_id, SWEEP_LIMIT)
+    async def close_run(self, run_id: str, *, entry: bytes = b"") -> None:
+        """Close the run (again: nothing changes); the entry is written when this call closes
+        it."""
+        (more,) = await self._call("close_run", run_id, SWEEP_LIMIT, entry)
         while int(more):
             more = (await self.sweep(run_id)).more
 
-    async def delete_run(self, run_id: str) -> None:
-        """Delete a closed, settled run in bounded steps, then its index entries; deleting a
-        deleted run again does only the latter. StoreError: 'run_missing', 'run_open',
-        'run_busy' (with what it waits for)."""
+    async def delete_run(self, run_id: str, *, entry: bytes = b"") -> None:
+        """Delete a closed, settled run in bounded steps, then its entry in the active index;
+        deleting a deleted run again does only the latter. The entry is written by the step
+        that leaves the tombstone. StoreError: 'run_missing', 'run_open', 'run_busy' (with what
+        it waits for).
+
+        The run stays in the run index (the listing skips a tombstone) until :meth:`unlist`:
+        that is where the audit loop finds the run's outbox, whose entries must move first."""
         while True:
-            (outcome,) = await self._call("delete_run", run_id, SWEEP_LIMIT, keys.CONSUMER_GROUP)
+            (outcome,) = await self._call(
+                "delete_run", run_id, SWEEP_LIMIT, keys.CONSUMER_GROUP, entry
+            )
             if text(outcome) == "deleted":
                 break
-        # The run can no longer be woken (wake_run.lua refuses it): its entries may go at once.
+        # The run can no longer be woken (wake_run.lua refuses it): its entry may go at once.
         await self.redis.zrem(self.active_key, run_id)
+
+    async def unlist(self, run_id: str) -> None:
+        """Take a deleted run out of the run index, once its outbox has moved into the audit
+        log: the outbox, empty, goes first (a tombstone writes no entry)."""
+        await self.redis.delete(keys.outbox_key(self.prefix, run_id))
         await self.redis.zrem(self.runs_key, run_id)
 
     async def maintain(self, run_id: str, token: int, limit: int = SWEEP_LIMIT) -> MaintainOutcome:

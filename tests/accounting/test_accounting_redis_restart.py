@@ -28,6 +28,7 @@ from app.broker.schemas import AckBody, RolloutJSON
 from app.events import StreamId
 from app.keys import events_key
 from app.settings import Settings
+from tests.helpers import OPS
 from tests.processes import RedisServer
 from workers.drain import DrainContext, run_drain
 from workers.runner import broker_for
@@ -188,7 +189,7 @@ async def test_broker_changes_answered_before_a_restart_are_all_accounted(
     )
     stop = asyncio.Event()
     drain = asyncio.create_task(run_drain(ctx, stop))
-    await broker.create_run(run_id, RunConfig(max_reuse=2, kl_max=10.0, kl_flush=10.0))
+    await broker.create_run(run_id, RunConfig(max_reuse=2, kl_max=10.0, kl_flush=10.0), OPS)
     received = consumed = batches = 0
     try:
         for round_, restart in enumerate((own_redis.shutdown, own_redis.kill, None)):

@@ -497,11 +497,11 @@ async def test_audit_entries_name_the_token_id_that_tells_one_name_apart(app_cli
     assert resp.status_code == 201
     page = (await app_client.get("/v1/audit", headers=admin)).json()
     got = [(e["actor"], e["token_id"], e["action"]) for e in page["entries"]]
-    assert got == [  # run actions not yet moved into Postgres are listed first
+    assert got == [  # in the order they were made: each was moved into Postgres as it answered
         ("ops", second_id, "run.create"),
-        ("ops", first_id, "run.create"),
         ("bootstrap", "bootstrap", "token.create"),
         ("bootstrap", "bootstrap", "token.revoke"),
+        ("ops", first_id, "run.create"),
         ("bootstrap", "bootstrap", "token.create"),
     ]
 
@@ -535,8 +535,11 @@ async def test_with_auth_off_a_foreign_web_page_cannot_change_anything(api):
         ).status_code == 200
 
 
-async def test_reading_the_audit_log_writes_nothing(app_client, redis, prefix, sessionmaker):
-    """Entries not yet moved into Postgres are listed from the stream, where they stay."""
+async def test_an_action_is_in_the_log_when_it_answers_and_reading_writes_nothing(
+    app_client, redis, prefix, sessionmaker
+):
+    """A run action's entry, written to the run's outbox with the change, is in Postgres by the
+    time the action answers; reading the log moves and writes nothing."""
     ops = bearer(await new_token(app_client, "alice", ["operate"]))
     for run_id in ("w-1", "w-2", "w-3"):
         resp = await app_client.post("/v1/runs", json={"run_id": run_id}, headers=ops)
@@ -545,10 +548,11 @@ async def test_reading_the_audit_log_writes_nothing(app_client, redis, prefix, s
     async def stored() -> tuple[int, int]:
         async with sessionmaker() as session:
             rows = await session.scalar(select(func.count()).select_from(AuditEntry))
-        return int(await redis.xlen(keys.audit_key(prefix))), int(rows or 0)
+        outboxes = [await redis.xlen(keys.outbox_key(prefix, r)) for r in ("w-1", "w-2", "w-3")]
+        return sum(outboxes), int(rows or 0)
 
     before = await stored()
-    assert before == (3, 1)  # the run actions in the stream, the token action in Postgres
+    assert before == (0, 4)  # every action in Postgres, none left in an outbox
     actions, cursor = [], None
     while True:
         query = "/v1/audit?limit=2" + (f"&cursor={cursor}" if cursor else "")

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import redis.exceptions
 from redis.asyncio import Redis
+from redis.crc import key_slot
 from rollout_broker_client import AsyncBrokerClient, Retry
 
 from app import keys
@@ -199,3 +200,56 @@ async def test_writes_redis_refuses_are_503_change_nothing_and_are_retried_once(
     again = await client.post_rollouts(RUN, [_rollout("c")])
     assert (again.accepted, again.duplicates) == (0, 1)
     assert (await http.get("/readyz")).status_code == 200
+
+
+# -- the audit log on a cluster ---------------------------------------------------------------
+
+
+@pytest.mark.one_node  # a cluster of its own: the test makes one of its masters refuse writes
+async def test_a_master_refusing_writes_holds_up_the_audit_of_its_own_runs_only(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """An action's entry once went to one global stream, after the change: while the master
+    holding that stream refused writes, a policy change on a run of a healthy master was
+    applied, then answered an error, and its entry was lost. The entry is written to the run's
+    own slot, with the change."""
+    prefix = settings.redis_prefix
+    cluster = KillableRedis("cluster", tmp_path, keys.audit_key(prefix))
+    await cluster.start()
+    refusing = Redis(port=cluster.run_node())  # the master of the old global stream
+    own = settings.model_copy(update={"redis_url": cluster.backend.url, "redis_cluster": True})
+    app = create_app(own)
+    try:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://broker") as http:
+                theirs = await _slots_of(refusing)
+                run = next(
+                    f"run-{n}"
+                    for n in range(100)
+                    if key_slot(keys.run_key(prefix, f"run-{n}").encode()) not in theirs
+                )
+                assert (await http.post("/v1/runs", json={"run_id": run})).status_code == 201
+                await refusing.config_set("min-replicas-to-write", 1)  # no replica attached
+                resp = await http.post(f"/v1/runs/{run}/policy", json={"version": 1})
+                assert resp.status_code == 200, resp.text
+                entries = (await http.get("/v1/audit")).json()["entries"]
+                assert [(e["action"], e["run_id"]) for e in entries] == [
+                    ("run.policy", run),
+                    ("run.create", run),
+                ]
+                assert entries[0]["detail"] == {"version": 1}
+    finally:
+        await refusing.config_set("min-replicas-to-write", 0)
+        await refusing.aclose()
+        await cluster.stop()
+
+
+async def _slots_of(node: Redis) -> set[int]:
+    """The slots the node serves as a master."""
+    port = node.connection_pool.connection_kwargs["port"]
+    slots: set[int] = set()
+    for first, last, (_, owner, *_), *_ in await node.execute_command("CLUSTER SLOTS"):
+        if int(owner) == port:
+            slots.update(range(first, last + 1))
+    return slots

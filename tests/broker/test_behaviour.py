@@ -17,6 +17,7 @@ from app.broker.store import RedisStore
 from app.errors import LeaseExpired
 from app.settings import Settings
 from tests.broker.test_store import events
+from tests.helpers import OPS
 from workers.runner import broker_for
 
 
@@ -79,7 +80,7 @@ async def test_an_ack_on_another_replica_measures_the_same(
     brokers: tuple[Broker, Broker], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     leaser, other = brokers
-    await leaser.create_run("r", None)
+    await leaser.create_run("r", None, OPS)
     await leaser.ingest_packed("r", leaser.pack(rollouts(8)))
     asked: list[bool] = []
     real = RedisStore.batch_view
@@ -125,7 +126,7 @@ async def test_an_ack_on_another_replica_measures_the_same(
 
 async def test_nack_and_settled_acks_let_the_batch_go(brokers: tuple[Broker, Broker]) -> None:
     broker, _ = brokers
-    await broker.create_run("r", None)
+    await broker.create_run("r", None, OPS)
     await broker.ingest_packed("r", broker.pack(rollouts(2)))
     got = await broker.lease(
         "r", size=2, policy_version=None, wait_s=0, partial=False, trainer_id=None
@@ -152,7 +153,7 @@ async def test_a_lease_that_runs_out_before_delivery_is_never_handed_out(
 
     monkeypatch.setattr(RedisStore, "blobs", closed_meanwhile)
     for run, batch_id in (("server-chosen", None), ("client-chosen", "my-batch-0001")):
-        await broker.create_run(run, RunConfig(lease_timeout_s=0.01))
+        await broker.create_run(run, RunConfig(lease_timeout_s=0.01), OPS)
         await broker.ingest_packed(run, broker.pack(rollouts(2)))
         lease = broker.lease(
             run,

@@ -11,8 +11,8 @@ from app.api import (
     SMALL_BODY_BYTES,
     caller_of,
     errors,
+    move_actions,
     read_model,
-    record_action,
     render,
     request_body,
 )
@@ -43,11 +43,8 @@ async def create_run(request: Request) -> Response:
         check_run(caller, req.run_id)
     elif not caller.every_run:
         raise Forbidden(f"token {caller.name!r} is limited to some runs: name the run to create")
-    run, created = await broker_of(request).create_run(req.run_id, req.config)
-    if created:
-        await record_action(
-            request, "run.create", run.run_id, {"config": run.config.model_dump(mode="json")}
-        )
+    run, created = await broker_of(request).create_run(req.run_id, req.config, caller)
+    await move_actions(request, run.run_id)
     return render(run, status_code=201 if created else 200)
 
 
@@ -92,10 +89,8 @@ async def patch_config(run_id: RunId, request: Request) -> Response:
         raise ValidationFailed(
             f"{nulls[0]}: may not be null (only {', '.join(sorted(NULLABLE_CONFIG))} may)"
         )
-    run = await broker_of(request).patch_config(run_id, patch)
-    await record_action(
-        request, "run.config", run_id, {"patch": patch.model_dump(mode="json", exclude_unset=True)}
-    )
+    run = await broker_of(request).patch_config(run_id, patch, caller_of(request))
+    await move_actions(request, run_id)
     return render(run)
 
 
@@ -108,15 +103,19 @@ async def patch_config(run_id: RunId, request: Request) -> Response:
 )
 async def delete_run(run_id: RunId, request: Request) -> Response:
     """Delete a closed run's live state once its accounting has caught up."""
-    await broker_of(request).delete_run(run_id)
-    await record_action(request, "run.delete", run_id, {})
+    broker = broker_of(request)
+    await broker.delete_run(run_id, caller_of(request))
+    # The tombstone leaves the run index only once its outbox has moved: the audit loop finds
+    # outboxes through that index, and finishes the job when this move fails.
+    if await move_actions(request, run_id):
+        await broker.unlist(run_id)
     return Response(status_code=204)
 
 
 @router.post("/{run_id}/close", response_model=Run)
 async def close_run(run_id: RunId, request: Request) -> Response:
-    run = await broker_of(request).close_run(run_id)
-    await record_action(request, "run.close", run_id, {})
+    run = await broker_of(request).close_run(run_id, caller_of(request))
+    await move_actions(request, run_id)
     return render(run)
 
 
@@ -128,6 +127,6 @@ async def close_run(run_id: RunId, request: Request) -> Response:
 )
 async def set_policy(run_id: RunId, request: Request) -> Response:
     update = await read_model(request, PolicyUpdate, limit=SMALL_BODY_BYTES)
-    result = await broker_of(request).set_policy(run_id, update.version)
-    await record_action(request, "run.policy", run_id, {"version": update.version})
+    result = await broker_of(request).set_policy(run_id, update.version, caller_of(request))
+    await move_actions(request, run_id)
     return render(result)

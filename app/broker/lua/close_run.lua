@@ -1,7 +1,8 @@
--- requires: cleanup, finish
+-- requires: cleanup, finish, audit
 -- Close a run: no more ingest; every buffered rollout retires with reason run_closed (bounded;
 -- later sweeps finish), leased ones when they come back.
--- ARGV: wake, limit. Returns ok(more) | err('run_missing').
+-- ARGV: wake, limit, audit entry (written only when this call closes the run: lib/audit.lua).
+-- Returns ok(more) | err('run_missing').
 -- Runs on a parked run too (one that was closed and settled): closing it again changes nothing
 -- and emits nothing, so it stays parked.
 if not load_run() then return err('run_missing') end
@@ -10,6 +11,7 @@ if R.st ~= 'closed' then
   redis.call('HSET', RUN, 'st', 'closed')
   R.st = 'closed'
   run_snapshot('closed')
+  audit(ARGV[3])
   WORK_WOKE = true  -- waiting generators learn that the run is closed
 end
 local more = sweep(tonumber(ARGV[2]))

@@ -1,13 +1,15 @@
--- requires: settled
+-- requires: settled, audit
 -- Delete a closed run whose live state has settled and whose events the accounting has all
 -- applied (settled.lua), in bounded steps; call again while it answers 'more'. The first step
 -- marks the run deleting and parked: from then on no other script changes it (they find it
 -- parked, and wake_run.lua refuses a run being deleted). The last step leaves a tombstone, the
 -- run hash with only id, st = 'deleted', created and deleted: the id is not given to a new run
 -- (its accounting stays under it), and deleting again is answered 'deleted'.
--- Left alone: the dead letters (accounting the drain could not apply, still readable), and
--- batch and work-lease records, which expire 24 h after they settled.
--- ARGV: wake, limit, accounting consumer group.
+-- Left alone: the dead letters (accounting the drain could not apply, still readable), the
+-- audit outbox (AUD: the step that leaves the tombstone writes the delete's entry there, and the
+-- entries wait for their move into Postgres), and batch and work-lease records, which expire
+-- 24 h after they settled.
+-- ARGV: wake, limit, accounting consumer group, audit entry (lib/audit.lua).
 -- Returns ok('deleted') | ok('more') | err('run_missing') | err('run_open')
 --       | err('run_busy', what it waits for, in words).
 local WAITS_FOR = {
@@ -50,4 +52,5 @@ local keep = redis.call('HMGET', RUN, 'id', 'created')
 redis.call('DEL', RUN)
 redis.call('HSET', RUN, 'id', keep[1] or '', 'st', 'deleted', 'created', keep[2] or '0',
   'deleted', I(NOW))
+audit(ARGV[4])
 return ok('deleted')

@@ -1,6 +1,7 @@
--- requires: run
+-- requires: run, audit
 -- Replace a run's config if it is still the one the caller merged into (optimistic check).
--- ARGV: wake, expected_config_json, new_config_json.
+-- ARGV: wake, expected_config_json, new_config_json, audit entry (written only when the config
+-- changes: lib/audit.lua).
 -- Returns ok('replaced') | ok('changed') (another patch came first: merge again)
 --       | err('run_missing').
 local current = redis.call('HGET', RUN, 'cfg')
@@ -9,6 +10,7 @@ if current ~= ARGV[2] then return ok('changed') end
 if ARGV[3] ~= current then
   redis.call('HSET', RUN, 'cfg', ARGV[3])
   run_snapshot('config')
+  audit(ARGV[4])
   if redis.call('EXISTS', WWAITING) == 1 then
     redis.call('PUBLISH', WAKE, WORK_WAKE)  -- the staleness budget may have changed
   end
