@@ -188,7 +188,8 @@ async def replicated_api(
 
 
 def _drain(pair: Pair, sessionmaker: async_sessionmaker[AsyncSession], prefix: str) -> DrainContext:
-    options = DrainOptions(wait_replicas=1, wait_timeout_ms=TIMEOUT_MS, block_ms=1)
+    settings = Settings(redis_wait_replicas=1, redis_wait_timeout_ms=TIMEOUT_MS, drain_block_ms=1)
+    options = DrainOptions.from_settings(settings)  # as the worker makes them
     return DrainContext.create(pair.master, sessionmaker, prefix, options, consumer="c")
 
 
