@@ -25,7 +25,7 @@ from app import keys
 from app.accounting.drain import DrainOptions
 from app.broker.config import RunConfig
 from app.broker.store import RedisStore
-from app.errors import NotReplicated
+from app.errors import NotReplicated, Unavailable
 from app.health import replicas_check
 from app.main import create_app
 from app.replicas import Replicas
@@ -303,3 +303,29 @@ async def test_on_a_cluster_the_runs_own_master_waits_for_its_replica(
         await delete_prefix(cluster, prefix)  # type: ignore[arg-type]
         await cluster.aclose()
         await other.aclose()
+
+
+async def test_on_a_cluster_a_call_that_reached_another_node_is_a_503(
+    replicated_cluster: RedisClusterServers, monkeypatch: pytest.MonkeyPatch
+):
+    """A stale slot map sends the call to a master that does not serve the run: its MOVED is not
+    followed (WAIT there would count that node's replicas), the answer is 503 with Retry-After,
+    and the resend, on the right node, is the first to write."""
+    prefix = new_prefix()
+    cluster: RedisCluster = cluster_client(replicated_cluster.url)
+    store = RedisStore(cluster, prefix, Replicas(cluster, 1, TIMEOUT_MS))  # type: ignore[arg-type]
+    try:
+        await store.create_run("r", RunConfig())
+        right = cluster.get_node_from_key(keys.sync_key(prefix, "r"))
+        wrong = next(n for n in cluster.get_primaries() if n is not right)
+        with monkeypatch.context() as stale:
+            stale.setattr(cluster, "get_node_from_key", lambda key, replica=False: wrong)
+            with pytest.raises(Unavailable) as caught:
+                await store.ingest("r", [packed("a")])
+        assert not isinstance(caught.value, NotReplicated)
+        assert caught.value.headers == {"Retry-After": "1"}
+        assert "MovedError" in caught.value.detail
+        assert (await store.ingest("r", [packed("a")])).accepted == 1
+    finally:
+        await delete_prefix(cluster, prefix)  # type: ignore[arg-type]
+        await cluster.aclose()
