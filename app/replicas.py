@@ -9,7 +9,9 @@ once while the earlier write the answer relies on (the first try's, answered ``5
 was not replicated in time) may still be on the master alone. So a barrier write comes first:
 a ``SET`` of the run's sync key (app/keys.py), which always propagates, at an offset above every
 write the node made before it. ``WAIT`` counting ``n`` replicas then covers the commands' writes
-and all earlier ones of that node.
+and all earlier ones of that node. (Redis 6.2 and 7.0 take the offset after a connection's last
+command of any kind, so there the barrier only repeats what WAIT does anyway; later versions
+take it after the last command that propagated.)
 
 On a Redis Cluster the three commands go to the node that serves the key's slot, on one of its
 connections (``WAIT`` sent through the cluster client would go to every master, and on
