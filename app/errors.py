@@ -28,8 +28,11 @@
     ├── ValidationFailed (422)
     ├── OverCapacity (429)         carries Retry-After
     └── Unavailable (503)          Redis or Postgres unreachable, or Redis refusing writes for
-                                   now (see :func:`outage_of`); carries Retry-After when the
-                                   outage is expected to pass
+        │                          now (see :func:`outage_of`); carries Retry-After when the
+        │                          outage is expected to pass
+        └── NotReplicated          a write that too few Redis replicas acknowledged in time
+                                   (BROKER_REDIS_WAIT_REPLICAS, app/replicas.py); answered as
+                                   `Unavailable`, with Retry-After
 """
 
 from __future__ import annotations
@@ -174,6 +177,29 @@ class Unavailable(BrokerError):
         headers = None if retry_after_s is None else {"Retry-After": str(retry_after_s)}
         super().__init__(detail, headers=headers)
         self.retry_after_s = retry_after_s
+
+
+class NotReplicated(Unavailable):
+    """Fewer Redis replicas than asked for acknowledged a write within the timeout. The write
+    was made on the master: the client sends the request again (every write is idempotent by
+    its ids), and the retry is answered once the earlier write is replicated too. Clients see
+    it as any ``Unavailable``."""
+
+    def __init__(
+        self, wanted: int, acknowledged: int, timeout_ms: int, *, retry_after_s: int
+    ) -> None:
+        super().__init__(
+            f"Redis: {acknowledged} of the {wanted} replicas asked for "
+            f"(BROKER_REDIS_WAIT_REPLICAS) acknowledged the write within {timeout_ms} ms; it is "
+            f"kept, send the request again in {retry_after_s} s",
+            retry_after_s=retry_after_s,
+        )
+        self.wanted = wanted
+        self.acknowledged = acknowledged
+
+    @property
+    def name(self) -> str:
+        return "Unavailable"
 
 
 def status_name(status: int) -> str:

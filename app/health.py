@@ -36,13 +36,22 @@ async def healthz() -> Response:
     "/readyz",
     response_model=Ready,
     responses=errors(
-        (503, "Redis or Postgres is unreachable, Redis refuses writes, or Postgres is not migrated")
+        (
+            503,
+            "Redis or Postgres is unreachable, Redis refuses writes, a Redis master has fewer "
+            "replicas than BROKER_REDIS_WAIT_REPLICAS, or Postgres is not migrated",
+        )
     ),
 )
 async def readyz(request: Request) -> Response:
+    settings = request.app.state.settings
     checks: dict[str, Any] = {
-        "redis": await redis_check(request.app.state.redis, request.app.state.settings.redis_prefix)
+        "redis": await redis_check(request.app.state.redis, settings.redis_prefix)
     }
+    if settings.redis_wait_replicas and checks["redis"] == "ok":
+        checks["replicas"] = await replicas_check(
+            request.app.state.redis, settings.redis_wait_replicas
+        )
     probe = getattr(request.app.state, "readiness_probe", None)
     if probe is not None:
         checks.update(await probe())
@@ -67,6 +76,26 @@ async def redis_check(redis: Redis | RedisCluster, prefix: str) -> str:
             if refused is not None:
                 return f"refuses writes: {refused}"
             return f"unreachable: {type(outcome).__name__}"
+    return "ok"
+
+
+async def replicas_check(redis: Redis | RedisCluster, wanted: int) -> str:
+    """``"ok"`` when every master has ``wanted`` replicas connected (``INFO replication``, one
+    round trip per master). Connected is not in sync: a replica that stopped acknowledging
+    still counts, and the writes waiting for it answer 503 themselves; this tells a deployment
+    at once that none can succeed, as when a master has no replica at all."""
+    try:
+        if isinstance(redis, RedisCluster):
+            infos = await redis.info("replication", target_nodes=RedisCluster.PRIMARIES)
+            each = [infos] if "role" in infos else list(infos.values())  # one master: as is
+            found = [int(info.get("connected_slaves", 0)) for info in each]
+        else:
+            found = [int((await redis.info("replication")).get("connected_slaves", 0))]
+    except Exception as exc:  # reported, not raised
+        return f"unreachable: {type(exc).__name__}"
+    fewest = min(found, default=0)
+    if fewest < wanted:
+        return f"{fewest} connected, {wanted} asked for (BROKER_REDIS_WAIT_REPLICAS)"
     return "ok"
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "run_tag",
     "runs_key",
     "script_keys",
+    "sync_key",
     "tokens_channel",
     "wake_channel",
     "work_wake",
@@ -61,6 +62,11 @@ OUTBOX = "audit"
 # being moved between cluster nodes, a script that declares a key the node lacks is refused
 # before it runs (TRYAGAIN or ASK), instead of failing half-way on a key already moved.
 GUARD = "guard"
+
+# Written only by app/replicas.py, never by a script: a string with a 1 s TTL whose SET is the
+# barrier before WAIT (BROKER_REDIS_WAIT_REPLICAS), a write of the run's slot that always
+# propagates. It may outlive its run by that second.
+SYNC = "sync"
 
 # Families: the suffix is followed by an id (a version, unit, rollout or batch id).
 VERSION_QUEUE = "qv:"  # zset per version: its ready units by arrival seq
@@ -143,6 +149,11 @@ def script_keys(prefix: str, run_id: str) -> list[str]:
     """The keys a broker script is given: the run hash, which it derives every other key of
     the run from, and the never-written ``GUARD``."""
     return [run_key(prefix, run_id), run_key(prefix, run_id, GUARD)]
+
+
+def sync_key(prefix: str, run_id: str) -> str:
+    """The run's barrier key (:data:`SYNC`), in the slot of every other key of the run."""
+    return run_key(prefix, run_id, SYNC)
 
 
 def member_key(prefix: str, run_id: str, family: str, member_id: str) -> str:

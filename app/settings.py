@@ -34,6 +34,22 @@ class Settings(BaseSettings):
         "the request that needed it is a 503 (a Redis that stops answering, as behind a network "
         "partition, otherwise holds requests for good)",
     )
+    redis_wait_replicas: int = Field(
+        default=0,
+        ge=0,
+        le=1000,
+        description="Answer a request that changed state only once its write reached this many "
+        "Redis replicas (WAIT on the master of the run's slot), and let the accounting drain "
+        "commit events only once they have; too few within BROKER_REDIS_WAIT_TIMEOUT_MS is a 503 "
+        "with Retry-After, and the client's resend is idempotent. 0: off (no WAIT is sent)",
+    )
+    redis_wait_timeout_ms: int = Field(
+        default=1000,
+        ge=1,
+        le=150_000,
+        description="How long a write waits for BROKER_REDIS_WAIT_REPLICAS replicas; at most half "
+        "of redis_timeout_s, so that a WAIT is not taken for a Redis that stopped answering",
+    )
     database_url: str | None = Field(
         default=None,
         description="SQLAlchemy async URL (postgresql+asyncpg://...); unset = embedded Postgres",
@@ -229,11 +245,17 @@ class Settings(BaseSettings):
         return v
 
     @model_validator(mode="after")
-    def _block_within_timeout(self) -> Settings:
+    def _waits_within_timeout(self) -> Settings:
         if self.drain_block_ms > self.redis_timeout_s * 1000 / 2:
             raise ValueError(
                 f"BROKER_DRAIN_BLOCK_MS ({self.drain_block_ms} ms) must be at most half of "
                 f"BROKER_REDIS_TIMEOUT_S ({self.redis_timeout_s:g} s): a blocked read that "
+                "outlasts it fails as if Redis had stopped answering"
+            )
+        if self.redis_wait_timeout_ms > self.redis_timeout_s * 1000 / 2:
+            raise ValueError(
+                f"BROKER_REDIS_WAIT_TIMEOUT_MS ({self.redis_wait_timeout_ms} ms) must be at most "
+                f"half of BROKER_REDIS_TIMEOUT_S ({self.redis_timeout_s:g} s): a WAIT that "
                 "outlasts it fails as if Redis had stopped answering"
             )
         return self

@@ -16,9 +16,10 @@ from app.broker.prompt_limits import PromptLimits
 from app.broker.service import Broker
 from app.broker.store import RedisStore
 from app.db import create_engine
+from app.replicas import Replicas
 from app.settings import Settings
 
-__all__ = ["broker_for", "cluster_client", "database_engine", "redis_client"]
+__all__ = ["broker_for", "cluster_client", "database_engine", "redis_client", "replicas_for"]
 
 _TIMEOUT_S: float = Settings.model_fields["redis_timeout_s"].default
 
@@ -71,7 +72,7 @@ def _host_port(part: str) -> tuple[str, int]:
 
 def broker_for(redis: Redis, settings: Settings) -> Broker:
     """The broker's rules over ``redis``, with the request limits of ``settings``."""
-    store = RedisStore(redis, settings.redis_prefix)
+    store = RedisStore(redis, settings.redis_prefix, replicas_for(redis, settings))
     return Broker(
         store,
         Waker(redis, store.wake_channel, settings.redis_prefix, settings.wake_fallback_s),
@@ -87,6 +88,18 @@ def broker_for(redis: Redis, settings: Settings) -> Broker:
             data_bytes=settings.max_prompt_data_bytes,
             per_lease=settings.max_prompts_per_lease,
         ),
+    )
+
+
+def replicas_for(redis: Redis, settings: Settings) -> Replicas | None:
+    """What makes a write wait for ``BROKER_REDIS_WAIT_REPLICAS`` replicas; None when it is 0."""
+    if settings.redis_wait_replicas == 0:
+        return None
+    return Replicas(
+        redis,
+        settings.redis_wait_replicas,
+        settings.redis_wait_timeout_ms,
+        retry_after_s=settings.retry_after_s,
     )
 
 

@@ -49,6 +49,7 @@ from benchmarks.sections.lease import lease_rows
 from benchmarks.sections.long import long_rows
 from benchmarks.sections.memory import memory_rows
 from benchmarks.sections.metrics import metrics_rows
+from benchmarks.sections.replicas import replicas_rows
 from benchmarks.sections.scaling import scaling_rows
 from benchmarks.sections.work import work_rows
 from benchmarks.sections.workers import workers_rows
@@ -67,6 +68,7 @@ SECTIONS = {
     "workers": workers_rows,
     "drain": drain_rows,
     "cluster": cluster_rows,
+    "replicas": replicas_rows,
 }
 
 

@@ -27,6 +27,7 @@ from benchmarks.sections.cluster import BALANCE_NEED
 from benchmarks.sections.drain import DRAIN_GROUP_NEED, DRAIN_NEED_S
 from benchmarks.sections.long import LONG_NEED
 from benchmarks.sections.metrics import METRICS_NEED
+from benchmarks.sections.replicas import REPLICAS_NEED
 from benchmarks.servers import find_redis_server
 
 RATES = ("rollouts/s", "prompts/s")
@@ -73,12 +74,15 @@ def expected_rows() -> list[str]:
     if cluster_binaries() is not None:  # the cluster rows are skipped without a redis-server
         rows += [f"cluster.{key}.{side}" for key in ("ingest", "lease_ack") for side in SIDES]
         rows += [f"cluster.redis_cpu.{n}" for n in ("single", *CLUSTER_MASTERS, "all")]
+    if find_redis_server() is not None:  # a replica is attached to a private Redis only
+        rows += [f"replicas.{case}.{side}" for case in AUTH_CASES for side in ("off", "on")]
     return rows
 
 
 AUTH_CASES = ("ingest.json.1", "ingest.msgpack.64", f"lease_ack.msgpack.{QUICK.batch}")
 AUTH_TARGET = f"≥{AUTH_NEED}× auth off"
 METRICS_TARGET = f"≥{METRICS_NEED}× metrics off"
+REPLICAS_TARGET = f"≥{REPLICAS_NEED}× replicas off"
 SIDES = ("single", "cluster")
 CLUSTER_MASTERS = [f"master{i + 1}" for i in range(MASTERS)]
 BALANCE_TARGET = f"≤{BALANCE_NEED}× busiest/least busy master"
@@ -164,7 +168,7 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
             assert _number(r["raw"]) and _number(r["naive"]), rid
         if rid.startswith(("scale.trainers.", "http_floor.", "memory.memory_usage", "work.")):
             assert _number(r["raw"]), rid
-        if rid.startswith(("auth.", "metrics.", "cluster.", "drain.")):  # against each other
+        if rid.startswith(("auth.", "metrics.", "cluster.", "drain.", "replicas.")):  # each other
             assert r["raw"] is None and r["naive"] is None, rid
         for base, ratio in (("raw", "vs_raw"), ("naive", "vs_naive")):
             if r[base] is None:
@@ -197,9 +201,13 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
     assert ("drain.restart.max", DRAIN_GROUP_TARGET) in targets
     assert not rows["drain.fresh"]["targets"] and not rows["drain.restart.median"]["targets"]
     assert rows["drain.restart.median"]["value"] <= rows["drain.restart.max"]["value"]
-    # Auth (metrics) on against off, the same case of the same run: at most 5 % (3 %) slower.
+    # Auth (metrics, waiting for a replica) on against off, the same case of the same run: at
+    # most 5 % (3 %, 20 %) slower.
     for case in AUTH_CASES:
-        for toggle, target in (("auth", AUTH_TARGET), ("metrics", METRICS_TARGET)):
+        pairs = [("auth", AUTH_TARGET), ("metrics", METRICS_TARGET)]
+        if find_redis_server() is not None:
+            pairs.append(("replicas", REPLICAS_TARGET))
+        for toggle, target in pairs:
             assert (f"{toggle}.{case}.on", target) in targets
             assert not rows[f"{toggle}.{case}.off"]["targets"]
     big_body = len(big_json_body(QUICK.big_rollouts))
@@ -212,13 +220,10 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
                 "≤4× body": (r["value"] / hostile_size[rid.split(".")[2]], 4.0, True),
                 "≤100 ms": (r["value"] / 1e3, 0.1, True),
             }[name]
-        if name in (AUTH_TARGET, METRICS_TARGET):
+        if name in (AUTH_TARGET, METRICS_TARGET, REPLICAS_TARGET):
             off = rows[rid.removesuffix(".on") + ".off"]
-            return (
-                r["value"] / off["value"],
-                AUTH_NEED if name == AUTH_TARGET else METRICS_NEED,
-                False,
-            )
+            need = {AUTH_TARGET: AUTH_NEED, METRICS_TARGET: METRICS_NEED}
+            return r["value"] / off["value"], need.get(name, REPLICAS_NEED), False
         if name == BALANCE_TARGET:  # the cluster's masters' Redis CPU, busiest over least busy
             cpu = [rows[f"cluster.redis_cpu.{m}"]["value"] for m in CLUSTER_MASTERS]
             assert rid == "cluster.redis_cpu.all" and r["value"] == pytest.approx(sum(cpu))

@@ -5,8 +5,9 @@ client. The master serving the run's slot is killed mid-traffic; its replica mus
 by the cluster itself (cluster-node-timeout 1000 ms) and the broker must serve again without
 help.
 
-Redis replication is asynchronous and the broker waits for no replica (no WAIT): a write the
-killed master acknowledged, and fsynced to its own append-only file, but had not yet sent to
+Redis replication is asynchronous and the broker here waits for no replica (no WAIT: the test
+leaves BROKER_REDIS_WAIT_REPLICAS off; tests/test_replicas.py has it on): a write the killed
+master acknowledged, and fsynced to its own append-only file, but had not yet sent to
 its replica is gone after the failover. The test measures it rather than pretending otherwise,
 in two cases: ``in-sync`` (the replica is in sync when its master dies) and ``link-cut`` (the
 replication link is broken CUT_S before the kill, as in a network partition, so everything

@@ -40,3 +40,16 @@ def test_an_idle_drain_blocks_for_at_most_half_the_redis_timeout() -> None:
     )
     with pytest.raises(ValidationError):
         Settings(drain_block_ms=200, redis_timeout_s=0.3)
+
+
+def test_a_wait_for_replicas_lasts_at_most_half_the_redis_timeout() -> None:
+    assert Settings().redis_wait_replicas == 0  # off unless asked for
+    Settings(redis_wait_replicas=1, redis_wait_timeout_ms=2500)
+    with pytest.raises(ValidationError) as caught:
+        Settings(redis_wait_replicas=1, redis_wait_timeout_ms=2501)
+    assert (
+        "BROKER_REDIS_WAIT_TIMEOUT_MS (2501 ms) must be at most half of BROKER_REDIS_TIMEOUT_S "
+        "(5 s)" in str(caught.value)
+    )
+    with pytest.raises(ValidationError):
+        Settings(redis_wait_replicas=-1)

@@ -17,18 +17,20 @@ import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 from sqlalchemy.exc import DBAPIError, StatementError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from app import keys
 from app.accounting import ledger, repository
+from app.accounting.drain_options import DrainCounts, DrainOptions
 from app.accounting.stream import Entry, EventStream, StreamGone
+from app.errors import NotReplicated
 from app.events import Event, EventError, decode_entry
-from app.settings import Settings
+from app.replicas import Replicas
 
 __all__ = [
     "DrainCounts",
@@ -38,67 +40,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-def _default(name: str) -> Any:
-    """The default of setting ``drain_<name>``: Settings keeps the one copy of each."""
-    return Settings.model_fields[f"drain_{name}"].default
-
-
-@dataclass(frozen=True, slots=True)
-class DrainOptions:
-    """How the drain reads, retries and trims: the ``BROKER_DRAIN_*`` settings
-    (:meth:`from_settings`), or chosen directly by tests."""
-
-    batch_size: int = _default("batch_size")
-    block_ms: int = _default("block_ms")
-    claim_idle_ms: int = _default("claim_idle_ms")
-    heartbeat_timeout_ms: int = _default("heartbeat_timeout_ms")
-    max_deliveries: int = _default("max_deliveries")
-    trim: bool = _default("trim")
-    # Rounds of new reads in one pass, so one busy run cannot starve trimming and claiming.
-    max_rounds: int = 20
-    # Silent consumers taken over in one go.
-    max_takeovers: int = 16
-
-    @property
-    def beat_s(self) -> float:
-        """How often a consumer sends its heartbeat and looks for silent ones."""
-        return self.heartbeat_timeout_ms / 4000
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> DrainOptions:
-        return cls(
-            batch_size=settings.drain_batch_size,
-            block_ms=settings.drain_block_ms,
-            claim_idle_ms=settings.drain_claim_idle_ms,
-            heartbeat_timeout_ms=settings.drain_heartbeat_timeout_ms,
-            max_deliveries=settings.drain_max_deliveries,
-            trim=settings.drain_trim,
-        )
-
-
-@dataclass(slots=True)
-class DrainCounts:
-    """What one pass did."""
-
-    streams: int = 0
-    read: int = 0
-    applied: int = 0
-    already: int = 0
-    acked: int = 0
-    retrying: int = 0
-    dead: int = 0
-    missing: int = 0
-    trimmed: int = 0
-    taken_over: int = 0  # entries moved here from silent consumers
-    consumers_deleted: int = 0
-    checked: int = 0  # runs whose ledger was checked against the live counts
-    mismatched: int = 0  # ... and disagreed
-
-    def add(self, other: DrainCounts) -> None:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 def consumer_name() -> str:
@@ -145,6 +86,7 @@ class Drainer:
     sessionmaker: async_sessionmaker[AsyncSession]
     consumer: str
     options: DrainOptions = field(default_factory=DrainOptions)
+    replicas: Replicas | None = None  # with options.wait_replicas
     _grouped: set[str] = field(default_factory=set, init=False)
     # Runs where this consumer may hold unacknowledged entries (read, then failed or crashed).
     _dirty: set[str] = field(default_factory=set, init=False)
@@ -165,11 +107,14 @@ class Drainer:
         options: DrainOptions | None = None,
         consumer: str | None = None,
     ) -> Drainer:
+        options = options or DrainOptions()
+        wait = options.wait_replicas
         return cls(
             stream=EventStream(redis, prefix),
             sessionmaker=sessionmaker,
             consumer=consumer or consumer_name(),
-            options=options or DrainOptions(),
+            options=options,
+            replicas=Replicas(redis, wait, options.wait_timeout_ms) if wait else None,
         )
 
     async def streams(self) -> list[str]:
@@ -395,7 +340,7 @@ class Drainer:
             after = entries[-1].id
             if len(entries) < self.options.batch_size:
                 break
-        if counts.read == 0 or counts.retrying == 0:
+        if counts.read == 0 or counts.retrying + counts.unreplicated == 0:
             self._dirty.discard(run_id)
         return counts
 
@@ -421,6 +366,9 @@ class Drainer:
         was_dirty = run_id in self._dirty
         self._dirty.add(run_id)  # stays marked if anything below raises
         counts = DrainCounts(read=len(entries))
+        if not await self._replicated(run_id, len(entries)):
+            counts.unreplicated = len(entries)  # left pending, read again on a later pass
+            return counts
         events: list[tuple[Entry, Event]] = []
         failures: list[_Failure] = []
         done: list[bytes] = []
@@ -463,6 +411,19 @@ class Drainer:
         if not was_dirty and counts.retrying == 0:
             self._dirty.discard(run_id)
         return counts
+
+    async def _replicated(self, run_id: str, read: int) -> bool:
+        """Whether the run's events read so far are on the replicas BROKER_REDIS_WAIT_REPLICAS
+        asks for (always, without it): so the ledger never holds an event that the replica
+        promoted in a failover lacks."""
+        if self.replicas is None:
+            return True
+        try:
+            await self.replicas.barrier(keys.sync_key(self.stream.prefix, run_id))
+        except NotReplicated as exc:
+            log.warning("run %s: %d events left pending, not committed: %s", run_id, read, exc)
+            return False
+        return True
 
     async def _commit(self, run_id: str, events: Sequence[Event]) -> repository.ApplyResult:
         async with self.sessionmaker() as session, session.begin():

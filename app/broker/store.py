@@ -37,6 +37,7 @@ from app.broker.records import (
 from app.broker.replies import AckAnswer, StoreError, ack_answer, decode, text
 from app.broker.run_index import RunIndex
 from app.broker.scripts import load_scripts
+from app.replicas import Replicas
 
 __all__ = [
     "LEASE_SWEEP_LIMIT",
@@ -76,25 +77,42 @@ def scan_limit(size: int) -> int:
 
 _WAKE_TRIES = 5
 
+# Scripts whose answer no client relies on for a write: a read, and the maintenance worker's
+# calls (a wake-up is followed by the call that needed it, which waits). They never wait for
+# replicas; every other script does when the store has Replicas.
+_NO_WAIT = frozenset({"batch_view", "maintain", "wake_run"})
+
 
 class RedisStore(RunIndex):
     """Every change to a run's keys, one script call each (or a short loop of bounded calls),
-    and the reads that need no script; the run indexes' part is :class:`RunIndex`'s."""
+    and the reads that need no script; the run indexes' part is :class:`RunIndex`'s. With
+    ``replicas``, a script call that changes state is answered only once its master's replicas
+    have it (app/replicas.py); without, each is one EVALSHA as Redis takes it."""
 
-    def __init__(self, redis: Redis, prefix: str) -> None:
+    def __init__(self, redis: Redis, prefix: str, replicas: Replicas | None = None) -> None:
         super().__init__(redis, prefix)
         self.wake_channel = keys.wake_channel(prefix)
+        self.replicas = replicas
         self._scripts: dict[str, AsyncScript] = {
             name: redis.register_script(src) for name, src in load_scripts().items()
         }
+
+    async def _script(self, name: str, run_id: str, *args: Any) -> Any:
+        """The raw reply of script ``name`` on the run, after its replicas when asked."""
+        script = self._scripts[name]
+        script_keys = keys.script_keys(self.prefix, run_id)
+        argv = [self.wake_channel, *args]
+        if self.replicas is None or name in _NO_WAIT:
+            return await script(keys=script_keys, args=argv)
+        return await self.replicas.script(
+            script, keys.sync_key(self.prefix, run_id), script_keys, argv
+        )
 
     async def _call(self, name: str, run_id: str, *args: Any) -> list[Any]:
         """The body of the script's ok reply; StoreError when it refuses. A parked run is
         woken first (and the call made again)."""
         for _ in range(_WAKE_TRIES):
-            reply = await self._scripts[name](
-                keys=keys.script_keys(self.prefix, run_id), args=[self.wake_channel, *args]
-            )
+            reply = await self._script(name, run_id, *args)
             try:
                 return decode(name, reply)
             except StoreError as err:
@@ -107,12 +125,7 @@ class RedisStore(RunIndex):
         """Take a parked run (holding token ``held``) back into the active index, then into
         service. StoreError('run_missing') for a run being deleted."""
         token = await self.activate(run_id, held + 1)
-        decode(
-            "wake_run",
-            await self._scripts["wake_run"](
-                keys=keys.script_keys(self.prefix, run_id), args=[self.wake_channel, token]
-            ),
-        )
+        decode("wake_run", await self._script("wake_run", run_id, token))
 
     # -- runs -----------------------------------------------------------------------------
     async def create_run(
