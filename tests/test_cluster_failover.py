@@ -5,19 +5,18 @@ client. The master serving the run's slot is killed mid-traffic; its replica mus
 by the cluster itself (cluster-node-timeout 1000 ms) and the broker must serve again without
 help.
 
-Redis replication is asynchronous and the broker here waits for no replica (no WAIT: the test
-leaves BROKER_REDIS_WAIT_REPLICAS off; tests/test_replicas.py has it on): a write the killed
-master acknowledged, and fsynced to its own append-only file, but had not yet sent to
-its replica is gone after the failover. The test measures it rather than pretending otherwise,
-in two cases: ``in-sync`` (the replica is in sync when its master dies) and ``link-cut`` (the
-replication link is broken CUT_S before the kill, as in a network partition, so everything
-the master acknowledges in between is on the master alone). An extra consumer group that never
-reads keeps the run's whole event stream, which is replayed at the end, and the figures are
-printed: rollouts the generators were told accepted against those in the stream (``lost``,
-and how many the dead master's AOF holds); batches the trainers were told acked against those
-the stream records, and rollouts handed to a trainer again after their ack was lost; acks
-refused because their lease was lost; how long until the replica was promoted and until
-ingest and acks succeeded again.
+Redis replication is asynchronous, and by default the broker waits for no replica (no WAIT): a
+write the killed master acknowledged, and fsynced to its own append-only file, but had not yet
+sent to its replica is gone after the failover. The test measures it rather than pretending
+otherwise, in two cases: ``in-sync`` (the replica is in sync when its master dies) and
+``link-cut`` (the replication link is broken CUT_S before the kill, as in a network partition,
+so everything the master acknowledges in between is on the master alone). An extra consumer
+group that never reads keeps the run's whole event stream, which is replayed at the end, and
+the figures are printed: rollouts the generators were told accepted against those in the stream
+(``lost``, and how many the dead master's AOF holds); batches the trainers were told acked
+against those the stream records, and rollouts handed to a trainer again after their ack was
+lost; acks refused because their lease was lost; how long until the replica was promoted and
+until ingest and acks succeeded again.
 
 The ledger in Postgres is not rolled back with Redis: the drain may have applied events it read
 from the master before they reached the replica. It must be exactly the replayed stream plus
@@ -28,12 +27,20 @@ What must hold whatever was lost: the broker serves again by itself; the stream 
 rollout in two live leases at once; every rollout in it was used exactly once; ``lost`` is
 exactly ``told accepted - in the stream``, nothing acknowledged well before the cut is lost,
 and with the replica in sync the loss is small next to the traffic.
+
+The same two cases run again with ``BROKER_REDIS_WAIT_REPLICAS=1`` (``-wait``): every answer
+that changed state is sent only once the master's replica has it, and the drain commits only
+events the replica has. The killed master is started again after the promotion (it rejoins as
+the new master's replica; until then the new master has none, and every write is answered
+``503``). Then nothing the clients were told is lost, whatever the link did: no rollout, no
+ack, no lease; the ledger applied no event the failover rolled back, and equals the live state.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import shutil
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -73,6 +80,7 @@ XADD = re.compile(rb"\*\d+\r\n\$4\r\n(?i:xadd)\r\n")  # the start of an XADD in 
 WAIT_STATS = ("cmdstat_wait", "cmdstat_waitaof")  # INFO commandstats of WAIT and WAITAOF
 LEASE_TIMEOUT_S = 3  # a batch whose ack was lost comes back after this
 CUT_S = 0.3  # link-cut: how long before the kill the replica stops hearing from its master
+WAIT_TIMEOUT_MS = 500  # -wait: how long an answer waits for the replica before it is a 503
 
 
 T = TypeVar("T")
@@ -198,14 +206,19 @@ def aof_holds(folder: Path, needles: list[bytes]) -> int:
     return sum(1 for n in needles if n in data)
 
 
-@pytest.mark.parametrize("cut", [False, True], ids=["in-sync", "link-cut"])
+@pytest.mark.parametrize(
+    ("cut", "wait"),
+    [(False, False), (True, False), (False, True), (True, True)],
+    ids=["in-sync", "link-cut", "in-sync-wait", "link-cut-wait"],
+)
 async def test_master_failover_loses_at_most_the_unreplicated_writes(
-    database_url: str, tmp_path: Path, cut: bool
+    database_url: str, tmp_path: Path, cut: bool, wait: bool
 ) -> None:
     """``in-sync``: the replica is in sync when its master dies (what a failover on a healthy
     network is like). ``link-cut``: the replication link is broken CUT_S before the kill (the
     replica cannot authenticate to reconnect), so whatever the master acknowledged in between
-    is on the master alone: those writes must be lost, and exactly those."""
+    is on the master alone: those writes must be lost, and exactly those. ``-wait``: the same
+    with BROKER_REDIS_WAIT_REPLICAS=1, and nothing acknowledged is lost."""
     servers = RedisClusterServers(tmp_path / "cluster", 3, replicas=1, aof=True)
     apis: list[ApiProcess] = []
     worker = None
@@ -218,9 +231,16 @@ async def test_master_failover_loses_at_most_the_unreplicated_writes(
         victim, replicas = slot_owner(servers.ports[0], slot)
         assert len(replicas) == 1, replicas
         heir = replicas[0]
+        # The killed master's files as the kill left them (with -wait it is started again).
+        victim_files = tmp_path / "killed-master" if wait else servers.data_dir / str(victim)
         survivor = next(p for p in servers.ports if p not in (victim, heir))
 
         cluster_env = {"BROKER_REDIS_URL": servers.seeds, "BROKER_REDIS_CLUSTER": "1"}
+        if wait:
+            cluster_env |= {
+                "BROKER_REDIS_WAIT_REPLICAS": "1",
+                "BROKER_REDIS_WAIT_TIMEOUT_MS": str(WAIT_TIMEOUT_MS),
+            }
         apis, worker = brokers(cluster_env, database_url, PREFIX, tmp_path)
         await asyncio.gather(*(a.start() for a in apis), worker.start())
         # Short, frequent resends: the time until service resumes is measured through them.
@@ -335,6 +355,13 @@ async def test_master_failover_loses_at_most_the_unreplicated_writes(
             if cut:
                 with SyncRedis(port=heir) as h:
                     h.config_set("masterauth", "")
+            if wait:
+                # Keep its files for the loss checks below, then start it again: it rejoins as
+                # the replica that the new master's writes wait for.
+                await asyncio.to_thread(
+                    shutil.copytree, servers.data_dir / str(victim), victim_files
+                )
+                await asyncio.to_thread(servers.start_node, victim)
             await progressed(acked_total + AFTER_PROMOTION)
             calm.set()
 
@@ -359,17 +386,14 @@ async def test_master_failover_loses_at_most_the_unreplicated_writes(
         # killed master's AOF still holds them; the ledger must be exactly the stream plus them.
         applied = await applied_event_ids(database_url, RUN)
         rolled_back = applied - {e.stream_id for e in events}
-        from_aof = {
-            e.stream_id: e
-            for e in aof_events(servers.data_dir / str(victim), keys.events_key(PREFIX, RUN))
-        }
+        from_aof = {e.stream_id: e for e in aof_events(victim_files, keys.events_key(PREFIX, RUN))}
         assert rolled_back <= set(from_aof), "an applied event is in no Redis at all"
         union = Replay(
             sorted(events + [from_aof[i] for i in rolled_back], key=lambda e: e.stream_id)
         )
         lost = sorted(set(told_accepted) - set(accepted))
         in_victim_aof = aof_holds(
-            servers.data_dir / str(victim),
+            victim_files,
             [keys.member_key(PREFIX, RUN, keys.BLOB, r).encode() for r in lost],
         )
         lost_acks = sorted(set(acked_batches) - stream_acked)
@@ -395,13 +419,14 @@ async def test_master_failover_loses_at_most_the_unreplicated_writes(
         )
 
         ledger = (acc.rollouts_received, acc.samples_consumed, acc.tokens_generated)
-        waits = 0  # WAIT / WAITAOF calls the live nodes served: the broker waits for no replica
+        waits = 0  # WAIT / WAITAOF calls the live nodes served (none unless asked for)
         for port in (p for p in servers.ports if p != victim):
             with SyncRedis(port=port) as node:
                 stats = node.info("commandstats")
                 waits += sum(int(stats.get(c, {}).get("calls", 0)) for c in WAIT_STATS)
         print(
-            f"\nfailover ({'link cut' if cut else 'in sync'}): killed master {victim} serving "
+            f"\nfailover ({'link cut' if cut else 'in sync'}"
+            f"{', acks wait for a replica' if wait else ''}): killed master {victim} serving "
             f"slot {slot}; replica {heir} promoted {t_promoted - t_kill:.2f} s later; ingest "
             f"resumed after {resumed(ingest_done):.2f} s, acks after {resumed(ack_done):.2f} s; "
             f"accounting settled {t_settled - t_calm:.1f} s after the traffic stopped\n"
@@ -451,7 +476,15 @@ async def test_master_failover_loses_at_most_the_unreplicated_writes(
         assert ledger == (sum(union.accepted.values()), sum(union.uses.values()), union.tokens)
         assert (acc.buffered, acc.leased) == (union.buffered, union.leased)
         assert acc.batches.acked == len(union.acked)
-        if cut:  # what only the master had is gone, and nothing else
+        assert (waits > 0) == wait  # WAIT is sent when asked for, and only then
+        if wait:  # nothing anyone was told is lost, and the ledger is the live state
+            assert not cut_rollouts and not cut_acks, "answered while only the master had it"
+            assert not lost and not lost_acks
+            assert not rolled_back, "the ledger applied events the replica did not have"
+            assert acc.matches_live, acc
+            assert ledger == (len(accepted), sum(uses.values()), stream.tokens)
+            assert acc.buffered == acc.leased == 0
+        elif cut:  # what only the master had is gone, and nothing else
             assert cut_rollouts, "no ingest was answered while the link was cut"
             assert cut_rollouts <= set(lost)
             assert cut_acks <= set(lost_acks)
