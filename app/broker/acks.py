@@ -18,6 +18,7 @@ from app.broker.records import BatchMember
 from app.broker.replies import AckAnswer
 from app.broker.schemas import AckResult, BatchStats
 from app.broker.stats import BatchFigures, Measured, batch_figures
+from app.broker.tokens import hand_out
 from app.errors import ValidationFailed
 from app.events import Acked, AckedItem, AckStats, AckSums, pack_payload
 
@@ -53,7 +54,13 @@ def measure(
     figure is finite, so the acked event can always be applied."""
     current = current_logprobs(rows, logprobs)
     items = [
-        Measured(row.old, current.get(row.rollout_id), kl.get(row.rollout_id), row.tokens)
+        Measured(
+            row.old,
+            current.get(row.rollout_id),
+            kl.get(row.rollout_id),
+            row.given.trained,
+            row.given.mask,
+        )
         for row in rows
     ]
     fig = batch_figures(items, config.kl_estimator, config.clip_epsilon)
@@ -76,10 +83,15 @@ def ack_result(answer: AckAnswer, size: int) -> AckResult:
     )
 
 
-def batch_row(m: BatchMember) -> BatchRow:
-    lp = msgpack.unpackb(m.blob, raw=False).get("l") if m.blob is not None else None
+def batch_row(m: BatchMember, V: int, floor: int | None) -> BatchRow:
+    """A rollout of a batch read back from Redis, handed out at ``V`` with token ``floor``."""
+    doc = msgpack.unpackb(m.blob, raw=False) if m.blob is not None else {}
+    lp = doc.get("l")
     old = np.frombuffer(lp, dtype="<f4") if lp is not None else None
-    return BatchRow(m.rollout_id, m.policy_version, m.tokens, old)
+    given = hand_out(
+        doc.get("k"), doc.get("vs"), doc.get("v", m.policy_version), m.tokens, V, floor
+    )
+    return BatchRow(m.rollout_id, m.policy_version, m.tokens, old, given)
 
 
 def current_logprobs(
@@ -126,7 +138,14 @@ def acked_event(
             step=step,
             policy_version=policy_version,
             items=tuple(
-                AckedItem(row.rollout_id, row.policy_version, row.tokens, k)
+                AckedItem(
+                    row.rollout_id,
+                    row.policy_version,
+                    row.given.trained,
+                    k,
+                    row.given.stale,
+                    row.given.lag_sum,
+                )
                 for row, k in zip(rows, fig.kl, strict=True)
             ),
             stats=AckStats(

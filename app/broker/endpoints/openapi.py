@@ -90,6 +90,7 @@ class LeasedRolloutMsgpack(LeasedRolloutOut):
     prompt_ids: bytes | None = Field(description="int32 token ids")  # type: ignore[assignment]
     response_ids: bytes = Field(description="int32 token ids")  # type: ignore[assignment]
     logprobs: bytes | None = Field(description="float32 logprobs")  # type: ignore[assignment]
+    loss_mask: bytes | None = Field(description="uint8 0/1 per token")  # type: ignore[assignment]
 
 
 class BatchOutMsgpack(BatchOut):

@@ -1,0 +1,145 @@
+"""Loss masks and per-token versions: the rules a posted rollout's ``loss_mask`` and
+``versions`` obey, and what a hand-out makes of them.
+
+A rollout's tokens with ``loss_mask`` 0 (tool output, environment and user turns) are stored and
+handed out but never trained on: no statistic counts them. ``versions`` gives the version that
+sampled each token, run-length encoded as ``[[offset, version], ...]``. Over the trained tokens,
+``v_old`` (the oldest version, which must be the rollout's ``policy_version``) and ``v_new`` (the
+newest) are what the run's rules judge (``stale_tokens``, app/broker/lua/lib/run.lua).
+
+At hand-out under ``stale_tokens: mask``, every trained token sampled below the lease's *token
+floor* (``V - max_staleness``) is handed out with mask 0 as well, and counted as masked stale.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from app.errors import ValidationFailed
+
+U8Array = npt.NDArray[np.uint8]
+Segments = list[list[int]]  # [[offset, version], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRules:
+    """What ingest keeps of a rollout's mask and versions."""
+
+    mask: bytes | None  # uint8 0/1 per token; None: every token is trained
+    versions: Segments | None  # None: every token at policy_version
+    v_new: int  # the newest version over trained tokens
+    masked: int  # tokens with loss_mask 0
+
+
+def _mask_array(value: list[int] | bytes, what: str) -> npt.NDArray[np.integer]:
+    if isinstance(value, bytes):
+        return np.frombuffer(value, dtype=np.uint8)
+    try:
+        return np.asarray(value, dtype=np.int64)
+    except OverflowError:
+        raise ValidationFailed(f"{what}: loss_mask values must be 0 or 1") from None
+
+
+def check_mask(value: list[int] | bytes, n: int, what: str) -> U8Array:
+    """A loss mask of ``n`` tokens as uint8: 0 or 1 each, at least one 1, else 422."""
+    arr = _mask_array(value, what)
+    if arr.size != n:
+        raise ValidationFailed(f"{what}: loss_mask has {arr.size} values for {n} response tokens")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 1):
+        raise ValidationFailed(f"{what}: loss_mask values must be 0 or 1")
+    if not arr.any():
+        raise ValidationFailed(f"{what}: loss_mask masks every token; at least one is trained")
+    return arr.astype(np.uint8, copy=False)
+
+
+def check_versions(segments: Segments, n: int, what: str) -> None:
+    """Offsets strictly increasing from 0 and inside the response; versions non-decreasing."""
+    if segments[0][0] != 0:
+        raise ValidationFailed(f"{what}: versions must start at offset 0")
+    for (o1, v1), (o2, v2) in zip(segments, segments[1:], strict=False):
+        if o2 <= o1:
+            raise ValidationFailed(f"{what}: versions offsets must be strictly increasing")
+        if v2 < v1:
+            raise ValidationFailed(f"{what}: versions must not decrease")
+    if segments[-1][0] >= n:
+        raise ValidationFailed(
+            f"{what}: versions offset {segments[-1][0]} is beyond the response ({n} tokens)"
+        )
+
+
+def token_rules(
+    rid: str,
+    n: int,
+    policy_version: int,
+    loss_mask: list[int] | bytes | None,
+    versions: Segments | None,
+) -> TokenRules:
+    """Check a rollout's mask and versions against its ``n`` response tokens (422 naming the
+    rule broken) and give what ingest keeps of them."""
+    what = f"rollout {rid!r}"
+    mask = None if loss_mask is None else check_mask(loss_mask, n, what)
+    masked = 0 if mask is None else n - int(np.count_nonzero(mask))
+    stored_mask = None if mask is None or not masked else mask.tobytes()
+    if versions is None:
+        return TokenRules(stored_mask, None, policy_version, masked)
+    check_versions(versions, n, what)
+    first, last = 0, n - 1
+    if masked:
+        assert mask is not None
+        trained = np.flatnonzero(mask)
+        first, last = int(trained[0]), int(trained[-1])
+    offsets = [o for o, _ in versions]
+    v_old = versions[bisect_right(offsets, first) - 1][1]
+    v_new = versions[bisect_right(offsets, last) - 1][1]
+    if v_old != policy_version:
+        raise ValidationFailed(
+            f"{what}: policy_version {policy_version} is not the oldest version of its trained "
+            f"tokens ({v_old})"
+        )
+    plain = len(versions) == 1
+    return TokenRules(stored_mask, None if plain else versions, v_new, masked)
+
+
+@dataclass(frozen=True, slots=True)
+class HandOut:
+    """A rollout's tokens as one lease hands them out."""
+
+    mask: U8Array | None  # None: every token trained
+    trained: int  # tokens with mask 1
+    stale: int  # trained tokens masked for their own lag
+    lag_sum: int  # Σ over trained tokens of V - the token's version
+
+
+def hand_out(
+    mask: bytes | None,
+    versions: Segments | None,
+    policy_version: int,
+    n: int,
+    V: int,
+    floor: int | None,
+) -> HandOut:
+    """The mask, trained tokens and token lag of a stored rollout of ``n`` tokens handed out at
+    version ``V``; with a token ``floor``, trained tokens sampled below it are masked too."""
+    if mask is None and versions is None and (floor is None or policy_version >= floor):
+        return HandOut(None, n, 0, n * (V - policy_version))  # every token trained, one version
+    segs = versions or [[0, policy_version]]
+    starts = np.array([o for o, _ in segs], dtype=np.int64)
+    vers = np.array([v for _, v in segs], dtype=np.int64)
+    arr = None if mask is None else np.frombuffer(mask, dtype=np.uint8)
+    if arr is None:
+        counts = np.diff(np.append(starts, n))
+    else:
+        counts = np.add.reduceat(arr.astype(np.int64), starts)
+    stale = 0
+    if floor is not None and int(vers[0]) < floor:
+        old = vers < floor
+        stale = int(counts[old].sum())
+        out = np.ones(n, dtype=np.uint8) if arr is None else arr.copy()
+        cut = int(starts[np.flatnonzero(~old)[0]]) if (~old).any() else n
+        out[:cut] = 0
+        arr, counts = out, np.where(old, 0, counts)
+    return HandOut(arr, int(counts.sum()), stale, int((counts * (V - vers)).sum()))
