@@ -13,6 +13,7 @@ floor* (``V - max_staleness``) is handed out with mask 0 as well, and counted as
 
 from __future__ import annotations
 
+import itertools
 from bisect import bisect_right
 from dataclasses import dataclass
 
@@ -60,7 +61,7 @@ def check_versions(segments: Segments, n: int, what: str) -> None:
     """Offsets strictly increasing from 0 and inside the response; versions non-decreasing."""
     if segments[0][0] != 0:
         raise ValidationFailed(f"{what}: versions must start at offset 0")
-    for (o1, v1), (o2, v2) in zip(segments, segments[1:], strict=False):
+    for (o1, v1), (o2, v2) in itertools.pairwise(segments):
         if o2 <= o1:
             raise ValidationFailed(f"{what}: versions offsets must be strictly increasing")
         if v2 < v1:
