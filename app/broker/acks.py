@@ -122,6 +122,16 @@ def current_logprobs(
     return arrays
 
 
+def _acked_item(row: BatchRow, V: int, kl: float | None) -> AckedItem:
+    """A sample of the ``acked`` event: its trained tokens, and the masked stale ones and their
+    token lag when its tokens are not all at its own version's lag (else left out)."""
+    g = row.given
+    plain = g.lag_sum == g.trained * (V - row.policy_version)
+    return AckedItem(
+        row.rollout_id, row.policy_version, g.trained, kl, g.stale, None if plain else g.lag_sum
+    )
+
+
 def acked_event(
     batch_id: str,
     step: int | None,
@@ -138,15 +148,7 @@ def acked_event(
             step=step,
             policy_version=policy_version,
             items=tuple(
-                AckedItem(
-                    row.rollout_id,
-                    row.policy_version,
-                    row.given.trained,
-                    k,
-                    row.given.stale,
-                    row.given.lag_sum,
-                )
-                for row, k in zip(rows, fig.kl, strict=True)
+                _acked_item(row, policy_version, k) for row, k in zip(rows, fig.kl, strict=True)
             ),
             stats=AckStats(
                 kl_mean=stats.kl_mean,

@@ -161,7 +161,7 @@ for i = 1, n do
       local us = next_seq()
       set_unit(u, { v = v, seq = us, uses = 0, k = 1, n = tokens })
       make_ready(u, v, us)
-      table.insert(acc_items, { rid, rid, v, tokens, 1, masked })
+      table.insert(acc_items, { rid, rid, v, tokens, 1, masked > 0 and masked or nil })
     else
       local uk = ukey(u)
       local work = attempt_of(gid)
@@ -195,7 +195,7 @@ for i = 1, n do
         if tonumber(rw) < tonumber(f[4]) then redis.call('HSET', uk, 'rmin', rw) end
         if tonumber(rw) > tonumber(f[5]) then redis.call('HSET', uk, 'rmax', rw) end
       end
-      table.insert(acc_items, { rid, gid, v, tokens, new_unit, masked })
+      table.insert(acc_items, { rid, gid, v, tokens, new_unit, masked > 0 and masked or nil })
       if have == need then  -- complete: from its own hash to a record in US
         if need > 1 then
           redis.call('ZREM', OPEN, u)
