@@ -114,7 +114,8 @@ async def test_endpoints_after_drain(
     assert body["pending_events"] == 0
     assert list(body) == [
         "rollouts_received", "groups_received", "duplicates", "rejected", "tokens_generated",
-        "tokens_masked", "tokens_masked_stale", "buffered", "leased", "samples_consumed", "tokens_consumed", "reuse_factor", "retired",
+        "tokens_masked", "tokens_masked_stale", "buffered", "leased", "samples_consumed",
+        "tokens_consumed", "reuse_factor", "retired",
         "wasted_tokens", "batches", "lag", "kl", "is_ratio", "prompts", "wait", "as_of",
         "pending_events", "dead_letters", "live",
     ]  # fmt: skip
