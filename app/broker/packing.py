@@ -457,7 +457,7 @@ class StoredRollout(NamedTuple):
     reward: float
     finish_reason: str | None
     metadata: dict[str, Any] | None
-    loss_mask: bytes | None  # uint8 0/1 per token as stored; None: every token trained
+    loss_mask: bytes | None  # a bit per token as stored (tokens.unpack_mask); None: all trained
     versions: Segments | None  # None: every token at policy_version
     generator_id: str | None
 

@@ -30,31 +30,32 @@ Segments = list[list[int]]  # [[offset, version], ...]
 class TokenRules:
     """What ingest keeps of a rollout's mask and versions."""
 
-    mask: bytes | None  # uint8 0/1 per token; None: every token is trained
+    mask: bytes | None  # one bit per token (np.packbits); None: every token is trained
     versions: Segments | None  # None: every token at policy_version
     v_new: int  # the newest version over trained tokens
     masked: int  # tokens with loss_mask 0
 
 
-def _mask_array(value: list[int] | bytes, what: str) -> npt.NDArray[np.integer]:
+def mask_bytes(value: list[int] | bytes, n: int, what: str) -> bytes:
+    """A loss mask of ``n`` tokens as uint8 bytes: 0 or 1 each, at least one 1, else 422."""
     if isinstance(value, bytes):
-        return np.frombuffer(value, dtype=np.uint8)
-    try:
-        return np.asarray(value, dtype=np.int64)
-    except OverflowError:
-        raise ValidationFailed(f"{what}: loss_mask values must be 0 or 1") from None
-
-
-def check_mask(value: list[int] | bytes, n: int, what: str) -> U8Array:
-    """A loss mask of ``n`` tokens as uint8: 0 or 1 each, at least one 1, else 422."""
-    arr = _mask_array(value, what)
-    if arr.size != n:
-        raise ValidationFailed(f"{what}: loss_mask has {arr.size} values for {n} response tokens")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 1):
+        raw = value
+    else:
+        try:
+            arr = np.asarray(value, dtype=np.int64)
+        except OverflowError:
+            raise ValidationFailed(f"{what}: loss_mask values must be 0 or 1") from None
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 1):
+            raise ValidationFailed(f"{what}: loss_mask values must be 0 or 1")
+        raw = arr.astype(np.uint8).tobytes()
+    if len(raw) != n:
+        raise ValidationFailed(f"{what}: loss_mask has {len(raw)} values for {n} response tokens")
+    ones = raw.count(1)  # bytes.count, find and rfind: C loops, no array made
+    if ones + raw.count(0) != n:
         raise ValidationFailed(f"{what}: loss_mask values must be 0 or 1")
-    if not arr.any():
+    if not ones:
         raise ValidationFailed(f"{what}: loss_mask masks every token; at least one is trained")
-    return arr.astype(np.uint8, copy=False)
+    return raw
 
 
 def check_versions(segments: Segments, n: int, what: str) -> None:
@@ -82,17 +83,14 @@ def token_rules(
     """Check a rollout's mask and versions against its ``n`` response tokens (422 naming the
     rule broken) and give what ingest keeps of them."""
     what = f"rollout {rid!r}"
-    mask = None if loss_mask is None else check_mask(loss_mask, n, what)
-    masked = 0 if mask is None else n - int(np.count_nonzero(mask))
-    stored_mask = None if mask is None or not masked else mask.tobytes()
+    mask = None if loss_mask is None else mask_bytes(loss_mask, n, what)
+    masked = 0 if mask is None else mask.count(0)
+    # Stored a bit a token: an eighth of the bytes Redis would hold as uint8.
+    stored_mask = np.packbits(np.frombuffer(mask, np.uint8)).tobytes() if mask and masked else None
     if versions is None:
         return TokenRules(stored_mask, None, policy_version, masked)
     check_versions(versions, n, what)
-    first, last = 0, n - 1
-    if masked:
-        assert mask is not None
-        trained = np.flatnonzero(mask)
-        first, last = int(trained[0]), int(trained[-1])
+    first, last = (mask.find(1), mask.rfind(1)) if mask is not None and masked else (0, n - 1)
     offsets = [o for o, _ in versions]
     v_old = versions[bisect_right(offsets, first) - 1][1]
     v_new = versions[bisect_right(offsets, last) - 1][1]
@@ -103,6 +101,11 @@ def token_rules(
         )
     plain = len(versions) == 1
     return TokenRules(stored_mask, None if plain else versions, v_new, masked)
+
+
+def unpack_mask(bits: bytes, n: int) -> U8Array:
+    """A stored mask (a bit a token) as uint8 0/1 per token."""
+    return np.unpackbits(np.frombuffer(bits, np.uint8), count=n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +133,7 @@ def hand_out(
     segs = versions or [[0, policy_version]]
     starts = np.array([o for o, _ in segs], dtype=np.int64)
     vers = np.array([v for _, v in segs], dtype=np.int64)
-    arr = None if mask is None else np.frombuffer(mask, dtype=np.uint8)
+    arr = None if mask is None else unpack_mask(mask, n)
     if arr is None:
         counts = np.diff(np.append(starts, n))
     else:
