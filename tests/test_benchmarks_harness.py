@@ -76,6 +76,11 @@ def expected_rows() -> list[str]:
         rows += [f"cluster.redis_cpu.{n}" for n in ("single", *CLUSTER_MASTERS, "all")]
     if find_redis_server() is not None:  # a replica is attached to a private Redis only
         rows += [f"replicas.{case}.{side}" for case in AUTH_CASES for side in ("off", "on")]
+    rows += [
+        f"tokens.{case}.{side}"
+        for case in ("ingest.msgpack.64", "ingest.json.1")
+        for side in ("off", "on")
+    ]
     return rows
 
 

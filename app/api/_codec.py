@@ -241,6 +241,22 @@ async def read_model(
     )
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while a body is parsed and packed: a body makes
+    thousands of small lists (a rollout's ``versions`` pairs), none in a cycle and each freed by
+    its count, and a collection every 700 of them would cost more than the parse itself. A
+    parse in another thread may turn it back on early; that costs time, never memory."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@_collector_paused()
 def pack_items(
     body: Body,
     content_type: str | None,
@@ -266,35 +282,6 @@ def pack_items(
     refusal of ``pack``. A body found malformed on the way goes to the whole parse, which
     names the error as it always has.
     """
-    with _collector_paused():
-        return _pack_items(body, content_type, field, items, whole, pack, check_count, widest)
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector off while a body is parsed and packed: a body makes
-    thousands of small lists (a rollout's ``versions`` pairs), none in a cycle and each freed by
-    its count, and a collection every 700 of them would cost more than the parse itself. A
-    parse in another thread may turn it back on early; that costs time, never memory."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-def _pack_items(
-    body: Body,
-    content_type: str | None,
-    field: str,
-    items: tuple[type[I], type[I]],
-    whole: tuple[type[W], type[W]],
-    pack: Callable[[W, Sequence[I], int], list[T]],
-    check_count: Callable[[int], None],
-    widest: int,
-) -> tuple[W, list[T]]:
     fmt = _format(content_type)
     check_counts(body, fmt, {field: check_count}, widest)
     listed = listing(body, fmt, field, items, whole, widest) if len(body) >= STREAM_BYTES else None

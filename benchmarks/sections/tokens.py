@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 from benchmarks.harness import Bench, Row
-from benchmarks.load import Http, expect, run_group
-from benchmarks.pairs import Alternated, PairCase, PairSide, Toggle, http_alternate, pair_case_rows
+from benchmarks.load import Http, expect
+from benchmarks.pairs import PairCase, PairSide, Toggle, alternated, pair_case_rows
 from benchmarks.servers import proc_cpu_s
 
 SEGMENTS = 16
@@ -75,21 +75,7 @@ def _round(b: Bench, case: PairCase, rnd: int, got: dict[str, PairSide]) -> None
     ]
     duration = 2 * b.sizes.auth_s
     cpu0 = proc_cpu_s(b.broker.pid)
-    g = run_group(
-        http_alternate,
-        [
-            dict(
-                kind="ingest",
-                sides=specs,
-                block_ops=case.block_ops,
-                duration=duration,
-                warmup=case.warmup,
-            )
-        ],
-        timeout=duration + 300,
-    )
-    res = g.results[0]
-    assert isinstance(res, Alternated)
+    res = alternated(case, specs, duration)
     cpu = proc_cpu_s(b.broker.pid) - cpu0
     busy = sum(one.t1 for one in res.sides)
     for i, (side, one) in enumerate(zip(order, res.sides, strict=True)):
