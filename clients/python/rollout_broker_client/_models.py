@@ -48,6 +48,7 @@ __all__ = [
 
 Int32Array = npt.NDArray[np.int32]
 Float32Array = npt.NDArray[np.float32]
+UInt8Array = npt.NDArray[np.uint8]
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -64,6 +65,7 @@ class RunConfig(TypedDict, total=False):
     group_timeout_s: float
     drop_zero_variance_groups: bool
     order: Literal["freshest", "fifo", "random"]
+    stale_tokens: Literal["keep", "mask"]
     capacity_rollouts: int
     lease_timeout_s: float
     step_groups: int | None
@@ -74,7 +76,11 @@ class RunConfig(TypedDict, total=False):
 @dataclass(slots=True)
 class Rollout:
     """One sampled response, as a generator posts it. Arrays may be numpy arrays or lists;
-    ``logprobs`` are the behaviour policy's, one per response token."""
+    ``logprobs`` are the behaviour policy's, one per response token. ``loss_mask`` (0/1 per
+    response token, default all 1) marks with 0 the tokens not to train on (tool output,
+    environment and user turns); ``versions`` gives the version that sampled each token as
+    ``[(offset, version), ...]`` (default: every token at ``policy_version``, which must be the
+    oldest version over trained tokens)."""
 
     rollout_id: str
     policy_version: int
@@ -85,6 +91,9 @@ class Rollout:
     prompt_ids: npt.ArrayLike | None = None
     finish_reason: FinishReason | None = None
     metadata: dict[str, Any] | None = None
+    loss_mask: npt.ArrayLike | None = None
+    versions: Sequence[Sequence[int]] | None = None
+    generator_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -174,7 +183,9 @@ class PolicyResult:
 
 @dataclass(frozen=True, slots=True)
 class LeasedRollout:
-    """A rollout handed to a trainer: its arrays as numpy, its ``uses`` so far and its ``lag``."""
+    """A rollout handed to a trainer: its arrays as numpy, its ``uses`` so far and its ``lag``.
+    ``loss_mask`` is the mask to train with (tokens posted with 0, and under ``stale_tokens:
+    mask`` those too stale at hand-out); ``versions`` the run-length versions of its tokens."""
 
     rollout_id: str
     group_id: str | None
@@ -187,6 +198,24 @@ class LeasedRollout:
     metadata: dict[str, Any] | None
     uses: int
     lag: int
+    loss_mask: UInt8Array | None = None  # None: every token is trained
+    versions: tuple[tuple[int, int], ...] = ()
+    generator_id: str | None = None
+
+    @property
+    def mask(self) -> UInt8Array:
+        """The loss mask as an array, all 1 when every token is trained."""
+        if self.loss_mask is not None:
+            return self.loss_mask
+        return np.ones(self.response_ids.size, dtype=np.uint8)
+
+    @property
+    def token_versions(self) -> npt.NDArray[np.int64]:
+        """The version that sampled each response token."""
+        segs = self.versions or ((0, self.policy_version),)
+        starts = [o for o, _ in segs] + [self.response_ids.size]
+        lengths = np.diff(np.array(starts, dtype=np.int64))
+        return np.repeat(np.array([v for _, v in segs], dtype=np.int64), lengths)
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +320,7 @@ class LagStats:
     mean: float | None
     max: int | None
     histogram: dict[int, int]
+    token_mean: float | None = None  # over trained tokens, each by its own version
 
 
 @dataclass(frozen=True, slots=True)

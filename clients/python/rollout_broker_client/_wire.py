@@ -55,6 +55,7 @@ from rollout_broker_client._models import (
     RunConfig,
     Scope,
     TrainingVersion,
+    UInt8Array,
     VersionAccounting,
     WaitStats,
     WorkLease,
@@ -213,7 +214,12 @@ def rollout_doc(r: RolloutLike, binary: bool) -> dict[str, Any]:
     if src.get("logprobs") is not None:
         lp = _floats(src["logprobs"], "logprobs", rid)
         doc["logprobs"] = lp.tobytes() if binary else lp.astype(np.float64).tolist()
-    for key in ("group_id", "finish_reason", "metadata"):
+    if src.get("loss_mask") is not None:
+        mask = np.asarray(src["loss_mask"]).astype("u1")
+        doc["loss_mask"] = mask.tobytes() if binary else mask.tolist()
+    if src.get("versions") is not None:
+        doc["versions"] = [[int(o), int(v)] for o, v in src["versions"]]
+    for key in ("group_id", "finish_reason", "metadata", "generator_id"):
         if src.get(key) is not None:
             doc[key] = src[key]
     return doc
@@ -231,6 +237,9 @@ def _as_mapping(r: RolloutLike) -> Mapping[str, Any]:
             "prompt_ids": r.prompt_ids,
             "finish_reason": r.finish_reason,
             "metadata": r.metadata,
+            "loss_mask": r.loss_mask,
+            "versions": r.versions,
+            "generator_id": r.generator_id,
         }
     return r
 
@@ -323,7 +332,18 @@ def parse_leased(doc: Any) -> LeasedRollout:
         metadata=doc.get("metadata"),
         uses=int(doc["uses"]),
         lag=int(doc["lag"]),
+        loss_mask=_mask_array(doc.get("loss_mask")),
+        versions=tuple((int(o), int(v)) for o, v in doc.get("versions") or ()),
+        generator_id=doc.get("generator_id"),
     )
+
+
+def _mask_array(value: Any) -> UInt8Array | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes | bytearray | memoryview):
+        return cast(UInt8Array, np.frombuffer(value, dtype=np.uint8))
+    return np.asarray(value, dtype=np.uint8)
 
 
 def parse_batch(body: Any) -> Batch:
@@ -392,7 +412,12 @@ def _lag(value: Any) -> LagStats:
     v = value or {}
     hist = {int(k): int(n) for k, n in (v.get("histogram") or {}).items()}
     top = v.get("max")
-    return LagStats(mean=v.get("mean"), max=None if top is None else int(top), histogram=hist)
+    return LagStats(
+        mean=v.get("mean"),
+        max=None if top is None else int(top),
+        histogram=hist,
+        token_mean=v.get("token_mean"),
+    )
 
 
 def _kl(value: Any) -> KlStats:
