@@ -3,6 +3,7 @@ access tokens and the audit log."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -215,7 +216,7 @@ class LeasedRollout:
         """The version that sampled each response token."""
         segs = self.versions or ((0, self.policy_version),)
         starts = [o for o, _ in segs] + [self.response_ids.size]
-        lengths = np.diff(np.array(starts, dtype=np.int64))
+        lengths = [end - start for start, end in itertools.pairwise(starts)]
         return np.repeat(np.array([v for _, v in segs], dtype=np.int64), lengths)
 
 
