@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 from rollout_broker_client import Accounting, BrokerClient, PartialCounts, Rollout, Run
 from rollout_broker_client._wire import parse_accounting, parse_versions
-from rollout_broker_client.cli.views import accounting_table
+from rollout_broker_client.cli.views import accounting_table, versions_table
 from rollout_broker_client.cli.watch import _Frame, watch_view
 
 from tests.client.live import LiveServer
@@ -100,6 +100,17 @@ def test_the_partials_section_is_shown_only_when_the_broker_reports_it() -> None
     zeros = dict.fromkeys(PARTIALS, 0)  # reported, all 0: shown
     lines = rendered(accounting_table(parse_accounting(body(partials=zeros))))
     assert any("partial rollouts" in x for x in lines) and " 0 " in row(lines, "returned")
+
+
+def test_the_versions_table_shows_masked_tokens_and_token_lag() -> None:
+    one = body(
+        policy_version=3, tokens_masked=4_321, lag={"mean": 1.5, "max": 2, "token_mean": 1.25}
+    )
+    lines = rendered(versions_table(parse_versions({"versions": [one]})))
+    header = next(x for x in lines if "version" in x and "received" in x).split()
+    [cells] = [x.split() for x in lines if x.split()[:1] == ["3"]]
+    named = dict(zip([*header[: header.index("token")], "token lag"], cells, strict=False))
+    assert (named["masked"], named["lag"], named["token lag"]) == ("4,321", "1.5", "1.25")
 
 
 def test_watch_shows_token_lag_and_the_masked_share() -> None:

@@ -278,20 +278,24 @@ def versions_table(rows: list[VersionAccounting]) -> RenderableType:
     reasons = sorted({k for v in rows for k in v.retired})
     table = Table(
         title="Accounting by policy version",
-        caption="retired, by reason, on the right",
+        caption="masked: tokens posted with loss_mask 0; token lag: over trained tokens; retired, "
+        "by reason, on the right",
         box=box.SIMPLE_HEAD,
     )
-    for col in ("version", "received", "buffered", "leased", "samples", "reuse", "lag", *reasons):
+    cols = ("version", "received", "masked", "buffered", "leased", "samples", "reuse", "lag")
+    for col in (*cols, "token lag", *reasons):
         table.add_column(col, justify="right")
     for v in rows:
         table.add_row(
             str(v.policy_version),
             fmt(v.rollouts_received),
+            fmt(v.tokens_masked),
             fmt(v.buffered),
             fmt(v.leased),
             fmt(v.samples_consumed),
             fmt(v.reuse_factor, 3),
             fmt(v.lag.mean, 3),
+            fmt(v.lag.token_mean, 3),
             *(fmt(v.retired.get(k, 0)) for k in reasons),
         )
     return table
