@@ -6,9 +6,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgpack
+import numpy as np
 import orjson
 
-from app.broker.packing import token_ids
+from app.broker.packing import Int32Array, token_ids
 from app.broker.schemas import PromptJSON, PromptsBody
 from app.errors import ValidationFailed
 
@@ -60,3 +61,9 @@ class PromptLimits:
                 )
         packed: bytes = msgpack.packb({"i": ids, "d": prompt.data})
         return packed
+
+
+def prompt_tokens(packed: bytes) -> Int32Array | None:
+    """The registered token ids of a prompt in its stored form (None: it has none)."""
+    ids = msgpack.unpackb(packed, raw=False)["i"]
+    return None if ids is None else np.asarray(ids, dtype=np.int32)

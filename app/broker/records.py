@@ -64,6 +64,8 @@ class LeasedRollout:
     uses: int
     lag: int
     blob: bytes
+    prompt_id: str | None = None  # the prompt it answers, when posted under a work lease
+    prompt: bytes | None = None  # that prompt's packed form (prompt_limits.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -202,6 +202,9 @@ class LeasedRolloutOut(BaseModel):
     metadata: dict[str, Any] | None
     uses: int
     lag: int
+    prompt_id: str | None = Field(
+        None, description="The prompt of a rollout posted under a work lease (absent otherwise)"
+    )
 
 
 class BatchOut(BaseModel):

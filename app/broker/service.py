@@ -27,7 +27,7 @@ from app.broker.packing import (
     pack_rollouts,
     unpack_rollouts,
 )
-from app.broker.prompt_limits import PromptLimits
+from app.broker.prompt_limits import PromptLimits, prompt_tokens
 from app.broker.replies import ErrorContext, StoreError, error_for
 from app.broker.run_index import ORPHAN_GRACE_MS, RunStatus, Visible
 from app.broker.schemas import (
@@ -61,7 +61,9 @@ class LeasedBatch:
     batch_id: str
     policy_version: int
     lease_expires_at: str
-    rollouts: list[tuple[StoredRollout, int, int]]  # (rollout, uses, lag)
+    # (rollout, uses, lag, prompt_id): a rollout posted under a work lease names its prompt,
+    # and carries the registered prompt's prompt_ids when it was posted without any
+    rollouts: list[tuple[StoredRollout, int, int, str | None]]
 
 
 R = TypeVar("R")
@@ -329,6 +331,9 @@ class Broker:
         """A lease as the API hands it out; its behaviour logprobs are kept for the ack."""
         leased = got.rollouts
         rollouts = unpack_rollouts([r.blob for r in leased])
+        tokens = {
+            lr.prompt_id: prompt_tokens(lr.prompt) for lr in leased if lr.prompt is not None
+        }
         self.behaviour.put(
             run_id,
             got.batch_id,
@@ -341,7 +346,17 @@ class Broker:
             batch_id=got.batch_id,
             policy_version=got.policy_version,
             lease_expires_at=iso_ms(got.expires_at_ms),
-            rollouts=[(r, lr.uses, lr.lag) for r, lr in zip(rollouts, leased, strict=True)],
+            rollouts=[
+                (
+                    r
+                    if r.prompt_ids is not None or lr.prompt_id is None
+                    else r._replace(prompt_ids=tokens.get(lr.prompt_id)),
+                    lr.uses,
+                    lr.lag,
+                    lr.prompt_id,
+                )
+                for r, lr in zip(rollouts, leased, strict=True)
+            ],
         )
 
     def check_ack_count(self, n: int) -> None:

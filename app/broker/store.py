@@ -280,14 +280,27 @@ class RedisStore(RunIndex):
             (found,) = body
             return int(found)
         bid, version, expires_at, rows = body
-        blobs = await self.blobs(run_id, [text(rid) for _, _, rid in rows])
+        pids = [text(pid) for *_, pid in rows]
+        prompts = list(dict.fromkeys(pid for pid in pids if pid))
+        got = await self._mget(
+            [keys.member_key(self.prefix, run_id, keys.BLOB, text(rid)) for _, _, rid, _ in rows]
+            + [keys.member_key(self.prefix, run_id, keys.PROMPT, pid) for pid in prompts]
+        )
+        prompt_of = dict(zip(prompts, got[len(rows) :], strict=True))
         rollouts = []
-        for (uses, lag, _), blob in zip(rows, blobs, strict=True):
+        for (uses, lag, _, _), pid, blob in zip(rows, pids, got[: len(rows)], strict=True):
             if blob is None:
                 # Only a lease that ran out already, and whose rollouts then retired, loses them.
                 raise StoreError("lease_lost")
-            rollouts.append(LeasedRollout(int(uses), int(lag), blob))
+            prompt = prompt_of.get(pid) if pid else None
+            rollouts.append(LeasedRollout(int(uses), int(lag), blob, pid or None, prompt))
         return Lease(text(bid), int(version), int(expires_at), rollouts)
+
+    async def _mget(self, names: list[str]) -> list[Any]:
+        if not names:
+            return []
+        got: list[Any] = await self.redis.mget(names)
+        return got
 
     async def blobs(self, run_id: str, rollout_ids: Sequence[str]) -> list[bytes | None]:
         """The packed rollouts, in one MGET (None for one that is gone)."""

@@ -118,8 +118,9 @@ def batch_body(batch: LeasedBatch, as_msgpack: bool) -> dict[str, Any]:
                 "metadata": r.metadata,
                 "uses": uses,
                 "lag": lag,
+                **({} if prompt_id is None else {"prompt_id": prompt_id}),
             }
-            for r, uses, lag in batch.rollouts
+            for r, uses, lag, prompt_id in batch.rollouts
         ],
     }
 
