@@ -27,6 +27,7 @@ from app.broker.packing import (
     pack_rollouts,
     unpack_rollouts,
 )
+from app.broker.partials import check_prefixes, pack_partials
 from app.broker.prompt_limits import PromptLimits, prompt_tokens
 from app.broker.replies import ErrorContext, StoreError, error_for
 from app.broker.run_index import ORPHAN_GRACE_MS, RunStatus, Visible
@@ -35,6 +36,8 @@ from app.broker.schemas import (
     AckResult,
     IngestResult,
     NackResult,
+    PartialJSON,
+    PartialMsgpack,
     PolicyResult,
     PromptsResult,
     Rejection,
@@ -209,6 +212,7 @@ class Broker:
     async def ingest_packed(self, run_id: str, packed: list[PackedRollout]) -> IngestResult:
         """Ingest rollouts :meth:`pack` has packed (the API packs big bodies off the event
         loop, one rollout at a time)."""
+        await check_prefixes(self.store, run_id, packed)
         with self._refusals(run_id):
             out = await self.store.ingest(run_id, packed)
         return IngestResult(
@@ -331,9 +335,7 @@ class Broker:
         """A lease as the API hands it out; its behaviour logprobs are kept for the ack."""
         leased = got.rollouts
         rollouts = unpack_rollouts([r.blob for r in leased])
-        tokens = {
-            lr.prompt_id: prompt_tokens(lr.prompt) for lr in leased if lr.prompt is not None
-        }
+        tokens = {lr.prompt_id: prompt_tokens(lr.prompt) for lr in leased if lr.prompt is not None}
         self.behaviour.put(
             run_id,
             got.batch_id,
@@ -459,12 +461,23 @@ class Broker:
         return await self._long_poll(run_id, keys.WORK_WAKE, body.max_prompts, body.wait_s, attempt)
 
     async def return_work(
-        self, run_id: str, lease_id: str, prompt_ids: Sequence[str] | None
+        self,
+        run_id: str,
+        lease_id: str,
+        prompt_ids: Sequence[str] | None,
+        partials: Sequence[PartialJSON | PartialMsgpack] = (),
     ) -> ReturnResult:
+        """Give prompts back, with the partials sampled so far of their responses."""
         if prompt_ids is not None and not prompt_ids:
+            if partials:
+                raise ValidationFailed(
+                    "partials given with no prompt to return (partial_not_returned)"
+                )
             return ReturnResult(returned=0)  # an empty list returns nothing (None: all)
+        self.check_count(len(partials))
+        packed = pack_partials(partials, self.max_tokens)
         with self._refusals(run_id, lease_id=lease_id):
-            n = await self.store.return_work(run_id, lease_id, prompt_ids)
+            n = await self.store.return_work(run_id, lease_id, prompt_ids, packed)
         return ReturnResult(returned=n)
 
     # -- maintenance ----------------------------------------------------------------------

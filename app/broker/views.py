@@ -6,6 +6,8 @@ from datetime import UTC, datetime
 
 import msgpack
 
+from app.broker.packing import unpack_rollouts
+from app.broker.partials import partial_out
 from app.broker.records import RunState, WorkLease
 from app.broker.schemas import Run, WorkOut, WorkPrompt
 
@@ -36,6 +38,7 @@ def work_out(lease: WorkLease) -> WorkOut:
                 group_id=item.group_id,
                 prompt_ids=stored["i"],
                 data=stored["d"],
+                partials=[partial_out(p, item.group_id) for p in unpack_rollouts(item.partials)],
             )
         )
     return WorkOut(

@@ -65,7 +65,7 @@ def current(batch) -> AckBody:  # type: ignore[no-untyped-def]
     return AckBody(
         logprobs={
             r.rollout_id: (r.logprobs.astype(np.float64) - 0.05).tolist()
-            for r, _, _ in batch.rollouts
+            for r, *_ in batch.rollouts
         }
     )
 
@@ -115,7 +115,7 @@ async def test_an_ack_on_another_replica_measures_the_same(
         "r", size=4, policy_version=None, wait_s=0, partial=False, trainer_id=None
     )
     assert c is not None
-    kl = {r.rollout_id: 0.01 for r, _, _ in c.rollouts}
+    kl = {r.rollout_id: 0.01 for r, *_ in c.rollouts}
     assert (await other.ack("r", c.batch_id, AckBody(kl=kl))).stats.kl_mean == pytest.approx(0.01)
     assert asked == ["none", "blobs", "meta"]
     leaser.behaviour.pop("r", c.batch_id)

@@ -146,7 +146,7 @@ def _plain_body(batch: LeasedBatch, as_msgpack: bool) -> dict[str, Any]:
                 "uses": uses,
                 "lag": lag,
             }
-            for r, uses, lag in batch.rollouts
+            for r, uses, lag, _ in batch.rollouts
         ],
     }
 
@@ -182,7 +182,7 @@ def test_the_lease_answer_is_what_the_plain_encoding_gives(parts: list[Any], as_
     ]
     rollouts = unpack_rollouts(blobs)
     batch = LeasedBatch(
-        "b", 3, "2026-01-01T00:00:00Z", [(r, i % 3, i % 2) for i, r in enumerate(rollouts)]
+        "b", 3, "2026-01-01T00:00:00Z", [(r, i % 3, i % 2, None) for i, r in enumerate(rollouts)]
     )
     plain = _plain_body(batch, as_msgpack)
     if as_msgpack:
