@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgpack
+import numpy as np
 import orjson
 import redis
 
@@ -92,6 +94,78 @@ def http_work_return(
         give_back(got[0])
         res.ops += 1
         res.rollouts += got[1]
+    res.t1 = time.perf_counter()
+    http.close()
+    return res
+
+
+def http_work_return_partials(
+    *,
+    address: Address,
+    run_id: str,
+    size: int,
+    partials: int,
+    tokens: int,
+    duration: float,
+    max_ops: int,
+    warmup: int = 1,
+    barrier: Any,
+) -> Result:
+    """:func:`http_work_return` with partial rollouts: each lease's prompts go back with
+    ``partials`` partials of ``tokens`` tokens each (msgpack, raw arrays), under the same
+    rollout ids every time, so from the second lease on every prompt comes with its partials
+    to continue (answers in msgpack). Latency is the work call's; ``rollouts`` counts prompts."""
+    http = Http(address)
+    work_path = f"/v1/runs/{run_id}/work"
+    body = orjson.dumps({"max_prompts": size, "generator_id": "bench-gen", "wait_s": 0})
+    ids = np.arange(tokens, dtype="<i4").tobytes()
+    lps = np.full(tokens, -0.5, dtype="<f4").tobytes()
+    msgpack_type = "application/msgpack"
+
+    def work() -> tuple[str, list[dict[str, Any]], int] | None:
+        status, data, _ = http.call("POST", work_path, body, "application/json", msgpack_type)
+        if status == 204:
+            return None
+        expect(status, data, 200)
+        doc = msgpack.unpackb(data, raw=False)
+        handed = sum(len(p["partials"]) for p in doc["prompts"])
+        return doc["lease_id"], doc["prompts"], handed
+
+    def give_back(lease_id: str, prompts: list[dict[str, Any]]) -> None:
+        sampled = [
+            {
+                "rollout_id": f"{p['prompt_id']}-{k}",
+                "group_id": p["group_id"],
+                "policy_version": 0,
+                "response_ids": ids,
+                "logprobs": lps,
+            }
+            for p in prompts
+            for k in range(partials)
+        ]
+        doc = msgpack.packb({"partials": sampled}, use_bin_type=True)
+        status, data, _ = http.call("POST", f"{work_path}/{lease_id}/return", doc, msgpack_type)
+        expect(status, data, 200)
+
+    for _ in range(warmup):
+        got = work()
+        if got is not None:
+            give_back(got[0], got[1])
+    res = Result()
+    barrier.wait()
+    res.t0 = time.perf_counter()
+    deadline = res.t0 + duration
+    while res.ops < max_ops and time.perf_counter() < deadline:
+        t = time.perf_counter()
+        got = work()
+        dt = time.perf_counter() - t
+        if got is None:
+            res.empty += 1
+            break
+        res.lat.append(dt)
+        give_back(got[0], got[1])
+        res.ops += 1
+        res.rollouts += len(got[1])
     res.t1 = time.perf_counter()
     http.close()
     return res
