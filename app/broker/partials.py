@@ -18,14 +18,14 @@ from app.broker.packing import (
     pack_each,
     unpack_rollouts,
 )
-from app.broker.schemas import PartialJSON, PartialMsgpack, PartialOut
+from app.broker.schemas import PartialJSON, PartialMsgpack
 from app.errors import ValidationFailed
 
 __all__ = [
     "PartialsReader",
     "check_prefixes",
     "pack_partials",
-    "partial_out",
+    "partial_doc",
     "pass_of_group",
     "prefix_arrays",
     "prefix_mismatch",
@@ -66,18 +66,20 @@ def pass_of_group(group_id: str | None) -> str | None:
     return pk
 
 
-def partial_out(p: StoredRollout, group_id: str) -> PartialOut:
-    """A kept partial as a work answer hands it out, under the attempt's ``group_id``."""
-    return PartialOut(
-        rollout_id=p.rollout_id,
-        group_id=group_id,
-        policy_version=p.policy_version,
-        prompt_ids=None if p.prompt_ids is None else p.prompt_ids.tolist(),
-        response_ids=p.response_ids.tolist(),
-        logprobs=None if p.logprobs is None else p.logprobs.tolist(),
-        finish_reason=cast(Any, p.finish_reason),
-        metadata=p.metadata,
-    )
+def partial_doc(p: StoredRollout, group_id: str) -> dict[str, Any]:
+    """A kept partial as a work answer hands it out (:class:`PartialOut`), under the attempt's
+    ``group_id``; its arrays stay numpy, which a msgpack answer carries as raw little-endian
+    bytes and a JSON one as lists (app/api/_codec.py)."""
+    return {
+        "rollout_id": p.rollout_id,
+        "group_id": group_id,
+        "policy_version": p.policy_version,
+        "prompt_ids": p.prompt_ids,
+        "response_ids": p.response_ids,
+        "logprobs": p.logprobs,
+        "finish_reason": p.finish_reason,
+        "metadata": p.metadata,
+    }
 
 
 def prefix_arrays(r: StoredRollout) -> Mapping[str, npt.NDArray[Any] | None]:

@@ -46,7 +46,6 @@ from app.broker.schemas import (
     Run,
     RunList,
     WorkBody,
-    WorkOut,
 )
 from app.broker.store import (
     BatchView,
@@ -54,7 +53,7 @@ from app.broker.store import (
     RedisStore,
     RunState,
 )
-from app.broker.views import iso_ms, run_view, work_out
+from app.broker.views import WorkAnswer, iso_ms, run_view, work_answer
 from app.caller import Caller, action_entry
 from app.errors import BrokerError, ValidationFailed
 
@@ -424,7 +423,7 @@ class Broker:
             accepted, duplicates = await self.store.register_prompts(run_id, packed, epochs)
         return PromptsResult(accepted=accepted, duplicates=duplicates)
 
-    async def work(self, run_id: str, body: WorkBody) -> WorkOut | None:
+    async def work(self, run_id: str, body: WorkBody) -> WorkAnswer | None:
         """A work lease, or None when no prompt could be handed out within ``wait_s`` (none
         queued, or the staleness budget is spent)."""
         self.check_wait(body.wait_s)
@@ -435,7 +434,7 @@ class Broker:
             )
         lid = body.lease_id or uuid.uuid4().hex
 
-        async def attempt(t: Try) -> tuple[WorkOut | None, int | None]:
+        async def attempt(t: Try) -> tuple[WorkAnswer | None, int | None]:
             lost = 0
             while True:
                 try:
@@ -456,7 +455,7 @@ class Broker:
                         continue
                     ctx = ErrorContext(run_id, lease_id=lid)
                     raise error_for(err, ctx) from None
-                return (None if got is None else work_out(got)), None
+                return (None if got is None else work_answer(got)), None
 
         return await self._long_poll(run_id, keys.WORK_WAKE, body.max_prompts, body.wait_s, attempt)
 

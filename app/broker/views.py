@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 import msgpack
 
-from app.broker.packing import unpack_rollouts
-from app.broker.partials import partial_out
+from app.broker.packing import StoredRollout, unpack_rollouts
+from app.broker.partials import partial_doc
 from app.broker.records import RunState, WorkLease
 from app.broker.schemas import Run, WorkOut, WorkPrompt
 
@@ -26,6 +28,26 @@ def run_view(state: RunState) -> Run:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class WorkAnswer:
+    """A work lease as the API answers it: its :class:`WorkOut` (without partials) and the
+    partials of each of its prompts, in order, unpacked."""
+
+    out: WorkOut
+    partials: list[list[StoredRollout]]
+
+    def body(self) -> dict[str, Any]:
+        """The answer's body (arrays as numpy: raw bytes in msgpack, lists in JSON)."""
+        doc = self.out.model_dump(by_alias=True)
+        for prompt, partials in zip(doc["prompts"], self.partials, strict=True):
+            prompt["partials"] = [partial_doc(p, prompt["group_id"]) for p in partials]
+        return doc
+
+
+def work_answer(lease: WorkLease) -> WorkAnswer:
+    return WorkAnswer(work_out(lease), [unpack_rollouts(item.partials) for item in lease.items])
+
+
 def work_out(lease: WorkLease) -> WorkOut:
     prompts = []
     for item in lease.items:
@@ -38,7 +60,6 @@ def work_out(lease: WorkLease) -> WorkOut:
                 group_id=item.group_id,
                 prompt_ids=stored["i"],
                 data=stored["d"],
-                partials=[partial_out(p, item.group_id) for p in unpack_rollouts(item.partials)],
             )
         )
     return WorkOut(

@@ -68,7 +68,7 @@ async def take_work(run_id: RunId, request: Request) -> Response:
     lease = await broker_of(request).work(run_id, body)
     if lease is None:
         return Response(status_code=204)
-    return render(lease.model_dump(by_alias=True), as_msgpack=wants_msgpack(request))
+    return render(lease.body(), as_msgpack=wants_msgpack(request))
 
 
 @router.post(
