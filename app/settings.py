@@ -252,7 +252,7 @@ class Settings(BaseSettings):
                 f"BROKER_REDIS_TIMEOUT_S ({self.redis_timeout_s:g} s): a blocked read that "
                 "outlasts it fails as if Redis had stopped answering"
             )
-        if self.redis_wait_timeout_ms > self.redis_timeout_s * 1000 / 2:
+        if self.redis_wait_replicas and self.redis_wait_timeout_ms > self.redis_timeout_s * 500:
             raise ValueError(
                 f"BROKER_REDIS_WAIT_TIMEOUT_MS ({self.redis_wait_timeout_ms} ms) must be at most "
                 f"half of BROKER_REDIS_TIMEOUT_S ({self.redis_timeout_s:g} s): a WAIT that "

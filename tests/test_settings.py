@@ -53,3 +53,5 @@ def test_a_wait_for_replicas_lasts_at_most_half_the_redis_timeout() -> None:
     )
     with pytest.raises(ValidationError):
         Settings(redis_wait_replicas=-1)
+    # Off, the timeout is not used: a short Redis timeout needs no shorter one.
+    assert Settings(redis_timeout_s=0.5).redis_wait_timeout_ms == 1000

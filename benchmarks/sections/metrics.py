@@ -156,16 +156,22 @@ def wait_drained(server: Server, runs: list[str], within_s: float = 60.0) -> Non
         http.close()
 
 
+MIN_CPU_S = 0.05  # what a scrape row measures at the least, in CPU seconds
+
+
 def scrape_row(server: Server, n: int, scrapes: int) -> Row:
     http = Http(server.address)
     cpu0, t0 = proc_cpu_s(server.pid), time.monotonic()
-    size = 0
-    for _ in range(scrapes):
+    size = done = 0
+    # The process's CPU time moves by clock ticks (10 ms): scrape on until it has moved by a
+    # few, so that a short run does not report a cheap scrape as costing nothing.
+    while done < scrapes or (proc_cpu_s(server.pid) - cpu0 < MIN_CPU_S and done < 50 * scrapes):
         status, data, _ = http.call("GET", "/metrics")
         expect(status, data, 200)
         size = len(data)
-    cpu_ms = (proc_cpu_s(server.pid) - cpu0) / scrapes * 1e3
-    wall_ms = (time.monotonic() - t0) / scrapes * 1e3
+        done += 1
+    cpu_ms = (proc_cpu_s(server.pid) - cpu0) / done * 1e3
+    wall_ms = (time.monotonic() - t0) / done * 1e3
     http.close()
     return Row(
         f"metrics.scrape.{n}",
