@@ -28,7 +28,7 @@ from app.broker.packing import (
     unpack_rollouts,
 )
 from app.broker.partials import check_prefixes, pack_partials
-from app.broker.prompt_limits import PromptLimits, prompt_tokens
+from app.broker.prompt_limits import PromptLimits, with_prompts
 from app.broker.replies import ErrorContext, StoreError, error_for
 from app.broker.run_index import ORPHAN_GRACE_MS, RunStatus, Visible
 from app.broker.schemas import (
@@ -334,7 +334,6 @@ class Broker:
         """A lease as the API hands it out; its behaviour logprobs are kept for the ack."""
         leased = got.rollouts
         rollouts = unpack_rollouts([r.blob for r in leased])
-        tokens = {lr.prompt_id: prompt_tokens(lr.prompt) for lr in leased if lr.prompt is not None}
         self.behaviour.put(
             run_id,
             got.batch_id,
@@ -347,17 +346,7 @@ class Broker:
             batch_id=got.batch_id,
             policy_version=got.policy_version,
             lease_expires_at=iso_ms(got.expires_at_ms),
-            rollouts=[
-                (
-                    r
-                    if r.prompt_ids is not None or lr.prompt_id is None
-                    else r._replace(prompt_ids=tokens.get(lr.prompt_id)),
-                    lr.uses,
-                    lr.lag,
-                    lr.prompt_id,
-                )
-                for r, lr in zip(rollouts, leased, strict=True)
-            ],
+            rollouts=with_prompts(rollouts, leased),
         )
 
     def check_ack_count(self, n: int) -> None:
