@@ -36,13 +36,9 @@ def pack_partials(
     partials: Sequence[PartialJSON | PartialMsgpack], max_tokens: int
 ) -> list[PackedRollout]:
     """The stored form of a return's partials: checked as rollouts are (but for the reward,
-    which they lack), each under its prompt's group_id and given once."""
+    which they lack), each given once."""
     seen: set[str] = set()
     for p in partials:
-        if p.group_id is None:
-            raise ValidationFailed(
-                f"partial {p.rollout_id!r} has no group_id: name its prompt's (partial_group)"
-            )
         if p.rollout_id in seen:
             raise ValidationFailed(
                 f"partial {p.rollout_id!r} is given twice in one return (duplicate_partial)"

@@ -285,12 +285,15 @@ class WorkOut(BaseModel):
 
 
 class PartialJSON(RolloutJSON):
-    """A partial rollout: a Rollout without reward, sampled so far (SPEC "Partial rollouts")."""
+    """A partial rollout: a Rollout without reward, sampled so far (SPEC "Partial rollouts"),
+    under the group_id of its prompt's attempt."""
 
+    group_id: ItemId
     reward: None = None  # type: ignore[assignment]
 
 
 class PartialMsgpack(RolloutMsgpack):
+    group_id: ItemId
     reward: None = None  # type: ignore[assignment]
 
 

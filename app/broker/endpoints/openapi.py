@@ -19,8 +19,10 @@ from app.broker.schemas import (
     BatchOut,
     IngestJSON,
     LeasedRolloutOut,
+    PartialJSON,
     PromptJSON,
     PromptsBody,
+    ReturnBody,
     RolloutJSON,
     WorkBody,
 )
@@ -54,6 +56,17 @@ def field_keywords(s: Settings) -> dict[tuple[type[BaseModel], str], Keywords]:
             "description": "One per response token (as many as response_ids)",
         },
         (RolloutJSON, "metadata"): {
+            "description": "Free-form JSON: finite numbers, 64-bit integers, nested at most 16 deep"
+        },
+        (ReturnBody, "partials"): {"maxItems": s.max_rollouts_per_request},
+        (PartialJSON, "response_ids"): {"minItems": 1, "maxItems": tokens, "items": TOKEN_ID},
+        (PartialJSON, "prompt_ids"): {"maxItems": tokens, "items": TOKEN_ID},
+        (PartialJSON, "logprobs"): {
+            "maxItems": tokens,
+            "items": LOGPROB,
+            "description": "One per response token (as many as response_ids)",
+        },
+        (PartialJSON, "metadata"): {
             "description": "Free-form JSON: finite numbers, 64-bit integers, nested at most 16 deep"
         },
         (AckBody, "logprobs"): {
