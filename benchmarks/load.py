@@ -179,9 +179,11 @@ def ingest_poster(
     worker: int,
     token: str | None = None,
     tokens: int = TOKENS,
+    segments: int = 0,
 ) -> tuple[Http, Callable[[], int]]:
-    """A connection, and a call posting the next ``per_req`` rollouts on it (returns them)."""
-    payload = make_payload(tokens=tokens)
+    """A connection, and a call posting the next ``per_req`` rollouts on it (returns them);
+    with ``segments``, multi-turn rollouts with a loss mask and per-token versions."""
+    payload = make_payload(tokens=tokens, segments=segments)
     http = Http(address, token)
     ctype = CONTENT_TYPE[fmt]
     seq = 0

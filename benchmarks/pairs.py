@@ -253,6 +253,18 @@ def pair_round(
             b.fill(run, s.auth_lease_fill, "al", server=server, token=token)
     duration = 2 * s.auth_s if case.kind == "ingest" else 600.0  # lease + ack: until empty
     cpu0 = [proc_cpu_s(server.pid) for _, server, _ in sides]
+    res = alternated(case, specs, duration)
+    for i, ((side, server, _), c0, one) in enumerate(zip(sides, cpu0, res.sides, strict=True)):
+        acc = got[side]
+        acc.cpu_s += proc_cpu_s(server.pid) - c0
+        acc.cpu_ops += one.ops + one.empty + case.warmup
+        acc.rates += [cycle[i][0] / cycle[i][1] for cycle in res.cycles]
+    for run in runs:
+        b.drop_run(run)
+
+
+def alternated(case: PairCase, specs: list[dict[str, Any]], duration: float) -> Alternated:
+    """One client process alternating between the two sides ``specs`` of ``case``."""
     g = run_group(
         http_alternate,
         [
@@ -268,13 +280,7 @@ def pair_round(
     )
     res = g.results[0]
     assert isinstance(res, Alternated)
-    for i, ((side, server, _), c0, one) in enumerate(zip(sides, cpu0, res.sides, strict=True)):
-        acc = got[side]
-        acc.cpu_s += proc_cpu_s(server.pid) - c0
-        acc.cpu_ops += one.ops + one.empty + case.warmup
-        acc.rates += [cycle[i][0] / cycle[i][1] for cycle in res.cycles]
-    for run in runs:
-        b.drop_run(run)
+    return res
 
 
 def pair_case_rows(toggle: Toggle, case: PairCase, off: PairSide, on: PairSide) -> list[Row]:

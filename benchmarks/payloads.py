@@ -9,6 +9,7 @@ long-rollout rows build the same payload at ``LONG_TOKENS`` (``make_payload(toke
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -64,7 +65,20 @@ def raw_bytes(tokens: int) -> int:
     return tokens * 4 + tokens * 4
 
 
-def make_payload(seed: int = 0, tokens: int = TOKENS) -> Payload:
+def segmented(tokens: int, segments: int) -> dict[str, Any]:
+    """The fields of a multi-turn rollout sampled across ``segments`` versions (0 upwards, one
+    per segment of equal length): ``versions``, and a ``loss_mask`` with the last quarter of
+    every other segment masked (a tool's output). JSON lists; ``loss_mask`` as uint8 bytes for
+    msgpack is made by the caller."""
+    seg = tokens // segments
+    mask = np.ones(tokens, dtype=np.uint8)
+    for i in range(1, segments, 2):
+        mask[(i + 1) * seg - seg // 4 : (i + 1) * seg] = 0
+    return {"versions": [[i * seg, i] for i in range(segments)], "loss_mask": mask}
+
+
+def make_payload(seed: int = 0, tokens: int = TOKENS, segments: int = 0) -> Payload:
+    """A rollout's payload; with ``segments``, a multi-turn one (:func:`segmented`)."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, VOCAB, tokens, dtype=np.int64).astype("<i4")
     # Sampled-token logprobs: mostly near 0, a tail of unlikely tokens.
@@ -77,15 +91,22 @@ def make_payload(seed: int = 0, tokens: int = TOKENS) -> Payload:
         "reward": 1.0,
         "finish_reason": "stop",
     }
+    js_extra: dict[str, Any] = {}
+    mp_extra: dict[str, Any] = {}
+    if segments:
+        extra = segmented(tokens, segments)
+        js_extra = {**extra, "loss_mask": extra["loss_mask"].tolist()}
+        mp_extra = {**extra, "loss_mask": extra["loss_mask"].tobytes()}
     js = orjson.dumps(
         {
             **base,
             "response_ids": ids.tolist(),
             "logprobs": [float(x) for x in logprobs],  # float32 values as a client has them
+            **js_extra,
         }
     )
     mp = msgpack.packb(
-        {**base, "response_ids": ids.tobytes(), "logprobs": logprobs.tobytes()},
+        {**base, "response_ids": ids.tobytes(), "logprobs": logprobs.tobytes(), **mp_extra},
         use_bin_type=True,
     )
     json_pre, json_post = _split(js, orjson.dumps(_PLACEHOLDER))

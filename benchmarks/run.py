@@ -51,6 +51,7 @@ from benchmarks.sections.memory import memory_rows
 from benchmarks.sections.metrics import metrics_rows
 from benchmarks.sections.replicas import replicas_rows
 from benchmarks.sections.scaling import scaling_rows
+from benchmarks.sections.tokens import tokens_rows
 from benchmarks.sections.work import work_rows
 from benchmarks.sections.workers import workers_rows
 from benchmarks.servers import PG_URL, CpuMeter, redis_server, uvicorn_server
@@ -69,6 +70,7 @@ SECTIONS = {
     "drain": drain_rows,
     "cluster": cluster_rows,
     "replicas": replicas_rows,
+    "tokens": tokens_rows,
 }
 
 

@@ -28,6 +28,7 @@ from benchmarks.sections.drain import DRAIN_GROUP_NEED, DRAIN_NEED_S
 from benchmarks.sections.long import LONG_NEED
 from benchmarks.sections.metrics import METRICS_NEED
 from benchmarks.sections.replicas import REPLICAS_NEED
+from benchmarks.sections.tokens import TOKENS_NEED
 from benchmarks.servers import find_redis_server
 
 RATES = ("rollouts/s", "prompts/s")
@@ -77,6 +78,11 @@ def expected_rows() -> list[str]:
         rows += [f"cluster.redis_cpu.{n}" for n in ("single", *CLUSTER_MASTERS, "all")]
     if find_redis_server() is not None:  # a replica is attached to a private Redis only
         rows += [f"replicas.{case}.{side}" for case in AUTH_CASES for side in ("off", "on")]
+    rows += [
+        f"tokens.{case}.{side}"
+        for case in ("ingest.msgpack.64", "ingest.json.1")
+        for side in ("off", "on")
+    ]
     return rows
 
 
@@ -84,6 +90,7 @@ AUTH_CASES = ("ingest.json.1", "ingest.msgpack.64", f"lease_ack.msgpack.{QUICK.b
 AUTH_TARGET = f"≥{AUTH_NEED}× auth off"
 METRICS_TARGET = f"≥{METRICS_NEED}× metrics off"
 REPLICAS_TARGET = f"≥{REPLICAS_NEED}× replicas off"
+TOKENS_TARGET = f"≥{TOKENS_NEED}× tokens off"
 SIDES = ("single", "cluster")
 CLUSTER_MASTERS = [f"master{i + 1}" for i in range(MASTERS)]
 BALANCE_TARGET = f"≤{BALANCE_NEED}× busiest/least busy master"
@@ -225,9 +232,13 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
                 "≤4× body": (r["value"] / hostile_size[rid.split(".")[2]], 4.0, True),
                 "≤100 ms": (r["value"] / 1e3, 0.1, True),
             }[name]
-        if name in (AUTH_TARGET, METRICS_TARGET, REPLICAS_TARGET):
+        if name in (AUTH_TARGET, METRICS_TARGET, REPLICAS_TARGET, TOKENS_TARGET):
             off = rows[rid.removesuffix(".on") + ".off"]
-            need = {AUTH_TARGET: AUTH_NEED, METRICS_TARGET: METRICS_NEED}
+            need = {
+                AUTH_TARGET: AUTH_NEED,
+                METRICS_TARGET: METRICS_NEED,
+                TOKENS_TARGET: TOKENS_NEED,
+            }
             return r["value"] / off["value"], need.get(name, REPLICAS_NEED), False
         if name == BALANCE_TARGET:  # the cluster's masters' Redis CPU, busiest over least busy
             cpu = [rows[f"cluster.redis_cpu.{m}"]["value"] for m in CLUSTER_MASTERS]

@@ -37,10 +37,13 @@ class TotalsDelta:
     rollouts_nacked: int = 0
     rollouts_expired: int = 0
     rollouts_retired: int = 0
-    tokens_consumed: int = 0
+    tokens_consumed: int = 0  # trained tokens of the samples
     wasted_tokens: int = 0
     lag_samples: int = 0
     lag_sum: int = 0
+    tokens_masked: int = 0  # of tokens_generated, those posted with loss_mask 0
+    tokens_masked_stale: int = 0  # trained tokens handed out masked for their own lag
+    lag_token_sum: int = 0  # Σ over tokens_consumed of each token's own lag
     lag_max: int | None = None
     kl_tokens: int = 0
     kl_sum: float = 0.0

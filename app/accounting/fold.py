@@ -116,6 +116,7 @@ def _fold_accepted(fold: Fold, body: Accepted) -> None:
             totals.rollouts_received += 1
             totals.groups_received += int(item.new_unit)
             totals.tokens_generated += item.tokens
+            totals.tokens_masked += item.masked
 
 
 def _fold_rejected(fold: Fold, body: Rejected) -> None:
@@ -157,9 +158,13 @@ def _fold_acked(fold: Fold, event: Event, body: Acked) -> None:
         # Acked items carry no lag, and the batch's leased event (which does) may be folded in
         # another transaction: derive it by the rule lease.lua applies to that event's items.
         lag = lag_of(body.policy_version, item.policy_version)
+        # Events written before tokens had versions of their own: every token at the sample's.
+        lag_tokens = item.tokens * lag if item.lag_tokens is None else item.lag_tokens
         for totals in (run, fold.version(item.policy_version)):
             totals.rollouts_acked += 1
             totals.tokens_consumed += item.tokens
+            totals.tokens_masked_stale += item.masked_stale
+            totals.lag_token_sum += lag_tokens
             totals.lag_samples += 1
             totals.lag_sum += lag
             totals.lag_max = lag if totals.lag_max is None else max(totals.lag_max, lag)

@@ -82,6 +82,12 @@ class _Totals:
     kl_tokens: Mapped[int] = _count()
     kl_sum: Mapped[float] = _sum()
     kl_max: Mapped[float | None] = mapped_column(Double)
+    tokens_masked: Mapped[int] = _count()
+    tokens_masked_stale: Mapped[int] = _count()
+    # Σ over the trained tokens of the samples of each token's own lag (exact numeric, as lag_sum).
+    lag_token_sum: Mapped[int] = mapped_column(
+        Numeric(precision=38, scale=0), nullable=False, server_default="0"
+    )
 
 
 class RunTotals(_Totals, Base):

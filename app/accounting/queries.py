@@ -143,6 +143,8 @@ def _common(
         "groups_received": totals.groups_received,
         "rejected": rejected,
         "tokens_generated": totals.tokens_generated,
+        "tokens_masked": totals.tokens_masked,
+        "tokens_masked_stale": totals.tokens_masked_stale,
         "buffered": buffered,
         "leased": leased,
         "samples_consumed": totals.rollouts_acked,
@@ -157,6 +159,9 @@ def _common(
             else None,
             max=totals.lag_max,
             histogram=histogram,
+            token_mean=float(Decimal(totals.lag_token_sum) / totals.tokens_consumed)
+            if totals.tokens_consumed
+            else None,
         ),
         "kl": KlStats(mean=_ratio(totals.kl_sum, totals.kl_tokens), max=totals.kl_max),
     }

@@ -41,6 +41,10 @@ class LagStats(BaseModel):
     mean: float | None = Field(description="null when nothing was consumed")
     max: int | None
     histogram: dict[int, int] = Field(description="lag -> samples")
+    token_mean: float | None = Field(
+        description="Mean over the trained tokens consumed of each token's own lag (trainer "
+        "version minus the version that sampled it); null when nothing was consumed"
+    )
 
 
 class KlStats(BaseModel):
@@ -103,10 +107,17 @@ class RunAccounting(BaseModel):
     duplicates: int
     rejected: dict[str, int] = Field(description="reason -> rollouts")
     tokens_generated: int
+    tokens_masked: int = Field(
+        description="Of tokens_generated, those posted with loss_mask 0 (never trained)"
+    )
+    tokens_masked_stale: int = Field(
+        description="Trained tokens of the samples handed out with loss_mask 0 for their own "
+        "lag (stale_tokens 'mask')"
+    )
     buffered: int
     leased: int = Field(description="Rollouts in live leases")
     samples_consumed: int = Field(description="Σ uses: rollouts in acknowledged batches")
-    tokens_consumed: int
+    tokens_consumed: int = Field(description="Trained tokens of the samples")
     reuse_factor: float = Field(description="samples_consumed / rollouts_received (0 if none)")
     retired: dict[str, int] = Field(description="reason -> rollouts")
     wasted_tokens: int = Field(description="Tokens of rollouts that retired with no use")
@@ -138,6 +149,8 @@ class VersionAccounting(BaseModel):
     groups_received: int
     rejected: dict[str, int]
     tokens_generated: int
+    tokens_masked: int
+    tokens_masked_stale: int
     buffered: int
     leased: int
     samples_consumed: int

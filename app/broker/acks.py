@@ -18,6 +18,7 @@ from app.broker.records import BatchMember
 from app.broker.replies import AckAnswer
 from app.broker.schemas import AckResult, BatchStats
 from app.broker.stats import BatchFigures, Measured, batch_figures
+from app.broker.tokens import hand_out
 from app.errors import ValidationFailed
 from app.events import Acked, AckedItem, AckStats, AckSums, pack_payload
 
@@ -53,7 +54,13 @@ def measure(
     figure is finite, so the acked event can always be applied."""
     current = current_logprobs(rows, logprobs)
     items = [
-        Measured(row.old, current.get(row.rollout_id), kl.get(row.rollout_id), row.tokens)
+        Measured(
+            row.old,
+            current.get(row.rollout_id),
+            kl.get(row.rollout_id),
+            row.given.trained,
+            row.given.mask,
+        )
         for row in rows
     ]
     fig = batch_figures(items, config.kl_estimator, config.clip_epsilon)
@@ -76,10 +83,15 @@ def ack_result(answer: AckAnswer, size: int) -> AckResult:
     )
 
 
-def batch_row(m: BatchMember) -> BatchRow:
-    lp = msgpack.unpackb(m.blob, raw=False).get("l") if m.blob is not None else None
+def batch_row(m: BatchMember, V: int, floor: int | None) -> BatchRow:
+    """A rollout of a batch read back from Redis, handed out at ``V`` with token ``floor``."""
+    doc = msgpack.unpackb(m.blob, raw=False) if m.blob is not None else {}
+    lp = doc.get("l")
     old = np.frombuffer(lp, dtype="<f4") if lp is not None else None
-    return BatchRow(m.rollout_id, m.policy_version, m.tokens, old)
+    given = hand_out(
+        doc.get("k"), doc.get("vs"), doc.get("v", m.policy_version), m.tokens, V, floor
+    )
+    return BatchRow(m.rollout_id, m.policy_version, m.tokens, old, given)
 
 
 def current_logprobs(
@@ -110,6 +122,16 @@ def current_logprobs(
     return arrays
 
 
+def _acked_item(row: BatchRow, V: int, kl: float | None) -> AckedItem:
+    """A sample of the ``acked`` event: its trained tokens, and the masked stale ones and their
+    token lag when its tokens are not all at its own version's lag (else left out)."""
+    g = row.given
+    plain = g.lag_sum == g.trained * (V - row.policy_version)
+    return AckedItem(
+        row.rollout_id, row.policy_version, g.trained, kl, g.stale, None if plain else g.lag_sum
+    )
+
+
 def acked_event(
     batch_id: str,
     step: int | None,
@@ -126,8 +148,7 @@ def acked_event(
             step=step,
             policy_version=policy_version,
             items=tuple(
-                AckedItem(row.rollout_id, row.policy_version, row.tokens, k)
-                for row, k in zip(rows, fig.kl, strict=True)
+                _acked_item(row, policy_version, k) for row, k in zip(rows, fig.kl, strict=True)
             ),
             stats=AckStats(
                 kl_mean=stats.kl_mean,

@@ -16,6 +16,8 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from app.broker.tokens import HandOut
+
 __all__ = ["BatchRow", "BehaviourCache"]
 
 _ROW_BYTES = 128  # what a row costs besides its logprobs, roughly: ids, ints, the object
@@ -26,9 +28,10 @@ class BatchRow(NamedTuple):
     rollout of every lease)."""
 
     rollout_id: str
-    policy_version: int
-    tokens: int
+    policy_version: int  # the version it is counted under (lib/run.lua governing_version)
+    tokens: int  # response tokens
     old: npt.NDArray[np.float32] | None  # behaviour logprobs, None if ingested without
+    given: HandOut  # its mask, trained tokens and token lag as the lease handed it out
 
 
 class BehaviourCache:
@@ -42,7 +45,12 @@ class BehaviourCache:
         return self._bytes
 
     def put(self, run_id: str, batch_id: str, rows: list[BatchRow]) -> None:
-        size = sum(_ROW_BYTES + (r.old.nbytes if r.old is not None else 0) for r in rows)
+        size = sum(
+            _ROW_BYTES
+            + (r.old.nbytes if r.old is not None else 0)
+            + (r.given.mask.nbytes if r.given.mask is not None else 0)
+            for r in rows
+        )
         self.pop(run_id, batch_id)
         if size > self.max_bytes:
             return

@@ -14,6 +14,7 @@ MAX_EPOCHS = 1000  # passes per prompt: the prompt queue's order stays exact (ap
 
 KlEstimator = Literal["k1", "k2", "k3"]
 Order = Literal["freshest", "fifo", "random"]
+StaleTokens = Literal["keep", "mask"]
 
 
 class RunConfig(BaseModel):
@@ -31,6 +32,9 @@ class RunConfig(BaseModel):
     group_timeout_s: float = Field(600.0, gt=0, le=30 * 86400, allow_inf_nan=False)
     drop_zero_variance_groups: bool = False
     order: Order = "freshest"
+    # A rollout sampled across versions is judged by v_old ('keep'), or by v_new with its
+    # tokens too stale at hand-out given with loss_mask 0 ('mask'): app/broker/tokens.py.
+    stale_tokens: StaleTokens = "keep"
     capacity_rollouts: int = Field(100_000, ge=1, le=1_000_000_000)
     lease_timeout_s: float = Field(300.0, gt=0, le=7 * 86400, allow_inf_nan=False)
     step_groups: int | None = Field(None, ge=1, le=1_000_000_000)

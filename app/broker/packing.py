@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 from rollout_broker_client.protocol import MAX_TOKEN_ID
 
+from app.broker.tokens import Segments, TokenRules, token_rules
 from app.errors import ValidationFailed
 
 Int32Array = npt.NDArray[np.int32]
@@ -31,10 +32,12 @@ class PackedRollout:
 
     rollout_id: str
     group_id: str | None
-    policy_version: int
+    policy_version: int  # v_old
     tokens: int
     reward_text: str  # repr(float): Lua's tonumber() reads it back to the exact double
     blob: bytes
+    v_new: int  # the newest version over trained tokens
+    masked: int  # tokens with loss_mask 0
 
 
 def _ids(value: list[int] | bytes | None, what: str, rid: str) -> Int32Array | None:
@@ -183,6 +186,9 @@ def pack_rollout(
     finish_reason: str | None,
     metadata: dict[str, Any] | None,
     max_tokens: int,
+    loss_mask: list[int] | bytes | None = None,
+    versions: Segments | None = None,
+    generator_id: str | None = None,
 ) -> PackedRollout:
     """Validate one rollout's arrays and pack it; raises ValidationFailed with a readable detail."""
     rid = rollout_id
@@ -217,7 +223,21 @@ def pack_rollout(
         reward,
         finish_reason,
         metadata,
+        _rules(rid, int(resp.size), policy_version, loss_mask, versions),
+        generator_id,
     )
+
+
+def _rules(
+    rid: str,
+    n: int,
+    policy_version: int,
+    loss_mask: list[int] | bytes | None,
+    versions: Segments | None,
+) -> TokenRules | None:
+    if loss_mask is None and versions is None:
+        return None
+    return token_rules(rid, n, policy_version, loss_mask, versions)
 
 
 def _packed(
@@ -231,6 +251,8 @@ def _packed(
     reward: float,
     finish_reason: str | None,
     metadata: dict[str, Any] | None,
+    rules: TokenRules | None,
+    generator_id: str | None,
 ) -> PackedRollout:
     """The stored blob of a validated rollout: ids as (bytes, width), logprobs as float32."""
     doc: dict[str, Any] = {
@@ -250,8 +272,18 @@ def _packed(
         doc["f"] = finish_reason
     if metadata is not None:
         doc["m"] = metadata
+    if generator_id is not None:
+        doc["gi"] = generator_id
+    v_new, masked = policy_version, 0
+    if rules is not None:
+        if rules.mask is not None:
+            doc["k"] = rules.mask
+        if rules.versions is not None:
+            doc["vs"] = rules.versions
+        v_new, masked = rules.v_new, rules.masked
     blob = msgpack.packb(doc, use_bin_type=True)
-    return PackedRollout(rid, group_id, policy_version, tokens, repr(float(reward)), blob)
+    reward_text = repr(float(reward))
+    return PackedRollout(rid, group_id, policy_version, tokens, reward_text, blob, v_new, masked)
 
 
 class RolloutFields(Protocol):
@@ -275,6 +307,12 @@ class RolloutFields(Protocol):
     def finish_reason(self) -> str | None: ...
     @property
     def metadata(self) -> dict[str, Any] | None: ...
+    @property
+    def loss_mask(self) -> list[int] | bytes | None: ...
+    @property
+    def versions(self) -> Segments | None: ...
+    @property
+    def generator_id(self) -> str | None: ...
 
 
 def pack_rollouts(rollouts: Sequence[RolloutFields], max_tokens: int) -> list[PackedRollout]:
@@ -305,6 +343,9 @@ def pack_each(rollouts: Sequence[RolloutFields], max_tokens: int) -> list[Packed
             finish_reason=r.finish_reason,
             metadata=r.metadata,
             max_tokens=max_tokens,
+            loss_mask=r.loss_mask,
+            versions=r.versions,
+            generator_id=r.generator_id,
         )
         for r in rollouts
     ]
@@ -396,6 +437,8 @@ def _pack_together(
             r.reward,
             r.finish_reason,
             r.metadata,
+            _rules(r.rollout_id, int(resp[i].size), r.policy_version, r.loss_mask, r.versions),
+            r.generator_id,
         )
         for i, r in enumerate(rollouts)
     ]
@@ -414,6 +457,9 @@ class StoredRollout(NamedTuple):
     reward: float
     finish_reason: str | None
     metadata: dict[str, Any] | None
+    loss_mask: bytes | None  # a bit per token as stored (tokens.unpack_mask); None: all trained
+    versions: Segments | None  # None: every token at policy_version
+    generator_id: str | None
 
 
 def unpack_rollouts(blobs: list[bytes]) -> list[StoredRollout]:
@@ -439,6 +485,9 @@ def unpack_rollouts(blobs: list[bytes]) -> list[StoredRollout]:
             doc["w"],
             doc.get("f"),
             doc.get("m"),
+            doc.get("k"),
+            doc.get("vs"),
+            doc.get("gi"),
         )
         for doc, response, prompt in zip(docs, responses, prompts, strict=True)
     ]

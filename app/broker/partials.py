@@ -19,6 +19,7 @@ from app.broker.packing import (
     unpack_rollouts,
 )
 from app.broker.schemas import PartialJSON, PartialMsgpack
+from app.broker.tokens import unpack_mask
 from app.errors import ValidationFailed
 
 __all__ = [
@@ -66,6 +67,7 @@ def partial_doc(p: StoredRollout, group_id: str) -> dict[str, Any]:
     """A kept partial as a work answer hands it out (:class:`PartialOut`), under the attempt's
     ``group_id``; its arrays stay numpy, which a msgpack answer carries as raw little-endian
     bytes and a JSON one as lists (app/api/_codec.py)."""
+    n = p.response_ids.size
     return {
         "rollout_id": p.rollout_id,
         "group_id": group_id,
@@ -73,6 +75,9 @@ def partial_doc(p: StoredRollout, group_id: str) -> dict[str, Any]:
         "prompt_ids": p.prompt_ids,
         "response_ids": p.response_ids,
         "logprobs": p.logprobs,
+        "loss_mask": None if p.loss_mask is None else unpack_mask(p.loss_mask, n),
+        "versions": p.versions,
+        "generator_id": p.generator_id,
         "finish_reason": p.finish_reason,
         "metadata": p.metadata,
     }
@@ -80,12 +85,17 @@ def partial_doc(p: StoredRollout, group_id: str) -> dict[str, Any]:
 
 def prefix_arrays(r: StoredRollout) -> Mapping[str, npt.NDArray[Any] | None]:
     """The per-token arrays a completed rollout must start with, by field, besides its
-    ``response_ids``: its ``logprobs`` and the version of each token (today a rollout's one
-    ``policy_version`` for every token). A per-token field of a rollout joins here, once."""
+    ``response_ids``: its ``logprobs``, its loss mask and the version of each token (from
+    ``versions``, or its one ``policy_version``). A per-token field of a rollout joins here."""
     n = r.response_ids.size
+    segments = r.versions or [[0, r.policy_version]]
+    starts = [o for o, _ in segments] + [n]
     return {
         "logprobs": r.logprobs,
-        "versions": np.full(n, r.policy_version, dtype=np.int64),
+        "loss_mask": (
+            np.ones(n, dtype=np.uint8) if r.loss_mask is None else unpack_mask(r.loss_mask, n)
+        ),
+        "versions": np.repeat(np.array([v for _, v in segments], dtype=np.int64), np.diff(starts)),
     }
 
 

@@ -72,18 +72,16 @@ def prompt_tokens(packed: bytes) -> Int32Array | None:
 
 def with_prompts(
     rollouts: Sequence[StoredRollout], leased: Sequence[LeasedRollout]
-) -> list[tuple[StoredRollout, int, int, str | None]]:
-    """A lease's rollouts as handed out, (rollout, uses, lag, prompt_id): one posted under a
-    work lease names its prompt, and carries the registered prompt's tokens when it was
-    posted without any (each prompt's are unpacked once)."""
+) -> list[tuple[StoredRollout, str | None]]:
+    """A lease's rollouts as handed out, with the prompt_id of each posted under a work lease,
+    which then carries the registered prompt's tokens when it was posted without any (each
+    prompt's are unpacked once)."""
     tokens = {lr.prompt_id: prompt_tokens(lr.prompt) for lr in leased if lr.prompt is not None}
     return [
         (
             r
             if r.prompt_ids is not None or lr.prompt_id is None
             else r._replace(prompt_ids=tokens.get(lr.prompt_id)),
-            lr.uses,
-            lr.lag,
             lr.prompt_id,
         )
         for r, lr in zip(rollouts, leased, strict=True)

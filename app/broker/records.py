@@ -74,6 +74,7 @@ class Lease:
     policy_version: int
     expires_at_ms: int
     rollouts: list[LeasedRollout]
+    token_floor: int | None  # under stale_tokens 'mask': tokens below it are handed out masked
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +96,7 @@ class BatchView:
     size: int
     answer: AckAnswer | None  # when acked
     members: list[BatchMember]  # while leased, when asked for
+    token_floor: int | None = None  # as the lease fixed it (Lease.token_floor)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,14 @@ FinishReason = Literal["stop", "length", "abort"]
 # error, not a million (their number is bounded before the parse, app/api/_outline.py).
 TokenIds = Annotated[list[int], Field(fail_fast=True)]
 Floats = Annotated[list[float], Field(fail_fast=True)]
+# A loss mask: 0/1 per response token (checked in app/broker/tokens.py, which names the rule).
+Mask = Annotated[list[int], Field(fail_fast=True)]
+Version = Annotated[int, Field(ge=0, le=MAX_VERSION)]
+# Run-length versions: [[offset, version], ...] (their order is checked in app/broker/tokens.py).
+Versions = Annotated[
+    list[Annotated[list[Version], Field(min_length=2, max_length=2)]],
+    Field(fail_fast=True, min_length=1),
+]
 
 
 MAX_METADATA_DEPTH = 16
@@ -59,7 +67,10 @@ class RolloutJSON(BaseModel):
     prompt_ids: TokenIds | None = None
     response_ids: TokenIds
     logprobs: Floats | None = None
+    loss_mask: Mask | None = None
+    versions: Versions | None = None
     reward: float = Field(allow_inf_nan=False)
+    generator_id: ItemId | None = None
     finish_reason: FinishReason | None = None
     metadata: dict[str, Any] | None = None
 
@@ -75,6 +86,7 @@ class RolloutMsgpack(RolloutJSON):
     prompt_ids: TokenIds | bytes | None = None  # type: ignore[assignment]
     response_ids: TokenIds | bytes  # type: ignore[assignment]
     logprobs: Floats | bytes | None = None  # type: ignore[assignment]
+    loss_mask: Mask | bytes | None = None  # type: ignore[assignment]
 
 
 class IngestJSON(BaseModel):
@@ -197,7 +209,13 @@ class LeasedRolloutOut(BaseModel):
     prompt_ids: list[int] | None
     response_ids: list[int]
     logprobs: list[float] | None
+    loss_mask: list[int] | None = Field(
+        description="0 for the tokens not to train on (null: every token is trained); under "
+        "stale_tokens 'mask' the tokens too stale at hand-out are 0 as well"
+    )
+    versions: list[list[int]] = Field(description="[[offset, version], ...] of the tokens")
     reward: float
+    generator_id: str | None
     finish_reason: FinishReason | None
     metadata: dict[str, Any] | None
     uses: int
@@ -259,6 +277,9 @@ class PartialOut(BaseModel):
     prompt_ids: list[int] | None
     response_ids: list[int]
     logprobs: list[float] | None
+    loss_mask: list[int] | None = Field(description="0/1 per token; null: every token trained")
+    versions: list[list[int]] | None = Field(description="[[offset, version], ...]; null: one")
+    generator_id: str | None
     finish_reason: FinishReason | None
     metadata: dict[str, Any] | None
 

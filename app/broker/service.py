@@ -53,6 +53,7 @@ from app.broker.store import (
     RedisStore,
     RunState,
 )
+from app.broker.tokens import U8Array, hand_out
 from app.broker.views import WorkAnswer, iso_ms, run_view, work_answer
 from app.caller import Caller, action_entry
 from app.errors import BrokerError, ValidationFailed
@@ -63,9 +64,10 @@ class LeasedBatch:
     batch_id: str
     policy_version: int
     lease_expires_at: str
-    # (rollout, uses, lag, prompt_id): a rollout posted under a work lease names its prompt,
-    # and carries the registered prompt's prompt_ids when it was posted without any
-    rollouts: list[tuple[StoredRollout, int, int, str | None]]
+    # (rollout, uses, lag, the loss mask handed out: None when every token is trained, the
+    # prompt_id of a rollout posted under a work lease, which then carries the registered
+    # prompt's prompt_ids when it was posted without any)
+    rollouts: list[tuple[StoredRollout, int, int, U8Array | None, str | None]]
 
 
 R = TypeVar("R")
@@ -334,19 +336,21 @@ class Broker:
         """A lease as the API hands it out; its behaviour logprobs are kept for the ack."""
         leased = got.rollouts
         rollouts = unpack_rollouts([r.blob for r in leased])
-        self.behaviour.put(
-            run_id,
-            got.batch_id,
-            [
-                BatchRow(r.rollout_id, r.policy_version, r.response_ids.size, r.logprobs)
-                for r in rollouts
-            ],
-        )
+        V, floor = got.policy_version, got.token_floor
+        rows, out = [], []
+        for (r, pid), lr in zip(with_prompts(rollouts, leased), leased, strict=True):
+            n = r.response_ids.size
+            given = hand_out(r.loss_mask, r.versions, r.policy_version, n, V, floor)
+            # Counted under the version the lease script judged it by (its lag's), answered
+            # with its lag by v_old (the SPEC's).
+            rows.append(BatchRow(r.rollout_id, V - lr.lag, n, r.logprobs, given))
+            out.append((r, lr.uses, V - r.policy_version, given.mask, pid))
+        self.behaviour.put(run_id, got.batch_id, rows)
         return LeasedBatch(
             batch_id=got.batch_id,
-            policy_version=got.policy_version,
+            policy_version=V,
             lease_expires_at=iso_ms(got.expires_at_ms),
-            rollouts=with_prompts(rollouts, leased),
+            rollouts=out,
         )
 
     def check_ack_count(self, n: int) -> None:
@@ -359,7 +363,7 @@ class Broker:
     async def ack(self, run_id: str, batch_id: str, body: AckBody) -> AckResult:
         new_lp: dict[str, Any] = body.logprobs or {}
         ready_kl = body.kl or {}
-        view, rows = await self._batch_for_ack(run_id, batch_id, bool(new_lp))
+        view, rows = await self._batch_for_ack(run_id, batch_id)
         if view.answer is not None:  # acked before: the same answer again
             self.behaviour.pop(run_id, batch_id)
             return ack_result(view.answer, view.size)
@@ -378,24 +382,24 @@ class Broker:
             self.behaviour.pop(run_id, batch_id)
         return ack_result(answer, view.size)
 
-    async def _batch_for_ack(
-        self, run_id: str, batch_id: str, measure: bool
-    ) -> tuple[BatchView, list[BatchRow]]:
+    async def _batch_for_ack(self, run_id: str, batch_id: str) -> tuple[BatchView, list[BatchRow]]:
         """The batch's state and, while it is leased, its rollouts as the ack measures them:
-        kept from this process's lease, else read back from Redis (with the stored blobs
-        when the ack brings logprobs to ``measure``)."""
+        kept from this process's lease, else read back from Redis with the stored blobs."""
         kept = self.behaviour.get(run_id, batch_id)
         try:
             with self._refusals(run_id, batch_id=batch_id):
                 view = await self.store.batch_view(
                     run_id,
                     batch_id,
-                    rollouts="none" if kept is not None else "blobs" if measure else "meta",
+                    # The blobs hold each rollout's mask and versions: what it trained.
+                    rollouts="none" if kept is not None else "blobs",
                 )
         except BrokerError:
             self.behaviour.pop(run_id, batch_id)  # nacked, expired or gone: no ack will come
             raise
-        return view, kept if kept is not None else [batch_row(m) for m in view.members]
+        if kept is not None:
+            return view, kept
+        return view, [batch_row(m, view.policy_version, view.token_floor) for m in view.members]
 
     async def nack(self, run_id: str, batch_id: str) -> NackResult:
         self.behaviour.pop(run_id, batch_id)

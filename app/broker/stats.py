@@ -94,7 +94,8 @@ class Measured(NamedTuple):
     old: npt.NDArray[np.float32] | None  # behaviour logprobs, None if ingested without
     new: npt.NDArray[np.floating[Any]] | None  # current logprobs from the ack, None if not given
     kl: float | None  # ready-made KL from the ack
-    tokens: int
+    tokens: int  # trained tokens
+    mask: npt.NDArray[np.uint8] | None = None  # 0 for tokens not trained; None: all trained
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,13 +121,21 @@ def ess_fraction(seq_log_w: F64) -> float:
     return float(shifted.sum() ** 2 / (n * np.square(shifted).sum()))
 
 
+def _trained(
+    i: int, old: npt.NDArray[np.float32], new: npt.NDArray[np.floating[Any]], mask: Any
+) -> tuple[int, npt.NDArray[np.float32], npt.NDArray[np.floating[Any]]]:
+    """A rollout's logprobs on both sides over its trained tokens only."""
+    keep = mask.view(np.bool_)
+    return i, old[keep], new[keep]
+
+
 def batch_figures(items: Sequence[Measured], estimator: str, clip_epsilon: float) -> BatchFigures:
     """The figures of one batch. Rollouts with logprobs on both sides are measured together:
     their tokens are concatenated once and per-rollout sums taken by segment, so the cost is a
     handful of numpy calls per batch rather than per rollout."""
     per: list[float | None] = [None] * len(items)
     pairs = [
-        (i, it.old, it.new)
+        (i, it.old, it.new) if it.mask is None else _trained(i, it.old, it.new, it.mask)
         for i, it in enumerate(items)
         if it.old is not None and it.new is not None
     ]

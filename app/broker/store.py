@@ -71,6 +71,12 @@ SCAN_PER_ROLLOUT = 4
 SCAN_SLACK = 256
 
 
+def _floor(raw: Any) -> int | None:
+    """A token floor as the lease script replies it ('' : none)."""
+    t = text(raw)
+    return int(t) if t else None
+
+
 def scan_limit(size: int) -> int:
     return SCAN_PER_ROLLOUT * size + SCAN_SLACK
 
@@ -232,7 +238,9 @@ class RedisStore(RunIndex):
                 r.rollout_id,
                 r.group_id or "",
                 str(r.policy_version),
+                str(r.v_new),
                 r.tokens,
+                r.masked,
                 r.reward_text,
                 # redis-py sends a memoryview as it is, beside the command's other bytes; a
                 # bytes argument its hiredis packer (redis-py 8.2) copies into one buffer with
@@ -279,7 +287,7 @@ class RedisStore(RunIndex):
         if text(outcome) == "short":
             (found,) = body
             return int(found)
-        bid, version, expires_at, rows = body
+        bid, version, expires_at, rows, floor = body
         pids = [text(pid) for *_, pid in rows]
         got = await self.blobs(run_id, [text(rid) for _, _, rid, _ in rows])
         prompts = list(dict.fromkeys(pid for pid in pids if pid))
@@ -291,7 +299,7 @@ class RedisStore(RunIndex):
                 raise StoreError("lease_lost")
             prompt = prompt_of.get(pid) if pid else None
             rollouts.append(LeasedRollout(int(uses), int(lag), blob, pid or None, prompt))
-        return Lease(text(bid), int(version), int(expires_at), rollouts)
+        return Lease(text(bid), int(version), int(expires_at), rollouts, _floor(floor))
 
     async def blobs(self, run_id: str, rollout_ids: Sequence[str]) -> list[bytes | None]:
         """The packed rollouts, in one MGET (None for one that is gone)."""
@@ -308,7 +316,7 @@ class RedisStore(RunIndex):
         """The batch's state and, while it is leased and unless ``rollouts`` is 'none', its
         rollouts ('blobs': with their packed rollouts). StoreError for no such run or batch,
         and for a batch that was nacked or expired."""
-        state, cfg, version, size, rest = await self._call(
+        state, cfg, version, size, rest, *floor = await self._call(
             "batch_view", run_id, batch_id, "none" if rollouts == "none" else "meta"
         )
         config = RunConfig.model_validate_json(cfg)
@@ -322,7 +330,8 @@ class RedisStore(RunIndex):
             BatchMember(rid, int(v), int(n), blob)
             for rid, (_, v, n), blob in zip(rids, rest, blobs, strict=True)
         ]
-        return BatchView(config, "leased", int(version), int(size), None, members)
+        token_floor = _floor(floor[0])
+        return BatchView(config, "leased", int(version), int(size), None, members, token_floor)
 
     async def ack(
         self,

@@ -62,7 +62,9 @@ SCHEMA: dict[str, EventType] = {
             Accepted,
             "rollouts stored. `tokens` = response length. `unit_id` is the group id for "
             "`group_size > 1`, else the rollout id. `new_unit` is 1 when this rollout opened a "
-            "new group (counts `groups_received`)",
+            "new group (counts `groups_received`); `masked` (absent: 0) counts its tokens posted "
+            "with `loss_mask` 0. `policy_version` is the version the run judges it by: its "
+            "`v_old`, or its `v_new` under `stale_tokens: mask`",
         ),
         EventType(
             "duplicate",
@@ -85,7 +87,10 @@ SCHEMA: dict[str, EventType] = {
         EventType(
             "acked",
             Acked,
-            "leased → buffered, each item gains one use (a *sample*). `sums` let totals be "
+            "leased → buffered, each item gains one use (a *sample*); `tokens` are its trained "
+            "tokens as handed out, `masked_stale` (absent: 0) the trained tokens handed out "
+            "masked for their own lag, `lag_tokens` Σ each trained token's own lag (absent: "
+            "`tokens` × the sample's lag). `sums` let totals be "
             "aggregated exactly: `kl_sum` is Σ per-token KL over `kl_tokens` measured tokens "
             "(a ready-made per-rollout `kl` counts as `kl × tokens`); `ratio_sum` is Σ r over "
             "`ratio_tokens` tokens, of which `clipped` were outside `[1-ε, 1+ε]`. The ack "
@@ -379,12 +384,23 @@ def _write(f: _Field, value: Any) -> Any:
 
 
 def _write_item(cls: type, item: Any) -> list[Any]:
-    row = [
-        None if v is None else _write(f, v) for f in _fields(cls) for v in [getattr(item, f.attr)]
-    ]
-    while row and row[-1] is None:  # what Lua does with a trailing nil: drops it
+    fields = _fields(cls)
+    row = [None if v is None else _write(f, v) for f in fields for v in [getattr(item, f.attr)]]
+    # What Lua does with a trailing nil: drops it; a trailing optional position at its default
+    # goes too (the scripts leave such positions out).
+    while row and (
+        row[-1] is None
+        or (
+            fields[len(row) - 1].wire.optional
+            and _at_default(fields[len(row) - 1], getattr(item, fields[len(row) - 1].attr))
+        )
+    ):
         row.pop()
     return row
+
+
+def _at_default(f: _Field, value: Any) -> bool:
+    return f.default is not None and value == f.default
 
 
 def _write_map(obj: Any) -> dict[str, Any]:

@@ -150,6 +150,9 @@ class AcceptedItem:
     policy_version: int = wire("int")
     tokens: int = wire("int", minimum=0)
     new_unit: bool = wire("flag")
+    masked: int = wire(
+        "int", optional=True, minimum=0, default=0, note="of `tokens`, those with loss_mask 0"
+    )
 
 
 @_wire_class
@@ -207,8 +210,18 @@ class Leased:
 class AckedItem:
     rollout_id: str = wire("text")
     policy_version: int = wire("int")
-    tokens: int = wire("int", minimum=0)
+    tokens: int = wire("int", minimum=0, note="trained tokens, as handed out")
     kl: float | None = wire("float", optional=True)
+    masked_stale: int = wire(
+        "int", optional=True, minimum=0, default=0, note="trained tokens masked at hand-out"
+    )
+    lag_tokens: int | None = wire(
+        "int",
+        optional=True,
+        minimum=0,
+        default=None,
+        note="Σ over trained tokens of their own lag (absent: every token at `policy_version`)",
+    )
 
 
 @_wire_class

@@ -332,7 +332,7 @@ class RunSim:
         kl_tokens, kl_sum, kls = 0, 0.0, []
         for r in rollouts:
             r.uses += 1
-            self.samples.append((r.version, batch.version - r.version))
+            self.samples.append((r.version, batch.version - r.version, r.tokens))
             kl: float | None = None
             if measured and self.rng.random() < 0.85:
                 # Some whole values, which a Lua encoder writes as integers.
@@ -716,7 +716,7 @@ class RunSim:
 def _expected(
     rollouts: list[SimRollout],
     rejections: list[tuple[str, int, int]],
-    samples: list[tuple[int, int]],
+    samples: list[tuple[int, int, int]],
     *,
     duplicates: int | None = None,
     batches: Counter[str] | None = None,
@@ -728,12 +728,15 @@ def _expected(
 ) -> dict[str, Any]:
     received = len(rollouts)
     samples_consumed = sum(r.uses for r in rollouts)
-    lags = [lag for _, lag in samples]
+    lags = [lag for _, lag, _ in samples]
+    sample_tokens = sum(t for _, _, t in samples)
     out: dict[str, Any] = {
         "rollouts_received": received,
         "groups_received": len({r.unit_id for r in rollouts}),
         "rejected": dict(Counter(reason for reason, _, _ in rejections)),
         "tokens_generated": sum(r.tokens for r in rollouts),
+        "tokens_masked": 0,
+        "tokens_masked_stale": 0,
         "buffered": sum(r.state == "buffered" for r in rollouts),
         "leased": sum(r.state == "leased" for r in rollouts),
         "samples_consumed": samples_consumed,
@@ -745,6 +748,9 @@ def _expected(
             "mean": sum(lags) / len(lags) if lags else None,
             "max": max(lags) if lags else None,
             "histogram": {str(k): v for k, v in sorted(Counter(lags).items())},
+            "token_mean": sum(lag * t for _, lag, t in samples) / sample_tokens
+            if sample_tokens
+            else None,
         },
         "kl": {
             "mean": kl_sum / kl_tokens if kl_tokens else None,

@@ -52,6 +52,8 @@ async def test_run_known_only_to_redis_reads_as_zeros(
         "duplicates": 0,
         "rejected": {},
         "tokens_generated": 0,
+        "tokens_masked": 0,
+        "tokens_masked_stale": 0,
         "buffered": 0,
         "leased": 0,
         "samples_consumed": 0,
@@ -60,7 +62,7 @@ async def test_run_known_only_to_redis_reads_as_zeros(
         "retired": {},
         "wasted_tokens": 0,
         "batches": {"leased": 0, "acked": 0, "nacked": 0, "expired": 0},
-        "lag": {"mean": None, "max": None, "histogram": {}},
+        "lag": {"mean": None, "max": None, "histogram": {}, "token_mean": None},
         "kl": {"mean": None, "max": None},
         "is_ratio": {"mean": None, "clip_fraction": None},
         "prompts": {
@@ -119,7 +121,8 @@ async def test_endpoints_after_drain(
     assert body["pending_events"] == 0
     assert list(body) == [
         "rollouts_received", "groups_received", "duplicates", "rejected", "tokens_generated",
-        "buffered", "leased", "samples_consumed", "tokens_consumed", "reuse_factor", "retired",
+        "tokens_masked", "tokens_masked_stale", "buffered", "leased", "samples_consumed",
+        "tokens_consumed", "reuse_factor", "retired",
         "wasted_tokens", "batches", "lag", "kl", "is_ratio", "prompts", "partials", "wait",
         "as_of", "pending_events", "dead_letters", "live",
     ]  # fmt: skip

@@ -29,6 +29,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "group_timeout_s": 600.0,
     "drop_zero_variance_groups": False,
     "order": "freshest",
+    "stale_tokens": "keep",
     "capacity_rollouts": 100000,
     "lease_timeout_s": 300.0,
     "step_groups": None,

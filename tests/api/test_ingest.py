@@ -66,7 +66,8 @@ async def test_json_rollout_round_trips_through_a_lease(api):
     lp = got.pop("logprobs")
     assert np.array_equal(np.array(lp, dtype=np.float32), LOGPROBS)
     expected = {k: v for k, v in sent.items() if k != "logprobs"}
-    assert got == {**expected, "uses": 0, "lag": 0}
+    plain = {"loss_mask": None, "versions": [[0, 0]], "generator_id": None}
+    assert got == {**expected, **plain, "uses": 0, "lag": 0}
 
 
 async def test_optional_fields_may_be_absent(api):
@@ -81,7 +82,10 @@ async def test_optional_fields_may_be_absent(api):
         "prompt_ids": None,
         "response_ids": [5],
         "logprobs": None,
+        "loss_mask": None,
+        "versions": [[0, 0]],
         "reward": 0.0,
+        "generator_id": None,
         "finish_reason": None,
         "metadata": None,
         "uses": 0,

@@ -117,6 +117,17 @@ LIMITS = (
         REFUSED,
         r"POST /v1/runs/\{run_id\}/rollouts",
         422,
+        r"loss_mask has \d+ values|loss_mask values must be 0 or 1|loss_mask masks every token|"
+        r"versions must start at offset 0|versions offsets must be strictly increasing|"
+        r"versions must not decrease|versions offset \d+ is beyond|not the oldest version of",
+        "a loss mask is one 0/1 per response token, at least one 1 (raw msgpack bytes hold any "
+        "byte); versions are ordered run-lengths inside the response, their oldest trained "
+        "version the policy_version",
+    ),
+    Limit(
+        REFUSED,
+        r"POST /v1/runs/\{run_id\}/rollouts",
+        422,
         r"has no group_id, and this run's group_size|more than its group_size|was already "
         r"complete",
         "the group rules follow the run's group_size and its groups so far",

@@ -14,6 +14,7 @@ from app.broker.config import RunConfig
 from app.broker.schemas import AckBody, RolloutJSON
 from app.broker.service import Broker
 from app.broker.store import RedisStore
+from app.broker.tokens import hand_out
 from app.errors import LeaseExpired
 from app.settings import Settings
 from tests.broker.test_store import events
@@ -23,7 +24,10 @@ from workers.runner import broker_for
 
 def rows(n: int, tokens: int = 10) -> list[BatchRow]:
     old = np.full(tokens, -1.0, dtype=np.float32)  # tokens * 4 bytes
-    return [BatchRow(f"x{i}", 0, tokens, old) for i in range(n)]
+    return [
+        BatchRow(f"x{i}", 0, tokens, old, hand_out(None, None, 0, tokens, 0, None))
+        for i in range(n)
+    ]
 
 
 def test_the_cache_keeps_to_its_byte_budget_dropping_the_oldest() -> None:
@@ -109,7 +113,7 @@ async def test_an_ack_on_another_replica_measures_the_same(
         k3 = np.expm1(log_r) - log_r
         assert answer.stats.kl_mean == pytest.approx(k3.mean(), rel=1e-9)
         assert answer.stats.is_ratio_mean == pytest.approx(np.exp(log_r).mean(), rel=1e-9)
-    # An ack with ready-made KL elsewhere needs the rollouts' versions and lengths, not blobs.
+    # An ack with ready-made KL elsewhere reads the blobs too: they say which tokens trained.
     await leaser.ingest_packed("r", leaser.pack(rollouts(12)[8:]))
     c = await leaser.lease(
         "r", size=4, policy_version=None, wait_s=0, partial=False, trainer_id=None
@@ -117,7 +121,7 @@ async def test_an_ack_on_another_replica_measures_the_same(
     assert c is not None
     kl = {r.rollout_id: 0.01 for r, *_ in c.rollouts}
     assert (await other.ack("r", c.batch_id, AckBody(kl=kl))).stats.kl_mean == pytest.approx(0.01)
-    assert asked == ["none", "blobs", "meta"]
+    assert asked == ["none", "blobs", "blobs"]
     leaser.behaviour.pop("r", c.batch_id)
     # The acked batch is let go; the one acked elsewhere waits for the byte budget to drop it.
     assert leaser.behaviour.get("r", a.batch_id) is None

@@ -28,6 +28,7 @@ from app.broker.packing import (
     unpack_rollouts,
 )
 from app.broker.service import LeasedBatch
+from app.broker.tokens import hand_out, unpack_mask
 from app.errors import ValidationFailed
 
 F32_MIN = float(np.finfo(np.float32).min)
@@ -140,13 +141,16 @@ def _plain_body(batch: LeasedBatch, as_msgpack: bool) -> dict[str, Any]:
                 "prompt_ids": arr(r.prompt_ids),
                 "response_ids": arr(r.response_ids),
                 "logprobs": arr(r.logprobs),
+                "loss_mask": arr(mask),
+                "versions": r.versions or [[0, r.policy_version]],
                 "reward": r.reward,
+                "generator_id": r.generator_id,
                 "finish_reason": r.finish_reason,
                 "metadata": r.metadata,
                 "uses": uses,
                 "lag": lag,
             }
-            for r, uses, lag, _ in batch.rollouts
+            for r, uses, lag, mask, _ in batch.rollouts
         ],
     }
 
@@ -155,12 +159,17 @@ rollout_parts = st.tuples(
     id_lists.filter(bool),  # response ids
     st.none() | id_lists,  # prompt ids
     st.booleans(),  # with logprobs
+    st.booleans(),  # with a loss mask and two versions (when there are two tokens)
     st.none() | st.text(max_size=5),  # group
     st.none()
     | st.dictionaries(
         st.text(max_size=3), st.integers(-(2**63), 2**63 - 1), max_size=2
     ),  # metadata
 )
+
+
+def _mask(r: Any) -> Any:
+    return None if r.loss_mask is None else unpack_mask(r.loss_mask, len(r.response_ids))
 
 
 @given(st.lists(rollout_parts, max_size=8), st.booleans())
@@ -177,12 +186,27 @@ def test_the_lease_answer_is_what_the_plain_encoding_gives(parts: list[Any], as_
             finish_reason="stop" if i % 2 else None,
             metadata=meta,
             max_tokens=64,
+            loss_mask=[1] + [0] * (len(resp) - 1) if masked else None,
+            versions=[[0, i], [1, i + 1]] if masked and len(resp) > 1 else None,
+            generator_id=f"g{i}" if masked else None,
         ).blob
-        for i, (resp, prompt, lp, group, meta) in enumerate(parts)
+        for i, (resp, prompt, lp, masked, group, meta) in enumerate(parts)
     ]
     rollouts = unpack_rollouts(blobs)
     batch = LeasedBatch(
-        "b", 3, "2026-01-01T00:00:00Z", [(r, i % 3, i % 2, None) for i, r in enumerate(rollouts)]
+        "b",
+        3,
+        "2026-01-01T00:00:00Z",
+        [
+            (
+                r,
+                i % 3,
+                i % 2,
+                None if r.loss_mask is None else unpack_mask(r.loss_mask, len(r.response_ids)),
+                None,
+            )
+            for i, r in enumerate(rollouts)
+        ],
     )
     plain = _plain_body(batch, as_msgpack)
     if as_msgpack:
@@ -232,6 +256,7 @@ ack_values = st.one_of(
 
 @given(st.lists(ack_values, min_size=1, max_size=6), st.integers(0, 5))
 def test_ack_logprobs_are_read_as_the_general_parser_reads_them(values: list[Any], tokens: int):
-    rows = [BatchRow(f"r{i}", 0, tokens, None) for i in range(len(values))]
+    plain = hand_out(None, None, 0, tokens, 0, None)
+    rows = [BatchRow(f"r{i}", 0, tokens, None, plain) for i in range(len(values))]
     given = {f"r{i}": v for i, v in enumerate(values) if v is not None}
     assert _read(_current_logprobs, rows, given) == _read(_plain_current, rows, given)

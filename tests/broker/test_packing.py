@@ -172,6 +172,9 @@ class _Rollout:
         self.reward = fields.get("reward", 0.5)
         self.finish_reason = fields.get("finish_reason")
         self.metadata = fields.get("metadata")
+        self.loss_mask = fields.get("loss_mask")
+        self.versions = fields.get("versions")
+        self.generator_id = fields.get("generator_id")
 
 
 def _as_sent(values: list, dtype: str, as_bytes: bool) -> list | bytes:

@@ -113,14 +113,17 @@ def batch_body(batch: LeasedBatch, as_msgpack: bool) -> dict[str, Any]:
                 "prompt_ids": arr(r.prompt_ids),
                 "response_ids": arr(r.response_ids),
                 "logprobs": arr(r.logprobs),
+                "loss_mask": arr(mask),
+                "versions": r.versions or [[0, r.policy_version]],
                 "reward": r.reward,
+                "generator_id": r.generator_id,
                 "finish_reason": r.finish_reason,
                 "metadata": r.metadata,
                 "uses": uses,
                 "lag": lag,
                 **({} if prompt_id is None else {"prompt_id": prompt_id}),
             }
-            for r, uses, lag, prompt_id in batch.rollouts
+            for r, uses, lag, mask, prompt_id in batch.rollouts
         ],
     }
 

@@ -55,6 +55,19 @@ def field_keywords(s: Settings) -> dict[tuple[type[BaseModel], str], Keywords]:
             "items": LOGPROB,
             "description": "One per response token (as many as response_ids)",
         },
+        (RolloutJSON, "loss_mask"): {
+            "maxItems": tokens,
+            "items": {"type": "integer", "minimum": 0, "maximum": 1},
+            "description": "0 for each response token not to train on, else 1 (as many as "
+            "response_ids, at least one 1); default all 1",
+        },
+        (RolloutJSON, "versions"): {
+            "maxItems": tokens,
+            "description": "[[offset, version], ...]: the version that sampled each response "
+            "token from offset on; offsets strictly increasing from 0 and inside the response, "
+            "versions non-decreasing, the oldest over trained tokens the policy_version; "
+            "default [[0, policy_version]]",
+        },
         (RolloutJSON, "metadata"): {
             "description": "Free-form JSON: finite numbers, 64-bit integers, nested at most 16 deep"
         },
@@ -103,6 +116,7 @@ class LeasedRolloutMsgpack(LeasedRolloutOut):
     prompt_ids: bytes | None = Field(description="int32 token ids")  # type: ignore[assignment]
     response_ids: bytes = Field(description="int32 token ids")  # type: ignore[assignment]
     logprobs: bytes | None = Field(description="float32 logprobs")  # type: ignore[assignment]
+    loss_mask: bytes | None = Field(description="uint8 0/1 per token")  # type: ignore[assignment]
 
 
 class BatchOutMsgpack(BatchOut):

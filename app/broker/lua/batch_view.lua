@@ -3,17 +3,18 @@
 -- (the batch's record keeps its rollouts as the lease found them).
 -- ARGV: wake (unused), batch_id, rollouts: 'none' (the state only) or 'meta' (also each
 --       rollout's id, version and tokens; the caller reads the packed rollouts with MGET).
--- Returns ok('leased', config, V, n, { {rollout_id, version, tokens}, ... } or {} for 'none')
+-- Returns ok('leased', config, V, n, { {rollout_id, version, tokens}, ... } or {} for 'none',
+--            token_floor: as lease.lua returned it)
 --       | ok('acked', config, V, n, answer) (answer: as ack.lua stored it)
 --       | err('run_missing') | err('batch_missing') | err('batch_nacked') | err('lease_expired').
 -- The run's config comes along because the ack measures with its KL estimator and clip epsilon.
 if not load_run() then return err('run_missing') end
 local cfg = R.cfg
-local f = redis.call('HMGET', bkey(ARGV[2]), 'st', 'v', 'n', 'ans', 'rows')
+local f = redis.call('HMGET', bkey(ARGV[2]), 'st', 'v', 'n', 'ans', 'rows', 'mf')
 if not f[1] then return err('batch_missing') end
 if f[1] == 'a' then return ok('acked', cfg, f[2], f[3], f[4]) end
 if f[1] == 'n' then return err('batch_nacked') end
 if f[1] == 'e' then return err('lease_expired') end
 local rows = {}
 if ARGV[3] ~= 'none' then rows = batch_items(cmsgpack.unpack(f[5])) end
-return ok('leased', cfg, f[2], f[3], rows)
+return ok('leased', cfg, f[2], f[3], rows, f[6] or '')

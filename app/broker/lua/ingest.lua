@@ -1,8 +1,10 @@
 -- requires: units, finish
 -- Store a request's rollouts: all-or-nothing validation first (Redis does not roll a script
 -- back), then the writes, the accounting events and one wake-up for long-polling trainers.
--- ARGV: wake, n, then n records of 6: rollout_id, group_id ('' = none), policy_version,
---       tokens, reward (exact decimal text), blob.
+-- ARGV: wake, n, then n records of 8: rollout_id, group_id ('' = none), policy_version (v_old),
+--       v_new, tokens, masked tokens, reward (exact decimal text), blob. A rollout is judged
+--       'stale' by its governing version (lib/run.lua), 'future_version' by its v_new, and is
+--       buffered, counted and retired under its governing version.
 -- A group id that names a prompt attempt ('<prompt_id>#<pass>.<attempt>' of a registered
 -- prompt) makes its rollouts that attempt's group; an attempt that is over (expired, returned,
 -- retried) rejects them as 'stale_attempt'. A rollout of an attempt still in its work lease that
@@ -47,7 +49,7 @@ end
 
 -- Which ids were received before: one SMISMEMBER for the request.
 local ids = {}
-for i = 1, n do ids[i] = ARGV[2 + (i - 1) * 6 + 1] end
+for i = 1, n do ids[i] = ARGV[2 + (i - 1) * 8 + 1] end
 local known = {}
 for i = 1, n, 1000 do
   local part = redis.call('SMISMEMBER', SEEN, unpack(ids, i, math.min(i + 999, n)))
@@ -60,11 +62,12 @@ local lost, lost_order = {}, {}
 if R.st ~= 'closed' then
   local first = {}
   for i = 1, n do
-    local o = 2 + (i - 1) * 6
+    local o = 2 + (i - 1) * 8
     local rid, gid = ARGV[o + 1], ARGV[o + 2]
     local work = not known[i] and not first[rid] and gid ~= '' and attempt_of(gid)
     first[rid] = true
-    if work and work[5] and version_reason(tonumber(ARGV[o + 3])) then
+    if work and work[5]
+      and version_reason(governing_version(tonumber(ARGV[o + 3]), tonumber(ARGV[o + 4]))) then
       local g = attempt_group(work[1], work[2])
       if not lost[g] then
         lost[g] = work
@@ -75,8 +78,10 @@ if R.st ~= 'closed' then
 end
 
 for i = 1, n do
-  local o = 2 + (i - 1) * 6
-  local rid, gid, v = ARGV[o + 1], ARGV[o + 2], tonumber(ARGV[o + 3])
+  local o = 2 + (i - 1) * 8
+  local rid, gid = ARGV[o + 1], ARGV[o + 2]
+  local v_new = tonumber(ARGV[o + 4])
+  local v = governing_version(tonumber(ARGV[o + 3]), v_new)
   if in_req[rid] or known[i] then
     fate[i] = 'dup'
   else
@@ -86,7 +91,7 @@ for i = 1, n do
       fate[i] = 'run_closed'
     elseif work and not work[3] then
       fate[i] = 'stale_attempt'
-    elseif v > R.ver then
+    elseif v_new > R.ver then
       fate[i] = 'future_version'
     elseif version_reason(v) then
       -- Below the kl_flush floor too: as far off-policy as what the flush retired.
@@ -136,10 +141,11 @@ local function next_seq()
   return seq
 end
 for i = 1, n do
-  local o = 2 + (i - 1) * 6
-  local rid, gid, vs, ntok, rw, blob =
-    ARGV[o + 1], ARGV[o + 2], ARGV[o + 3], ARGV[o + 4], ARGV[o + 5], ARGV[o + 6]
-  local v, tokens = tonumber(vs), tonumber(ntok)
+  local o = 2 + (i - 1) * 8
+  local rid, gid, ntok, masked, rw, blob =
+    ARGV[o + 1], ARGV[o + 2], ARGV[o + 5], tonumber(ARGV[o + 6]), ARGV[o + 7], ARGV[o + 8]
+  local v, tokens = governing_version(tonumber(ARGV[o + 3]), tonumber(ARGV[o + 4])), tonumber(ntok)
+  local vs = I(v)
   if fate[i] == 'dup' then
     table.insert(dup_ids, rid)
   elseif fate[i] ~= 'ok' then
@@ -156,7 +162,7 @@ for i = 1, n do
       local us = next_seq()
       set_unit(u, { v = v, seq = us, uses = 0, k = 1, n = tokens })
       make_ready(u, v, us)
-      table.insert(acc_items, { rid, rid, v, tokens, 1 })
+      table.insert(acc_items, { rid, rid, v, tokens, 1, masked > 0 and masked or nil })
     else
       local uk = ukey(u)
       local work = attempt_of(gid)
@@ -192,7 +198,7 @@ for i = 1, n do
         if tonumber(rw) < tonumber(f[4]) then redis.call('HSET', uk, 'rmin', rw) end
         if tonumber(rw) > tonumber(f[5]) then redis.call('HSET', uk, 'rmax', rw) end
       end
-      table.insert(acc_items, { rid, gid, v, tokens, new_unit })
+      table.insert(acc_items, { rid, gid, v, tokens, new_unit, masked > 0 and masked or nil })
       if have == need then  -- complete: from its own hash to a record in US
         if need > 1 then
           redis.call('ZREM', OPEN, u)

@@ -9,9 +9,12 @@
 -- A batch_id that already names a live batch returns that batch again (a retried request).
 -- The packed rollouts (keys d:<rollout_id>) are read by the caller with one MGET: copying
 -- them through Lua strings would cost the script more than all its other work.
--- Returns ok('leased', batch_id, V, expires_at, { {uses, lag, rollout_id, prompt_id}, ... }):
---       prompt_id '' for a rollout not posted under a work lease; the caller reads that prompt's
---       packed prompt (pb:<prompt_id>) with the same MGET
+-- Returns ok('leased', batch_id, V, expires_at, { {uses, lag, rollout_id, prompt_id}, ... },
+--         token_floor)
+--         (prompt_id: '' for a rollout not posted under a work lease; the caller reads that
+--         prompt's packed prompt, pb:<prompt_id>, right after the rollouts. token_floor: '' or,
+--         under stale_tokens 'mask', the oldest version a token may have and stay trained;
+--         fixed with the lease, and kept with it for the ack)
 --       | ok('short', found): too few eligible rollouts, nothing leased
 --       | err('run_missing') | err('batch_size', group_size) | err('version_future', current)
 --       | err('batch_id_taken', state): the batch_id names a batch that is no longer live.
@@ -28,10 +31,10 @@ local function reply(f)
       table.insert(rows, { r.uses, V - row[2], row[1], r.pk and pass_prompt(r.pk) or '' })
     end
   end)
-  return ok('leased', bid, f[2], f[4], rows)
+  return ok('leased', bid, f[2], f[4], rows, f[7] or '')
 end
 
-local known = redis.call('HMGET', bkey(bid), 'st', 'v', 'units', 'exp', 'n', 'rows')
+local known = redis.call('HMGET', bkey(bid), 'st', 'v', 'units', 'exp', 'n', 'rows', 'mf')
 if known[1] then
   if known[1] == 'l' and tonumber(known[4]) > NOW then return reply(known) end
   return err('batch_id_taken', BATCH_STATE[known[1]])
@@ -140,8 +143,11 @@ for _, p in ipairs(picked) do
   end
 end
 unready_many(taken)
+local mf = token_floor(V)
+mf = mf and I(mf) or ''
 redis.call('HSET', bkey(bid), 'st', 'l', 'v', I(V), 'exp', I(exp), 'units', cmsgpack.pack(units),
-  'rows', cmsgpack.pack(brows), 'n', picked_n, 'tok', I(tokens), 'tr', ARGV[6], 't', I(NOW))
+  'rows', cmsgpack.pack(brows), 'n', picked_n, 'tok', I(tokens), 'tr', ARGV[6], 't', I(NOW),
+  'mf', mf)
 redis.call('ZADD', LEASES, I(exp), bid)
 redis.call('HINCRBY', RUN, 'leased', picked_n)
 local ev = {
@@ -150,4 +156,4 @@ local ev = {
 if ARGV[6] ~= '' then ev['trainer_id'] = ARGV[6] end
 emit('leased', ev)
 finish()
-return ok('leased', bid, I(V), I(exp), rows)
+return ok('leased', bid, I(V), I(exp), rows, mf)

@@ -3,6 +3,7 @@ access tokens and the audit log."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -48,6 +49,7 @@ __all__ = [
 
 Int32Array = npt.NDArray[np.int32]
 Float32Array = npt.NDArray[np.float32]
+UInt8Array = npt.NDArray[np.uint8]
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -64,6 +66,7 @@ class RunConfig(TypedDict, total=False):
     group_timeout_s: float
     drop_zero_variance_groups: bool
     order: Literal["freshest", "fifo", "random"]
+    stale_tokens: Literal["keep", "mask"]
     capacity_rollouts: int
     lease_timeout_s: float
     step_groups: int | None
@@ -74,7 +77,11 @@ class RunConfig(TypedDict, total=False):
 @dataclass(slots=True)
 class Rollout:
     """One sampled response, as a generator posts it. Arrays may be numpy arrays or lists;
-    ``logprobs`` are the behaviour policy's, one per response token."""
+    ``logprobs`` are the behaviour policy's, one per response token. ``loss_mask`` (0/1 per
+    response token, default all 1) marks with 0 the tokens not to train on (tool output,
+    environment and user turns); ``versions`` gives the version that sampled each token as
+    ``[(offset, version), ...]`` (default: every token at ``policy_version``, which must be the
+    oldest version over trained tokens)."""
 
     rollout_id: str
     policy_version: int
@@ -85,6 +92,9 @@ class Rollout:
     prompt_ids: npt.ArrayLike | None = None
     finish_reason: FinishReason | None = None
     metadata: dict[str, Any] | None = None
+    loss_mask: npt.ArrayLike | None = None
+    versions: Sequence[Sequence[int]] | None = None
+    generator_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -119,6 +129,9 @@ class Partial:
     prompt_ids: Int32Array | None = None
     finish_reason: FinishReason | None = None
     metadata: dict[str, Any] | None = None
+    loss_mask: UInt8Array | None = None  # None: every token is trained
+    versions: tuple[tuple[int, int], ...] = ()  # (offset, version) segments; (): one version
+    generator_id: str | None = None
 
     def continued(
         self,
@@ -126,18 +139,31 @@ class Partial:
         reward: float,
         logprobs: npt.ArrayLike | None = None,
         *,
+        version: int | None = None,
+        loss_mask: npt.ArrayLike | None = None,
         finish_reason: FinishReason | None = "stop",
         metadata: dict[str, Any] | None = None,
     ) -> Rollout:
-        """The completed rollout: this partial's tokens (and logprobs) followed by the new
-        ``response_ids`` (and ``logprobs``, needed when the partial has them). Its
-        ``policy_version`` stays the partial's: the oldest version that sampled it."""
+        """The completed rollout: this partial's tokens, logprobs, mask and versions followed
+        by the new ``response_ids`` (and ``logprobs``, needed when the partial has them),
+        sampled at ``version`` (default: the partial's last) with ``loss_mask`` (default: all
+        trained). Its ``policy_version`` stays the partial's, the oldest version over trained
+        tokens."""
+        n = self.response_ids.size
         more = np.asarray(response_ids, dtype=np.int32)
         lp = None
         if self.logprobs is not None:
             if logprobs is None:
                 raise ValueError(f"partial {self.rollout_id!r} has logprobs: give the new ones")
             lp = np.concatenate([self.logprobs, np.asarray(logprobs, dtype=np.float32)])
+        mask = None
+        if self.loss_mask is not None or loss_mask is not None:
+            old = np.ones(n, np.uint8) if self.loss_mask is None else self.loss_mask
+            new = np.ones(more.size, np.uint8) if loss_mask is None else np.asarray(loss_mask)
+            mask = np.concatenate([old, new.astype(np.uint8)])
+        segments = list(self.versions or ((0, self.policy_version),))
+        if version is not None and version != segments[-1][1] and more.size:
+            segments.append((n, version))
         return Rollout(
             rollout_id=self.rollout_id,
             policy_version=self.policy_version,
@@ -148,6 +174,8 @@ class Partial:
             prompt_ids=self.prompt_ids,
             finish_reason=finish_reason,
             metadata=self.metadata if metadata is None else metadata,
+            loss_mask=mask,
+            versions=[list(s) for s in segments] if len(segments) > 1 else None,
         )
 
 
@@ -222,7 +250,9 @@ class PolicyResult:
 
 @dataclass(frozen=True, slots=True)
 class LeasedRollout:
-    """A rollout handed to a trainer: its arrays as numpy, its ``uses`` so far and its ``lag``."""
+    """A rollout handed to a trainer: its arrays as numpy, its ``uses`` so far and its ``lag``.
+    ``loss_mask`` is the mask to train with (tokens posted with 0, and under ``stale_tokens:
+    mask`` those too stale at hand-out); ``versions`` the run-length versions of its tokens."""
 
     rollout_id: str
     group_id: str | None
@@ -235,7 +265,25 @@ class LeasedRollout:
     metadata: dict[str, Any] | None
     uses: int
     lag: int
+    loss_mask: UInt8Array | None = None  # None: every token is trained
+    versions: tuple[tuple[int, int], ...] = ()
+    generator_id: str | None = None
     prompt_id: str | None = None  # the prompt it answers, when posted under a work lease
+
+    @property
+    def mask(self) -> UInt8Array:
+        """The loss mask as an array, all 1 when every token is trained."""
+        if self.loss_mask is not None:
+            return self.loss_mask
+        return np.ones(self.response_ids.size, dtype=np.uint8)
+
+    @property
+    def token_versions(self) -> npt.NDArray[np.int64]:
+        """The version that sampled each response token."""
+        segs = self.versions or ((0, self.policy_version),)
+        starts = [o for o, _ in segs] + [self.response_ids.size]
+        lengths = [end - start for start, end in itertools.pairwise(starts)]
+        return np.repeat(np.array([v for _, v in segs], dtype=np.int64), lengths)
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,6 +388,7 @@ class LagStats:
     mean: float | None
     max: int | None
     histogram: dict[int, int]
+    token_mean: float | None = None  # over trained tokens, each by its own version
 
 
 @dataclass(frozen=True, slots=True)

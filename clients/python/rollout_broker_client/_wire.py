@@ -56,6 +56,7 @@ from rollout_broker_client._models import (
     RunConfig,
     Scope,
     TrainingVersion,
+    UInt8Array,
     VersionAccounting,
     WaitStats,
     WorkLease,
@@ -216,7 +217,12 @@ def rollout_doc(r: RolloutLike, binary: bool) -> dict[str, Any]:
     if src.get("logprobs") is not None:
         lp = _floats(src["logprobs"], "logprobs", rid)
         doc["logprobs"] = lp.tobytes() if binary else lp.astype(np.float64).tolist()
-    for key in ("group_id", "finish_reason", "metadata"):
+    if src.get("loss_mask") is not None:
+        mask = np.asarray(src["loss_mask"]).astype("u1")
+        doc["loss_mask"] = mask.tobytes() if binary else mask.tolist()
+    if src.get("versions") is not None:
+        doc["versions"] = [[int(o), int(v)] for o, v in src["versions"]]
+    for key in ("group_id", "finish_reason", "metadata", "generator_id"):
         if src.get(key) is not None:
             doc[key] = src[key]
     return doc
@@ -235,6 +241,9 @@ def partial_doc(p: PartialLike, binary: bool) -> dict[str, Any]:
             "prompt_ids": p.prompt_ids,
             "finish_reason": p.finish_reason,
             "metadata": p.metadata,
+            "loss_mask": p.loss_mask,
+            "versions": p.versions or None,
+            "generator_id": p.generator_id,
         }
         if isinstance(p, Partial)
         else p
@@ -258,6 +267,9 @@ def _as_mapping(r: RolloutLike) -> Mapping[str, Any]:
             "prompt_ids": r.prompt_ids,
             "finish_reason": r.finish_reason,
             "metadata": r.metadata,
+            "loss_mask": r.loss_mask,
+            "versions": r.versions,
+            "generator_id": r.generator_id,
         }
     return r
 
@@ -350,6 +362,9 @@ def parse_leased(doc: Any) -> LeasedRollout:
         metadata=doc.get("metadata"),
         uses=int(doc["uses"]),
         lag=int(doc["lag"]),
+        loss_mask=_mask_array(doc.get("loss_mask")),
+        versions=tuple((int(o), int(v)) for o, v in doc.get("versions") or ()),
+        generator_id=doc.get("generator_id"),
         prompt_id=doc.get("prompt_id"),
     )
 
@@ -365,7 +380,18 @@ def parse_partial(doc: Any) -> Partial:
         prompt_ids=None if prompt is None else _id_array(prompt),
         finish_reason=doc.get("finish_reason"),
         metadata=doc.get("metadata"),
+        loss_mask=_mask_array(doc.get("loss_mask")),
+        versions=tuple((int(o), int(v)) for o, v in doc.get("versions") or ()),
+        generator_id=doc.get("generator_id"),
     )
+
+
+def _mask_array(value: Any) -> UInt8Array | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes | bytearray | memoryview):
+        return cast(UInt8Array, np.frombuffer(value, dtype=np.uint8))
+    return np.asarray(value, dtype=np.uint8)
 
 
 def parse_batch(body: Any) -> Batch:
@@ -435,7 +461,12 @@ def _lag(value: Any) -> LagStats:
     v = value or {}
     hist = {int(k): int(n) for k, n in (v.get("histogram") or {}).items()}
     top = v.get("max")
-    return LagStats(mean=v.get("mean"), max=None if top is None else int(top), histogram=hist)
+    return LagStats(
+        mean=v.get("mean"),
+        max=None if top is None else int(top),
+        histogram=hist,
+        token_mean=v.get("token_mean"),
+    )
 
 
 def _kl(value: Any) -> KlStats:

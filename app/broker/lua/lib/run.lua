@@ -25,6 +25,20 @@ local function version_reason(v)
   return 'kl_flush'
 end
 
+-- The version a rollout is judged by: v_old (its policy_version) under stale_tokens 'keep', its
+-- newest trained token's v_new under 'mask' (whose older tokens are masked at hand-out instead).
+local function governing_version(v_old, v_new)
+  if CFG.stale_tokens == 'mask' then return v_new end
+  return v_old
+end
+
+-- The oldest version a token handed out at V may have and stay trained under stale_tokens
+-- 'mask' (the tokens below are handed out with loss_mask 0), or nil under 'keep'.
+local function token_floor(V)
+  if CFG.stale_tokens == 'mask' then return V - CFG.max_staleness end
+  return nil
+end
+
 -- Why a complete unit can never be handed out again under the current rules, or nil.
 local function permanent_reason(uses, v, kl)
   if R.st == 'closed' then return 'run_closed' end

@@ -1,8 +1,8 @@
 """Partial rollouts: the run's counts of partials returned, resumed and dropped, and the
 response tokens of those resumed and dropped (the `partials` events).
 
-Revision ID: 0007_partials
-Revises: 0006_live_token_names
+Revision ID: 0008_partials
+Revises: 0007_token_masks
 Create Date: 2025-07-01 00:00:00
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0007_partials"
-down_revision: str | Sequence[str] | None = "0006_live_token_names"
+revision: str = "0008_partials"
+down_revision: str | Sequence[str] | None = "0007_token_masks"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
