@@ -253,3 +253,31 @@ async def test_a_return_with_partials_breaking_a_rule_is_422_and_returns_nothing
     assert (await give_back(api, "r", lid, partial("z", ga, [1]))).json() == {"returned": 0}
     kept = await redis.hkeys(keys.member_key(prefix, "r", keys.PARTIALS, "a#1"))
     assert kept == [b"y"]
+
+
+async def test_a_partial_keeps_its_mask_and_versions_and_the_prefix_check_compares_them(api):
+    await make_run(api, "r")
+    await register(api, "r", "a")
+    await api.post("/v1/runs/r/policy", json={"version": 1})
+    first = await work(api, "r", 1)
+    assert first is not None
+    gid = first["prompts"][0]["group_id"]
+    sampled = {
+        **partial("m", gid, [1, 2, 3]),
+        "loss_mask": [1, 0, 1],  # a tool token in the middle
+        "versions": [[0, 0], [2, 1]],  # the third token under version 1
+    }
+    assert (await give_back(api, "r", first["lease_id"], sampled)).json() == {"returned": 1}
+    again = await work(api, "r", 1)
+    assert again is not None
+    (p,) = again["prompts"][0]["partials"]
+    assert (p["loss_mask"], p["versions"]) == ([1, 0, 1], [[0, 0], [2, 1]])
+    good = {**completed(p, [4]), "loss_mask": [1, 0, 1, 1], "versions": p["versions"]}
+    for bad in (
+        {**good, "loss_mask": [1, 1, 1, 1]},
+        {**good, "versions": [[0, 0], [3, 1]]},
+        {k: v for k, v in good.items() if k != "versions"},
+    ):
+        resp = await post(api, "r", bad)
+        assert "prefix_mismatch" in assert_error(resp, 422, "ValidationFailed"), resp.text
+    assert (await post(api, "r", good)).json()["accepted"] == 1
