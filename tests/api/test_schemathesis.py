@@ -115,7 +115,7 @@ LIMITS = (
     ),
     Limit(
         REFUSED,
-        r"POST /v1/runs/\{run_id\}/rollouts",
+        r"POST /v1/runs/\{run_id\}/(rollouts|work/\{lease_id\}/return)",  # and partials
         422,
         r"loss_mask has \d+ values|loss_mask values must be 0 or 1|loss_mask masks every token|"
         r"versions must start at offset 0|versions offsets must be strictly increasing|"
