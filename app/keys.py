@@ -77,6 +77,10 @@ BATCH = "b:"  # hash per batch: state, its units and rollouts, size, version, st
 PASS = "pp:"  # hash per prompt pass '<prompt_id>#<pass>': st, att, tries, lease, seq
 PROMPT = "pb:"  # string per prompt: the packed prompt (prompt_ids and data)
 WORK = "w:"  # hash per work lease: state, version, expiry, its passes, groups still open
+# hash per prompt pass: rollout_id -> a partial rollout given back with the pass, in the packed
+# rollout format (app/broker/packing.py); lua/lib/partials.lua says when each comes and goes
+PARTIALS = "pt:"
+PARTIAL_META = "pm:"  # hash per prompt pass: rollout_id -> '<version> <tokens>' of its partial
 
 # -- global keys and channels: the part after "<prefix>:" ------------------------------------
 # zset: every run id by creation ms (listing); a deleted run leaves it once its outbox has moved
@@ -132,6 +136,8 @@ LUA_FAMILIES: dict[str, str] = {
     "ppkey": PASS,
     "pbkey": PROMPT,
     "wkey": WORK,
+    "ptkey": PARTIALS,
+    "pmkey": PARTIAL_META,
 }
 
 

@@ -385,6 +385,25 @@ class Bench:
             timeout=duration + 120,
         )
 
+    def work_return_partials(
+        self, run_id: str, size: int, partials: int, tokens: int, duration: float
+    ) -> Group:
+        return run_group(
+            load_prompts.http_work_return_partials,
+            [
+                dict(
+                    address=self.broker.address,
+                    run_id=run_id,
+                    size=size,
+                    partials=partials,
+                    tokens=tokens,
+                    duration=duration,
+                    max_ops=BIG,
+                )
+            ],
+            timeout=duration + 120,
+        )
+
     def raw_work(self, size: int, duration: float) -> Group:
         return run_group(
             load_prompts.redis_work_return,

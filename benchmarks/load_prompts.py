@@ -4,13 +4,18 @@ work leases and giving them back unstarted, and the raw-Redis ceiling of the sam
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
+import msgpack
+import numpy as np
 import orjson
 import redis
 
 from benchmarks.load import Address, Http, Result, expect, timed_writes
 from benchmarks.payloads import make_prompt, rollout_id
+
+MSGPACK = "application/msgpack"
 
 
 def http_register(
@@ -43,6 +48,51 @@ def http_register(
     return res
 
 
+def _take_and_give_back(
+    take: Callable[[], tuple[str, list[Any]] | None],
+    give_back: Callable[[str, list[Any]], None],
+    *,
+    duration: float,
+    max_ops: int,
+    warmup: int,
+    barrier: Any,
+) -> Result:
+    """Work leases taken with ``take`` (None: nothing to hand out) and each given straight back
+    with ``give_back``, for ``duration``; latency is the work call's, ``rollouts`` counts
+    prompts."""
+    for _ in range(warmup):
+        got = take()
+        if got is not None:
+            give_back(*got)
+    res = Result()
+    barrier.wait()
+    res.t0 = time.perf_counter()
+    deadline = res.t0 + duration
+    while res.ops < max_ops and time.perf_counter() < deadline:
+        t = time.perf_counter()
+        got = take()
+        dt = time.perf_counter() - t
+        if got is None:
+            res.empty += 1
+            break
+        res.lat.append(dt)
+        give_back(*got)
+        res.ops += 1
+        res.rollouts += len(got[1])
+    res.t1 = time.perf_counter()
+    return res
+
+
+def _work_call(http: Http, run_id: str, size: int, accept: str | None = None) -> Any:
+    """One work request of ``size`` prompts (no wait): the answer's document, or None."""
+    body = orjson.dumps({"max_prompts": size, "generator_id": "bench-gen", "wait_s": 0})
+    status, data, _ = http.call("POST", f"/v1/runs/{run_id}/work", body, "application/json", accept)
+    if status == 204:
+        return None
+    expect(status, data, 200)
+    return msgpack.unpackb(data, raw=False) if accept == MSGPACK else orjson.loads(data)
+
+
 def http_work_return(
     *,
     address: Address,
@@ -56,43 +106,67 @@ def http_work_return(
     """A generator taking a work lease of ``size`` prompts and giving them all back unstarted,
     so the queue stays as deep as it was. Latency is the work call's."""
     http = Http(address)
-    work_path = f"/v1/runs/{run_id}/work"
-    body = orjson.dumps({"max_prompts": size, "generator_id": "bench-gen", "wait_s": 0})
 
-    def work() -> tuple[str, int] | None:
-        status, data, _ = http.call("POST", work_path, body, "application/json")
-        if status == 204:
-            return None
-        expect(status, data, 200)
-        doc = orjson.loads(data)
-        return doc["lease_id"], len(doc["prompts"])
+    def take() -> tuple[str, list[Any]] | None:
+        doc = _work_call(http, run_id, size)
+        return None if doc is None else (doc["lease_id"], doc["prompts"])
 
-    def give_back(lease_id: str) -> None:
-        status, data, _ = http.call(
-            "POST", f"{work_path}/{lease_id}/return", b"{}", "application/json"
-        )
+    def give_back(lease_id: str, _prompts: list[Any]) -> None:
+        path = f"/v1/runs/{run_id}/work/{lease_id}/return"
+        status, data, _ = http.call("POST", path, b"{}", "application/json")
         expect(status, data, 200)
 
-    for _ in range(warmup):
-        got = work()
-        if got is not None:
-            give_back(got[0])
-    res = Result()
-    barrier.wait()
-    res.t0 = time.perf_counter()
-    deadline = res.t0 + duration
-    while res.ops < max_ops and time.perf_counter() < deadline:
-        t = time.perf_counter()
-        got = work()
-        dt = time.perf_counter() - t
-        if got is None:
-            res.empty += 1
-            break
-        res.lat.append(dt)
-        give_back(got[0])
-        res.ops += 1
-        res.rollouts += got[1]
-    res.t1 = time.perf_counter()
+    res = _take_and_give_back(
+        take, give_back, duration=duration, max_ops=max_ops, warmup=warmup, barrier=barrier
+    )
+    http.close()
+    return res
+
+
+def http_work_return_partials(
+    *,
+    address: Address,
+    run_id: str,
+    size: int,
+    partials: int,
+    tokens: int,
+    duration: float,
+    max_ops: int,
+    warmup: int = 1,
+    barrier: Any,
+) -> Result:
+    """:func:`http_work_return` with partial rollouts: each lease's prompts go back with
+    ``partials`` partials of ``tokens`` tokens each (msgpack, raw arrays), under the same
+    rollout ids every time, so from the second lease on every prompt comes with its partials
+    to continue (answers in msgpack)."""
+    http = Http(address)
+    ids = np.arange(tokens, dtype="<i4").tobytes()
+    lps = np.full(tokens, -0.5, dtype="<f4").tobytes()
+
+    def take() -> tuple[str, list[Any]] | None:
+        doc = _work_call(http, run_id, size, MSGPACK)
+        return None if doc is None else (doc["lease_id"], doc["prompts"])
+
+    def give_back(lease_id: str, prompts: list[Any]) -> None:
+        sampled = [
+            {
+                "rollout_id": f"{p['prompt_id']}-{k}",
+                "group_id": p["group_id"],
+                "policy_version": 0,
+                "response_ids": ids,
+                "logprobs": lps,
+            }
+            for p in prompts
+            for k in range(partials)
+        ]
+        doc = msgpack.packb({"partials": sampled}, use_bin_type=True)
+        path = f"/v1/runs/{run_id}/work/{lease_id}/return"
+        status, data, _ = http.call("POST", path, doc, MSGPACK)
+        expect(status, data, 200)
+
+    res = _take_and_give_back(
+        take, give_back, duration=duration, max_ops=max_ops, warmup=warmup, barrier=barrier
+    )
     http.close()
     return res
 

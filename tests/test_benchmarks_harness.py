@@ -52,6 +52,7 @@ def expected_rows() -> list[str]:
     rows += [f"scale.buffered.{n}.p{q}" for n in s.levels for q in (50, 99)]
     rows += [f"scale.trainers.{n}.{k}" for n in s.trainers for k in ("p50", "p99", "rate")]
     rows += [f"work.queued.{n}.{k}" for n in s.work_levels for k in ("rate", "p50", "p99")]
+    rows += ["work.partials.rate", "work.partials.p50"]
     rows += ["bodies.healthz.idle.p50", "bodies.healthz.ingest.p50", "bodies.healthz.ingest.max"]
     rows += ["bodies.ingest", "bodies.peak_rss"]
     rows += [
@@ -173,9 +174,13 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
             )
         ):
             assert _number(r["raw"]) and _number(r["naive"]), rid
-        if rid.startswith(("scale.trainers.", "http_floor.", "memory.memory_usage", "work.")):
+        if rid.startswith(
+            ("scale.trainers.", "http_floor.", "memory.memory_usage", "work.queued.")
+        ):
             assert _number(r["raw"]), rid
-        if rid.startswith(("auth.", "metrics.", "cluster.", "drain.", "replicas.")):  # each other
+        if rid.startswith(  # each other
+            ("auth.", "metrics.", "cluster.", "drain.", "replicas.", "work.partials.")
+        ):
             assert r["raw"] is None and r["naive"] is None, rid
         for base, ratio in (("raw", "vs_raw"), ("naive", "vs_naive")):
             if r[base] is None:

@@ -68,6 +68,13 @@ class RunTotalsDelta(TotalsDelta):
     prompts_registered: int = 0  # Σ passes of the registered prompts
     trainer_wait_ms: int = 0
     generator_wait_ms: int = 0
+    # Partial rollouts (the `partials` events): how many came back, went out again or were
+    # dropped, and the response tokens of those resumed and dropped.
+    partials_returned: int = 0
+    partials_resumed: int = 0
+    partials_dropped: int = 0
+    partial_tokens_resumed: int = 0
+    partial_tokens_dropped: int = 0
 
 
 @dataclass

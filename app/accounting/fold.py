@@ -24,6 +24,7 @@ from app.events import (
     Event,
     EventError,
     Leased,
+    PartialsChanged,
     PassesChanged,
     Registered,
     Rejected,
@@ -86,6 +87,8 @@ def fold_events(events: Iterable[Event]) -> Fold:
             _fold_work_leased(fold, event, body)
         elif isinstance(body, PassesChanged):
             _fold_passes(fold, event, body)
+        elif isinstance(body, PartialsChanged):
+            _fold_partials(fold, body)
         elif isinstance(body, Waited):
             _fold_waited(fold, body)
         else:
@@ -267,6 +270,21 @@ def _fold_passes(fold: Fold, event: Event, body: PassesChanged) -> None:
     for item in body.items:
         state = pass_state(item.state, item.attempt, item.tries, event.t_ms)
         fold.prompt_pass(item.prompt_id, item.pass_, state)
+
+
+def _fold_partials(fold: Fold, body: PartialsChanged) -> None:
+    run, n = fold.run, len(body.items)
+    tokens = sum(item.tokens for item in body.items)
+    if body.change == "returned":
+        run.partials_returned += n
+    elif body.change == "resumed":
+        run.partials_resumed += n
+        run.partial_tokens_resumed += tokens
+    elif body.change == "dropped":
+        run.partials_dropped += n
+        run.partial_tokens_dropped += tokens
+    else:
+        raise EventError(f"partials: unknown change {body.change!r}")
 
 
 def _fold_waited(fold: Fold, body: Waited) -> None:

@@ -120,6 +120,12 @@ class RunTotals(_Totals, Base):
     # Time long polls waited: trainers for rollouts, generators for prompts or budget.
     trainer_wait_ms: Mapped[int] = _count()
     generator_wait_ms: Mapped[int] = _count()
+    # Partial rollouts: returned, resumed and dropped, and the tokens of the last two.
+    partials_returned: Mapped[int] = _count()
+    partials_resumed: Mapped[int] = _count()
+    partials_dropped: Mapped[int] = _count()
+    partial_tokens_resumed: Mapped[int] = _count()
+    partial_tokens_dropped: Mapped[int] = _count()
 
 
 class VersionTotals(_Totals, Base):

@@ -39,6 +39,7 @@ from app.accounting.schemas import (
     IsRatioStats,
     KlStats,
     LagStats,
+    PartialCounts,
     PromptCounts,
     RunAccounting,
     TrainingAccounting,
@@ -251,6 +252,13 @@ def _checked(run_id: str, settled: Settled, reasons: Reasons, lags: Lags) -> Che
             done=totals.prompts_done,
             failed=totals.prompts_failed,
             retried=totals.prompts_retried,
+        ),
+        partials=PartialCounts(
+            returned=totals.partials_returned,
+            resumed=totals.partials_resumed,
+            dropped=totals.partials_dropped,
+            tokens_resumed=totals.partial_tokens_resumed,
+            tokens_dropped=totals.partial_tokens_dropped,
         ),
         wait=WaitStats(
             generator_s=totals.generator_wait_ms / 1000,

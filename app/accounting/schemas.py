@@ -70,6 +70,21 @@ class PromptCounts(BaseModel):
     retried: int = Field(description="Attempts after the first, summed over the passes")
 
 
+class PartialCounts(BaseModel):
+    """Partial rollouts of prompts given back (SPEC "Partial rollouts"). A partial counts as
+    returned each time it comes back with its prompt: given back, or brought back by an attempt
+    that ended before its generator posted it."""
+
+    returned: int = Field(description="Partials that came back with their prompts")
+    resumed: int = Field(description="Partials handed out again with a work lease")
+    dropped: int = Field(
+        description="Partials dropped: too stale when handed out, left out of their completed "
+        "group, or of a pass that failed"
+    )
+    tokens_resumed: int = Field(description="Response tokens of the partials resumed")
+    tokens_dropped: int = Field(description="Response tokens of the partials dropped")
+
+
 class WaitStats(BaseModel):
     generator_s: float = Field(description="Time generators' requests waited for prompts or budget")
     trainer_s: float = Field(description="Time trainers' lease requests waited for rollouts")
@@ -111,6 +126,7 @@ class RunAccounting(BaseModel):
     kl: KlStats
     is_ratio: IsRatioStats
     prompts: PromptCounts
+    partials: PartialCounts
     wait: WaitStats
     as_of: datetime | None = Field(description="Time of the newest drained event")
     pending_events: int = Field(description="Stream entries not yet drained into Postgres")

@@ -6,9 +6,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgpack
+import numpy as np
 import orjson
 
-from app.broker.packing import token_ids
+from app.broker.packing import Int32Array, StoredRollout, token_ids
+from app.broker.records import LeasedRollout
 from app.broker.schemas import PromptJSON, PromptsBody
 from app.errors import ValidationFailed
 
@@ -60,3 +62,27 @@ class PromptLimits:
                 )
         packed: bytes = msgpack.packb({"i": ids, "d": prompt.data})
         return packed
+
+
+def prompt_tokens(packed: bytes) -> Int32Array | None:
+    """The registered token ids of a prompt in its stored form (None: it has none)."""
+    ids = msgpack.unpackb(packed, raw=False)["i"]
+    return None if ids is None else np.asarray(ids, dtype=np.int32)
+
+
+def with_prompts(
+    rollouts: Sequence[StoredRollout], leased: Sequence[LeasedRollout]
+) -> list[tuple[StoredRollout, str | None]]:
+    """A lease's rollouts as handed out, with the prompt_id of each posted under a work lease,
+    which then carries the registered prompt's tokens when it was posted without any (each
+    prompt's are unpacked once)."""
+    tokens = {lr.prompt_id: prompt_tokens(lr.prompt) for lr in leased if lr.prompt is not None}
+    return [
+        (
+            r
+            if r.prompt_ids is not None or lr.prompt_id is None
+            else r._replace(prompt_ids=tokens.get(lr.prompt_id)),
+            lr.prompt_id,
+        )
+        for r, lr in zip(rollouts, leased, strict=True)
+    ]

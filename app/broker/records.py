@@ -4,7 +4,7 @@ the maintenance's calls."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, cast, get_args
 
 from app.broker.config import RunConfig
@@ -64,6 +64,8 @@ class LeasedRollout:
     uses: int
     lag: int
     blob: bytes
+    prompt_id: str | None = None  # the prompt it answers, when posted under a work lease
+    prompt: bytes | None = None  # that prompt's packed form (prompt_limits.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +105,7 @@ class WorkItem:
     pass_: int
     attempt: int
     blob: bytes
+    partials: list[bytes] = field(default_factory=list)  # packed partial rollouts to continue
 
     @property
     def group_id(self) -> str:

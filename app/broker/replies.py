@@ -179,6 +179,32 @@ REFUSALS: dict[str, Refusal] = {
     "work_not_in_lease": Refusal(
         ValidationFailed, "prompt {0!r} is not in work lease {lease_id!r}; nothing was returned"
     ),
+    # args: the partial's rollout id, then its group id / its prompt id / its version
+    "partial_not_in_lease": Refusal(
+        ValidationFailed,
+        "partial {0!r} names group {1!r}, not a prompt attempt of work lease {lease_id!r} "
+        "(partial_not_in_lease); nothing was returned",
+    ),
+    "partial_not_returned": Refusal(
+        ValidationFailed,
+        "partial {0!r} is of prompt {1!r}, which this call does not return "
+        "(partial_not_returned); nothing was returned",
+    ),
+    "partial_posted": Refusal(
+        ValidationFailed,
+        "partial {0!r} names a rollout received already (partial_posted); nothing was returned",
+    ),
+    "partial_future_version": Refusal(
+        ValidationFailed,
+        "partial {0!r} has policy_version {1}, above the run's (partial_future_version); "
+        "nothing was returned",
+    ),
+    # args: prompt id, partials it would keep, group_size
+    "too_many_partials": Refusal(
+        ValidationFailed,
+        "prompt {0!r} would keep {1} partials, more than its group_size {2} "
+        "(too_many_partials); nothing was returned",
+    ),
     # Raised by the store, not a script: a handed-out prompt has no stored data. arg: its id
     "work_lost": Refusal(InternalError, "prompt {0!r} of run {run_id!r} has no stored data"),
     # Raised by the store, not a script: the leased rollouts retired before they were read.

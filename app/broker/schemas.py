@@ -220,6 +220,9 @@ class LeasedRolloutOut(BaseModel):
     metadata: dict[str, Any] | None
     uses: int
     lag: int
+    prompt_id: str | None = Field(
+        None, description="The prompt of a rollout posted under a work lease (absent otherwise)"
+    )
 
 
 class BatchOut(BaseModel):
@@ -265,6 +268,22 @@ class WorkBody(BaseModel):
     )
 
 
+class PartialOut(BaseModel):
+    """A partial rollout handed out for its prompt, under the attempt's group_id."""
+
+    rollout_id: str
+    group_id: str
+    policy_version: int
+    prompt_ids: list[int] | None
+    response_ids: list[int]
+    logprobs: list[float] | None
+    loss_mask: list[int] | None = Field(description="0/1 per token; null: every token trained")
+    versions: list[list[int]] | None = Field(description="[[offset, version], ...]; null: one")
+    generator_id: str | None
+    finish_reason: FinishReason | None
+    metadata: dict[str, Any] | None
+
+
 class WorkPrompt(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
     prompt_id: str
@@ -273,6 +292,10 @@ class WorkPrompt(BaseModel):
     group_id: str = Field(description="post this attempt's rollouts with this group_id")
     prompt_ids: list[int] | None
     data: dict[str, Any] | None
+    partials: list[PartialOut] = Field(
+        default_factory=list,
+        description="Partial rollouts to continue: post each completed under its rollout_id",
+    )
 
 
 class WorkOut(BaseModel):
@@ -282,11 +305,33 @@ class WorkOut(BaseModel):
     prompts: list[WorkPrompt]
 
 
+class PartialJSON(RolloutJSON):
+    """A partial rollout: a Rollout without reward, sampled so far (SPEC "Partial rollouts"),
+    under the group_id of its prompt's attempt."""
+
+    group_id: ItemId
+    reward: None = None  # type: ignore[assignment]
+
+
+class PartialMsgpack(RolloutMsgpack):
+    group_id: ItemId
+    reward: None = None  # type: ignore[assignment]
+
+
 class ReturnBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     prompt_ids: Annotated[list[PromptId], Field(fail_fast=True)] | None = Field(
         None, max_length=65536
     )
+    partials: Annotated[list[PartialJSON], Field(fail_fast=True)] | None = Field(
+        None,
+        description="What was sampled so far of returned prompts' responses, each under its "
+        "prompt's group_id: the lease that next hands the prompt out carries them",
+    )
+
+
+class ReturnMsgpack(ReturnBody):
+    partials: Annotated[list[PartialMsgpack], Field(fail_fast=True)] | None = None  # type: ignore[assignment]
 
 
 class ReturnResult(BaseModel):

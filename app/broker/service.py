@@ -27,7 +27,8 @@ from app.broker.packing import (
     pack_rollouts,
     unpack_rollouts,
 )
-from app.broker.prompt_limits import PromptLimits
+from app.broker.partials import check_prefixes, pack_partials
+from app.broker.prompt_limits import PromptLimits, with_prompts
 from app.broker.replies import ErrorContext, StoreError, error_for
 from app.broker.run_index import ORPHAN_GRACE_MS, RunStatus, Visible
 from app.broker.schemas import (
@@ -35,6 +36,8 @@ from app.broker.schemas import (
     AckResult,
     IngestResult,
     NackResult,
+    PartialJSON,
+    PartialMsgpack,
     PolicyResult,
     PromptsResult,
     Rejection,
@@ -43,7 +46,6 @@ from app.broker.schemas import (
     Run,
     RunList,
     WorkBody,
-    WorkOut,
 )
 from app.broker.store import (
     BatchView,
@@ -52,7 +54,7 @@ from app.broker.store import (
     RunState,
 )
 from app.broker.tokens import U8Array, hand_out
-from app.broker.views import iso_ms, run_view, work_out
+from app.broker.views import WorkAnswer, iso_ms, run_view, work_answer
 from app.caller import Caller, action_entry
 from app.errors import BrokerError, ValidationFailed
 
@@ -62,8 +64,10 @@ class LeasedBatch:
     batch_id: str
     policy_version: int
     lease_expires_at: str
-    # (rollout, uses, lag, the loss mask handed out: None when every token is trained)
-    rollouts: list[tuple[StoredRollout, int, int, U8Array | None]]
+    # (rollout, uses, lag, the loss mask handed out: None when every token is trained, the
+    # prompt_id of a rollout posted under a work lease, which then carries the registered
+    # prompt's prompt_ids when it was posted without any)
+    rollouts: list[tuple[StoredRollout, int, int, U8Array | None, str | None]]
 
 
 R = TypeVar("R")
@@ -209,6 +213,7 @@ class Broker:
     async def ingest_packed(self, run_id: str, packed: list[PackedRollout]) -> IngestResult:
         """Ingest rollouts :meth:`pack` has packed (the API packs big bodies off the event
         loop, one rollout at a time)."""
+        await check_prefixes(self.store, run_id, packed)
         with self._refusals(run_id):
             out = await self.store.ingest(run_id, packed)
         return IngestResult(
@@ -333,13 +338,13 @@ class Broker:
         rollouts = unpack_rollouts([r.blob for r in leased])
         V, floor = got.policy_version, got.token_floor
         rows, out = [], []
-        for r, lr in zip(rollouts, leased, strict=True):
+        for (r, pid), lr in zip(with_prompts(rollouts, leased), leased, strict=True):
             n = r.response_ids.size
             given = hand_out(r.loss_mask, r.versions, r.policy_version, n, V, floor)
             # Counted under the version the lease script judged it by (its lag's), answered
             # with its lag by v_old (the SPEC's).
             rows.append(BatchRow(r.rollout_id, V - lr.lag, n, r.logprobs, given))
-            out.append((r, lr.uses, V - r.policy_version, given.mask))
+            out.append((r, lr.uses, V - r.policy_version, given.mask, pid))
         self.behaviour.put(run_id, got.batch_id, rows)
         return LeasedBatch(
             batch_id=got.batch_id,
@@ -411,7 +416,7 @@ class Broker:
             accepted, duplicates = await self.store.register_prompts(run_id, packed, epochs)
         return PromptsResult(accepted=accepted, duplicates=duplicates)
 
-    async def work(self, run_id: str, body: WorkBody) -> WorkOut | None:
+    async def work(self, run_id: str, body: WorkBody) -> WorkAnswer | None:
         """A work lease, or None when no prompt could be handed out within ``wait_s`` (none
         queued, or the staleness budget is spent)."""
         self.check_wait(body.wait_s)
@@ -422,7 +427,7 @@ class Broker:
             )
         lid = body.lease_id or uuid.uuid4().hex
 
-        async def attempt(t: Try) -> tuple[WorkOut | None, int | None]:
+        async def attempt(t: Try) -> tuple[WorkAnswer | None, int | None]:
             lost = 0
             while True:
                 try:
@@ -443,17 +448,28 @@ class Broker:
                         continue
                     ctx = ErrorContext(run_id, lease_id=lid)
                     raise error_for(err, ctx) from None
-                return (None if got is None else work_out(got)), None
+                return (None if got is None else work_answer(got)), None
 
         return await self._long_poll(run_id, keys.WORK_WAKE, body.max_prompts, body.wait_s, attempt)
 
     async def return_work(
-        self, run_id: str, lease_id: str, prompt_ids: Sequence[str] | None
+        self,
+        run_id: str,
+        lease_id: str,
+        prompt_ids: Sequence[str] | None,
+        partials: Sequence[PartialJSON | PartialMsgpack] = (),
     ) -> ReturnResult:
+        """Give prompts back, with the partials sampled so far of their responses."""
         if prompt_ids is not None and not prompt_ids:
+            if partials:
+                raise ValidationFailed(
+                    "partials given with no prompt to return (partial_not_returned)"
+                )
             return ReturnResult(returned=0)  # an empty list returns nothing (None: all)
+        self.check_count(len(partials))
+        packed = pack_partials(partials, self.max_tokens)
         with self._refusals(run_id, lease_id=lease_id):
-            n = await self.store.return_work(run_id, lease_id, prompt_ids)
+            n = await self.store.return_work(run_id, lease_id, prompt_ids, packed)
         return ReturnResult(returned=n)
 
     # -- maintenance ----------------------------------------------------------------------

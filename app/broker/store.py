@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from redis.asyncio import Redis
@@ -288,13 +288,17 @@ class RedisStore(RunIndex):
             (found,) = body
             return int(found)
         bid, version, expires_at, rows, floor = body
-        blobs = await self.blobs(run_id, [text(rid) for _, _, rid in rows])
+        pids = [text(pid) for *_, pid in rows]
+        got = await self.blobs(run_id, [text(rid) for _, _, rid, _ in rows])
+        prompts = list(dict.fromkeys(pid for pid in pids if pid))
+        prompt_of = dict(zip(prompts, await self.prompt_blobs(run_id, prompts), strict=True))
         rollouts = []
-        for (uses, lag, _), blob in zip(rows, blobs, strict=True):
+        for (uses, lag, _, _), pid, blob in zip(rows, pids, got, strict=True):
             if blob is None:
                 # Only a lease that ran out already, and whose rollouts then retired, loses them.
                 raise StoreError("lease_lost")
-            rollouts.append(LeasedRollout(int(uses), int(lag), blob))
+            prompt = prompt_of.get(pid) if pid else None
+            rollouts.append(LeasedRollout(int(uses), int(lag), blob, pid or None, prompt))
         return Lease(text(bid), int(version), int(expires_at), rollouts, _floor(floor))
 
     async def blobs(self, run_id: str, rollout_ids: Sequence[str]) -> list[bytes | None]:
@@ -396,15 +400,15 @@ class RedisStore(RunIndex):
         if text(outcome) == "short":
             return None
         lid, version, expires_at, rows = body
-        passes = [(text(pk).rpartition("#"), int(att)) for pk, att in rows]
-        blobs = await self.prompt_blobs(run_id, [pid for (pid, _, _), _ in passes])
+        passes = [(text(pk).rpartition("#"), int(att), partials) for pk, att, partials in rows]
+        blobs = await self.prompt_blobs(run_id, [pid for (pid, _, _), _, _ in passes])
         items = []
-        for ((pid, _, pass_), att), blob in zip(passes, blobs, strict=True):
+        for ((pid, _, pass_), att, partials), blob in zip(passes, blobs, strict=True):
             if blob is None:
                 # Prompts are never deleted while their run lives: the read reached a master that
                 # does not have this prompt yet (a failover's), or a hand deleted it.
                 raise StoreError("work_lost", pid)
-            items.append(WorkItem(pid, int(pass_), att, blob))
+            items.append(WorkItem(pid, int(pass_), att, blob, list(partials)))
         return WorkLease(text(lid), int(version), int(expires_at), items)
 
     async def prompt_blobs(self, run_id: str, prompt_ids: Sequence[str]) -> list[bytes | None]:
@@ -416,9 +420,41 @@ class RedisStore(RunIndex):
         return got
 
     async def return_work(
-        self, run_id: str, lease_id: str, prompt_ids: Sequence[str] | None
+        self,
+        run_id: str,
+        lease_id: str,
+        prompt_ids: Sequence[str] | None,
+        partials: Sequence[PackedRollout] = (),
     ) -> int:
-        """Prompts given back (those still in flight under the lease); all when None."""
+        """Prompts given back (those still in flight under the lease); all when None. The
+        partials stay with their prompts' passes (work_return.lua)."""
         ids = list(prompt_ids or [])
-        (returned,) = await self._call("work_return", run_id, lease_id, len(ids), *ids)
+        args: list[Any] = [len(ids), *ids, len(partials)]
+        for p in partials:
+            args += [
+                p.rollout_id,
+                p.group_id or "",
+                str(p.policy_version),
+                p.tokens,
+                memoryview(p.blob),
+            ]
+        (returned,) = await self._call("work_return", run_id, lease_id, *args)
         return int(returned)
+
+    async def kept_partials(
+        self, run_id: str, wanted: Mapping[str, Sequence[str]]
+    ) -> dict[str, bytes]:
+        """The partials kept under these rollout ids, by prompt pass: {rollout_id: packed}."""
+        if not wanted:
+            return {}
+        passes = list(wanted)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for pk in passes:
+                pipe.hmget(keys.member_key(self.prefix, run_id, keys.PARTIALS, pk), wanted[pk])
+            got = await pipe.execute()
+        return {
+            rid: blob
+            for pk, blobs in zip(passes, got, strict=True)
+            for rid, blob in zip(wanted[pk], blobs, strict=True)
+            if blob is not None
+        }

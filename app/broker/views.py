@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 import msgpack
 
+from app.broker.packing import StoredRollout, unpack_rollouts
+from app.broker.partials import partial_doc
 from app.broker.records import RunState, WorkLease
 from app.broker.schemas import Run, WorkOut, WorkPrompt
 
@@ -22,6 +26,26 @@ def run_view(state: RunState) -> Run:
         status=state.status,
         created_at=iso_ms(state.created_at_ms),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class WorkAnswer:
+    """A work lease as the API answers it: its :class:`WorkOut` (without partials) and the
+    partials of each of its prompts, in order, unpacked."""
+
+    out: WorkOut
+    partials: list[list[StoredRollout]]
+
+    def body(self) -> dict[str, Any]:
+        """The answer's body (arrays as numpy: raw bytes in msgpack, lists in JSON)."""
+        doc = self.out.model_dump(by_alias=True)
+        for prompt, partials in zip(doc["prompts"], self.partials, strict=True):
+            prompt["partials"] = [partial_doc(p, prompt["group_id"]) for p in partials]
+        return doc
+
+
+def work_answer(lease: WorkLease) -> WorkAnswer:
+    return WorkAnswer(work_out(lease), [unpack_rollouts(item.partials) for item in lease.items])
 
 
 def work_out(lease: WorkLease) -> WorkOut:

@@ -20,6 +20,7 @@ from app.events.payloads import (
     Event,
     EventError,
     Leased,
+    PartialsChanged,
     PassesChanged,
     Payload,
     Registered,
@@ -123,6 +124,13 @@ SCHEMA: dict[str, EventType] = {
             "`queued` < `in_flight` < `done`/`failed` within an attempt, and a later attempt "
             "comes after every state of an earlier one, so the newest state is the greatest "
             "whatever order entries are applied in",
+        ),
+        EventType(
+            "partials",
+            PartialsChanged,
+            'partial rollouts of prompt passes (SPEC "Partial rollouts") came, went out with '
+            "a work lease, or were dropped; a rollout posted complete in place of one is in "
+            "`accepted`",
         ),
         EventType(
             "waited",

@@ -339,6 +339,32 @@ class PassesChanged:
 
 
 @_wire_class
+class PartialItem:
+    rollout_id: str = wire("text")
+    prompt_id: str = wire("text")
+    pass_: int = wire("int", key="pass", minimum=1)
+    policy_version: int = wire("int", note="the partial's (its oldest token's version)")
+    tokens: int = wire("int", minimum=0, note="response tokens sampled so far")
+
+
+@_wire_class
+class PartialsChanged:
+    change: str = wire(
+        "text",
+        note="`returned` (given back with its prompt, or brought back by an attempt that ended "
+        "unfinished), `resumed` (handed out with a work lease), `dropped`",
+    )
+    reason: str | None = wire(
+        "text",
+        optional=True,
+        note="`dropped`: `stale` / `kl_flush` (too stale when handed out), `unused` (its group "
+        "completed without it), `failed` (its pass failed)",
+    )
+    lease_id: str | None = wire("text", optional=True, note="the work lease, when one")
+    items: tuple[PartialItem, ...] = wire("items", of=PartialItem)
+
+
+@_wire_class
 class Waited:
     role: str = wire("text", note="`trainer` or `generator`")
     wait_ms: int = wire("int", minimum=0)
@@ -356,6 +382,7 @@ Payload: TypeAlias = (
     | Registered
     | WorkLeased
     | PassesChanged
+    | PartialsChanged
     | Waited
 )
 

@@ -68,4 +68,50 @@ def work_rows(b: Bench) -> list[Row]:
             )
     b.drop_run(run)
     b.raw_clear()
-    return rows
+    return rows + partial_rows(b)
+
+
+PARTIALS = 2  # partial rollouts per prompt given back
+PARTIAL_TOKENS = 512  # tokens of each
+
+
+def partial_rows(b: Bench) -> list[Row]:
+    """A work lease given back with partials, whose next lease hands them out again: against
+    the same lease given back without, at the smallest queue depth of the rows above."""
+    s = b.sizes
+    size, level = s.work_size, s.work_levels[0]
+    run = b.new_run("work-partials", step_groups=1_000_000, group_size=PARTIALS)
+    b.register_prompts(run, level, "pp")
+    got: dict[str, list[Group]] = {}
+    for rep in range(s.repeats):
+        b.say(f"work: leases of {size} + return, no partials, {level:,} queued (#{rep + 1})")
+        got.setdefault("plain", []).append(b.work_return(run, size, s.work_s))
+        b.say(f"work: leases of {size} + return with partials, {level:,} queued (#{rep + 1})")
+        got.setdefault("partials", []).append(
+            b.work_return_partials(run, size, PARTIALS, PARTIAL_TOKENS, s.work_s)
+        )
+    b.drop_run(run)
+    g, plain = best_rate(got["partials"]), best_rate(got["plain"])
+    lat, plain_lat = best_latency(got["partials"]), best_latency(got["plain"])
+    what = f"work lease of {size} + return with {PARTIALS} partials of {PARTIAL_TOKENS} tokens"
+    p50, plain_p50 = (percentile(x.latencies, 50) * 1e3 for x in (lat, plain_lat))
+    return [
+        Row(
+            "work.partials.rate",
+            "Work leases (prompts)",
+            f"{what} a prompt, handed out again, {level:,} queued",
+            g.rate,
+            "prompts/s",
+            note=f"{g.ops} leases; {g.rate / plain.rate:.2f}× the same leases given back "
+            f"without partials ({plain.rate:,.0f} prompts/s)",
+        ),
+        Row(
+            "work.partials.p50",
+            "Work leases (prompts)",
+            f"{what} a prompt: the work call's p50, {level:,} queued",
+            p50,
+            "ms",
+            note=f"{len(lat.latencies)} leases; {p50 / plain_p50:.2f}× the work call's p50 "
+            f"without partials ({plain_p50:.2f} ms)",
+        ),
+    ]

@@ -35,6 +35,8 @@ from app.events import (
     Duplicate,
     Leased,
     LeasedItem,
+    PartialItem,
+    PartialsChanged,
     PassesChanged,
     PassItem,
     Payload,
@@ -161,6 +163,7 @@ class SimPass:
     attempt: int = 1
     state: str = "queued"  # queued | in_flight | done | failed
     tries: int = 0
+    partials: list[tuple[str, int, int]] = field(default_factory=list)  # (id, version, tokens)
 
 
 @dataclass
@@ -202,12 +205,15 @@ class RunSim:
     work_leases: dict[str, list[tuple[str, int]]] = field(default_factory=dict)  # live ones
     prompts_registered: int = 0
     wait_ms: Counter[str] = field(default_factory=Counter)  # role -> ms
+    partial_rng: random.Random = field(init=False)
+    partial_counts: Counter[str] = field(default_factory=Counter)  # the `partials` figures
     _n: int = 0
     _work_n: int = 0
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         self.work_rng = random.Random(self.seed + 1_000_003)
+        self.partial_rng = random.Random(self.seed + 2_000_003)
 
     # --- emitting ---------------------------------------------------------------------
 
@@ -467,6 +473,7 @@ class RunSim:
         self.work_leases[lease_id] = chosen
         for key in chosen:
             self.passes[key].state = "in_flight"
+            self._hand_out_partials(key, lease_id)
         wait_ms = self.work_rng.choice((0, self.work_rng.randint(1, 4000)))
         self.wait_ms["generator"] += wait_ms
         self._emit(
@@ -514,6 +521,8 @@ class RunSim:
             for key in keys:
                 self._back(key, lost=True)
             self._passes("expired", lease_id, keys)
+            for key in keys:
+                self._settle_partials(key, lease_id)
             return
         causes: dict[str, list[tuple[str, int]]] = defaultdict(list)
         still: list[tuple[str, int]] = []
@@ -535,10 +544,60 @@ class RunSim:
                 still.append(key)
         for cause, settled in causes.items():
             self._passes(cause, lease_id if cause == "returned" else None, settled)
+            for key in settled:
+                self._settle_partials(key, lease_id)
+        for key in causes["returned"]:
+            self._give_back_partials(key, lease_id)
         if still:
             self.work_leases[lease_id] = still
         else:
             del self.work_leases[lease_id]
+
+    def _partials(self, change: str, reason: str | None, lease_id: str, key, parts) -> None:  # type: ignore[no-untyped-def]
+        items = tuple(PartialItem(rid, key[0], key[1], v, n) for rid, v, n in parts)
+        body = PartialsChanged(change, reason, lease_id, items)
+        self._emit("partials", body, self.partial_rng)
+        self.partial_counts[change] += len(parts)
+        self.partial_counts[f"tokens_{change}"] += sum(n for _, _, n in parts)
+
+    def _give_back_partials(self, key: tuple[str, int], lease_id: str) -> None:
+        """Half the prompts given back come with one or two partial rollouts."""
+        rng = self.partial_rng
+        if rng.random() < 0.5:
+            return
+        parts = [
+            (self._work_id("part"), max(0, self.policy - rng.randint(0, 3)), rng.randint(1, 9))
+            for _ in range(rng.randint(1, 2))
+        ]
+        self.passes[key].partials = self.passes[key].partials[len(parts) :] + parts
+        self._partials("returned", None, lease_id, key, parts)
+
+    def _hand_out_partials(self, key: tuple[str, int], lease_id: str) -> None:
+        """A pass's partials go out with it (and stay kept until their rollouts come), but for
+        those already too stale: dropped."""
+        kept = self.passes[key].partials
+        stale = [p for p in kept if p[1] < self.policy - self.max_staleness]
+        self.passes[key].partials = [p for p in kept if p not in stale]
+        if stale:
+            self._partials("dropped", "stale", lease_id, key, stale)
+        if self.passes[key].partials:
+            self._partials("resumed", None, lease_id, key, self.passes[key].partials)
+
+    def _settle_partials(self, key: tuple[str, int], lease_id: str | None) -> None:
+        """The attempt of ``key`` ended: the partials still kept come back with a pass sent back
+        to the queue, and are dropped with one that is done (some completed first) or failed."""
+        p = self.passes[key]
+        kept = p.partials
+        if not kept:
+            return
+        if p.state == "queued":
+            self._partials("returned", None, lease_id or "", key, kept)
+            return
+        p.partials = []
+        left = kept[self.partial_rng.randint(0, len(kept)) :]  # the others were completed
+        if left:
+            reason = "unused" if p.state == "done" else "failed"
+            self._partials("dropped", reason, lease_id or "", key, left)
 
     def prompt_work(self) -> None:
         """One round of the generator side: sometimes new prompts, take work, settle some."""
@@ -605,6 +664,10 @@ class RunSim:
                 "done": states["done"],
                 "failed": states["failed"],
                 "retried": sum(p.attempt - 1 for p in self.passes.values()),
+            },
+            "partials": {
+                k: self.partial_counts[k]
+                for k in ("returned", "resumed", "dropped", "tokens_resumed", "tokens_dropped")
             },
             "wait": {
                 "generator_s": self.wait_ms["generator"] / 1000,

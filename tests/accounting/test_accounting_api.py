@@ -73,6 +73,13 @@ async def test_run_known_only_to_redis_reads_as_zeros(
             "failed": 0,
             "retried": 0,
         },
+        "partials": {
+            "returned": 0,
+            "resumed": 0,
+            "dropped": 0,
+            "tokens_resumed": 0,
+            "tokens_dropped": 0,
+        },
         "wait": {"generator_s": 0.0, "trainer_s": 0.0},
         "as_of": None,
         # No consumer group yet: every entry of the stream is pending.
@@ -116,8 +123,8 @@ async def test_endpoints_after_drain(
         "rollouts_received", "groups_received", "duplicates", "rejected", "tokens_generated",
         "tokens_masked", "tokens_masked_stale", "buffered", "leased", "samples_consumed",
         "tokens_consumed", "reuse_factor", "retired",
-        "wasted_tokens", "batches", "lag", "kl", "is_ratio", "prompts", "wait", "as_of",
-        "pending_events", "dead_letters", "live",
+        "wasted_tokens", "batches", "lag", "kl", "is_ratio", "prompts", "partials", "wait",
+        "as_of", "pending_events", "dead_letters", "live",
     ]  # fmt: skip
 
     # pending_events: delivered-but-unacknowledged plus never-delivered entries.

@@ -21,6 +21,7 @@ from app.events import (
     Duplicate,
     Event,
     Leased,
+    PartialsChanged,
     PassesChanged,
     Registered,
     Rejected,
@@ -223,6 +224,9 @@ async def single_run(client: httpx.AsyncClient, run_id: str) -> Script:
     return s
 
 
+PARTIAL = ("b-partial", 0, 3)  # the partial rollout prompt_run gives back: id, version, tokens
+
+
 async def prompt_run(client: httpx.AsyncClient, redis: Redis, prefix: str, run_id: str) -> Script:
     """Prompts and work leases: registration over two epochs, hand-out, a group posted and
     trained (done), a return, an expiry, a rollout of an attempt that is over (stale_attempt),
@@ -237,8 +241,13 @@ async def prompt_run(client: httpx.AsyncClient, redis: Redis, prefix: str, run_i
     await s.send(*group(a["group_id"], 0))
     trained = await s.take(2)
     assert (await s.give(trained)).status_code == 200  # a#1 done
-    resp = await client.post(f"/v1/runs/{run_id}/work/{first['lease_id']}/return", json={})
-    assert resp.json() == {"returned": 1}  # b#1 back
+    # b#1 back, with a partial rollout: handed out with b#1 again, brought back by the expiry
+    # below, then too stale to hand out once more (dropped).
+    given = {"rollout_id": PARTIAL[0], "group_id": b["group_id"], "policy_version": PARTIAL[1]}
+    given["response_ids"] = list(range(PARTIAL[2]))
+    body = {"partials": [given]}
+    resp = await client.post(f"/v1/runs/{run_id}/work/{first['lease_id']}/return", json=body)
+    assert resp.json() == {"returned": 1}
     await s.send(rollout(f"{b['group_id']}-0", 0, group=b["group_id"]))  # stale_attempt
     second = await s.take_work(5)
     assert second is not None
@@ -353,6 +362,13 @@ def check_meaning(s: Script, events: list[Event]) -> None:
             for item in body.items:
                 assert 1 <= item.pass_ <= s.registered[item.prompt_id]
                 assert item.state in {"queued", "done", "failed"}
+        elif isinstance(body, PartialsChanged):
+            assert body.change in {"returned", "resumed", "dropped"}
+            assert (body.reason is not None) == (body.change == "dropped")
+            assert body.lease_id is not None or body.change != "resumed"
+            for p in body.items:
+                assert (p.rollout_id, p.policy_version, p.tokens) == PARTIAL
+                assert (p.prompt_id, p.pass_) == ("b", 1)
         elif isinstance(body, Waited):
             assert body.role in {"trainer", "generator"}
         else:

@@ -504,5 +504,6 @@ async def test_a_work_lease_comes_as_msgpack_when_asked_for(api):
             "group_id": "a#1.1",
             "prompt_ids": [5, 6, 7],
             "data": {"answer": 42},
+            "partials": [],
         }
     ]

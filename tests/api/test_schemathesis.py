@@ -115,7 +115,7 @@ LIMITS = (
     ),
     Limit(
         REFUSED,
-        r"POST /v1/runs/\{run_id\}/rollouts",
+        r"POST /v1/runs/\{run_id\}/(rollouts|work/\{lease_id\}/return)",  # and partials
         422,
         r"loss_mask has \d+ values|loss_mask values must be 0 or 1|loss_mask masks every token|"
         r"versions must start at offset 0|versions offsets must be strictly increasing|"
@@ -157,8 +157,12 @@ LIMITS = (
         REFUSED,
         r"POST /v1/runs/\{run_id\}/work/\{lease_id\}/return",
         422,
-        r"is not in work lease",
-        "only prompts the work lease held can be returned",
+        r"is not in work lease|\((partial_not_in_lease|partial_not_returned|partial_posted|"
+        r"partial_future_version|too_many_partials|duplicate_partial)\)|"
+        r"logprobs for \d+ response tokens",
+        "only prompts the work lease held can be returned, with partials of their own attempts "
+        "(new rollout ids, of no later version, at most group_size a prompt, one logprob a "
+        "token)",
     ),
     Limit(
         REFUSED,

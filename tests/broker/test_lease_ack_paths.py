@@ -150,7 +150,7 @@ def _plain_body(batch: LeasedBatch, as_msgpack: bool) -> dict[str, Any]:
                 "uses": uses,
                 "lag": lag,
             }
-            for r, uses, lag, mask in batch.rollouts
+            for r, uses, lag, mask, _ in batch.rollouts
         ],
     }
 
@@ -203,6 +203,7 @@ def test_the_lease_answer_is_what_the_plain_encoding_gives(parts: list[Any], as_
                 i % 3,
                 i % 2,
                 None if r.loss_mask is None else unpack_mask(r.loss_mask, len(r.response_ids)),
+                None,
             )
             for i, r in enumerate(rollouts)
         ],

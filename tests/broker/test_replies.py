@@ -71,6 +71,11 @@ EXPECTED: dict[str, tuple[type[BrokerError], int]] = {
     "work_missing": (WorkLeaseNotFound, 0),
     "work_lease_over": (WorkLeaseOver, 1),
     "work_not_in_lease": (ValidationFailed, 1),
+    "partial_not_in_lease": (ValidationFailed, 2),
+    "partial_not_returned": (ValidationFailed, 2),
+    "partial_posted": (ValidationFailed, 1),
+    "partial_future_version": (ValidationFailed, 2),
+    "too_many_partials": (ValidationFailed, 3),
 }
 STATUS = {
     RunNotFound: 404,

@@ -121,8 +121,9 @@ def batch_body(batch: LeasedBatch, as_msgpack: bool) -> dict[str, Any]:
                 "metadata": r.metadata,
                 "uses": uses,
                 "lag": lag,
+                **({} if prompt_id is None else {"prompt_id": prompt_id}),
             }
-            for r, uses, lag, mask in batch.rollouts
+            for r, uses, lag, mask, prompt_id in batch.rollouts
         ],
     }
 

@@ -19,8 +19,10 @@ from app.broker.schemas import (
     BatchOut,
     IngestJSON,
     LeasedRolloutOut,
+    PartialJSON,
     PromptJSON,
     PromptsBody,
+    ReturnBody,
     RolloutJSON,
     WorkBody,
 )
@@ -46,29 +48,9 @@ def field_keywords(s: Settings) -> dict[tuple[type[BaseModel], str], Keywords]:
         data = {"type": "null", "description": "This broker takes no prompt data"}
     return {
         (IngestJSON, "rollouts"): {"maxItems": s.max_rollouts_per_request},
-        (RolloutJSON, "response_ids"): {"minItems": 1, "maxItems": tokens, "items": TOKEN_ID},
-        (RolloutJSON, "prompt_ids"): {"maxItems": tokens, "items": TOKEN_ID},
-        (RolloutJSON, "logprobs"): {
-            "maxItems": tokens,
-            "items": LOGPROB,
-            "description": "One per response token (as many as response_ids)",
-        },
-        (RolloutJSON, "loss_mask"): {
-            "maxItems": tokens,
-            "items": {"type": "integer", "minimum": 0, "maximum": 1},
-            "description": "0 for each response token not to train on, else 1 (as many as "
-            "response_ids, at least one 1); default all 1",
-        },
-        (RolloutJSON, "versions"): {
-            "maxItems": tokens,
-            "description": "[[offset, version], ...]: the version that sampled each response "
-            "token from offset on; offsets strictly increasing from 0 and inside the response, "
-            "versions non-decreasing, the oldest over trained tokens the policy_version; "
-            "default [[0, policy_version]]",
-        },
-        (RolloutJSON, "metadata"): {
-            "description": "Free-form JSON: finite numbers, 64-bit integers, nested at most 16 deep"
-        },
+        **_rollout_keywords(RolloutJSON, tokens),
+        **_rollout_keywords(PartialJSON, tokens),
+        (ReturnBody, "partials"): {"maxItems": s.max_rollouts_per_request},
         (AckBody, "logprobs"): {
             "additionalProperties": {"type": "array", "maxItems": tokens, "items": LOGPROB},
             "description": "The current policy's logprobs of each rollout of the batch, one "
@@ -83,6 +65,37 @@ def field_keywords(s: Settings) -> dict[tuple[type[BaseModel], str], Keywords]:
         (PromptJSON, "data"): data,
         (WorkBody, "max_prompts"): {"maximum": s.max_prompts_per_lease},
         (WorkBody, "wait_s"): {"maximum": s.max_wait_s},
+    }
+
+
+def _rollout_keywords(
+    model: type[BaseModel], tokens: int
+) -> dict[tuple[type[BaseModel], str], Keywords]:
+    """The keywords of a rollout's fields, for rollouts posted and partials given back."""
+    return {
+        (model, "response_ids"): {"minItems": 1, "maxItems": tokens, "items": TOKEN_ID},
+        (model, "prompt_ids"): {"maxItems": tokens, "items": TOKEN_ID},
+        (model, "logprobs"): {
+            "maxItems": tokens,
+            "items": LOGPROB,
+            "description": "One per response token (as many as response_ids)",
+        },
+        (model, "loss_mask"): {
+            "maxItems": tokens,
+            "items": {"type": "integer", "minimum": 0, "maximum": 1},
+            "description": "0 for each response token not to train on, else 1 (as many as "
+            "response_ids, at least one 1); default all 1",
+        },
+        (model, "versions"): {
+            "maxItems": tokens,
+            "description": "[[offset, version], ...]: the version that sampled each response "
+            "token from offset on; offsets strictly increasing from 0 and inside the response, "
+            "versions non-decreasing, the oldest over trained tokens the policy_version; "
+            "default [[0, policy_version]]",
+        },
+        (model, "metadata"): {
+            "description": "Free-form JSON: finite numbers, 64-bit integers, nested at most 16 deep"
+        },
     }
 
 

@@ -21,6 +21,7 @@ from app.broker.schemas import (
     PromptsBody,
     PromptsResult,
     ReturnBody,
+    ReturnMsgpack,
     ReturnResult,
     WorkBody,
     WorkOut,
@@ -28,10 +29,6 @@ from app.broker.schemas import (
 from app.ids import LeaseId, RunId
 
 router = APIRouter(prefix="/v1/runs", tags=["prompts"])
-
-# A prompt id in a JSON body at its longest: 200 characters, each escaped as a surrogate pair
-# (12 bytes), its quotes and a comma.
-_QUOTED_PROMPT_ID = 200 * 12 + 3
 
 
 @router.post(
@@ -71,7 +68,7 @@ async def take_work(run_id: RunId, request: Request) -> Response:
     lease = await broker_of(request).work(run_id, body)
     if lease is None:
         return Response(status_code=204)
-    return render(lease.model_dump(by_alias=True), as_msgpack=wants_msgpack(request))
+    return render(lease.body(), as_msgpack=wants_msgpack(request))
 
 
 @router.post(
@@ -79,7 +76,11 @@ async def take_work(run_id: RunId, request: Request) -> Response:
     response_model=ReturnResult,
     responses=errors(
         (404, "No such run, or no such work lease in it"),
-        (422, "The body is malformed, or names a prompt the work lease never held"),
+        (
+            422,
+            "The body is malformed, names a prompt the work lease never held, or gives a "
+            "partial that is not of a prompt it returns (nothing is returned then)",
+        ),
     ),
     openapi_extra=request_body(ReturnBody, required=False),
 )
@@ -87,9 +88,8 @@ async def return_work(run_id: RunId, lease_id: LeaseId, request: Request) -> Res
     # The broker answers an empty prompt_ids without a look at the run or the lease: a run
     # that does not exist is 404 whatever the body.
     broker = broker_of(request)
-    # A work lease holds at most BROKER_MAX_PROMPTS_PER_LEASE prompts: their ids, quoted.
-    limit = broker.prompt_limits.per_lease * _QUOTED_PROMPT_ID + SMALL_BODY_BYTES
-    body = await read_model(request, ReturnBody, limit=limit)
-    if body.prompt_ids == []:
+    # With partials, a return is as big as a post of rollouts may be (the broker's size limit).
+    body = await read_model(request, ReturnBody, ReturnMsgpack)
+    if body.prompt_ids == [] and not body.partials:
         await broker.get_run(run_id)
-    return render(await broker.return_work(run_id, lease_id, body.prompt_ids))
+    return render(await broker.return_work(run_id, lease_id, body.prompt_ids, body.partials or []))

@@ -31,7 +31,8 @@ if not f[3] then
 end
 
 -- Registered prompts: each one's packed prompt and its passes '#1', '#2', ... (all written at
--- registration and kept while the run lives), up to `limit` keys a step.
+-- registration and kept while the run lives) with the partials kept with them, up to `limit`
+-- keys a step.
 local budget = tonumber(ARGV[2])
 while budget > 0 do
   local pids = redis.call('SPOP', PSEEN, math.max(1, math.floor(budget / 4)))
@@ -39,7 +40,8 @@ while budget > 0 do
   for _, pid in ipairs(pids) do
     redis.call('DEL', pbkey(pid))
     local k = 1
-    while redis.call('DEL', ppkey(pid .. '#' .. I(k))) == 1 do k = k + 1 end
+    local function gone(pk) return redis.call('DEL', ppkey(pk), ptkey(pk), pmkey(pk)) >= 1 end
+    while gone(pid .. '#' .. I(k)) do k = k + 1 end
     budget = budget - k
   end
 end

@@ -11,7 +11,8 @@
 -- is rejected 'stale' ends the attempt, whose group can no longer complete: the pass goes back
 -- to the queue at its next attempt (a try, as when its group retires unused), what its group
 -- already holds retires ('incomplete_group'), and its other rollouts in the request are
--- 'stale_attempt'.
+-- 'stale_attempt'. A rollout of an attempt whose pass keeps a partial under its rollout_id
+-- completes that partial (the caller checked the prefix, app/broker/partials.py).
 -- Returns ok(accepted, duplicates, { {rollout_id, reason}, ... }) | err('run_missing')
 --       | err('group_missing', rollout_id) | err('group_done', group_id)
 --       | err('group_overflow', group_id, would_have, group_size)
@@ -165,6 +166,8 @@ for i = 1, n do
     else
       local uk = ukey(u)
       local work = attempt_of(gid)
+      -- A rollout that completes a partial takes its place (its prefix was checked before).
+      if work then forget_partial(work[1], rid) end
       redis.call('RPUSH', mkey(u), member_entry(v, tokens, rid))
       local f = redis.call('HMGET', uk, 'have', 'need', 'v', 'rmin', 'rmax', 'seq')
       local new_unit = 0
@@ -205,6 +208,7 @@ for i = 1, n do
           local lid = redis.call('HGET', ppkey(work[1]), 'lease')
           redis.call('HSET', ppkey(work[1]), 'st', 'b')
           if lid then work_settled(lid) end
+          drop_partials(work[1], 'unused', lid)  -- partials its generator did not continue
         end
         local function zero_variance()
           local rr = redis.call('HMGET', uk, 'rmin', 'rmax')

@@ -9,9 +9,12 @@
 -- A batch_id that already names a live batch returns that batch again (a retried request).
 -- The packed rollouts (keys d:<rollout_id>) are read by the caller with one MGET: copying
 -- them through Lua strings would cost the script more than all its other work.
--- Returns ok('leased', batch_id, V, expires_at, { {uses, lag, rollout_id}, ... }, token_floor)
---         (token_floor: '' or, under stale_tokens 'mask', the oldest version a token may have
---         and stay trained; fixed with the lease, and kept with it for the ack)
+-- Returns ok('leased', batch_id, V, expires_at, { {uses, lag, rollout_id, prompt_id}, ... },
+--         token_floor)
+--         (prompt_id: '' for a rollout not posted under a work lease; the caller reads that
+--         prompt's packed prompt, pb:<prompt_id>, right after the rollouts. token_floor: '' or,
+--         under stale_tokens 'mask', the oldest version a token may have and stay trained;
+--         fixed with the lease, and kept with it for the ack)
 --       | ok('short', found): too few eligible rollouts, nothing leased
 --       | err('run_missing') | err('batch_size', group_size) | err('version_future', current)
 --       | err('batch_id_taken', state): the batch_id names a batch that is no longer live.
@@ -24,7 +27,9 @@ local function reply(f)
   local V = tonumber(f[2])
   local rows = {}
   each_unit(cmsgpack.unpack(f[3]), cmsgpack.unpack(f[6]), function(_, r, part)
-    for _, row in ipairs(part) do table.insert(rows, { r.uses, V - row[2], row[1] }) end
+    for _, row in ipairs(part) do
+      table.insert(rows, { r.uses, V - row[2], row[1], r.pk and pass_prompt(r.pk) or '' })
+    end
   end)
   return ok('leased', bid, f[2], f[4], rows, f[7] or '')
 end
@@ -128,12 +133,13 @@ for _, p in ipairs(picked) do
   local part = rollouts_of(u, r)
   table.insert(units, u) table.insert(units, p[3]) table.insert(units, #part)
   table.insert(taken, { u, r.v })
+  local pid = r.pk and pass_prompt(r.pk) or ''
   for _, row in ipairs(part) do
     local rid, rv, rn = row[1], row[2], row[3]
     tokens = tokens + rn
     table.insert(brows, rid) table.insert(brows, rv) table.insert(brows, rn)
     table.insert(items, { rid, rv, rn, V - rv, r.uses })
-    table.insert(rows, { r.uses, V - rv, rid })
+    table.insert(rows, { r.uses, V - rv, rid, pid })
   end
 end
 unready_many(taken)

@@ -8,8 +8,9 @@
 --       'waited' event when this is its last try and it hands out nothing).
 -- A lease_id that names a live or complete lease returns that lease again (a retried request),
 -- with the prompts it still holds.
--- The packed prompts (keys pb:<prompt_id>) are read by the caller with one MGET.
--- Returns ok('leased', lease_id, V, expires_at, { {pass_key, attempt}, ... })
+-- The packed prompts (keys pb:<prompt_id>) are read by the caller with one MGET. Each pass
+-- comes with its partial rollouts (lib/partials.lua), packed.
+-- Returns ok('leased', lease_id, V, expires_at, { {pass_key, attempt, {partial, ...}}, ... })
 --       | ok('short', left): nothing handed out; `left` is the budget left ('' = no budget)
 --       | err('run_missing') | err('run_closed')
 --       | err('work_lease_over', state): the lease_id names a lease that was returned or expired.
@@ -23,7 +24,11 @@ local function reply(f)
   local mine = {}
   for _, item in ipairs(cjson.decode(f[4])) do
     local pf = redis.call('HMGET', ppkey(item[1]), 'lease', 'att')
-    if pf[1] == lid and tonumber(pf[2]) == item[2] then table.insert(mine, item) end
+    if pf[1] == lid and tonumber(pf[2]) == item[2] then
+      local partials = {}
+      for _, p in ipairs(partials_of(item[1])) do table.insert(partials, p[2]) end
+      table.insert(mine, { item[1], item[2], partials })
+    end
   end
   if #mine == 0 then return err('work_lease_over', 'returned') end
   return ok('leased', lid, f[2], f[3], mine)
@@ -62,7 +67,7 @@ if #picked == 0 then
 end
 
 local exp = NOW + CFG.work_timeout_s * 1000
-local items, ev_items = {}, {}
+local items, ev_items, rows = {}, {}, {}
 for _, pk in ipairs(picked) do
   local att = tonumber(redis.call('HGET', ppkey(pk), 'att'))
   redis.call('ZREM', PQ, pk)
@@ -71,6 +76,7 @@ for _, pk in ipairs(picked) do
   local useq = redis.call('HINCRBY', RUN, 'seq', 1)
   redis.call('HSET', ppkey(pk), 'st', 'w', 'lease', lid, 'useq', useq)
   table.insert(items, { pk, att })
+  table.insert(rows, { pk, att, hand_out_partials(pk, lid) })
   table.insert(ev_items, { pass_prompt(pk), pass_number(pk), att })
 end
 admit(#picked)
@@ -84,4 +90,4 @@ local ev = {
 if ARGV[4] ~= '' then ev['generator_id'] = ARGV[4] end
 emit('work_leased', ev)
 finish()
-return ok('leased', lid, I(R.ver), I(exp), items)
+return ok('leased', lid, I(R.ver), I(exp), rows)

@@ -34,6 +34,7 @@ from rollout_broker_client._models import (
     Batch,
     IngestResult,
     NewToken,
+    Partial,
     PolicyResult,
     PromptState,
     PromptStateName,
@@ -53,6 +54,7 @@ from rollout_broker_client._wire import (
     BearerToken,
     Call,
     Format,
+    PartialLike,
     PromptLike,
     Retry,
     RolloutLike,
@@ -320,13 +322,19 @@ class AsyncBrokerClient:
         )
 
     async def return_work(
-        self, run_id: str, lease_id: str, prompt_ids: Sequence[str] | None = None
+        self,
+        run_id: str,
+        lease_id: str,
+        prompt_ids: Sequence[str] | None = None,
+        partials: Sequence[PartialLike] = (),
     ) -> int:
-        """Give prompts of a work lease back unstarted (all of them when ``prompt_ids`` is
-        None); returns how many went back. A partial group of theirs retires."""
+        """Give prompts of a work lease back (all of them when ``prompt_ids`` is None); returns
+        how many went back. A partial group of theirs retires. ``partials`` are what was sampled
+        so far of their responses, each under its prompt's ``group_id``: the lease that next
+        hands a prompt out carries its partials (:attr:`WorkPrompt.partials`) to continue."""
         if prompt_ids is not None and not prompt_ids:
             return 0  # an empty list on the wire would mean all of them
-        return await self.send(self.api.return_work(run_id, lease_id, prompt_ids))
+        return await self.send(self.api.return_work(run_id, lease_id, prompt_ids, partials))
 
     def work(
         self,
@@ -803,19 +811,35 @@ class AsyncWork:
             self.posted.append(p)
         return result
 
-    async def give_back(self, prompts: Iterable[WorkPrompt | str] | None = None) -> int:
+    async def give_back(
+        self,
+        prompts: Iterable[WorkPrompt | str] | None = None,
+        *,
+        partials: Mapping[WorkPrompt | str, Sequence[PartialLike]] | None = None,
+    ) -> int:
         """Return prompts of this lease not posted (all of them by default) to the broker now,
-        for any generator to take; returns how many the broker took back."""
+        for any generator to take; returns how many the broker took back. ``partials`` gives,
+        by prompt (or its ``group_id``), what was sampled so far of its responses (rollouts
+        without reward; their ``group_id`` is filled in): the lease that next hands the prompt
+        out carries them to continue. A prompt given partials goes back with them."""
+        given = {self._prompt(p).group_id: list(ps) for p, ps in (partials or {}).items()}
         chosen = (
             list(self._unposted.values())
             if prompts is None
-            else [p for p in map(self._prompt, prompts) if p.group_id in self._unposted]
+            else [
+                p
+                for p in [*map(self._prompt, prompts), *map(self._prompt, given)]
+                if p.group_id in self._unposted
+            ]
         )
         if not chosen:
             return 0
         ids = list(dict.fromkeys(p.prompt_id for p in chosen))
-        n = await self.client.return_work(self.run_id, self.lease_id, ids)
-        for p in chosen:
+        docs = [
+            _in_prompt(gid, p) for gid, ps in given.items() if gid in self._unposted for p in ps
+        ]
+        n = await self.client.return_work(self.run_id, self.lease_id, ids, docs)
+        for p in dict.fromkeys(chosen):
             del self._unposted[p.group_id]
         self.returned.extend(chosen)
         return n
@@ -872,6 +896,17 @@ class AsyncWork:
         if doc.get("policy_version") is None:
             doc["policy_version"] = self.policy_version
         return doc
+
+
+def _in_prompt(group_id: str, p: PartialLike) -> PartialLike:
+    """A partial under its prompt's ``group_id`` (one of another prompt is a ValueError)."""
+    given = p.group_id if isinstance(p, Partial) else p.get("group_id")
+    if given is not None and given != group_id:
+        rid = p.rollout_id if isinstance(p, Partial) else p.get("rollout_id")
+        raise ValueError(f"partial {rid!r} names group {given!r}, not {group_id!r}")
+    if isinstance(p, Partial):
+        return p
+    return {**p, "group_id": group_id}
 
 
 class AsyncWorkLoop:

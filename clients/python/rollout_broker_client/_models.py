@@ -116,6 +116,71 @@ class RegisterResult:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class Partial:
+    """What a generator sampled of one response before its prompt was given back, handed out
+    again with the prompt: continue it under your own weights and post the whole response
+    under the same ``rollout_id`` (:meth:`continued`). A posted rollout that does not start
+    with these tokens and logprobs is refused (``prefix_mismatch``)."""
+
+    rollout_id: str
+    group_id: str
+    policy_version: int
+    response_ids: Int32Array
+    logprobs: Float32Array | None
+    prompt_ids: Int32Array | None = None
+    finish_reason: FinishReason | None = None
+    metadata: dict[str, Any] | None = None
+    loss_mask: UInt8Array | None = None  # None: every token is trained
+    versions: tuple[tuple[int, int], ...] = ()  # (offset, version) segments; (): one version
+    generator_id: str | None = None
+
+    def continued(
+        self,
+        response_ids: npt.ArrayLike,
+        reward: float,
+        logprobs: npt.ArrayLike | None = None,
+        *,
+        version: int | None = None,
+        loss_mask: npt.ArrayLike | None = None,
+        finish_reason: FinishReason | None = "stop",
+        metadata: dict[str, Any] | None = None,
+    ) -> Rollout:
+        """The completed rollout: this partial's tokens, logprobs, mask and versions followed
+        by the new ``response_ids`` (and ``logprobs``, needed when the partial has them),
+        sampled at ``version`` (default: the partial's last) with ``loss_mask`` (default: all
+        trained). Its ``policy_version`` stays the partial's, the oldest version over trained
+        tokens."""
+        n = self.response_ids.size
+        more = np.asarray(response_ids, dtype=np.int32)
+        lp = None
+        if self.logprobs is not None:
+            if logprobs is None:
+                raise ValueError(f"partial {self.rollout_id!r} has logprobs: give the new ones")
+            lp = np.concatenate([self.logprobs, np.asarray(logprobs, dtype=np.float32)])
+        mask = None
+        if self.loss_mask is not None or loss_mask is not None:
+            old = np.ones(n, np.uint8) if self.loss_mask is None else self.loss_mask
+            new = np.ones(more.size, np.uint8) if loss_mask is None else np.asarray(loss_mask)
+            mask = np.concatenate([old, new.astype(np.uint8)])
+        segments = list(self.versions or ((0, self.policy_version),))
+        if version is not None and version != segments[-1][1] and more.size:
+            segments.append((n, version))
+        return Rollout(
+            rollout_id=self.rollout_id,
+            policy_version=self.policy_version,
+            response_ids=np.concatenate([self.response_ids, more]),
+            reward=reward,
+            logprobs=lp,
+            group_id=self.group_id,
+            prompt_ids=self.prompt_ids,
+            finish_reason=finish_reason,
+            metadata=self.metadata if metadata is None else metadata,
+            loss_mask=mask,
+            versions=[list(s) for s in segments] if len(segments) > 1 else None,
+        )
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class WorkPrompt:
     """A prompt handed to a generator: sample ``group_size`` responses to it and post them with
     ``group_id``, which names this pass and attempt (``pass_`` is the wire's ``pass``, 1 to
@@ -128,6 +193,7 @@ class WorkPrompt:
     group_id: str
     prompt_ids: Int32Array | None
     data: dict[str, Any] | None
+    partials: list[Partial] = field(default_factory=list)  # to continue, when it came back
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +269,7 @@ class LeasedRollout:
     loss_mask: UInt8Array | None = None  # None: every token is trained
     versions: tuple[tuple[int, int], ...] = ()
     generator_id: str | None = None
+    prompt_id: str | None = None  # the prompt it answers, when posted under a work lease
 
     @property
     def mask(self) -> UInt8Array:

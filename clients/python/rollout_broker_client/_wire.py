@@ -44,6 +44,7 @@ from rollout_broker_client._models import (
     LagStats,
     LeasedRollout,
     NewToken,
+    Partial,
     PolicyResult,
     Prompt,
     PromptCounts,
@@ -128,6 +129,8 @@ class BearerToken:
 RolloutLike = Rollout | Mapping[str, Any]
 # A prompt to register: a Prompt, its wire form as a mapping, or a bare prompt_id.
 PromptLike = Prompt | Mapping[str, Any] | str
+# A partial rollout to give back: a Partial handed out before, or a rollout's fields, no reward.
+PartialLike = Partial | Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +225,33 @@ def rollout_doc(r: RolloutLike, binary: bool) -> dict[str, Any]:
     for key in ("group_id", "finish_reason", "metadata", "generator_id"):
         if src.get(key) is not None:
             doc[key] = src[key]
+    return doc
+
+
+def partial_doc(p: PartialLike, binary: bool) -> dict[str, Any]:
+    """The wire form of a partial rollout, a rollout without reward (a Partial handed out
+    before, or a mapping of a rollout's fields), under its prompt's ``group_id``."""
+    src: Mapping[str, Any] = (
+        {
+            "rollout_id": p.rollout_id,
+            "group_id": p.group_id,
+            "policy_version": p.policy_version,
+            "response_ids": p.response_ids,
+            "logprobs": p.logprobs,
+            "prompt_ids": p.prompt_ids,
+            "finish_reason": p.finish_reason,
+            "metadata": p.metadata,
+            "loss_mask": p.loss_mask,
+            "versions": p.versions or None,
+            "generator_id": p.generator_id,
+        }
+        if isinstance(p, Partial)
+        else p
+    )
+    if src.get("group_id") is None:
+        raise ValueError(f"partial {src.get('rollout_id')!r} has no group_id: name its prompt's")
+    doc = rollout_doc({**src, "reward": 0.0}, binary)
+    del doc["reward"]
     return doc
 
 
@@ -335,6 +365,24 @@ def parse_leased(doc: Any) -> LeasedRollout:
         loss_mask=_mask_array(doc.get("loss_mask")),
         versions=tuple((int(o), int(v)) for o, v in doc.get("versions") or ()),
         generator_id=doc.get("generator_id"),
+        prompt_id=doc.get("prompt_id"),
+    )
+
+
+def parse_partial(doc: Any) -> Partial:
+    prompt, lp = doc.get("prompt_ids"), doc.get("logprobs")
+    return Partial(
+        rollout_id=doc["rollout_id"],
+        group_id=doc["group_id"],
+        policy_version=int(doc["policy_version"]),
+        response_ids=_id_array(doc["response_ids"]),
+        logprobs=None if lp is None else _lp_array(lp),
+        prompt_ids=None if prompt is None else _id_array(prompt),
+        finish_reason=doc.get("finish_reason"),
+        metadata=doc.get("metadata"),
+        loss_mask=_mask_array(doc.get("loss_mask")),
+        versions=tuple((int(o), int(v)) for o, v in doc.get("versions") or ()),
+        generator_id=doc.get("generator_id"),
     )
 
 
@@ -384,6 +432,7 @@ def parse_work(body: Any) -> WorkLease:
                 group_id=p["group_id"],
                 prompt_ids=None if p.get("prompt_ids") is None else _id_array(p["prompt_ids"]),
                 data=p.get("data"),
+                partials=[parse_partial(q) for q in p.get("partials") or []],
             )
             for p in body["prompts"]
         ],
@@ -710,10 +759,18 @@ class Api:
         )
 
     def return_work(
-        self, run_id: str, lease_id: str, prompt_ids: Sequence[str] | None
+        self,
+        run_id: str,
+        lease_id: str,
+        prompt_ids: Sequence[str] | None,
+        partials: Sequence[PartialLike] = (),
     ) -> Call[int]:
-        doc = {} if prompt_ids is None else {"prompt_ids": list(prompt_ids)}
-        content, headers = self._body(doc)
+        doc: dict[str, Any] = {} if prompt_ids is None else {"prompt_ids": list(prompt_ids)}
+        fmt: Format = "json"
+        if partials:  # as big as a post of rollouts may be: in the body format of ingest
+            fmt = self.fmt
+            doc["partials"] = [partial_doc(p, fmt == "msgpack") for p in partials]
+        content, headers = self._body(doc, fmt)
         path = f"{_p(run_id)}/work/{quote(lease_id, safe='')}/return"
         return Call("POST", path, lambda r, b: int(b["returned"]), None, content, headers)
 

@@ -6,5 +6,6 @@ local function finish()
   write_admission()
   emit_retired()
   emit_passes()
+  emit_partials()
   wake_waiting()
 end

@@ -1,4 +1,4 @@
--- requires: admission
+-- requires: admission, pass_keys, partials
 -- Prompt passes and work leases. A pass '<prompt_id>#<pass>' is queued ('q'), handed out in a
 -- work lease ('w'), its group complete and buffered or leased ('b'), done ('d') or failed ('f').
 -- Its attempt 'att' names the group a generator posts: '<prompt_id>#<pass>.<att>'. What passes
@@ -6,10 +6,6 @@
 local PASS_STATE = { q = 'queued', w = 'in_flight', b = 'in_flight', d = 'done', f = 'failed' }
 local WORK_STATE = { l = 'live', c = 'complete', r = 'returned', e = 'expired' }
 local PASS_EVENTS = {}  -- { {cause, lease_id or false, items}, ... } in order, for finish()
-
-local function pass_prompt(pk) return string.match(pk, '^(.*)#%d+$') end
-local function pass_number(pk) return tonumber(string.match(pk, '#(%d+)$')) end
-local function attempt_group(pk, att) return pk .. '.' .. I(att) end
 
 -- The pass and attempt a group id names, when it names a registered pass: (pk, att) or nil.
 local function group_pass(gid)
@@ -52,7 +48,8 @@ end
 
 -- An attempt ended without its group reaching a gradient: the pass goes back to the queue at
 -- the next attempt, ahead of fresh passes, or is failed once `counts` (a try that retired unused
--- or expired, not a return) brings its tries to max_attempts. `f` = pass_fields(pk).
+-- or expired, not a return) brings its tries to max_attempts. `f` = pass_fields(pk). The
+-- partials the attempt was handed out with go back with the pass, or are dropped with it.
 local function requeue(pk, f, cause, lease_id, counts)
   if f[1] == 'w' then work_settled(f[4]) end
   release()
@@ -62,7 +59,9 @@ local function requeue(pk, f, cause, lease_id, counts)
     redis.call('HSET', ppkey(pk), 'st', 'f', 'tries', tries)
     redis.call('HDEL', ppkey(pk), 'lease')
     note_pass(cause, lease_id, pk, att, 'f', tries)
+    drop_partials(pk, 'failed', lease_id)
   else
+    partials_back(pk, lease_id)
     att = att + 1
     redis.call('HSET', ppkey(pk), 'st', 'q', 'att', att, 'tries', tries)
     redis.call('HDEL', ppkey(pk), 'lease')
@@ -84,6 +83,7 @@ local function attempt_retired(pk, att, uses, reason)
     release()
     redis.call('HSET', ppkey(pk), 'st', 'd')
     note_pass('retired', nil, pk, att, 'd', tonumber(f[3]))
+    drop_partials(pk, 'unused')
   else
     requeue(pk, f, 'retired', nil, true)
   end
