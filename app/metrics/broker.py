@@ -217,14 +217,15 @@ class _BrokerCollector(Collector):
             put("prompt_passes", getattr(acc.prompts, state), run, state)
         put("prompt_passes_registered_total", acc.prompts.registered, run)
         put("prompt_retries_total", acc.prompts.retried, run)
-        # The partials' figures come with partial rollouts (SPEC "Partial rollouts"): a ledger
-        # that does not count them yet leaves their families without samples.
-        partials = getattr(acc, "partials", None)
-        if partials is not None:
-            for outcome in ("returned", "resumed", "dropped"):
-                put("partials_total", getattr(partials, outcome), run, outcome)
-            for outcome in ("resumed", "dropped"):
-                put("partial_tokens_total", getattr(partials, f"tokens_{outcome}"), run, outcome)
+        p = acc.partials
+        for outcome, n in (
+            ("returned", p.returned),
+            ("resumed", p.resumed),
+            ("dropped", p.dropped),
+        ):
+            put("partials_total", n, run, outcome)
+        put("partial_tokens_total", p.tokens_resumed, run, "resumed")
+        put("partial_tokens_total", p.tokens_dropped, run, "dropped")
         put("generator_wait_seconds_total", acc.wait.generator_s, run)
         put("trainer_wait_seconds_total", acc.wait.trainer_s, run)
         put("accounting_pending_events", acc.pending_events, run)

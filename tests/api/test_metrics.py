@@ -11,19 +11,19 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import BaseModel, SecretStr
+from pydantic import SecretStr
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from app.accounting.schemas import RunAccounting
 from app.accounting.stream import EventStream
 from app.broker.service import Broker
 from app.broker.store import RedisStore
 from app.keys import run_key
 from app.main import create_app
 from app.metrics import CATALOGUE
-from app.metrics.broker import LedgerFigures, _BrokerCollector, _family
 from app.settings import Settings
 from tests.api.support import assert_error
+from tests.api.test_partials import give_back, partial
+from tests.api.test_prompts import register, work
 from tests.helpers import KNOWN_SECRETS, ack, lease, make_run, post, rollout
 from workers.drain import DrainContext, drain_once
 
@@ -390,22 +390,10 @@ async def test_the_token_figures_equal_the_accounting(api, drain):
     # a's two trained tokens at lag 1, b's four at lag 0; the samples' lags are 1 and 0
     assert one("token_lag_versions_mean") == pytest.approx(acc["lag"]["token_mean"])
     assert acc["lag"]["token_mean"] == pytest.approx(2 / 6) and acc["lag"]["mean"] == 0.5
-    partials = acc.get("partials")  # counted once partial rollouts are (SPEC "Partial rollouts")
-    for outcome in ("returned", "resumed", "dropped"):
-        want = None if partials is None else partials[outcome]
-        assert one("partials_total", outcome=outcome) == want
-    for outcome in ("resumed", "dropped"):
-        want = None if partials is None else partials[f"tokens_{outcome}"]
-        assert one("partial_tokens_total", outcome=outcome) == want
 
 
 async def test_the_partials_figures_follow_real_traffic(api, drain):
-    """Partials given back, then handed out again and dropped: each figure is the ledger's.
-    Skipped where partial rollouts are not built yet (their helpers come with them)."""
-    helpers = pytest.importorskip("tests.api.test_partials")
-    give_back, partial = helpers.give_back, helpers.partial
-    from tests.api.test_prompts import register, work
-
+    """Partials given back, then handed out again and dropped: each figure is the ledger's."""
     await make_run(api, "pp", group_size=2, max_staleness=1)
     await register(api, "pp", "a", "b")
     first = await work(api, "pp", 2)
@@ -443,74 +431,6 @@ async def test_the_partials_figures_follow_real_traffic(api, drain):
         "resumed": p["tokens_resumed"],
         "dropped": p["tokens_dropped"],
     }
-
-
-def test_the_partials_figures_are_the_accountings() -> None:
-    """Each figure of the accounting's ``partials`` under its outcome label."""
-    figures = {
-        "returned": 7,
-        "resumed": 5,
-        "dropped": 2,
-        "tokens_resumed": 130,
-        "tokens_dropped": 9,
-    }
-
-    class Partials(BaseModel):
-        returned: int
-        resumed: int
-        dropped: int
-        tokens_resumed: int
-        tokens_dropped: int
-
-    class WithPartials(RunAccounting):  # the answer of a broker that counts partials
-        partials: Partials
-
-    acc = WithPartials.model_validate(ZERO_ACCOUNTING | {"partials": figures})
-    families = {spec.name: _family(spec) for spec in CATALOGUE if spec.source == "ledger"}
-
-    def put(name: str, figure: float, *labels: str) -> None:
-        families[f"rollout_broker_{name}"].add_metric(list(labels), figure)
-
-    _BrokerCollector._ledger(put, families, "p1", LedgerFigures(acc, {}, 0.0, False))
-
-    def by_outcome(name: str) -> dict[str, float]:
-        return {
-            sample.labels["outcome"]: sample.value
-            for sample in families[f"rollout_broker_{name}"].samples
-            if sample.labels["run"] == "p1"
-        }
-
-    assert by_outcome("partials_total") == {"returned": 7, "resumed": 5, "dropped": 2}
-    assert by_outcome("partial_tokens_total") == {"resumed": 130, "dropped": 9}
-
-
-ZERO_ACCOUNTING: dict[str, Any] = {
-    "rollouts_received": 0,
-    "groups_received": 0,
-    "duplicates": 0,
-    "rejected": {},
-    "tokens_generated": 0,
-    "tokens_masked": 0,
-    "tokens_masked_stale": 0,
-    "buffered": 0,
-    "leased": 0,
-    "samples_consumed": 0,
-    "tokens_consumed": 0,
-    "reuse_factor": 0.0,
-    "retired": {},
-    "wasted_tokens": 0,
-    "batches": {"leased": 0, "acked": 0, "nacked": 0, "expired": 0},
-    "lag": {"mean": None, "max": None, "histogram": {}, "token_mean": None},
-    "kl": {"mean": None, "max": None},
-    "is_ratio": {"mean": None, "clip_fraction": None},
-    "prompts": dict.fromkeys(("registered", "queued", "in_flight", "done", "failed", "retried"), 0),
-    "wait": {"generator_s": 0.0, "trainer_s": 0.0},
-    "as_of": None,
-    "pending_events": 0,
-    "dead_letters": 0,
-    "live": {"buffered": 0, "leased": 0},
-}
-"""The accounting of a run with no traffic yet."""
 
 
 async def test_the_drain_delay_is_the_age_of_the_oldest_event_not_drained(

@@ -164,7 +164,7 @@ def test_a_live_brokers_token_figures_reach_the_client_and_the_commands(
     assert {v.policy_version: v.tokens_masked for v in versions} == {
         v.raw["policy_version"]: v.raw["tokens_masked"] for v in versions
     }
-    assert acc.partials == (None if "partials" not in raw else PartialCounts(**raw["partials"]))
+    assert acc.partials == PartialCounts(**raw["partials"]) == PartialCounts()
 
     code, out, err = invoke(live_server, "accounting", run)
     assert code == 0, err
@@ -172,6 +172,7 @@ def test_a_live_brokers_token_figures_reach_the_client_and_the_commands(
     assert "10.0% of generated" in row(lines, "tokens masked")
     assert " 3 " in row(lines, "tokens masked stale")
     assert "mean 0.333 " in row(lines, "token lag")
+    assert any("partial rollouts" in x for x in lines) and " 0 " in row(lines, "returned")
     code, out, err = invoke(live_server, "watch", run, "--count", "1")
     assert code == 0, err
     assert "token lag mean 0.333 " in out and "10.0% of generated" in out

@@ -129,8 +129,6 @@ async def expected_figures(http: httpx.AsyncClient, selected: str) -> dict[str, 
     want["retired_total"] = sum(acc["retired"].values())
     want["rejected_total"] = sum(acc["rejected"].values())
     want["ledger_live"] = "ok"
-    if "partials" not in acc:  # a broker that does not count partial rollouts
-        want["partials"] = "n/a"
     want |= {
         "run.run_id": run["run_id"],
         "run.status": run["status"],
@@ -374,8 +372,8 @@ async def test_page_shows_the_accounting_of_a_live_broker_and_follows_it(
         await page.locator('[data-field="ledger_live"][data-value="mismatch"]').wait_for()
         await page.unroute("**/v1/runs/*/accounting")
 
-        # Partial rollouts' figures: each on the page (a broker that does not count them yet
-        # shows n/a instead; the answers are doctored on the way to have all of them differ).
+        # Partial rollouts' figures, all different, each on the page; and n/a from a broker that
+        # does not count them (the answers are doctored on the way).
         partials = {
             "returned": 11,
             "resumed": 7,
@@ -388,12 +386,23 @@ async def test_page_shows_the_accounting_of_a_live_broker_and_follows_it(
             real = await route.fetch()
             await route.fulfill(response=real, json=await real.json() | {"partials": partials})
 
-        await page.route("**/v1/runs/*/accounting", with_partials)
-        shown = {k: v for k, v in want.items() if k != "partials" and not k.startswith("partials.")}
-        try:
-            await until_shown(page, shown | {f"partials.{k}": n for k, n in partials.items()})
-        finally:  # before the broker stops, should the page not show them
-            await page.unroute("**/v1/runs/*/accounting")
+        async def without_partials(route: Route) -> None:
+            real = await route.fetch()
+            body = await real.json()
+            del body["partials"]
+            await route.fulfill(response=real, json=body)
+
+        others = {k: v for k, v in want.items() if not k.startswith("partials.")}
+        assert len(others) == len(want) - len(partials)
+        for doctor, shown in (
+            (with_partials, others | {f"partials.{k}": n for k, n in partials.items()}),
+            (without_partials, others | {"partials": "n/a"}),
+        ):
+            await page.route("**/v1/runs/*/accounting", doctor)
+            try:
+                await until_shown(page, shown)
+            finally:  # before the broker stops, should the page not show them
+                await page.unroute("**/v1/runs/*/accounting")
         await until_shown(page, want)
 
         # A broker without the training figures (404) shows n/a there and the rest as before.
