@@ -200,9 +200,12 @@ class _BrokerCollector(Collector):
         put("tokens_generated_total", acc.tokens_generated, run)
         put("tokens_consumed_total", acc.tokens_consumed, run)
         put("tokens_wasted_total", acc.wasted_tokens, run)
+        put("tokens_masked_total", acc.tokens_masked, run)
+        put("tokens_masked_stale_total", acc.tokens_masked_stale, run)
         buckets, lag_sum = _lag_buckets(acc.lag.histogram)
         families[f"{NAMESPACE}_sample_lag_versions"].add_metric([run], buckets, lag_sum)
         for name, figure in (
+            ("token_lag_versions_mean", acc.lag.token_mean),
             ("kl_mean", acc.kl.mean),
             ("kl_max", acc.kl.max),
             ("importance_ratio_mean", acc.is_ratio.mean),
@@ -214,6 +217,15 @@ class _BrokerCollector(Collector):
             put("prompt_passes", getattr(acc.prompts, state), run, state)
         put("prompt_passes_registered_total", acc.prompts.registered, run)
         put("prompt_retries_total", acc.prompts.retried, run)
+        p = acc.partials
+        for outcome, n in (
+            ("returned", p.returned),
+            ("resumed", p.resumed),
+            ("dropped", p.dropped),
+        ):
+            put("partials_total", n, run, outcome)
+        put("partial_tokens_total", p.tokens_resumed, run, "resumed")
+        put("partial_tokens_total", p.tokens_dropped, run, "dropped")
         put("generator_wait_seconds_total", acc.wait.generator_s, run)
         put("trainer_wait_seconds_total", acc.wait.trainer_s, run)
         put("accounting_pending_events", acc.pending_events, run)

@@ -140,11 +140,31 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
         f"Tokens of rollouts that retired with no use, {_LEDGER}",
     ),
     _m(
+        "tokens_masked_total",
+        "counter",
+        _RUN,
+        f"Tokens of the received rollouts posted with loss_mask 0 (never trained), {_LEDGER}",
+    ),
+    _m(
+        "tokens_masked_stale_total",
+        "counter",
+        _RUN,
+        "Trained tokens of the consumed samples handed out with loss_mask 0 because their own "
+        f"lag exceeded max_staleness (stale_tokens mask), {_LEDGER}",
+    ),
+    _m(
         "sample_lag_versions",
         "histogram",
         _RUN,
         "Lag of the consumed samples in policy versions (the trainer's version at lease minus "
         f"the version that generated the rollout), {_LEDGER}",
+    ),
+    _m(
+        "token_lag_versions_mean",
+        "gauge",
+        _RUN,
+        "Mean over the trained tokens consumed of each token's own lag in policy versions (the "
+        f"trainer's version at lease minus the version that sampled the token), {_LEDGER}",
     ),
     _m("kl_mean", "gauge", _RUN, "Token-weighted mean KL of the acknowledged samples measured"),
     _m("kl_max", "gauge", _RUN, "Largest per-rollout KL measured in an acknowledgement"),
@@ -178,6 +198,19 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
         "counter",
         _RUN,
         f"Attempts of prompt passes after their first, {_LEDGER}",
+    ),
+    _m(
+        "partials_total",
+        "counter",
+        ("run", "outcome"),
+        "Partial rollouts that came back with their prompts (outcome=returned), were handed out "
+        f"again to be continued (resumed) or were dropped (dropped), {_LEDGER}",
+    ),
+    _m(
+        "partial_tokens_total",
+        "counter",
+        ("run", "outcome"),
+        f"Response tokens of the partial rollouts resumed and dropped, by outcome, {_LEDGER}",
     ),
     _m(
         "generator_wait_seconds_total",

@@ -22,6 +22,8 @@ from app.main import create_app
 from app.metrics import CATALOGUE
 from app.settings import Settings
 from tests.api.support import assert_error
+from tests.api.test_partials import give_back, partial
+from tests.api.test_prompts import register, work
 from tests.helpers import KNOWN_SECRETS, ack, lease, make_run, post, rollout
 from workers.drain import DrainContext, drain_once
 
@@ -358,6 +360,77 @@ async def test_the_ledger_figures_equal_the_accounting(api, drain):
     }
     assert one("sample_lag_versions_sum") == sum(lag * n for lag, n in lags.items())
     assert one("sample_lag_versions_count") == acc["samples_consumed"]
+
+
+async def test_the_token_figures_equal_the_accounting(api, drain):
+    """Masked tokens, tokens masked stale at hand-out and the token-weighted lag: a multi-turn
+    rollout spanning versions 0 and 1 (a tool token masked) handed out at version 2 under
+    ``stale_tokens: mask`` (its three trained version-0 tokens masked), and a plain rollout at
+    version 2."""
+    await make_run(api, "t1", max_reuse=1, max_staleness=1, stale_tokens="mask")
+    assert (await api.post("/v1/runs/t1/policy", json={"version": 1})).status_code == 200
+    turns = rollout("a", tokens=6) | {"loss_mask": [1, 1, 1, 0, 1, 1], "versions": [[0, 0], [4, 1]]}
+    assert (await post(api, "t1", turns)).status_code == 202
+    assert (await api.post("/v1/runs/t1/policy", json={"version": 2})).status_code == 200
+    assert (await post(api, "t1", rollout("b", version=2, tokens=4))).status_code == 202
+    batch = (await lease(api, "t1", 2)).json()
+    new = {item["rollout_id"]: [-0.5] * len(item["response_ids"]) for item in batch["rollouts"]}
+    assert (await ack(api, "t1", batch["batch_id"], logprobs=new)).status_code == 200
+    await drain_once(drain)
+
+    acc = (await api.get("/v1/runs/t1/accounting")).json()
+    s = await scrape(api)
+
+    def one(name: str, **labels: str) -> float | None:
+        return value(s, f"rollout_broker_{name}", run="t1", **labels)
+
+    assert acc["pending_events"] == 0
+    assert one("tokens_masked_total") == acc["tokens_masked"] == 1
+    assert one("tokens_masked_stale_total") == acc["tokens_masked_stale"] == 3
+    # a's two trained tokens at lag 1, b's four at lag 0; the samples' lags are 1 and 0
+    assert one("token_lag_versions_mean") == pytest.approx(acc["lag"]["token_mean"])
+    assert acc["lag"]["token_mean"] == pytest.approx(2 / 6) and acc["lag"]["mean"] == 0.5
+
+
+async def test_the_partials_figures_follow_real_traffic(api, drain):
+    """Partials given back, then handed out again and dropped: each figure is the ledger's."""
+    await make_run(api, "pp", group_size=2, max_staleness=1)
+    await register(api, "pp", "a", "b")
+    first = await work(api, "pp", 2)
+    assert first is not None
+    ga, gb = (p["group_id"] for p in first["prompts"])
+    parts = partial("a-0", ga, [1, 2, 3]), partial("a-1", ga, [4, 5]), partial("b-0", gb, [6])
+    assert (await give_back(api, "pp", first["lease_id"], *parts)).status_code == 200
+    second = await work(api, "pp", 1)  # a's two partials resumed: 5 tokens
+    assert second is not None
+    await api.post("/v1/runs/pp/policy", json={"version": 2})  # b-0 (version 0) too stale now
+    third = await work(api, "pp", 1)  # b-0 dropped: 1 token
+    assert third is not None and third["prompts"][0]["partials"] == []
+    await drain_once(drain)
+
+    acc = (await api.get("/v1/runs/pp/accounting")).json()
+    s = await scrape(api)
+
+    def by_outcome(name: str) -> dict[str, float]:
+        return {
+            dict(labels)["outcome"]: v
+            for (n, labels), v in s.items()
+            if n == f"rollout_broker_{name}" and ("run", "pp") in labels
+        }
+
+    p = acc["partials"]
+    assert p == {
+        "returned": 3,
+        "resumed": 2,
+        "dropped": 1,
+        "tokens_resumed": 5,
+        "tokens_dropped": 1,
+    }
+    assert by_outcome("partials_total") == {k: p[k] for k in ("returned", "resumed", "dropped")}
+    assert by_outcome("partial_tokens_total") == {
+        "resumed": p["tokens_resumed"],
+        "dropped": p["tokens_dropped"],
+    }
 
 
 async def test_the_drain_delay_is_the_age_of_the_oldest_event_not_drained(

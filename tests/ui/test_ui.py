@@ -44,6 +44,17 @@ def group(gid: str, version: int, tokens: int = 4) -> list[dict[str, Any]]:
     ]
 
 
+def turns(gid: str) -> list[dict[str, Any]]:
+    """Two multi-turn rollouts of one prompt sampled across versions 0 (three tokens) and 1
+    (three), each with a tool token masked (loss_mask 0)."""
+    out = group(gid, 0, tokens=6)
+    for r in out:
+        n = len(r["response_ids"])
+        r["loss_mask"] = [0 if i == 3 else 1 for i in range(n)]
+        r["versions"] = [[0, 0], [3, 1]]
+    return out
+
+
 async def post(http: httpx.AsyncClient, run_id: str, rollouts: list[dict[str, Any]]) -> None:
     resp = await http.post(f"/v1/runs/{run_id}/rollouts", json={"rollouts": rollouts})
     assert resp.status_code == 202, resp.text
@@ -132,7 +143,8 @@ async def expected_figures(http: httpx.AsyncClient, selected: str) -> dict[str, 
             want[k + name] = v[name]
         want[k + "retired_total"] = sum(v["retired"].values())
         want[k + "rejected_total"] = sum(v["rejected"].values())
-        for name in ("lag.mean", "lag.max", "kl.mean", "kl.max"):
+        want[k + "tokens_masked"] = v["tokens_masked"]
+        for name in ("lag.mean", "lag.token_mean", "lag.max", "kl.mean", "kl.max"):
             outer, inner = name.split(".")
             want[k + name] = v[outer][inner]
     if training.status_code == 404:
@@ -275,12 +287,16 @@ async def test_page_shows_the_accounting_of_a_live_broker_and_follows_it(
         await post(http, done, group("w0", 0) + group("w1", 0))
         await ack(http, done, await lease(http, done, 2), SHIFT)
         assert (await http.post(f"/v1/runs/{done}/close")).status_code == 200  # run_closed
-        await create_run(http, main, group_size=2, max_reuse=2, max_staleness=1)
+        await create_run(
+            http, main, group_size=2, max_reuse=2, max_staleness=1, stale_tokens="mask"
+        )
         await drive(http, main)
         await settled(http, done)
         acc = await settled(http, main)
         # The traffic left something in every place the page shows.
         assert acc["buffered"] and acc["leased"] and acc["duplicates"] and acc["rejected"]
+        assert acc["tokens_masked"] and acc["tokens_masked_stale"]
+        assert acc["lag"]["token_mean"] != acc["lag"]["mean"]
         assert {"kl", "max_reuse", "stale"} <= set(acc["retired"])
         assert len(acc["lag"]["histogram"]) >= 2
         assert acc["kl"]["mean"] is not None and acc["is_ratio"]["clip_fraction"]
@@ -356,6 +372,39 @@ async def test_page_shows_the_accounting_of_a_live_broker_and_follows_it(
         await page.locator('[data-field="ledger_live"][data-value="mismatch"]').wait_for()
         await page.unroute("**/v1/runs/*/accounting")
 
+        # Partial rollouts' figures, all different, each on the page; and n/a from a broker that
+        # does not count them (the answers are doctored on the way).
+        partials = {
+            "returned": 11,
+            "resumed": 7,
+            "dropped": 3,
+            "tokens_resumed": 1234,
+            "tokens_dropped": 56,
+        }
+
+        async def with_partials(route: Route) -> None:
+            real = await route.fetch()
+            await route.fulfill(response=real, json=await real.json() | {"partials": partials})
+
+        async def without_partials(route: Route) -> None:
+            real = await route.fetch()
+            body = await real.json()
+            del body["partials"]
+            await route.fulfill(response=real, json=body)
+
+        others = {k: v for k, v in want.items() if not k.startswith("partials.")}
+        assert len(others) == len(want) - len(partials)
+        for doctor, shown in (
+            (with_partials, others | {f"partials.{k}": n for k, n in partials.items()}),
+            (without_partials, others | {"partials": "n/a"}),
+        ):
+            await page.route("**/v1/runs/*/accounting", doctor)
+            try:
+                await until_shown(page, shown)
+            finally:  # before the broker stops, should the page not show them
+                await page.unroute("**/v1/runs/*/accounting")
+        await until_shown(page, want)
+
         # A broker without the training figures (404) shows n/a there and the rest as before.
         await page.route(
             "**/v1/runs/*/accounting/training",
@@ -380,17 +429,21 @@ async def test_page_shows_the_accounting_of_a_live_broker_and_follows_it(
 
 async def drive(http: httpx.AsyncClient, run_id: str) -> None:
     """Traffic that leaves a figure in each place: samples at lag 0 and 1, KL and clipped
-    ratios, rollouts retired for max_reuse, kl and stale, a duplicate, a rejection, some
-    rollouts buffered and a lease not yet acknowledged."""
+    ratios, rollouts retired for max_reuse, kl and stale, a duplicate, a rejection, masked
+    tokens, tokens masked stale at hand-out (a multi-turn group across versions 0 and 1 used
+    at version 2 under ``stale_tokens: mask``), some rollouts buffered and a lease not yet
+    acknowledged."""
     v0 = [r for g in range(8) for r in group(f"a{g}", 0)]
     await post(http, run_id, v0)
     await post(http, run_id, v0[:2] + group("future", 5))  # 2 duplicates, 2 future_version
     await ack(http, run_id, await lease(http, run_id, 4), FAR)  # above kl_max: retire kl
     await ack(http, run_id, await lease(http, run_id, 8), SHIFT)
     await set_policy(http, run_id, 1)
-    await post(http, run_id, [r for g in range(4) for r in group(f"b{g}", 1)])
+    await post(http, run_id, [r for g in range(4) for r in group(f"b{g}", 1)] + turns("m"))
     await ack(http, run_id, await lease(http, run_id, 16), SHIFT)  # lag 0 and 1; max_reuse
     await set_policy(http, run_id, 2)  # what is left of version 0 retires stale
+    # All that is left (the multi-turn group: its version-0 tokens now masked stale).
+    await ack(http, run_id, await lease(http, run_id, 64), SHIFT)
     await post(http, run_id, [r for g in range(3) for r in group(f"c{g}", 2)])
     await lease(http, run_id, 2)  # held: leased
 

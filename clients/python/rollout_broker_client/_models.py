@@ -29,6 +29,7 @@ __all__ = [
     "LeasedRollout",
     "LiveCounts",
     "NewToken",
+    "PartialCounts",
     "PolicyResult",
     "Prompt",
     "PromptCounts",
@@ -430,6 +431,29 @@ class WaitStats:
 
 
 @dataclass(frozen=True, slots=True)
+class PartialCounts:
+    """Partial rollouts given back with their prompts (SPEC "Partial rollouts"): how many came
+    back, were handed out again to be continued (resumed) or were dropped, and the response
+    tokens of those resumed and dropped."""
+
+    returned: int = 0
+    resumed: int = 0
+    dropped: int = 0
+    tokens_resumed: int = 0
+    tokens_dropped: int = 0
+
+
+def partial_counts(value: Mapping[str, Any]) -> PartialCounts:
+    """The ``partials`` object of an accounting answer (a figure it lacks reads 0)."""
+    return PartialCounts(
+        **{
+            k: int(value.get(k) or 0)
+            for k in ("returned", "resumed", "dropped", "tokens_resumed", "tokens_dropped")
+        }
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class LiveCounts:
     """The broker's own counts of a run's rollouts, from its live state rather than the ledger."""
 
@@ -442,9 +466,12 @@ class Accounting:
     """A run's accounting (SPEC "Accounting"). ``pending_events`` is how many state changes the
     broker has made that the accounting has not caught up with (None if the server does not say);
     the invariants hold once it is 0. ``prompts`` and ``wait`` are zeros from a server that does
-    not report them. ``dead_letters`` (events the ledger could not apply) and ``live`` (the
-    broker's own buffered and leased counts) are None from a server that does not report them;
-    when not given they are read from ``raw``. ``raw`` is the server's body as it came."""
+    not report them. ``tokens_masked`` (of ``tokens_generated``, those posted with loss_mask 0)
+    and ``tokens_masked_stale`` (trained tokens handed out masked for their own lag) are 0 from
+    a server that does not report them. ``dead_letters`` (events the ledger could not apply),
+    ``live`` (the broker's own buffered and leased counts) and ``partials`` are None from a
+    server that does not report them; when not given they are read from ``raw``. ``raw`` is the
+    server's body as it came."""
 
     rollouts_received: int
     groups_received: int
@@ -464,10 +491,13 @@ class Accounting:
     is_ratio: IsRatioStats
     prompts: PromptCounts = field(default_factory=PromptCounts)
     wait: WaitStats = field(default_factory=WaitStats)
+    tokens_masked: int = 0
+    tokens_masked_stale: int = 0
     pending_events: int | None = None
     as_of: datetime | None = None
     dead_letters: int | None = None
     live: LiveCounts | None = None
+    partials: PartialCounts | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -477,6 +507,9 @@ class Accounting:
         if self.live is None and isinstance(live, Mapping):
             counts = LiveCounts(buffered=int(live["buffered"]), leased=int(live["leased"]))
             object.__setattr__(self, "live", counts)
+        partials = self.raw.get("partials")
+        if self.partials is None and isinstance(partials, Mapping):
+            object.__setattr__(self, "partials", partial_counts(partials))
 
     @property
     def retired_total(self) -> int:
@@ -518,6 +551,8 @@ class VersionAccounting:
     wasted_tokens: int
     lag: LagStats
     kl: KlStats
+    tokens_masked: int = 0
+    tokens_masked_stale: int = 0
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
         AccessToken,
         Accounting,
         AuditEntry,
+        PartialCounts,
         PromptCounts,
         PromptState,
         Run,
@@ -56,6 +57,16 @@ def prompt_line(p: PromptCounts) -> str:
         f"queued {p.queued:,}, in flight {p.in_flight:,}, done {p.done:,}, failed {p.failed:,}"
         f" (retried {p.retried:,})"
     )
+
+
+def share(part: int, whole: int) -> str:
+    return f"{part / whole:.1%}" if whole else "–"
+
+
+def masked_note(acc: Accounting | VersionAccounting) -> str:
+    """What ``tokens_masked`` is, with its share of the tokens generated."""
+    of = share(acc.tokens_masked, acc.tokens_generated)
+    return f"{of} of generated: posted with loss_mask 0, never trained"
 
 
 def _when(at: datetime | None) -> str:
@@ -154,6 +165,19 @@ def _prompt_rows(table: Table, p: PromptCounts) -> None:
     )
 
 
+def _partial_rows(table: Table, p: PartialCounts) -> None:
+    """Partial rollouts given back with their prompts, continued or dropped."""
+    _section(table, "partial rollouts")
+    table.add_row("returned", fmt(p.returned), "came back with their prompts")
+    table.add_row("resumed", fmt(p.resumed), f"handed out again; {p.tokens_resumed:,} tokens")
+    table.add_row(
+        "dropped",
+        fmt(p.dropped),
+        f"too stale, left out of their group or of a failed pass; {p.tokens_dropped:,} tokens",
+        end_section=True,
+    )
+
+
 def accounting_table(
     acc: Accounting, run: Run | None = None, *, deleted: str | None = None
 ) -> RenderableType:
@@ -181,6 +205,7 @@ def accounting_table(
     table.add_row("duplicates", fmt(acc.duplicates), "repeated rollout_ids, not counted")
     table.add_row("rejected", fmt(sum(acc.rejected.values())), reasons(acc.rejected))
     table.add_row("tokens generated", fmt(acc.tokens_generated), "")
+    table.add_row("tokens masked", fmt(acc.tokens_masked), masked_note(acc))
     _section(table, "where they are")
     table.add_row("buffered", fmt(acc.buffered), "")
     table.add_row("leased", fmt(acc.leased), "in live leases")
@@ -201,13 +226,20 @@ def accounting_table(
         else f"✗ {why}",
         end_section=True,
     )
+    if acc.partials is not None:  # shown whenever the broker reports them, zeros too
+        _partial_rows(table, acc.partials)
     _section(table, "waits")
     table.add_row("generators waited", seconds(acc.wait.generator_s), "for prompts or budget")
     table.add_row("trainers waited", seconds(acc.wait.trainer_s), "for rollouts", end_section=True)
     _section(table, "samples out")
     max_reuse = run.config.get("max_reuse") if run is not None else None
     table.add_row("samples consumed", fmt(acc.samples_consumed), "Σ uses = Σ acked batch sizes")
-    table.add_row("tokens consumed", fmt(acc.tokens_consumed), "")
+    table.add_row("tokens consumed", fmt(acc.tokens_consumed), "trained tokens of the samples")
+    table.add_row(
+        "tokens masked stale",
+        fmt(acc.tokens_masked_stale),
+        "handed out with loss_mask 0 for their own lag (stale_tokens mask)",
+    )
     table.add_row(
         "reuse factor",
         fmt(acc.reuse_factor, 3),
@@ -221,7 +253,12 @@ def accounting_table(
         end_section=True,
     )
     _section(table, "off-policy")
-    table.add_row("lag", f"mean {fmt(acc.lag.mean, 3)}", f"max {fmt(acc.lag.max)}")
+    table.add_row("lag", f"mean {fmt(acc.lag.mean, 3)}", f"max {fmt(acc.lag.max)}; over samples")
+    table.add_row(
+        "token lag",
+        f"mean {fmt(acc.lag.token_mean, 3)}",
+        "over trained tokens, each by the version that sampled it",
+    )
     table.add_row("lag histogram", "", histogram(acc.lag.histogram))
     table.add_row("KL", f"mean {fmt(acc.kl.mean, 3)}", f"max {fmt(acc.kl.max, 3)}")
     table.add_row(
@@ -241,20 +278,24 @@ def versions_table(rows: list[VersionAccounting]) -> RenderableType:
     reasons = sorted({k for v in rows for k in v.retired})
     table = Table(
         title="Accounting by policy version",
-        caption="retired, by reason, on the right",
+        caption="masked: tokens posted with loss_mask 0; token lag: over trained tokens; retired, "
+        "by reason, on the right",
         box=box.SIMPLE_HEAD,
     )
-    for col in ("version", "received", "buffered", "leased", "samples", "reuse", "lag", *reasons):
+    cols = ("version", "received", "masked", "buffered", "leased", "samples", "reuse", "lag")
+    for col in (*cols, "token lag", *reasons):
         table.add_column(col, justify="right")
     for v in rows:
         table.add_row(
             str(v.policy_version),
             fmt(v.rollouts_received),
+            fmt(v.tokens_masked),
             fmt(v.buffered),
             fmt(v.leased),
             fmt(v.samples_consumed),
             fmt(v.reuse_factor, 3),
             fmt(v.lag.mean, 3),
+            fmt(v.lag.token_mean, 3),
             *(fmt(v.retired.get(k, 0)) for k in reasons),
         )
     return table

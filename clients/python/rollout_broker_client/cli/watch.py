@@ -26,6 +26,7 @@ from rollout_broker_client.cli.views import (
     fmt,
     histogram,
     ledger_check,
+    masked_note,
     prompt_line,
     reasons,
     seconds,
@@ -87,6 +88,11 @@ def watch_view(now: _Frame, before: _Frame | None) -> RenderableType:
     busy = change(lambda a: a.wait.trainer_s, " waiting on average")
     flow.add_row("trainers waited", seconds(acc.wait.trainer_s), busy)
     flow.add_row("retired", fmt(acc.retired_total), reasons(acc.retired))
+    flow.add_row(
+        "tokens masked",
+        fmt(acc.tokens_masked),
+        f"{masked_note(acc)}; masked stale at hand-out {acc.tokens_masked_stale:,}",
+    )
     ok, why = ledger_check(acc)
     flow.add_row("ledger = live", "✓" if ok else "✗", why)
     flow.add_row("KL", f"mean {fmt(acc.kl.mean, 3)}", f"max {fmt(acc.kl.max, 3)}")
@@ -95,8 +101,9 @@ def watch_view(now: _Frame, before: _Frame | None) -> RenderableType:
         f"mean {fmt(acc.is_ratio.mean, 4)}",
         f"clip {fmt(acc.is_ratio.clip_fraction, 3)}",
     )
-    lag = f"lag mean {fmt(acc.lag.mean, 3)}, max {fmt(acc.lag.max)}\n" + histogram(
-        acc.lag.histogram
+    lag = (
+        f"lag mean {fmt(acc.lag.mean, 3)}, max {fmt(acc.lag.max)}, "
+        f"token lag mean {fmt(acc.lag.token_mean, 3)}\n" + histogram(acc.lag.histogram)
     )
     pending = f"  ({acc.pending_events} events pending)" if acc.pending_events else ""
     return Panel(
