@@ -62,21 +62,25 @@ def _broken(rid: str, rule: str) -> ValidationFailed:
     return ValidationFailed(f"rollout {rid!r}: {rule}")
 
 
-def version_offsets(segments: Segments, n: int, rid: str) -> list[int]:
+def version_offsets(segments: Segments, n: int, rid: str) -> tuple[int, ...]:
     """The segments' offsets: strictly increasing from 0 and inside the response, the versions
     non-decreasing, else 422."""
-    offsets = [o for o, _ in segments]
+    # One zip splits the pairs (validated as pairs) into offsets and versions, and pairwise
+    # comparisons by map check their order: C loops, where Python ones cost a rollout ~5 µs.
+    offsets, vs = zip(*segments, strict=True)
     if offsets[0] != 0:
         raise _broken(rid, "versions must start at offset 0")
-    # Pairwise comparisons by map: C loops, where a Python one would cost a rollout ~2 µs.
     if not all(map(operator.lt, offsets, offsets[1:])):
         raise _broken(rid, "versions offsets must be strictly increasing")
     if offsets[-1] >= n:
         raise _broken(rid, f"versions offset {offsets[-1]} is beyond the response ({n} tokens)")
-    vs = [v for _, v in segments]
     if not all(map(operator.le, vs, vs[1:])):
         raise _broken(rid, "versions must not decrease")
     return offsets
+
+
+Tokens = tuple[str, int, int, list[int] | bytes | None, Segments | None]
+"""A rollout's (rollout_id, response tokens, policy_version, loss_mask, versions)."""
 
 
 def token_rules(
@@ -88,12 +92,52 @@ def token_rules(
 ) -> TokenRules:
     """Check a rollout's mask and versions against its ``n`` response tokens (422 naming the
     rule broken) and give what ingest keeps of them."""
+    return many_token_rules([(rid, n, policy_version, loss_mask, versions)])[0]
+
+
+def many_token_rules(rollouts: list[Tokens]) -> list[TokenRules]:
+    """:func:`token_rules` of each rollout, the first rule broken raised; the masks kept are
+    packed to bits together, in one numpy pass rather than three calls a rollout."""
+    checked = [_checked(*r) for r in rollouts]
+    bits = pack_masks([c[0] for c in checked])
+    return [TokenRules(b, *c[1:]) for b, c in zip(bits, checked, strict=True)]
+
+
+def pack_masks(masks: list[bytes | None]) -> list[bytes | None]:
+    """Each uint8 mask as np.packbits packs it (a bit a token, the last byte zero-padded): the
+    masks, each zero-padded to whole bytes of bits, packed at once and cut apart."""
+    kept = [m for m in masks if m is not None]
+    if not kept:
+        return [None] * len(masks)
+    joined = b"".join([m + bytes(-len(m) % 8) for m in kept])
+    packed = np.packbits(np.frombuffer(joined, np.uint8)).tobytes()
+    out: list[bytes | None] = []
+    at = 0
+    for m in masks:
+        if m is None:
+            out.append(None)
+        else:
+            end = at + (len(m) + 7) // 8
+            out.append(packed[at:end])
+            at = end
+    return out
+
+
+def _checked(
+    rid: str,
+    n: int,
+    policy_version: int,
+    loss_mask: list[int] | bytes | None,
+    versions: Segments | None,
+) -> tuple[bytes | None, Segments | None, int, int]:
+    """The rules of :func:`token_rules`: the uint8 mask to store (None: every token trained),
+    then the other fields of its :class:`TokenRules`."""
     mask = None if loss_mask is None else mask_bytes(loss_mask, n, rid)
     masked = 0 if mask is None else n - mask.count(1)
     # Stored a bit a token: an eighth of the bytes Redis would hold as uint8.
-    stored_mask = np.packbits(np.frombuffer(mask, np.uint8)).tobytes() if mask and masked else None
+    kept = mask if mask and masked else None
     if versions is None:
-        return TokenRules(stored_mask, None, policy_version, masked)
+        return kept, None, policy_version, masked
     offsets = version_offsets(versions, n, rid)
     if mask is not None and masked:
         v_old = versions[bisect_right(offsets, mask.find(1)) - 1][1]
@@ -106,7 +150,7 @@ def token_rules(
             f"policy_version {policy_version} is not the oldest version of its trained tokens "
             f"({v_old})",
         )
-    return TokenRules(stored_mask, None if len(versions) == 1 else versions, v_new, masked)
+    return kept, None if len(versions) == 1 else versions, v_new, masked
 
 
 def unpack_mask(bits: bytes, n: int) -> U8Array:

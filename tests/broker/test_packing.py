@@ -15,6 +15,7 @@ from app.broker.packing import (
     unpack_ids,
     unpack_rollouts,
 )
+from app.broker.tokens import pack_masks
 from app.errors import ValidationFailed
 
 
@@ -261,3 +262,15 @@ def test_a_request_of_valid_rollouts_is_packed_in_one_pass(monkeypatch):
     monkeypatch.setattr(packing, "pack_rollout", refuse)
     assert pack_rollouts(rollouts, _MAX_TOKENS) == expected
     assert [p.blob for p in expected] == [p.blob for p in pack_rollouts(rollouts, _MAX_TOKENS)]
+
+
+_MASK = st.lists(st.sampled_from([0, 1]), max_size=40).map(bytes)
+
+
+@given(st.lists(st.one_of(st.none(), _MASK), max_size=6))
+def test_masks_packed_together_are_each_packed_alone(masks):
+    """A bit a token, each mask's last byte zero-padded, whatever the lengths of the others."""
+    alone = [
+        None if m is None else np.packbits(np.frombuffer(m, np.uint8)).tobytes() for m in masks
+    ]
+    assert pack_masks(masks) == alone
