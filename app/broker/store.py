@@ -246,6 +246,7 @@ class RedisStore(RunIndex):
                 # bytes argument its hiredis packer (redis-py 8.2) copies into one buffer with
                 # the rest, a second copy of a request's rollouts while the call lasts.
                 memoryview(r.blob),
+                "1" if r.has_generator else "",
             ]
         accepted, duplicates, rejected = await self._call("ingest", run_id, *args)
         return IngestOutcome(
