@@ -1,9 +1,8 @@
 -- requires: units, finish
 -- Store a request's rollouts: all-or-nothing validation first (Redis does not roll a script
 -- back), then the writes, the accounting events and one wake-up for long-polling trainers.
--- ARGV: wake, n, then n records of REC: rollout_id, group_id ('' = none), policy_version
---       (v_old), v_new, tokens, masked tokens, reward (exact decimal text), blob, whether the
---       rollout names its generator ('1' or ''). A rollout is judged
+-- ARGV: wake, n, then n records of 8: rollout_id, group_id ('' = none), policy_version (v_old),
+--       v_new, tokens, masked tokens, reward (exact decimal text), blob. A rollout is judged
 --       'stale' by its governing version (lib/run.lua), 'future_version' by its v_new, and is
 --       buffered, counted and retired under its governing version.
 -- A group id that names a prompt attempt ('<prompt_id>#<pass>.<attempt>' of a registered
@@ -13,16 +12,13 @@
 -- to the queue at its next attempt (a try, as when its group retires unused), what its group
 -- already holds retires ('incomplete_group'), and its other rollouts in the request are
 -- 'stale_attempt'. A rollout of an attempt whose pass keeps a partial under its rollout_id
--- completes that partial (the caller checked the prefix, app/broker/partials.py). An accepted
--- rollout of an attempt that names no generator is stored with its work lease's generator_id
--- (none when the lease has none): its blob gains the pair 'gi'.
+-- completes that partial (the caller checked the prefix, app/broker/partials.py).
 -- Returns ok(accepted, duplicates, { {rollout_id, reason}, ... }) | err('run_missing')
 --       | err('group_missing', rollout_id) | err('group_done', group_id)
 --       | err('group_overflow', group_id, would_have, group_size)
 --       | err('over_capacity', live, capacity_rollouts).
 if not load_run() then return err('run_missing') end
 local n = tonumber(ARGV[2])
-local REC = 9  -- ARGV per rollout
 local gs = CFG.group_size
 
 -- Phase 1: decide every rollout's fate and check the whole request, writing nothing.
@@ -30,41 +26,30 @@ local fate = {}      -- i -> 'ok' | 'dup' | reason
 local unit = {}      -- i -> unit id
 local in_req = {}
 local pending = {}   -- unit -> members this request adds
-local attempts = {}  -- group id -> {pk, att, live, ...}: the prompt attempt it names, or false
-local named = {}     -- i -> the blob of an accepted rollout given its work lease's generator_id
+local attempts = {}  -- group id -> {pk, att, live}: the prompt attempt it names, or false
 local accepted = 0
 
--- The prompt attempt a group id names: {pk, att, live, seq, open, lease} (live: handed out and
--- not yet over; seq: its place in arrival order, taken when it was handed out; open: live and
--- its group not yet complete; lease: the work lease it was handed out in), or false for a group
--- of a generator that works on its own.
+-- The prompt attempt a group id names: {pk, att, live, seq, open} (live: handed out and not
+-- yet over; seq: its place in arrival order, taken when it was handed out; open: live and its
+-- group not yet complete), or false for a group of a generator that works on its own.
 local function attempt_of(gid)
   local a = attempts[gid]
   if a == nil then
     a = false
     local pk, att = group_pass(gid)
     if pk then
-      local f = redis.call('HMGET', ppkey(pk), 'st', 'att', 'useq', 'lease')
+      local f = redis.call('HMGET', ppkey(pk), 'st', 'att', 'useq')
       local live = (f[1] == 'w' or f[1] == 'b') and tonumber(f[2]) == att
-      a = { pk, att, live, tonumber(f[3]), live and f[1] == 'w', f[4] }
+      a = { pk, att, live, tonumber(f[3]), live and f[1] == 'w' }
     end
     attempts[gid] = a
   end
   return a
 end
 
--- The generator_id of the work lease a live attempt was handed out in ('' = none), read once.
-local gens = {}
-local function lease_generator(work)
-  local lid = work[6]
-  if not lid then return '' end
-  if gens[lid] == nil then gens[lid] = redis.call('HGET', wkey(lid), 'gen') or '' end
-  return gens[lid]
-end
-
 -- Which ids were received before: one SMISMEMBER for the request.
 local ids = {}
-for i = 1, n do ids[i] = ARGV[2 + (i - 1) * REC + 1] end
+for i = 1, n do ids[i] = ARGV[2 + (i - 1) * 8 + 1] end
 local known = {}
 for i = 1, n, 1000 do
   local part = redis.call('SMISMEMBER', SEEN, unpack(ids, i, math.min(i + 999, n)))
@@ -77,7 +62,7 @@ local lost, lost_order = {}, {}
 if R.st ~= 'closed' then
   local first = {}
   for i = 1, n do
-    local o = 2 + (i - 1) * REC
+    local o = 2 + (i - 1) * 8
     local rid, gid = ARGV[o + 1], ARGV[o + 2]
     local work = not known[i] and not first[rid] and gid ~= '' and attempt_of(gid)
     first[rid] = true
@@ -93,7 +78,7 @@ if R.st ~= 'closed' then
 end
 
 for i = 1, n do
-  local o = 2 + (i - 1) * REC
+  local o = 2 + (i - 1) * 8
   local rid, gid = ARGV[o + 1], ARGV[o + 2]
   local v_new = tonumber(ARGV[o + 4])
   local v = governing_version(tonumber(ARGV[o + 3]), v_new)
@@ -116,9 +101,6 @@ for i = 1, n do
     else
       fate[i] = 'ok'
       accepted = accepted + 1
-      if work and ARGV[o + 9] == '' and lease_generator(work) ~= '' then
-        named[i] = map_with(ARGV[o + 8], 'gi', lease_generator(work))
-      end
       local u
       if gs > 1 or work then  -- a prompt attempt's rollouts are a group even of one
         if gid == '' then return err('group_missing', rid) end
@@ -159,7 +141,7 @@ local function next_seq()
   return seq
 end
 for i = 1, n do
-  local o = 2 + (i - 1) * REC
+  local o = 2 + (i - 1) * 8
   local rid, gid, ntok, masked, rw, blob =
     ARGV[o + 1], ARGV[o + 2], ARGV[o + 5], tonumber(ARGV[o + 6]), ARGV[o + 7], ARGV[o + 8]
   local v, tokens = governing_version(tonumber(ARGV[o + 3]), tonumber(ARGV[o + 4])), tonumber(ntok)
@@ -173,7 +155,7 @@ for i = 1, n do
   else
     table.insert(seen, rid)
     table.insert(blobs, dkey(rid))
-    table.insert(blobs, named[i] or blob)
+    table.insert(blobs, blob)
     local u = unit[i]
     if string.sub(u, 1, 2) == 'r:' then  -- a single rollout: a new complete unit
       admit(1)

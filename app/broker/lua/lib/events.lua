@@ -11,29 +11,24 @@ local function emit(e, d)
   redis.call('XADD', EV, '*', 'e', e, 'd', cmsgpack.pack(d))
 end
 
--- A msgpack map (packed by the caller) with the pair key = value added, by rewriting the map's
--- header and appending the pair: no unpacking and packing again. Raises an error for anything
--- but a map (or one of 65535 pairs), so call it before the first write. A key the map holds
--- already must not be given.
-local function map_with(map, key, value)
-  local b, head = string.byte(map, 1), nil
+-- The payload of an event the caller packed (a msgpack map without 't'), with 't' added by
+-- rewriting the map's header and appending the pair: no unpacking and packing again. Raises an
+-- error for anything but a map, so call it before the first write.
+local function timed(payload)
+  local b, head = string.byte(payload, 1), nil
   local rest = 2
   if b >= 0x80 and b < 0x8f then
     head = string.char(b + 1)  -- fixmap
   elseif b == 0x8f then
-    head = '\222\0\16'  -- 15 pairs and one more: map16
+    head = '\222\0\16'  -- 15 pairs and 't': map16
   elseif b == 0xde then
-    local n = string.byte(map, 2) * 256 + string.byte(map, 3) + 1
-    if n > 65535 then return error('msgpack map too large to add to') end
+    local n = string.byte(payload, 2) * 256 + string.byte(payload, 3) + 1
     head, rest = '\222' .. string.char(math.floor(n / 256), n % 256), 4
   else
-    return error('not a msgpack map')
+    return error('event payload is not a msgpack map')
   end
-  return head .. string.sub(map, rest) .. cmsgpack.pack(key) .. cmsgpack.pack(value)
+  return head .. string.sub(payload, rest) .. cmsgpack.pack('t') .. cmsgpack.pack(NOW)
 end
-
--- The payload of an event the caller packed (a msgpack map without 't'), with 't' added.
-local function timed(payload) return map_with(payload, 't', NOW) end
 
 local function emit_timed(e, d) redis.call('XADD', EV, '*', 'e', e, 'd', d) end
 
