@@ -38,6 +38,7 @@ class PackedRollout:
     blob: bytes
     v_new: int  # the newest version over trained tokens
     masked: int  # tokens with loss_mask 0
+    has_generator: bool  # the blob has 'gi'; ingest.lua gives one without its work lease's
 
 
 def _ids(value: list[int] | bytes | None, what: str, rid: str) -> Int32Array | None:
@@ -287,7 +288,9 @@ def _packed(
         v_new, masked = rules.v_new, rules.masked
     blob = msgpack.packb(doc, use_bin_type=True)
     reward_text = repr(float(reward))
-    return PackedRollout(rid, group_id, policy_version, tokens, reward_text, blob, v_new, masked)
+    return PackedRollout(
+        rid, group_id, policy_version, tokens, reward_text, blob, v_new, masked, "gi" in doc
+    )
 
 
 class RolloutFields(Protocol):

@@ -20,6 +20,7 @@ from app import keys
 from app.broker.acks import ack_result, acked_event, batch_row, check_ack_ids, measure
 from app.broker.behaviour import BatchRow, BehaviourCache
 from app.broker.config import RunConfig, RunConfigPatch
+from app.broker.generators import with_lease_generators
 from app.broker.notify import Waker
 from app.broker.packing import (
     PackedRollout,
@@ -213,6 +214,7 @@ class Broker:
     async def ingest_packed(self, run_id: str, packed: list[PackedRollout]) -> IngestResult:
         """Ingest rollouts :meth:`pack` has packed (the API packs big bodies off the event
         loop, one rollout at a time)."""
+        packed = await with_lease_generators(self.store, run_id, packed)
         await check_prefixes(self.store, run_id, packed)
         with self._refusals(run_id):
             out = await self.store.ingest(run_id, packed)

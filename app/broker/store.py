@@ -441,6 +441,37 @@ class RedisStore(RunIndex):
         (returned,) = await self._call("work_return", run_id, lease_id, *args)
         return int(returned)
 
+    async def attempt_generators(
+        self, run_id: str, attempts: Sequence[tuple[str, int]]
+    ) -> dict[tuple[str, int], str]:
+        """The generator_id of the work lease each prompt attempt (pass, attempt) was handed out
+        in, for the attempts still live whose lease named one: a pipelined read of the passes,
+        then of their leases. An attempt's lease and its generator never change."""
+        if not attempts:
+            return {}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for pk, _ in attempts:
+                key = keys.member_key(self.prefix, run_id, keys.PASS, pk)
+                pipe.hmget(key, "st", "att", "lease")
+            passes = await pipe.execute()
+        leases = {
+            a: text(lid)
+            for a, (st, att, lid) in zip(attempts, passes, strict=True)
+            if st is not None
+            and text(st) in ("w", "b")
+            and att is not None
+            and int(att) == a[1]
+            and lid
+        }
+        lids = sorted(set(leases.values()))
+        if not lids:
+            return {}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for lid in lids:
+                pipe.hget(keys.member_key(self.prefix, run_id, keys.WORK, lid), "gen")
+            gens = dict(zip(lids, await pipe.execute(), strict=True))
+        return {a: text(gens[lid]) for a, lid in leases.items() if gens[lid]}
+
     async def kept_partials(
         self, run_id: str, wanted: Mapping[str, Sequence[str]]
     ) -> dict[str, bytes]:

@@ -131,6 +131,19 @@ async def test_loop_posts_every_group_and_stops_when_empty(
         assert {r.policy_version for r in members} == {0}
 
 
+async def test_a_group_posted_without_generator_id_comes_back_with_the_loops(
+    broker: AsyncBrokerClient,
+) -> None:
+    await setup_run(broker, "gen", 1)
+    async for lease in broker.work("gen", max_prompts=1, generator_id="gen-a", wait_s=0):
+        (p,) = lease.prompts
+        await lease.post(p, group())
+        break
+    batch = await broker.lease_batch("gen", 2)
+    assert batch is not None
+    assert [r.generator_id for r in batch.rollouts] == ["gen-a", "gen-a"]
+
+
 async def test_prompts_the_body_did_not_post_go_back_before_the_next_lease(
     wired: AsyncBrokerClient, recorder: Recorder
 ) -> None:

@@ -786,7 +786,8 @@ class AsyncWork:
         """Post rollouts of ``prompt`` (a prompt of this lease, or its ``group_id``), usually
         its whole group, in one request. Each rollout's ``group_id`` is filled in; a mapping's
         ``policy_version`` defaults to the lease's and its ``rollout_id`` to
-        ``<group_id>-<k>``. A ``group_id`` of another prompt is a ValueError. Backpressure
+        ``<group_id>-<k>``; one without ``generator_id`` gets the lease's from the broker. A
+        ``group_id`` of another prompt is a ValueError. Backpressure
         (``429``) is waited out as the writer does. Rollouts refused one by one (say
         ``stale_attempt``, after the lease expired) are in the answer and in :attr:`rejected`;
         the prompt counts as posted once a request for it has been answered. A settled lease
