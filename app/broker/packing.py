@@ -237,12 +237,11 @@ def _many_rules(
     """The token rules of each rollout with a mask or versions, by position: checked in order
     (the first rule broken is raised), their masks packed together."""
     at = [i for i, r in enumerate(rollouts) if r.loss_mask is not None or r.versions is not None]
-    rs = [rollouts[i] for i in at]
-    args = [
-        (r.rollout_id, resp[i].size, r.policy_version, r.loss_mask, r.versions)
-        for i, r in zip(at, rs, strict=True)
-    ]
-    return dict(zip(at, many_token_rules(args), strict=True))
+    args = [(rollouts[i], resp[i].size) for i in at]
+    found = many_token_rules(
+        [(r.rollout_id, n, r.policy_version, r.loss_mask, r.versions) for r, n in args]
+    )
+    return dict(zip(at, found, strict=True))
 
 
 def _packed(
