@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 from rollout_broker_client.protocol import MAX_TOKEN_ID
 
-from app.broker.tokens import Segments, TokenRules, token_rules
+from app.broker.tokens import Segments, TokenRules, many_token_rules, token_rules
 from app.errors import ValidationFailed
 
 Int32Array = npt.NDArray[np.int32]
@@ -224,21 +224,24 @@ def pack_rollout(
         reward,
         finish_reason,
         metadata,
-        _rules(rid, int(resp.size), policy_version, loss_mask, versions),
+        None
+        if loss_mask is None and versions is None
+        else token_rules(rid, int(resp.size), policy_version, loss_mask, versions),
         generator_id,
     )
 
 
-def _rules(
-    rid: str,
-    n: int,
-    policy_version: int,
-    loss_mask: list[int] | bytes | None,
-    versions: Segments | None,
-) -> TokenRules | None:
-    if loss_mask is None and versions is None:
-        return None
-    return token_rules(rid, n, policy_version, loss_mask, versions)
+def _many_rules(
+    rollouts: Sequence[RolloutFields], resp: list[npt.NDArray[np.integer[Any]]]
+) -> dict[int, TokenRules]:
+    """The token rules of each rollout with a mask or versions, by position: checked in order
+    (the first rule broken is raised), their masks packed together."""
+    at = [i for i, r in enumerate(rollouts) if r.loss_mask is not None or r.versions is not None]
+    args = [(rollouts[i], resp[i].size) for i in at]
+    found = many_token_rules(
+        [(r.rollout_id, n, r.policy_version, r.loss_mask, r.versions) for r, n in args]
+    )
+    return dict(zip(at, found, strict=True))
 
 
 def _packed(
@@ -428,6 +431,7 @@ def _pack_together(
             return None
         parts = _split(joined.astype("<f4").tobytes(), [4 * lp.size for lp in lps.values()])
         lp_of = dict(zip(lps, parts, strict=True))
+    rules = _many_rules(rollouts, resp)
     return [
         _packed(
             r.rollout_id,
@@ -440,7 +444,7 @@ def _pack_together(
             r.reward,
             r.finish_reason,
             r.metadata,
-            _rules(r.rollout_id, int(resp[i].size), r.policy_version, r.loss_mask, r.versions),
+            rules.get(i),
             r.generator_id,
         )
         for i, r in enumerate(rollouts)

@@ -13,9 +13,11 @@ floor* (``V - max_staleness``) is handed out with mask 0 as well, and counted as
 
 from __future__ import annotations
 
+import itertools
 import operator
 from bisect import bisect_right
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -26,9 +28,9 @@ U8Array = npt.NDArray[np.uint8]
 Segments = list[list[int]]  # [[offset, version], ...]
 
 
-@dataclass(frozen=True, slots=True)
-class TokenRules:
-    """What ingest keeps of a rollout's mask and versions."""
+class TokenRules(NamedTuple):
+    """What ingest keeps of a rollout's mask and versions (a named tuple, quicker to build than
+    a frozen dataclass: a request builds one per rollout)."""
 
     mask: bytes | None  # one bit per token (np.packbits); None: every token is trained
     versions: Segments | None  # None: every token at policy_version
@@ -62,21 +64,25 @@ def _broken(rid: str, rule: str) -> ValidationFailed:
     return ValidationFailed(f"rollout {rid!r}: {rule}")
 
 
-def version_offsets(segments: Segments, n: int, rid: str) -> list[int]:
+def version_offsets(segments: Segments, n: int, rid: str) -> tuple[int, ...]:
     """The segments' offsets: strictly increasing from 0 and inside the response, the versions
     non-decreasing, else 422."""
-    offsets = [o for o, _ in segments]
+    # One zip splits the pairs (validated as pairs) into offsets and versions, and pairwise
+    # comparisons by map check their order: C loops, where Python ones cost a rollout ~5 µs.
+    offsets, vs = zip(*segments, strict=True)
     if offsets[0] != 0:
         raise _broken(rid, "versions must start at offset 0")
-    # Pairwise comparisons by map: C loops, where a Python one would cost a rollout ~2 µs.
     if not all(map(operator.lt, offsets, offsets[1:])):
         raise _broken(rid, "versions offsets must be strictly increasing")
     if offsets[-1] >= n:
         raise _broken(rid, f"versions offset {offsets[-1]} is beyond the response ({n} tokens)")
-    vs = [v for _, v in segments]
     if not all(map(operator.le, vs, vs[1:])):
         raise _broken(rid, "versions must not decrease")
     return offsets
+
+
+Tokens = tuple[str, int, int, list[int] | bytes | None, Segments | None]
+"""A rollout's (rollout_id, response tokens, policy_version, loss_mask, versions)."""
 
 
 def token_rules(
@@ -88,12 +94,123 @@ def token_rules(
 ) -> TokenRules:
     """Check a rollout's mask and versions against its ``n`` response tokens (422 naming the
     rule broken) and give what ingest keeps of them."""
+    return many_token_rules([(rid, n, policy_version, loss_mask, versions)])[0]
+
+
+def many_token_rules(rollouts: list[Tokens]) -> list[TokenRules]:
+    """:func:`token_rules` of each rollout, the first rule broken raised; the masks kept are
+    packed to bits together, in one numpy pass rather than three calls a rollout."""
+    joint = _joint_checked(rollouts) if len(rollouts) > 1 else None
+    checked = [_checked(*r) for r in rollouts] if joint is None else joint
+    bits = pack_masks([c[0] for c in checked])
+    return [TokenRules(b, *c[1:]) for b, c in zip(bits, checked, strict=True)]
+
+
+Checked = tuple[bytes | None, Segments | None, int, int]
+
+
+def _joint_checked(rollouts: list[Tokens]) -> list[Checked] | None:
+    """:func:`_checked` of every rollout in a few numpy passes over all of them, or None when
+    a mask is a list or any rule is broken (checked then one by one, which names it)."""
+    masks: list[bytes | None] = []
+    masked: list[int] = []
+    for r in rollouts:
+        m = r[3]
+        if m is None:
+            masked.append(0)
+        elif not isinstance(m, bytes) or len(m) != r[1]:
+            return None
+        else:
+            ones = m.count(1)  # bytes.count: a C loop, no array made
+            if not ones or ones + m.count(0) != r[1]:
+                return None
+            masked.append(r[1] - ones)
+        masks.append(m)
+    # The first and last trained tokens: the segments holding them give v_old and v_new.
+    ends = [
+        (m.find(1), m.rfind(1)) if m is not None and k else (0, r[1] - 1)
+        for m, k, r in zip(masks, masked, rollouts, strict=True)
+    ]
+    segmented = [i for i, r in enumerate(rollouts) if r[4] is not None]
+    v_ends = _joint_versions([rollouts[i] for i in segmented], [ends[i] for i in segmented])
+    if v_ends is None:
+        return None
+    out: list[Checked] = []
+    v_at = dict(zip(segmented, v_ends, strict=True))
+    for i, (m, k, r) in enumerate(zip(masks, masked, rollouts, strict=True)):
+        vs = r[4]
+        v_old, v_new = v_at.get(i, (r[2], r[2]))
+        if v_old != r[2]:
+            return None
+        out.append((m if k else None, None if vs is None or len(vs) == 1 else vs, v_new, k))
+    return out
+
+
+def _joint_versions(
+    rollouts: list[Tokens], ends: list[tuple[int, int]]
+) -> list[tuple[int, int]] | None:
+    """Each rollout's versions checked (:func:`version_offsets`) and the versions of its
+    tokens at ``ends``: one array of all their segments, end to end as one response."""
+    segs = [r[4] or [] for r in rollouts]
+    sizes = [len(s) for s in segs]
+    if not segs or not min(sizes):
+        return [] if not segs else None
+    flat = np.fromiter(
+        itertools.chain.from_iterable(itertools.chain.from_iterable(segs)), np.int64, 2 * sum(sizes)
+    )
+    offsets, vs = flat[0::2], flat[1::2]
+    first = np.cumsum([0, *sizes[:-1]])
+    last = first + np.array(sizes) - 1
+    ns = np.array([r[1] for r in rollouts], dtype=np.int64)
+    if offsets[first].any() or (offsets[last] >= ns).any():
+        return None
+    rises, grows = np.diff(offsets) > 0, np.diff(vs) >= 0
+    within = np.ones(rises.size, dtype=bool)
+    within[first[1:] - 1] = False  # the step from one rollout's last segment to the next's first
+    if not (rises | ~within).all() or not (grows | ~within).all():
+        return None
+    base = np.cumsum(ns) - ns  # each response's first token, the responses end to end
+    starts = offsets + np.repeat(base, sizes)
+    lo = np.searchsorted(starts, base + np.array([a for a, _ in ends]), "right") - 1
+    hi = np.searchsorted(starts, base + np.array([b for _, b in ends]), "right") - 1
+    return list(zip(vs[lo].tolist(), vs[hi].tolist(), strict=True))
+
+
+def pack_masks(masks: list[bytes | None]) -> list[bytes | None]:
+    """Each uint8 mask as np.packbits packs it (a bit a token, the last byte zero-padded): the
+    masks, each zero-padded to whole bytes of bits, packed at once and cut apart."""
+    kept = [m for m in masks if m is not None]
+    if not kept:
+        return [None] * len(masks)
+    joined = b"".join([m + bytes(-len(m) % 8) for m in kept])
+    packed = np.packbits(np.frombuffer(joined, np.uint8)).tobytes()
+    out: list[bytes | None] = []
+    at = 0
+    for m in masks:
+        if m is None:
+            out.append(None)
+        else:
+            end = at + (len(m) + 7) // 8
+            out.append(packed[at:end])
+            at = end
+    return out
+
+
+def _checked(
+    rid: str,
+    n: int,
+    policy_version: int,
+    loss_mask: list[int] | bytes | None,
+    versions: Segments | None,
+) -> Checked:
+    """The rules of :func:`token_rules`: the uint8 mask to store (None: every token trained),
+    then the other fields of its :class:`TokenRules`."""
     mask = None if loss_mask is None else mask_bytes(loss_mask, n, rid)
     masked = 0 if mask is None else n - mask.count(1)
     # Stored a bit a token: an eighth of the bytes Redis would hold as uint8.
-    stored_mask = np.packbits(np.frombuffer(mask, np.uint8)).tobytes() if mask and masked else None
+    kept = mask if mask and masked else None
     if versions is None:
-        return TokenRules(stored_mask, None, policy_version, masked)
+        return kept, None, policy_version, masked
     offsets = version_offsets(versions, n, rid)
     if mask is not None and masked:
         v_old = versions[bisect_right(offsets, mask.find(1)) - 1][1]
@@ -106,7 +223,7 @@ def token_rules(
             f"policy_version {policy_version} is not the oldest version of its trained tokens "
             f"({v_old})",
         )
-    return TokenRules(stored_mask, None if len(versions) == 1 else versions, v_new, masked)
+    return kept, None if len(versions) == 1 else versions, v_new, masked
 
 
 def unpack_mask(bits: bytes, n: int) -> U8Array:

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from app.api import _codec as codec
 from app.api import _outline as outline
+from app.errors import ValidationFailed
 from app.main import create_app
 from app.settings import Settings
 from tests.api.support import JSON, MSGPACK, asgi_client, assert_error
@@ -215,3 +216,13 @@ def test_the_counts_of_a_body_are_those_of_its_parse(doc, window, monkeypatch):
     assert got.containers == len(found)
     assert got.deepest == max(d for d, _ in found)
     assert got.widest == max(max(n for d, n in found if d != 2), 1)
+
+
+def test_a_msgpack_body_holds_its_container_budget_and_not_one_more():
+    """``budget`` lists and maps, the top-level list among them, parse; one more is refused."""
+    budget = outline.container_budget(0)  # the least budget: that of a body of this size
+    within = msgpack.packb([[]] * (budget - 1))
+    assert outline.container_budget(len(within) + 1) == budget
+    assert len(outline.unpack(within, budget)) == budget - 1
+    with pytest.raises(ValidationFailed, match="lists and objects"):
+        outline.unpack(msgpack.packb([[]] * budget), budget)
