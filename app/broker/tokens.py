@@ -13,7 +13,6 @@ floor* (``V - max_staleness``) is handed out with mask 0 as well, and counted as
 
 from __future__ import annotations
 
-import itertools
 import operator
 from bisect import bisect_right
 from dataclasses import dataclass
@@ -100,80 +99,9 @@ def token_rules(
 def many_token_rules(rollouts: list[Tokens]) -> list[TokenRules]:
     """:func:`token_rules` of each rollout, the first rule broken raised; the masks kept are
     packed to bits together, in one numpy pass rather than three calls a rollout."""
-    joint = _joint_checked(rollouts) if len(rollouts) > 1 else None
-    checked = [_checked(*r) for r in rollouts] if joint is None else joint
+    checked = [_checked(*r) for r in rollouts]
     bits = pack_masks([c[0] for c in checked])
     return [TokenRules(b, *c[1:]) for b, c in zip(bits, checked, strict=True)]
-
-
-Checked = tuple[bytes | None, Segments | None, int, int]
-
-
-def _joint_checked(rollouts: list[Tokens]) -> list[Checked] | None:
-    """:func:`_checked` of every rollout in a few numpy passes over all of them, or None when
-    a mask is a list or any rule is broken (checked then one by one, which names it)."""
-    masks: list[bytes | None] = []
-    masked: list[int] = []
-    for r in rollouts:
-        m = r[3]
-        if m is None:
-            masked.append(0)
-        elif not isinstance(m, bytes) or len(m) != r[1]:
-            return None
-        else:
-            ones = m.count(1)  # bytes.count: a C loop, no array made
-            if not ones or ones + m.count(0) != r[1]:
-                return None
-            masked.append(r[1] - ones)
-        masks.append(m)
-    # The first and last trained tokens: the segments holding them give v_old and v_new.
-    ends = [
-        (m.find(1), m.rfind(1)) if m is not None and k else (0, r[1] - 1)
-        for m, k, r in zip(masks, masked, rollouts, strict=True)
-    ]
-    segmented = [i for i, r in enumerate(rollouts) if r[4] is not None]
-    v_ends = _joint_versions([rollouts[i] for i in segmented], [ends[i] for i in segmented])
-    if v_ends is None:
-        return None
-    out: list[Checked] = []
-    v_at = dict(zip(segmented, v_ends, strict=True))
-    for i, (m, k, r) in enumerate(zip(masks, masked, rollouts, strict=True)):
-        vs = r[4]
-        v_old, v_new = v_at.get(i, (r[2], r[2]))
-        if v_old != r[2]:
-            return None
-        out.append((m if k else None, None if vs is None or len(vs) == 1 else vs, v_new, k))
-    return out
-
-
-def _joint_versions(
-    rollouts: list[Tokens], ends: list[tuple[int, int]]
-) -> list[tuple[int, int]] | None:
-    """Each rollout's versions checked (:func:`version_offsets`) and the versions of its
-    tokens at ``ends``: one array of all their segments, end to end as one response."""
-    segs = [r[4] or [] for r in rollouts]
-    sizes = [len(s) for s in segs]
-    if not segs or not min(sizes):
-        return [] if not segs else None
-    flat = np.fromiter(
-        itertools.chain.from_iterable(itertools.chain.from_iterable(segs)), np.int64, 2 * sum(sizes)
-    )
-    offsets, vs = flat[0::2], flat[1::2]
-    first = np.cumsum([0, *sizes[:-1]])
-    last = first + np.array(sizes) - 1
-    ns = np.array([r[1] for r in rollouts], dtype=np.int64)
-    if offsets[first].any() or (offsets[last] >= ns).any():
-        return None
-    rises, grows = np.diff(offsets) > 0, np.diff(vs) >= 0
-    within = np.ones(rises.size, dtype=bool)
-    within[first[1:] - 1] = False  # the step from one rollout's last segment to the next's first
-    if not (rises | ~within).all() or not (grows | ~within).all():
-        return None
-    base = np.cumsum(ns) - ns  # each response's first token, the responses end to end
-    starts = offsets + np.repeat(base, sizes)
-    lo = np.searchsorted(starts, base + np.array([a for a, _ in ends]), "right") - 1
-    hi = np.searchsorted(starts, base + np.array([b for _, b in ends]), "right") - 1
-    return list(zip(vs[lo].tolist(), vs[hi].tolist(), strict=True))
 
 
 def pack_masks(masks: list[bytes | None]) -> list[bytes | None]:
@@ -202,7 +130,7 @@ def _checked(
     policy_version: int,
     loss_mask: list[int] | bytes | None,
     versions: Segments | None,
-) -> Checked:
+) -> tuple[bytes | None, Segments | None, int, int]:
     """The rules of :func:`token_rules`: the uint8 mask to store (None: every token trained),
     then the other fields of its :class:`TokenRules`."""
     mask = None if loss_mask is None else mask_bytes(loss_mask, n, rid)

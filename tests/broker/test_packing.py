@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.broker import packing, tokens
+from app.broker import packing
 from app.broker.packing import (
     StoredRollout,
     pack_each,
@@ -15,7 +15,7 @@ from app.broker.packing import (
     unpack_ids,
     unpack_rollouts,
 )
-from app.broker.tokens import many_token_rules, pack_masks, token_rules
+from app.broker.tokens import pack_masks
 from app.errors import ValidationFailed
 
 
@@ -274,39 +274,3 @@ def test_masks_packed_together_are_each_packed_alone(masks):
         None if m is None else np.packbits(np.frombuffer(m, np.uint8)).tobytes() for m in masks
     ]
     assert pack_masks(masks) == alone
-
-
-@st.composite
-def _tokens(draw, i: int) -> tuple:
-    """A rollout's tokens, now and then breaking a rule of its mask or versions."""
-    n = draw(st.integers(1, 24))
-    mask = None
-    if draw(st.booleans()):
-        mask = bytes(draw(st.lists(st.sampled_from([0, 1, 1, 1, 2]), min_size=n, max_size=n)))
-        if not draw(st.integers(0, 7)):
-            mask = mask[:-1] if draw(st.booleans()) else bytes(n)  # a length off, all masked
-    versions = None
-    if draw(st.booleans()):
-        offs = sorted(draw(st.sets(st.integers(1, n + 1), max_size=4)))
-        if draw(st.integers(0, 7)):
-            offs = [0, *offs]  # else a first offset past 0
-        vers = sorted(draw(st.lists(st.integers(0, 5), min_size=len(offs), max_size=len(offs))))
-        if len(vers) > 1 and not draw(st.integers(0, 7)):
-            vers.reverse()  # decreasing, unless all equal
-        versions = [[o, v] for o, v in zip(offs, vers, strict=True)] or None
-    return (f"r{i}", n, draw(st.sampled_from([0, 1, 2])), mask, versions)
-
-
-@settings(max_examples=400)
-@given(st.integers(2, 6).flatmap(lambda k: st.tuples(*(_tokens(i) for i in range(k)))))
-def test_token_rules_checked_together_are_those_checked_one_by_one(rollouts):
-    """The same rules kept, or the same refusal of the first rule broken; the joint check
-    passes exactly the rollouts that break no rule (none is left to the slow path)."""
-    rollouts = [r for r in rollouts if r[3] is not None or r[4] is not None]
-    one_by_one = _outcome(lambda rs: [token_rules(*r) for r in rs], rollouts)
-    assert _outcome(many_token_rules, rollouts) == one_by_one
-    joint = tokens._joint_checked(rollouts) if len(rollouts) > 1 else None
-    if isinstance(one_by_one, list) and len(rollouts) > 1:
-        assert joint == [tokens._checked(*r) for r in rollouts]
-    else:
-        assert joint is None
