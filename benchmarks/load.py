@@ -321,17 +321,43 @@ def http_lease_ack(
     http, lease, ack = trainer(
         address=address, run_id=run_id, size=size, fmt=fmt, token=token, tokens=tokens
     )
+    res = timed_cycles(
+        lease,
+        ack,
+        duration=duration,
+        max_ops=max_ops,
+        warmup=warmup,
+        barrier=barrier,
+        stop_on_empty=stop_on_empty,
+    )
+    http.close()
+    return res
+
+
+def timed_cycles(
+    take: Callable[[], tuple[Any, Any] | None],
+    settle: Callable[[Any], object],
+    *,
+    duration: float,
+    max_ops: int,
+    warmup: int,
+    barrier: Any,
+    stop_on_empty: bool,
+) -> Result:
+    """``take`` something (None: nothing to take) and ``settle`` it, over and over for
+    ``duration``, after ``warmup`` untimed cycles; latency is ``take``'s, ``rollouts`` counts
+    the items of what was taken (its second element)."""
     for _ in range(warmup):
-        got = lease()
+        got = take()
         if got is not None:
-            ack(got)
+            settle(got)
     res = Result()
     barrier.wait()
     res.t0 = time.perf_counter()
     deadline = res.t0 + duration
     while res.ops < max_ops and time.perf_counter() < deadline:
         t = time.perf_counter()
-        got = lease()
+        got = take()
         dt = time.perf_counter() - t
         if got is None:
             res.empty += 1
@@ -339,11 +365,10 @@ def http_lease_ack(
                 break
             continue
         res.lat.append(dt)
-        ack(got)
+        settle(got)
         res.ops += 1
         res.rollouts += len(got[1])
     res.t1 = time.perf_counter()
-    http.close()
     return res
 
 

@@ -4,7 +4,6 @@ work leases and giving them back unstarted, and the raw-Redis ceiling of the sam
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -12,7 +11,7 @@ import numpy as np
 import orjson
 import redis
 
-from benchmarks.load import Address, Http, Result, expect, timed_writes
+from benchmarks.load import Address, Http, Result, expect, timed_cycles, timed_writes
 from benchmarks.payloads import make_prompt, rollout_id
 
 MSGPACK = "application/msgpack"
@@ -45,41 +44,6 @@ def http_register(
 
     res = timed_writes(post, duration=duration, max_ops=max_ops, barrier=barrier)
     http.close()
-    return res
-
-
-def _take_and_give_back(
-    take: Callable[[], tuple[str, list[Any]] | None],
-    give_back: Callable[[str, list[Any]], None],
-    *,
-    duration: float,
-    max_ops: int,
-    warmup: int,
-    barrier: Any,
-) -> Result:
-    """Work leases taken with ``take`` (None: nothing to hand out) and each given straight back
-    with ``give_back``, for ``duration``; latency is the work call's, ``rollouts`` counts
-    prompts."""
-    for _ in range(warmup):
-        got = take()
-        if got is not None:
-            give_back(*got)
-    res = Result()
-    barrier.wait()
-    res.t0 = time.perf_counter()
-    deadline = res.t0 + duration
-    while res.ops < max_ops and time.perf_counter() < deadline:
-        t = time.perf_counter()
-        got = take()
-        dt = time.perf_counter() - t
-        if got is None:
-            res.empty += 1
-            break
-        res.lat.append(dt)
-        give_back(*got)
-        res.ops += 1
-        res.rollouts += len(got[1])
-    res.t1 = time.perf_counter()
     return res
 
 
@@ -116,8 +80,14 @@ def http_work_return(
         status, data, _ = http.call("POST", path, b"{}", "application/json")
         expect(status, data, 200)
 
-    res = _take_and_give_back(
-        take, give_back, duration=duration, max_ops=max_ops, warmup=warmup, barrier=barrier
+    res = timed_cycles(
+        take,
+        lambda got: give_back(*got),
+        duration=duration,
+        max_ops=max_ops,
+        warmup=warmup,
+        barrier=barrier,
+        stop_on_empty=True,
     )
     http.close()
     return res
@@ -164,8 +134,14 @@ def http_work_return_partials(
         status, data, _ = http.call("POST", path, doc, MSGPACK)
         expect(status, data, 200)
 
-    res = _take_and_give_back(
-        take, give_back, duration=duration, max_ops=max_ops, warmup=warmup, barrier=barrier
+    res = timed_cycles(
+        take,
+        lambda got: give_back(*got),
+        duration=duration,
+        max_ops=max_ops,
+        warmup=warmup,
+        barrier=barrier,
+        stop_on_empty=True,
     )
     http.close()
     return res
