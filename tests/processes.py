@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -41,13 +42,26 @@ def _port_free(port: int) -> bool:
     return True
 
 
+# Not the module ``random``: a test that seeds it would make parallel workers draw alike.
+_PORTS = random.SystemRandom()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 unless configured otherwise)."""
+    with contextlib.suppress(OSError, ValueError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return 32768
+
+
 def free_port(*, bus: bool = False) -> int:
-    """A free port below 50000; with ``bus``, one whose cluster bus port (+10000) is free too."""
+    """A free port below the ephemeral range, and with ``bus`` one whose cluster bus port
+    (+10000) is free and below it too. A port the kernel hands out to outgoing connections can
+    be taken by any process between this check and the server's bind (a cluster node that finds
+    its bus port taken exits), so none is chosen from that range."""
+    top = _ephemeral_low() - (10000 if bus else 0)
     while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port < 50000 and (not bus or _port_free(port + 10000)):
+        port = _PORTS.randrange(10000, top)
+        if _port_free(port) and (not bus or _port_free(port + 10000)):
             return port
 
 
