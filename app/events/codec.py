@@ -99,7 +99,12 @@ SCHEMA: dict[str, EventType] = {
             "and the accounting read one record",
         ),
         EventType("nacked", Returned, "leased → buffered, no use"),
-        EventType("expired", Returned, "leased → buffered, no use (lease ran out)"),
+        EventType(
+            "expired",
+            Returned,
+            "leased → buffered, no use (lease ran out, or a rewind ended a lease taken at a "
+            "version above the one it went back to)",
+        ),
         EventType(
             "retired",
             Retired,

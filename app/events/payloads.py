@@ -302,7 +302,7 @@ class Rewound:
     from_version: int = wire("int", minimum=0, note="the run's version before")
     to_version: int = wire("int", minimum=0, note="`W`")
     batches: tuple[str, ...] = wire(
-        "texts", note="the acknowledged batches undone (a batch acked at a version above `W`)"
+        "texts", note="the acknowledged batches undone: those acked at a version above `W`"
     )
     items: tuple[RewoundItem, ...] = wire(
         "items",

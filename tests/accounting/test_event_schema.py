@@ -395,6 +395,8 @@ async def test_every_event_the_scripts_write_follows_the_schema(
         types |= {e.type for e in events}
         reasons |= {e.body.reason for e in events if isinstance(e.body, Retired)}
         reasons |= {i.reason for e in events if isinstance(e.body, Rejected) for i in e.body.items}
-    assert types == EVENT_TYPES
+    # `rewound` is the rewind's, whose script is not built yet (issue 33): its accounting is
+    # checked on simulated events (tests/accounting/test_rewind_accounting.py).
+    assert types == EVENT_TYPES - {"rewound"}
     assert "stale_attempt" in reasons
     assert reasons >= RETIRE_REASONS | {"future_version"}
