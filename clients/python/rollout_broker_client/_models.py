@@ -469,10 +469,10 @@ class Accounting:
     not report them. ``tokens_masked`` (of ``tokens_generated``, those posted with loss_mask 0)
     and ``tokens_masked_stale`` (trained tokens handed out masked for their own lag) are 0 from
     a server that does not report them, and so is ``samples_rewound`` (of ``samples_consumed``,
-    the uses a rewind of the policy version gave back to their rollouts). ``dead_letters`` (events the ledger could not apply),
-    ``live`` (the broker's own buffered and leased counts) and ``partials`` are None from a
-    server that does not report them; when not given they are read from ``raw``. ``raw`` is the
-    server's body as it came."""
+    the uses a rewind of the policy version gave back to their rollouts). ``dead_letters``
+    (events the ledger could not apply), ``live`` (the broker's own buffered and leased counts)
+    and ``partials`` are None from a server that does not report them; when not given they are
+    read from ``raw``. ``raw`` is the server's body as it came."""
 
     rollouts_received: int
     groups_received: int

@@ -287,8 +287,10 @@ def versions_table(rows: list[VersionAccounting]) -> RenderableType:
         "gave back; token lag: over trained tokens; retired, by reason, on the right",
         box=box.SIMPLE_HEAD,
     )
-    cols = ("version", "received", "masked", "buffered", "leased", "samples", "rewound")
-    cols = (*cols, "reuse", "lag")
+    cols = (
+        *("version", "received", "masked", "buffered", "leased"),
+        *("samples", "rewound", "reuse", "lag"),
+    )
     for col in (*cols, "token lag", *reasons):
         table.add_column(col, justify="right")
     for v in rows:
