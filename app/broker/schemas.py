@@ -135,6 +135,11 @@ class RunList(BaseModel):
 class PolicyUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     version: int = Field(ge=0, le=MAX_VERSION)
+    rewind: bool = Field(
+        default=False,
+        description="Allow a version below the run's: move the run back to it (a trainer "
+        "resuming from a checkpoint of that version)",
+    )
 
 
 class PolicyResult(BaseModel):

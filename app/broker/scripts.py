@@ -19,6 +19,7 @@ SCRIPTS = (
     "delete_run",
     "patch_config",
     "set_policy",
+    "rewind",
     "close_run",
     "ingest",
     "lease",

@@ -195,9 +195,19 @@ class Broker:
         """Take a deleted run whose outbox has moved out of the run index."""
         await self.store.unlist(run_id)
 
-    async def set_policy(self, run_id: str, version: int, by: Caller) -> PolicyResult:
-        entry = action_entry(by, "run.policy", run_id, {"version": version})
+    async def set_policy(
+        self, run_id: str, version: int, by: Caller, *, rewind: bool = False
+    ) -> PolicyResult:
+        """Move the run to ``version``: forward, or with ``rewind`` back as well (a trainer
+        resuming from a checkpoint); ``evicted`` counts what the change retired ('stale' going
+        forward, 'rewound' going back)."""
         with self._refusals(run_id, version=version):
+            if rewind:
+                entry = action_entry(by, "run.rewind", run_id, {"version": version})
+                back = await self.store.rewind(run_id, version, entry=entry)
+                if back is not None:
+                    return PolicyResult(policy_version=back[0], evicted=back[1])
+            entry = action_entry(by, "run.policy", run_id, {"version": version})
             current, evicted = await self.store.set_policy(run_id, version, entry=entry)
         return PolicyResult(policy_version=current, evicted=evicted)
 

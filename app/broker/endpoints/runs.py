@@ -122,11 +122,19 @@ async def close_run(run_id: RunId, request: Request) -> Response:
 @router.post(
     "/{run_id}/policy",
     response_model=PolicyResult,
-    responses=errors((409, "The version is below the run's current version")),
+    responses=errors(
+        (
+            409,
+            "The version is below the run's current version (without rewind), or the run is "
+            "closed (a rewind)",
+        )
+    ),
     openapi_extra=request_body(PolicyUpdate),
 )
 async def set_policy(run_id: RunId, request: Request) -> Response:
     update = await read_model(request, PolicyUpdate, limit=SMALL_BODY_BYTES)
-    result = await broker_of(request).set_policy(run_id, update.version, caller_of(request))
+    result = await broker_of(request).set_policy(
+        run_id, update.version, caller_of(request), rewind=update.rewind
+    )
     await move_actions(request, run_id)
     return render(result)
