@@ -5,6 +5,7 @@ here undoes batches b2 (acked at 2) and b3 (acked at 3), in which rollout x was 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,8 @@ from app.accounting.fold import fold_events
 from app.accounting.models import Batch, PromptPass, ReasonTotals, RunTotals, VersionTotals
 from app.events import Event, EventError, Rewound, RewoundItem, decode_entry, encode_payload
 from app.keys import CONSUMER_GROUP, events_key
+from tests.api.support import events
+from tests.api.test_rewind import history, rewind
 from workers.drain import DrainContext
 
 T0 = 1_750_000_000_000
@@ -266,3 +269,58 @@ async def test_the_drain_counts_a_redelivered_rewind_once_and_the_api_shows_it(
         result = await repository.apply_events(s, run_id, rewound * 2)
     assert (result.applied, result.already) == (0, 2)
     assert await figures() == once
+
+
+# --- through the real broker -----------------------------------------------------------------
+
+
+async def test_a_rewind_of_the_broker_is_accounted_exactly(
+    api: httpx.AsyncClient, redis: Redis, prefix: str, make_ctx: Callable[..., DrainContext]
+) -> None:
+    """tests/api/test_rewind.py's run: batches acked at 9 to 12 with reuse, a lease held at 11,
+    a work lease at 12, then a rewind to 8; drained before and after."""
+    await history(api)
+    await drain_all(make_ctx(trim=False))  # the stream keeps the events, to read them below
+    before = (await api.get("/v1/runs/r/accounting")).json()
+    await rewind(api, "r", 8)
+    await drain_all(make_ctx(trim=False))
+    after = (await api.get("/v1/runs/r/accounting")).json()
+    versions = (await api.get("/v1/runs/r/accounting/versions")).json()["versions"]
+    ledger = {b["batch_id"]: b for b in (await api.get("/v1/runs/r/batches")).json()["batches"]}
+
+    (undone,) = [d for e, d in await events(redis, prefix, "r") if e == "rewound"]
+    # One use given back per rollout per undone batch: 2 + 6 + 6 + 2 at 9, 10, 11, 12.
+    assert before["samples_rewound"] == 0 and after["samples_rewound"] == len(undone["items"]) == 16
+    by_version = Counter(i[1] for i in undone["items"])
+    assert {v["policy_version"]: v["samples_rewound"] for v in versions} == {
+        v["policy_version"]: by_version[v["policy_version"]] for v in versions
+    }
+    assert dict(by_version) == {8: 12, 11: 2, 12: 2}
+    # The gradients happened: nothing of them moves.
+    for figure in ("samples_consumed", "tokens_consumed", "lag", "batches", "reuse_factor"):
+        if figure != "batches":
+            assert after[figure] == before[figure], figure
+    assert after["batches"] == {**before["batches"], "expired": before["batches"]["expired"] + 1}
+    acked = [b for b in ledger.values() if b["outcome"] == "acked"]
+    assert after["samples_consumed"] == sum(b["size"] for b in acked) == 16
+    assert {b: r["rewound_at"] is not None for b, r in ledger.items()} == {
+        "batch-09": True, "batch-10": True, "batch-11": True, "batch-12": True,
+        "held-at-11": False,
+    }  # fmt: skip
+    assert ledger["held-at-11"]["outcome"] == "expired"
+    # d, h (tokens at 11) and f (12) retire rewound, with none of their uses left: wasted.
+    assert after["retired"] == {**before["retired"], "rewound": 6}
+    assert after["wasted_tokens"] == before["wasted_tokens"] + 6 * 4
+    # Every pass back in the queue, at a new attempt (d's twice) that is not a try.
+    assert (before["prompts"]["done"], after["prompts"]["done"]) == (4, 0)
+    assert after["prompts"] == {
+        "registered": 5, "queued": 5, "in_flight": 0, "done": 0, "failed": 0,
+        "retried": before["prompts"]["retried"] + 6,
+    }  # fmt: skip
+    for acc in (before, after):
+        assert acc["rollouts_received"] == (
+            acc["buffered"] + acc["leased"] + sum(acc["retired"].values())
+        )
+        assert acc["pending_events"] == acc["dead_letters"] == 0
+        assert acc["live"] == {"buffered": acc["buffered"], "leased": acc["leased"]}
+    assert (before["leased"], after["leased"]) == (4, 0)
