@@ -11,6 +11,7 @@ import pytest
 from redis.asyncio import Redis
 
 from app import keys
+from app.broker.store import RedisStore
 from tests.api.support import assert_error, events, retired_items, set_policy
 from tests.api.test_prompts import register, work
 from tests.helpers import ack, lease, make_run, post, rollout
@@ -96,6 +97,8 @@ async def test_a_rewind_undoes_what_happened_above_its_version(api, redis, prefi
     # What is left holds tokens above 8: d and h (11, leased at 11), f (12).
     assert await rewind(api, "r", 8) == {"policy_version": 8, "evicted": 6}
     assert (await api.get("/v1/runs/r")).json()["policy_version"] == 8
+    audit = (await api.get("/v1/audit", params={"run_id": "r", "limit": 1})).json()["entries"]
+    assert [(e["action"], e["detail"]) for e in audit] == [("run.rewind", {"version": 8})]
     got = await retired_items(redis, prefix, "r")
     # [rollout, version, tokens, uses]: the uses of d and f were given back before they retired.
     assert sorted(got["rewound"]) == [
@@ -276,3 +279,19 @@ async def test_a_closed_run_is_not_rewound(api):
         404,
         "RunNotFound",
     )
+
+
+async def test_acked_batches_leave_the_rewind_index_with_their_records(api, redis, prefix):
+    """The maintenance pass trims the index after 24 h, when the batch records expire: a
+    rewind then has nothing to undo there, and the index does not grow without end."""
+    await make_run(api, "r", max_reuse=3)
+    await post(api, "r", rollout("x"))
+    await set_policy(api, "r", 1)
+    assert await train(api, "r", 1, "batch-old") == ["x"]
+    assert await train(api, "r", 1, "batch-new") == ["x"]
+    index = keys.run_key(prefix, "r", keys.ACKED)
+    await redis.zadd(index, {"1:batch-old": 1})  # acked on 1 January 1970
+    store = RedisStore(redis, prefix)
+    [(_, token)] = await store.active_runs()
+    await store.maintain("r", token)
+    assert await redis.zrange(index, 0, -1) == [b"1:batch-new"]
