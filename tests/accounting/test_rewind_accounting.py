@@ -288,6 +288,15 @@ async def test_a_rewind_of_the_broker_is_accounted_exactly(
     versions = (await api.get("/v1/runs/r/accounting/versions")).json()["versions"]
     ledger = {b["batch_id"]: b for b in (await api.get("/v1/runs/r/batches")).json()["batches"]}
 
+    # The figures docs/accounting.md gives for this run, before the rewind.
+    assert (before["rollouts_received"], before["tokens_consumed"], before["buffered"]) == (
+        12,
+        64,
+        2,
+    )
+    assert before["retired"] == {"max_reuse": 6} and before["wasted_tokens"] == 0
+    assert before["batches"] == {"leased": 5, "acked": 4, "nacked": 0, "expired": 0}
+    assert (before["prompts"]["in_flight"], before["prompts"]["retried"]) == (1, 0)
     (undone,) = [d for e, d in await events(redis, prefix, "r") if e == "rewound"]
     # One use given back per rollout per undone batch: 2 + 6 + 6 + 2 at 9, 10, 11, 12.
     assert before["samples_rewound"] == 0 and after["samples_rewound"] == len(undone["items"]) == 16
