@@ -237,7 +237,7 @@ def accounting_table(
     table.add_row(
         "samples rewound",
         fmt(acc.samples_rewound),
-        "of them, uses a rewind gave back (batches undone, still counted above)",
+        "of them, given back by a rewind",
     )
     table.add_row("tokens consumed", fmt(acc.tokens_consumed), "trained tokens of the samples")
     table.add_row(
