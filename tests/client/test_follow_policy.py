@@ -36,7 +36,9 @@ def _polls(recorder: Recorder, status: int) -> int:
 
 async def _until(recorder: Recorder, status: int, count: int) -> None:
     # The follower runs in another task: look again until it has had its answer.
-    while _polls(recorder, status) < count:
+    while True:
+        if _polls(recorder, status) >= count:
+            return
         await asyncio.sleep(0.01)
 
 
