@@ -34,10 +34,11 @@ def _polls(recorder: Recorder, status: int) -> int:
     )
 
 
-async def _until(recorder: Recorder, status: int, count: int) -> None:
-    # The follower runs in another task: look again until it has had its answer.
+async def _until(recorder: Recorder, status: int, count: int, follower: asyncio.Task) -> None:
+    # The follower runs in another task: look again until it has had its answer (or is done,
+    # which the test then judges by what it yielded).
     while True:
-        if _polls(recorder, status) >= count:
+        if _polls(recorder, status) >= count or follower.done():
             return
         await asyncio.sleep(0.01)
 
@@ -53,14 +54,14 @@ async def test_follow_policy_yields_each_new_version_in_order_across_204s_and_ou
 
     recorder.answer["GET /policy"] = [503, 503]  # an outage, which the follower rides out
     nxt = asyncio.create_task(anext(versions))
-    await _until(recorder, 204, 1)  # then a long poll ends with nothing new: it asks again
+    await _until(recorder, 204, 1, nxt)  # then a long poll ends with nothing new: it asks again
     await broker.set_policy("r1", 2, weights="ckpt/2")
     second = await nxt
     assert (second.policy_version, second.weights) == (2, "ckpt/2")
     assert [s for _, s in recorder.answered] == [503, 503]
 
     nxt = asyncio.create_task(anext(versions))
-    await _until(recorder, 204, _polls(recorder, 204) + 1)
+    await _until(recorder, 204, _polls(recorder, 204) + 1, nxt)
     await broker.set_policy("r1", 3)
     third = await nxt
     assert (third.policy_version, third.weights) == (3, None)
