@@ -141,6 +141,12 @@ def _reason(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+NO_WORKERS = (
+    "warning: no background workers in this process: the accounting is not drained and /readyz "
+    "answers 503 until `rollout-broker worker` runs (or start `serve --with-workers`)"
+)
+
+
 @cli.command()
 def serve(
     host: Annotated[str, typer.Option(help="Address to bind")] = "127.0.0.1",
@@ -163,7 +169,9 @@ def serve(
     ] = 1,
 ) -> None:
     """Run the HTTP API. With no BROKER_REDIS_URL / BROKER_DATABASE_URL, start embedded ones
-    (and migrate them); against configured ones, /readyz answers 503 until `migrate` ran.
+    (and migrate them, and run the workers in this process); against configured ones, /readyz
+    answers 503 until `migrate` ran and a worker runs (`rollout-broker worker`, or
+    --with-workers).
     Auth (BROKER_AUTH) is on for a non-loopback --host unless set off; with it on, set
     BROKER_ADMIN_TOKEN (or have an admin token in the database) to create tokens with."""
     import uvicorn
@@ -185,6 +193,8 @@ def serve(
         )
     if with_workers:
         settings = settings.model_copy(update={"workers_in_process": True})
+    if not settings.workers_in_process:  # said here, once, whatever the API processes
+        typer.echo(NO_WORKERS, err=True)
     try:
         if migrate:
             assert settings.database_url is not None

@@ -39,7 +39,8 @@ async def healthz() -> Response:
         (
             503,
             "Redis or Postgres is unreachable, Redis refuses writes, a Redis master has fewer "
-            "replicas than BROKER_REDIS_WAIT_REPLICAS, or Postgres is not migrated",
+            "replicas than BROKER_REDIS_WAIT_REPLICAS, Postgres is not migrated, or no background "
+            "worker has drained the accounting within the last minute",
         )
     ),
 )

@@ -54,6 +54,15 @@ PROMPT_QUEUE = "pq"  # zset: queued prompt passes, by (pass, registration seq)
 PROMPTS_SEEN = "pseen"  # set: every prompt_id ever registered (idempotency)
 WORK_LEASES = "wleases"  # zset: live work leases by expiry ms
 WORK_WAITING = "wwaiting"  # string with a TTL: a generator is long-polling the run
+# zset: acknowledged batches by ack ms, member '<V>:<batch_id>' (V the batch's version), kept as
+# long as their batch records (24 h): the batches a rewind below V undoes
+ACKED = "acked"
+# zset: complete units whose newest trained token is newer than their governing version, score
+# = that newest version: a rewind retires them too
+CROSS = "xv"
+# zset: the versions kl_flush raised the floor to, score = version: a rewind below one restores
+# the floor from before it
+FLOORS = "floors"
 POLICY_WAITING = "pwaiting"  # string with a TTL: a follower long-polls the policy version
 # stream: the run's operator actions (audit log entries), each written by the script that makes
 # the change, in the same call; app/access/audit.py moves them into Postgres. A delete keeps it
@@ -130,6 +139,9 @@ LUA_KEYS: dict[str, str] = {
     "WWAITING": WORK_WAITING,
     "PWAITING": POLICY_WAITING,
     "AUD": OUTBOX,
+    "ACKED": ACKED,
+    "XV": CROSS,
+    "FLOORS": FLOORS,
 }
 LUA_FAMILIES: dict[str, str] = {
     "qvkey": VERSION_QUEUE,

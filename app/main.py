@@ -24,6 +24,7 @@ from app.access.audit import OutboxLog
 from app.access.guard import guard
 from app.access.tokens import TokenCache
 from app.accounting import endpoints as accounting_endpoints
+from app.accounting.consumers import ConsumerGroup, drain_check
 from app.api import DirectRoutes, install_error_handlers, install_openapi, query_rules
 from app.broker import endpoints as broker_endpoints
 from app.broker.endpoints import openapi as broker_openapi
@@ -42,6 +43,12 @@ async def database_checks(engine: AsyncEngine) -> dict[str, str]:
     except Exception as exc:  # readiness reports the failure instead of raising it
         return {"postgres": f"unreachable: {type(exc).__name__}"}
     return {"postgres": "ok", "migrations": "ok" if at_head else "not at head: run migrate"}
+
+
+async def accounting_checks(engine: AsyncEngine, drains: ConsumerGroup) -> dict[str, str]:
+    """Readiness of the accounting: its database (:func:`database_checks`), and a background
+    worker draining it (``workers``: a drain heartbeat within the last minute)."""
+    return {**await database_checks(engine), "workers": await drain_check(drains)}
 
 
 def create_app(
@@ -108,7 +115,8 @@ def _lifespan(
             app.state.action_log = OutboxLog(
                 redis, settings.redis_prefix, app.state.db_sessionmaker
             )
-            app.state.readiness_probe = lambda: database_checks(engine)
+            drains = ConsumerGroup(redis, settings.redis_prefix)
+            app.state.readiness_probe = lambda: accounting_checks(engine, drains)
         if settings.auth:
             admin = settings.admin_token
             app.state.tokens = TokenCache(

@@ -200,7 +200,8 @@ class Settings(BaseSettings):
         ge=100,
         le=600_000,
         description="A drain consumer with no heartbeat for this long is taken over: its pending "
-        "entries move to a live one and it is deleted from the groups (heartbeats every quarter)",
+        "entries move to a live one and it is deleted from the groups (heartbeats every quarter, "
+        "at least every 15 s)",
     )
     drain_max_deliveries: int = Field(
         default=5, ge=1, le=1000, description="Failed deliveries before an entry is dead-lettered"

@@ -98,6 +98,17 @@ def readyz(url: str) -> httpx.Response:
     return httpx.get(f"{url}/readyz", timeout=10)
 
 
+def until_ready(url: str, within: float = 30.0) -> httpx.Response:
+    """/readyz once it answers 200, or its last answer after ``within`` seconds: a worker that
+    starts beside the API sends its first heartbeat a moment after the API listens."""
+    deadline = time.monotonic() + within
+    while True:
+        resp = readyz(url)
+        if resp.status_code == 200 or time.monotonic() > deadline:
+            return resp
+        time.sleep(0.05)
+
+
 def alembic_version_exists(database_url: str) -> bool:
     """Whether Alembic has ever run on the database (its ``alembic_version`` table)."""
 

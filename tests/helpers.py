@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 from redis.asyncio import Redis
 
+from app.accounting.consumers import ConsumerGroup
 from app.caller import Caller
 from app.keys import WAITING, run_key
 
@@ -65,6 +66,12 @@ async def lease(client: httpx.AsyncClient, run_id: str, size: int, **params: Any
 
 async def ack(client: httpx.AsyncClient, run_id: str, batch_id: str, **body: Any) -> httpx.Response:
     return await client.post(f"/v1/runs/{run_id}/batches/{batch_id}/ack", json=body)
+
+
+async def drain_heartbeat(redis: Redis, prefix: str) -> None:
+    """One heartbeat of an accounting drain consumer, as a running worker sends it (so /readyz
+    counts a worker alive for the next minute), for tests about anything but the workers."""
+    await ConsumerGroup(redis, prefix).beat("tests-drain")
 
 
 async def until_long_polling(redis: Redis, prefix: str, run_id: str, mark: str = WAITING) -> None:

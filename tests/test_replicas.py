@@ -32,7 +32,7 @@ from app.replicas import Replicas
 from app.settings import Settings
 from app.wiring import broker_for, cluster_client
 from tests.broker.test_store import packed
-from tests.helpers import lease, make_run, post, rollout, until_long_polling
+from tests.helpers import drain_heartbeat, lease, make_run, post, rollout, until_long_polling
 from tests.processes import RedisClusterServers, RedisServer
 from tests.services import delete_prefix, new_prefix
 from workers.drain import DrainContext, drain_once
@@ -219,8 +219,9 @@ async def test_an_ingest_unreplicated_is_a_503_and_its_resend_counts_once(
 
 
 async def test_readiness_counts_each_masters_replicas(
-    pair: Pair, replicated_api: httpx.AsyncClient
+    pair: Pair, own_prefix: str, replicated_api: httpx.AsyncClient
 ):
+    await drain_heartbeat(pair.master, own_prefix)  # a worker runs
     resp = await replicated_api.get("/readyz")
     assert resp.status_code == 200, resp.text
     assert resp.json()["checks"]["replicas"] == "ok"

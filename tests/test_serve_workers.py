@@ -21,8 +21,9 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from app import keys
+from app.cli import NO_WORKERS
 from app.metrics import SPECS
-from tests.cli_process import LISTENING, Command, broker_env, readyz, rollout_broker
+from tests.cli_process import LISTENING, Command, broker_env, rollout_broker, until_ready
 from tests.helpers import rollout
 from tests.services import REDIS_URL
 
@@ -184,7 +185,8 @@ def _two_workers(env: dict[str, str], prefix: str) -> None:
         assert folder.is_dir()
         pids = _api_processes(serve)
         assert len(pids) == 2, _descendants(serve.proc.pid)
-        assert readyz(api).status_code == 200
+        assert until_ready(api).status_code == 200
+        assert NO_WORKERS not in serve.output()
 
         # Both processes answer on the one port: each counted requests of its own.
         sent = _until_each_answered(api, folder, pids, "/healthz")
@@ -252,7 +254,7 @@ def _embedded_two_workers(env: dict[str, str], data_dir: Path) -> None:
         api = serve.wait_for(LISTENING, within=180).group(1)
         folder = Path(_started(serve, 2))
         assert len(_api_processes(serve)) == 2, _descendants(serve.proc.pid)
-        resp = readyz(api)
+        resp = until_ready(api)
         assert resp.status_code == 200, resp.text
         assert resp.json()["checks"]["migrations"] == "ok"
         _post_and_wait_drained(api)  # both processes reach the embedded services' sockets

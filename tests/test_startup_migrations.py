@@ -1,6 +1,7 @@
 """`serve` runs Alembic only on the Postgres it started itself, or when asked (`--migrate`):
 against configured services the release's `rollout-broker migrate` does it, and until then the
-API answers /readyz with 503."""
+API answers /readyz with 503. So it does until a background worker runs, which `serve` without
+workers says once at start; the zero-config `serve` runs them and becomes ready by itself."""
 
 from __future__ import annotations
 
@@ -12,14 +13,18 @@ from pathlib import Path
 
 import pytest
 
+from app.cli import NO_WORKERS
 from tests.cli_process import (
     LISTENING,
     alembic_version_exists,
     broker_env,
     readyz,
     rollout_broker,
+    until_ready,
 )
 from tests.conftest import REDIS_URL
+
+NO_WORKER = "not ready: workers no worker is running: start `rollout-broker worker`"
 
 
 async def test_serve_leaves_a_configured_database_to_migrate(
@@ -38,6 +43,7 @@ def _serve_not_ready_then_migrate(env: dict[str, str], url: str) -> None:
         resp = readyz(api)
         assert resp.status_code == 503, resp.text
         assert "migrations not at head" in resp.json()["detail"]
+        assert serve.output().count(NO_WORKERS) == 1, serve.output()
         assert not alembic_version_exists(url)  # Alembic never ran
         assert serve.stop() == 0
 
@@ -45,8 +51,16 @@ def _serve_not_ready_then_migrate(env: dict[str, str], url: str) -> None:
         assert migrate.exit_code() == 0, migrate.output()
 
     with rollout_broker("serve", "--port", "0", env=env) as serve:
-        assert readyz(serve.wait_for(LISTENING).group(1)).status_code == 200
+        api = serve.wait_for(LISTENING).group(1)
+        assert readyz(api).json()["detail"] == NO_WORKER  # migrated; no worker ever ran
+        with rollout_broker("worker", env=env) as worker:
+            resp = until_ready(api)
+            assert resp.status_code == 200, (resp.text, worker.output())
+            assert resp.json()["checks"]["workers"] == "ok"
+            assert worker.stop() == 0, worker.output()
+        assert readyz(api).json()["detail"] == NO_WORKER  # it left cleanly: none runs
         assert serve.stop() == 0
+    assert serve.output().count(NO_WORKERS) == 1, serve.output()
 
 
 async def test_serve_migrate_upgrades_a_configured_database_first(
@@ -62,7 +76,8 @@ async def test_serve_migrate_upgrades_a_configured_database_first(
 def _serve_migrated(env: dict[str, str], url: str) -> None:
     with rollout_broker("serve", "--port", "0", "--migrate", env=env) as serve:
         resp = readyz(serve.wait_for(LISTENING).group(1))
-        assert resp.status_code == 200, resp.text
+        assert resp.status_code == 503, resp.text
+        assert resp.json()["detail"] == NO_WORKER  # only the worker is missing
         assert alembic_version_exists(url)
         assert serve.stop() == 0
 
@@ -76,8 +91,10 @@ async def test_zero_config_serve_migrates_its_embedded_postgres(tmp_path: Path) 
 
 def _serve_embedded(env: dict[str, str], data_dir: Path) -> None:
     with rollout_broker("serve", "--port", "0", "--data-dir", str(data_dir), env=env) as serve:
-        resp = readyz(serve.wait_for(LISTENING, within=180).group(1))
+        resp = until_ready(serve.wait_for(LISTENING, within=180).group(1))
         assert resp.status_code == 200, resp.text
         assert resp.json()["checks"]["migrations"] == "ok"
+        assert resp.json()["checks"]["workers"] == "ok"  # its own, in this process
         assert serve.stop() == 0
+    assert NO_WORKERS not in serve.output()
     assert os.listdir(data_dir)  # the services really were the embedded ones

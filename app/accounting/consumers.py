@@ -11,7 +11,11 @@ from redis.exceptions import ResponseError
 
 from app import keys
 
-__all__ = ["ConsumerGroup", "as_text"]
+__all__ = ["ALIVE_WITHIN_S", "ConsumerGroup", "as_text", "drain_check"]
+
+# The SPEC's "Configuration and start-up": the broker is ready only while a background worker
+# was alive within the last minute, told by the newest drain consumer heartbeat (drain_check).
+ALIVE_WITHIN_S = 60
 
 
 # Every drain consumer's last heartbeat, by the Redis server's clock (see the scripts below).
@@ -45,6 +49,16 @@ if score and tonumber(score) == tonumber(ARGV[2]) then
   return redis.call('ZREM', KEYS[1], ARGV[1])
 end
 return 0
+"""
+
+# Redis's own clock and the newest heartbeat, read on the node that holds the key (on a
+# cluster, the clock the heartbeats were scored by). Writes nothing.
+_NEWEST_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local newest = redis.call('ZREVRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+if #newest == 0 then return {now} end
+return {now, newest[2]}
 """
 
 # Delete a consumer from a stream's group only while it holds no pending entry: checked and
@@ -81,6 +95,7 @@ class ConsumerGroup:
         self._silent = redis.register_script(_SILENT_LUA)
         self._forget = redis.register_script(_FORGET_LUA)
         self._delete_idle_consumer = redis.register_script(_DELETE_IDLE_CONSUMER_LUA)
+        self._newest = redis.register_script(_NEWEST_LUA)
 
     @property
     def consumers_key(self) -> str:
@@ -112,6 +127,14 @@ class ConsumerGroup:
         now = seconds * 1000 + micros // 1000
         raw: Any = await self.redis.zrangebyscore(self.consumers_key, now - within_ms, "+inf")
         return {as_text(r) for r in raw}
+
+    async def newest_beat_age_ms(self) -> int | None:
+        """How long ago, by Redis's clock, the latest heartbeat of any consumer was; None when
+        no consumer has one (none ever ran, or every one left cleanly)."""
+        reply: Any = await self._newest(keys=[self.consumers_key], args=[])
+        if len(reply) < 2:
+            return None
+        return int(reply[0]) - int(float(reply[1]))
 
     async def claim_all(self, run_id: str, owner: str, consumer: str, count: int) -> int:
         """Move every pending entry of ``owner`` to ``consumer`` (XCLAIM JUSTID: neither read
@@ -152,3 +175,17 @@ class ConsumerGroup:
             )
         except ResponseError:
             return 0  # no stream or no group
+
+
+async def drain_check(consumers: ConsumerGroup) -> str:
+    """Readiness of the accounting drain: ``"ok"`` when a drain consumer sent a heartbeat
+    within :data:`ALIVE_WITHIN_S`, else why not (reported, never raised)."""
+    try:
+        age_ms = await consumers.newest_beat_age_ms()
+    except Exception as exc:  # Redis is down: its own check says so too
+        return f"unreachable: {type(exc).__name__}"
+    if age_ms is None:
+        return "no worker is running: start `rollout-broker worker`"
+    if age_ms > ALIVE_WITHIN_S * 1000:
+        return f"no worker has drained the accounting within {ALIVE_WITHIN_S} s"
+    return "ok"

@@ -48,6 +48,8 @@ class TotalsDelta:
     kl_tokens: int = 0
     kl_sum: float = 0.0
     kl_max: float | None = None
+    # Uses a rewind gave back (the `rewound` events' items); still in rollouts_acked.
+    samples_rewound: int = 0
 
 
 @dataclass
@@ -132,16 +134,20 @@ class BatchPatch:
     clip_fraction: float | None = None
     ess_fraction: float | None = None
     step: int | None = None
+    rewound_at_ms: int | None = None  # a rewind undid the batch (it stays acked)
 
     def merge(self, other: BatchPatch) -> None:
         """Fold a later event's patch into this one (terminal outcomes win over ``leased``)."""
         self.first_event = min(self.first_event, other.first_event)
         if other.outcome != "leased":
             self.outcome = other.outcome
+        rewound = [t for t in (self.rewound_at_ms, other.rewound_at_ms) if t is not None]
         for name in BATCH_VALUE_FIELDS:
             value = getattr(other, name)
             if value is not None:
                 setattr(self, name, value)
+        # Told by each rewind that undid the batch: the first time, whatever the order.
+        self.rewound_at_ms = min(rewound, default=None)
 
 
 BATCH_VALUE_FIELDS = (
@@ -163,6 +169,7 @@ BATCH_VALUE_FIELDS = (
     "clip_fraction",
     "ess_fraction",
     "step",
+    "rewound_at_ms",
 )
 
 

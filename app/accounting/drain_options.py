@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from app.accounting.consumers import ALIVE_WITHIN_S
 from app.settings import Settings
 
 __all__ = ["DrainCounts", "DrainOptions"]
@@ -38,8 +39,10 @@ class DrainOptions:
 
     @property
     def beat_s(self) -> float:
-        """How often a consumer sends its heartbeat and looks for silent ones."""
-        return self.heartbeat_timeout_ms / 4000
+        """How often a consumer sends its heartbeat and looks for silent ones: every quarter of
+        the heartbeat timeout, and at least four times within the readiness window, so that a
+        running drain keeps /readyz ready whatever the timeout."""
+        return min(self.heartbeat_timeout_ms / 4000, ALIVE_WITHIN_S / 4)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> DrainOptions:

@@ -30,6 +30,7 @@ from app.events import (
     Rejected,
     Retired,
     Returned,
+    Rewound,
     RunChanged,
     Waited,
     WorkLeased,
@@ -81,6 +82,8 @@ def fold_events(events: Iterable[Event]) -> Fold:
             _fold_returned(fold, event, body)
         elif isinstance(body, Retired):
             _fold_retired(fold, body)
+        elif isinstance(body, Rewound):
+            _fold_rewound(fold, event, body)
         elif isinstance(body, Registered):
             _fold_registered(fold, event, body)
         elif isinstance(body, WorkLeased):
@@ -246,6 +249,18 @@ def _fold_retired(fold: Fold, body: Retired) -> None:
         if wasted:
             reason.unused += 1
             reason.wasted_tokens += item.tokens
+
+
+def _fold_rewound(fold: Fold, event: Event, body: Rewound) -> None:
+    # A use given back is not taken out of rollouts_acked (samples_consumed): the gradient
+    # happened, and the undone batch stays acknowledged in the ledger.
+    for item in body.items:
+        fold.run.samples_rewound += 1
+        fold.version(item.policy_version).samples_rewound += 1
+    for batch_id in body.batches:
+        # Only its time: the outcome stays what the batch's own events say ("leased" never
+        # replaces a terminal one), whichever is folded first.
+        fold.batch(BatchPatch(first_event=event.stream_id, rewound_at_ms=event.t_ms), batch_id)
 
 
 def _fold_registered(fold: Fold, event: Event, body: Registered) -> None:

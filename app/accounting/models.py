@@ -88,6 +88,8 @@ class _Totals:
     lag_token_sum: Mapped[int] = mapped_column(
         Numeric(precision=38, scale=0), nullable=False, server_default="0"
     )
+    # Uses a rewind gave back (still counted in rollouts_acked: the gradients happened).
+    samples_rewound: Mapped[int] = _count()
 
 
 class RunTotals(_Totals, Base):
@@ -213,6 +215,8 @@ class Batch(Base):
     clip_fraction: Mapped[float | None] = mapped_column(Double)
     ess_fraction: Mapped[float | None] = mapped_column(Double)
     step: Mapped[int | None] = mapped_column(BigInteger)
+    # When a rewind undid the batch (it stays acked: its gradient happened).
+    rewound_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # Stream id of the batch's first event (its lease): the ledger's order and cursor.
     event_ms: Mapped[int] = mapped_column(BigInteger, nullable=False)
     event_seq: Mapped[int] = mapped_column(BigInteger, nullable=False)

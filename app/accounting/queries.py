@@ -148,6 +148,7 @@ def _common(
         "buffered": buffered,
         "leased": leased,
         "samples_consumed": totals.rollouts_acked,
+        "samples_rewound": totals.samples_rewound,
         "tokens_consumed": totals.tokens_consumed,
         "reuse_factor": totals.rollouts_acked / received if received else 0.0,
         "retired": retired,

@@ -245,6 +245,7 @@ _BATCH_TIMES = {
     "acked_at_ms": "acked_at",
     "nacked_at_ms": "nacked_at",
     "expired_at_ms": "expired_at",
+    "rewound_at_ms": "rewound_at",
 }
 
 
@@ -277,6 +278,7 @@ async def _upsert_batches(session: AsyncSession, run_id: str, fold: Fold) -> Non
         set_: dict[str, ColumnElement[Any]] = {
             name: func.coalesce(ex[name], table.c[name]) for name in value_columns
         }
+        set_["rewound_at"] = func.least(ex.rewound_at, table.c.rewound_at)  # as BatchPatch.merge
         # A terminal outcome (acked/nacked/expired) is never replaced by "leased".
         set_["outcome"] = case((ex.outcome == "leased", table.c.outcome), else_=ex.outcome)
         set_["event_ms"] = case((earlier, ex.event_ms), else_=table.c.event_ms)

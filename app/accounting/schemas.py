@@ -117,6 +117,10 @@ class RunAccounting(BaseModel):
     buffered: int
     leased: int = Field(description="Rollouts in live leases")
     samples_consumed: int = Field(description="Σ uses: rollouts in acknowledged batches")
+    samples_rewound: int = Field(
+        description="Of samples_consumed, the uses a rewind of the policy version gave back to "
+        "their rollouts (the batches it undid); they stay in samples_consumed"
+    )
     tokens_consumed: int = Field(description="Trained tokens of the samples")
     reuse_factor: float = Field(description="samples_consumed / rollouts_received (0 if none)")
     retired: dict[str, int] = Field(description="reason -> rollouts")
@@ -154,6 +158,9 @@ class VersionAccounting(BaseModel):
     buffered: int
     leased: int
     samples_consumed: int
+    samples_rewound: int = Field(
+        description="Of samples_consumed, uses of this version's rollouts a rewind gave back"
+    )
     tokens_consumed: int
     reuse_factor: float
     retired: dict[str, int]
@@ -204,6 +211,10 @@ class BatchRecord(BaseModel):
     acked_at: datetime | None
     nacked_at: datetime | None
     expired_at: datetime | None
+    rewound_at: datetime | None = Field(
+        description="When a rewind of the policy version undid the batch (its rollouts got "
+        "their uses back; it stays acked); null when none did"
+    )
     size: int | None = Field(description="Rollouts leased")
     tokens: int | None
     lag_mean: float | None

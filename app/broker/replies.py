@@ -169,6 +169,12 @@ REFUSALS: dict[str, Refusal] = {
         LeaseExpired, "the lease of batch {batch_id!r} expired; its rollouts went back"
     ),
     "run_closed": Refusal(RunClosed, "run {run_id!r} is closed"),
+    # arg: the batch's version
+    "lease_rewound": Refusal(
+        LeaseExpired,
+        "the lease of batch {batch_id!r} ended when the run was rewound below its version {0}; "
+        "its rollouts went back",
+    ),
     "work_missing": Refusal(WorkLeaseNotFound, "no work lease {lease_id!r} in run {run_id!r}"),
     # arg: the lease's state, 'returned' or 'expired'
     "work_lease_over": Refusal(

@@ -147,7 +147,11 @@ class PolicyUpdate(BaseModel):
         pattern=WEIGHTS_PATTERN,
         description="Where the version's weights are (a path or URI), kept with the version",
     )
-    rewind: bool = Field(False, description="Move the run back to an earlier version")
+    rewind: bool = Field(
+        default=False,
+        description="Allow a version below the run's: move the run back to it (a trainer "
+        "resuming from a checkpoint of that version)",
+    )
 
 
 class PolicyResult(BaseModel):

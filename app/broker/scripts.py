@@ -20,6 +20,7 @@ SCRIPTS = (
     "patch_config",
     "set_policy",
     "policy_view",
+    "rewind",
     "close_run",
     "ingest",
     "lease",

@@ -190,14 +190,23 @@ class Broker:
         run_id: str,
         version: int,
         by: Caller,
+        *,
         weights: str | None = None,
         rewind: bool = False,
     ) -> PolicyResult:
+        """Move the run to ``version``, with where its ``weights`` are: forward, or with
+        ``rewind`` back as well (a trainer resuming from a checkpoint); ``evicted`` counts what
+        the change retired ('stale' going forward, 'rewound' going back)."""
         detail: dict[str, Any] = {"version": version}
         if weights is not None:
             detail["weights"] = weights
-        entry = action_entry(by, "run.policy", run_id, detail)
         with self._refusals(run_id, version=version):
+            if rewind:
+                entry = action_entry(by, "run.rewind", run_id, detail)
+                back = await self.store.rewind(run_id, version, weights, entry=entry)
+                if back is not None:
+                    return PolicyResult(policy_version=back[0], evicted=back[1])
+            entry = action_entry(by, "run.policy", run_id, detail)
             current, evicted = await self.store.set_policy(
                 run_id, version, entry=entry, weights=weights
             )

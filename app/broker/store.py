@@ -199,6 +199,18 @@ class RedisStore(PassReads):
         )
         return PolicyState(int(ver), text(wts) or None, int(at))
 
+    async def rewind(
+        self, run_id: str, version: int, weights: str | None = None, *, entry: bytes = b""
+    ) -> tuple[int, int] | None:
+        """(policy_version, rollouts retired 'rewound') after moving the run back to
+        ``version`` in one step (rewind.lua), or None when ``version`` is not below the run's
+        (nothing changed: the caller moves forward). The entry is written when it rewinds."""
+        got = await self._call("rewind", run_id, str(version), weights or "", entry)
+        if text(got[0]) == "not_behind":
+            return None
+        _, current, retired = got
+        return int(current), _counts(retired).get("rewound", 0)
+
     async def close_run(self, run_id: str, *, entry: bytes = b"") -> None:
         """Close the run (again: nothing changes); the entry is written when this call closes
         it."""
@@ -455,6 +467,7 @@ class RedisStore(PassReads):
                 str(p.policy_version),
                 p.tokens,
                 memoryview(p.blob),
+                str(p.v_new),
             ]
         (returned,) = await self._call("work_return", run_id, lease_id, *args)
         return int(returned)

@@ -27,6 +27,7 @@ from app.events.payloads import (
     Rejected,
     Retired,
     Returned,
+    Rewound,
     RunChanged,
     StreamId,
     Waited,
@@ -98,13 +99,28 @@ SCHEMA: dict[str, EventType] = {
             "and the accounting read one record",
         ),
         EventType("nacked", Returned, "leased → buffered, no use"),
-        EventType("expired", Returned, "leased → buffered, no use (lease ran out)"),
+        EventType(
+            "expired",
+            Returned,
+            "leased → buffered, no use (lease ran out, or a rewind ended a lease taken at a "
+            "version above the one it went back to)",
+        ),
         EventType(
             "retired",
             Retired,
             "buffered → gone. Reasons: `stale`, `max_reuse`, `kl`, `kl_flush`, "
-            "`incomplete_group`, `zero_variance`, `run_closed`. `uses == 0` means the tokens "
-            "were wasted",
+            "`incomplete_group`, `zero_variance`, `run_closed`, `rewound` (a token sampled "
+            "above the version a rewind went back to). `uses == 0` means the tokens were wasted",
+        ),
+        EventType(
+            "rewound",
+            Rewound,
+            "the run's version went back from `from_version` to `to_version` (`W`): each "
+            "item is a use of an acknowledged batch acked above `W` given back to its rollout "
+            "(counts `samples_rewound`; `samples_consumed` keeps it), and each batch of "
+            "`batches` is marked rewound. The rewind's other changes are in their own events: "
+            "`expired` (trainer leases taken above `W`), `retired` `rewound`, `passes` "
+            "`rewound`, `run` `policy`",
         ),
         EventType(
             "registered",

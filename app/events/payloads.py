@@ -288,6 +288,30 @@ class Retired:
 
 
 @_wire_class
+class RewoundItem:
+    rollout_id: str = wire("text")
+    policy_version: int = wire("int", note="the rollout's, as in `acked` items")
+    tokens: int = wire("int", minimum=0, note="its trained tokens in the undone batch")
+    batch_version: int = wire("int", minimum=0, note="the undone batch's V")
+
+
+@_wire_class
+class Rewound:
+    """A rewind of the run's policy version: the uses of acknowledged batches it undid."""
+
+    from_version: int = wire("int", minimum=0, note="the run's version before")
+    to_version: int = wire("int", minimum=0, note="`W`")
+    batches: tuple[str, ...] = wire(
+        "texts", note="the acknowledged batches undone: those acked at a version above `W`"
+    )
+    items: tuple[RewoundItem, ...] = wire(
+        "items",
+        of=RewoundItem,
+        note="one per use undone: a rollout of two undone batches is there twice",
+    )
+
+
+@_wire_class
 class RegisteredItem:
     prompt_id: str = wire("text")
     passes: int = wire("int", minimum=1, note="`epochs`: passes 1..passes are queued")
@@ -332,7 +356,10 @@ class PassesChanged:
         "text",
         note="`returned`, `expired` (work lease), `rejected` (a rollout of its attempt was "
         "rejected `stale`, in `rejected`: the attempt ended), `retired` (its group retired: the "
-        "reason is in `retired`), `acked` (first use)",
+        "reason is in `retired`), `acked` (first use), `rewound` (a rewind undid the batches "
+        "that completed it: `in_flight` at a later attempt while its group is buffered, else "
+        "`queued`; or it ended the pass's work lease, taken above `W`: `queued`; neither is a "
+        "try)",
     )
     lease_id: str | None = wire("text", optional=True, note="the work lease, when one")
     items: tuple[PassItem, ...] = wire("items", of=PassItem)
@@ -358,7 +385,8 @@ class PartialsChanged:
         "text",
         optional=True,
         note="`dropped`: `stale` / `kl_flush` (too stale when handed out), `unused` (its group "
-        "completed without it), `failed` (its pass failed)",
+        "completed without it), `failed` (its pass failed), `rewound` (a token sampled above "
+        "the run's version when handed out, after a rewind)",
     )
     lease_id: str | None = wire("text", optional=True, note="the work lease, when one")
     items: tuple[PartialItem, ...] = wire("items", of=PartialItem)
@@ -380,6 +408,7 @@ Payload: TypeAlias = (
     | Returned
     | Retired
     | Registered
+    | Rewound
     | WorkLeased
     | PassesChanged
     | PartialsChanged

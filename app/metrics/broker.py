@@ -195,6 +195,7 @@ class _BrokerCollector(Collector):
         for outcome, n in acc.batches.model_dump().items():
             put("batches_total", n, run, outcome)
         put("samples_consumed_total", acc.samples_consumed, run)
+        put("samples_rewound_total", acc.samples_rewound, run)
         for reason, n in acc.retired.items():
             put("rollouts_retired_total", n, run, reason)
         put("tokens_generated_total", acc.tokens_generated, run)

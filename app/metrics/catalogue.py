@@ -121,6 +121,13 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
         f"Samples that reached a gradient (rollouts in acknowledged batches), {_LEDGER}",
     ),
     _m(
+        "samples_rewound_total",
+        "counter",
+        _RUN,
+        "Of the samples consumed, the uses a rewind of the policy version gave back to their "
+        f"rollouts (the acknowledged batches it undid), {_LEDGER}",
+    ),
+    _m(
         "rollouts_retired_total",
         "counter",
         ("run", "reason"),

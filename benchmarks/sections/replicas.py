@@ -5,6 +5,7 @@ section: what it costs that every answer waits for the replica to acknowledge it
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import subprocess
@@ -14,7 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import redis
+import redis.asyncio
 
+from app.accounting.consumers import ConsumerGroup
 from benchmarks.harness import Bench, Row
 from benchmarks.load import Http, expect
 from benchmarks.pairs import Toggle, paired_rows
@@ -73,8 +76,19 @@ def replica_of(master_url: str, workdir: Path) -> Iterator[None]:
             proc.wait(10)
 
 
-def check_waits(servers: dict[str, Server]) -> None:
+async def _drain_heartbeat(url: str, prefix: str) -> None:
+    """A drain consumer's heartbeat, as a worker sends it: the pair runs none, and /readyz
+    answers 503 without one."""
+    client = redis.asyncio.Redis.from_url(url)
+    try:
+        await ConsumerGroup(client, prefix).beat("bench-drain")
+    finally:
+        await client.aclose()
+
+
+def check_waits(b: Bench, servers: dict[str, Server]) -> None:
     """The setting is on where it should be: /readyz of ``on`` counts the master's replicas."""
+    asyncio.run(_drain_heartbeat(b.redis.url, b.prefix))
     for side, want in (("on", True), ("off", False)):
         http = Http(servers[side].address)
         status, data, _ = http.call("GET", "/readyz")
@@ -91,7 +105,7 @@ def replicas_rows(b: Bench) -> list[Row]:
         return []
 
     def prepare(servers: dict[str, Server]) -> dict[str, str | None]:
-        check_waits(servers)
+        check_waits(b, servers)
         return {"off": None, "on": None}
 
     with replica_of(b.redis.url, b.workdir or Path(tempfile.gettempdir())):

@@ -48,6 +48,8 @@ from app.events import (
     RetiredItem,
     Returned,
     ReturnedItem,
+    Rewound,
+    RewoundItem,
     RunChanged,
     Waited,
     WorkItem,
@@ -146,6 +148,8 @@ class SimRollout:
     uses: int = 0
     retired_reason: str | None = None
     kl: float | None = None
+    trained: int = 0  # uses ever acked, those a rewind gave back too
+    rewound: int = 0  # uses a rewind gave back
 
 
 @dataclass
@@ -154,6 +158,7 @@ class SimBatch:
     version: int
     rollout_ids: list[str]
     outcome: str = "leased"
+    rewound: bool = False  # an acked batch a rewind undid
 
 
 @dataclass
@@ -207,6 +212,8 @@ class RunSim:
     wait_ms: Counter[str] = field(default_factory=Counter)  # role -> ms
     partial_rng: random.Random = field(init=False)
     partial_counts: Counter[str] = field(default_factory=Counter)  # the `partials` figures
+    rewinds: bool = False  # the workload rewinds the version now and then
+    work_versions: dict[str, int] = field(default_factory=dict)  # work lease -> the run's V
     _n: int = 0
     _work_n: int = 0
 
@@ -332,6 +339,7 @@ class RunSim:
         kl_tokens, kl_sum, kls = 0, 0.0, []
         for r in rollouts:
             r.uses += 1
+            r.trained += 1
             self.samples.append((r.version, batch.version - r.version, r.tokens))
             kl: float | None = None
             if measured and self.rng.random() < 0.85:
@@ -436,6 +444,53 @@ class RunSim:
             "stale",
         )
 
+    def rewind(self, to: int) -> None:
+        """Back to version ``to``, as the rewind does: trainer leases taken above it expire,
+        the batches acked above it are undone (their rollouts still kept get those uses back),
+        rollouts above it retire `rewound`, the passes those batches completed go back (a share
+        of them, as the broker sends back only those whose group no later batch completed)
+        and so do those of work leases taken above it."""
+        assert to < self.policy
+        for batch_id in self.live_batches():
+            if self.batches[batch_id].version > to:
+                self.expire(batch_id)
+        undone = [
+            b
+            for b in self.batches.values()
+            if b.outcome == "acked" and b.version > to and not b.rewound
+        ]
+        items: list[RewoundItem] = []
+        for b in undone:
+            b.rewound = True
+            for r in (self.rollouts[rid] for rid in b.rollout_ids):
+                if r.state != "retired":
+                    r.uses -= 1
+                    r.rewound += 1
+                    items.append(RewoundItem(r.rollout_id, r.version, r.tokens, b.version))
+        before, self.policy = self.policy, to
+        body = Rewound(before, to, tuple(b.batch_id for b in undone), tuple(items))
+        self._emit("rewound", body)
+        self.retire([r for r in self.rollouts.values() if r.version > to], "rewound")
+        self._rewind_passes(to)
+        self._run_event("policy")
+
+    def _rewind_passes(self, to: int) -> None:
+        rng = self.work_rng
+        undone = [k for k, p in self.passes.items() if p.state == "done" and rng.random() < 0.5]
+        for key in undone:  # not a try: `tries` stays
+            self.passes[key].attempt += 1
+            self.passes[key].state = rng.choice(("queued", "in_flight"))
+        self._passes("rewound", None, undone)
+        for lease_id in [w for w, v in self.work_versions.items() if v > to]:
+            del self.work_versions[lease_id]
+            keys = self.work_leases.pop(lease_id, [])
+            for key in keys:
+                self.passes[key].attempt += 1
+                self.passes[key].state = "queued"
+            self._passes("rewound", lease_id, keys)
+            for key in keys:
+                self._settle_partials(key, lease_id)
+
     def close(self) -> None:
         self._run_event("closed", status="closed")
         self.retire(list(self.rollouts.values()), "run_closed")
@@ -471,6 +526,7 @@ class RunSim:
         chosen = queued[:max_prompts]
         lease_id = self._work_id("w")
         self.work_leases[lease_id] = chosen
+        self.work_versions[lease_id] = self.policy
         for key in chosen:
             self.passes[key].state = "in_flight"
             self._hand_out_partials(key, lease_id)
@@ -576,6 +632,10 @@ class RunSim:
         """A pass's partials go out with it (and stay kept until their rollouts come), but for
         those already too stale: dropped."""
         kept = self.passes[key].partials
+        above = [p for p in kept if p[1] > self.policy]  # sampled above a rewind's version
+        if above:
+            self._partials("dropped", "rewound", lease_id, key, above)
+        kept = [p for p in kept if p not in above]
         stale = [p for p in kept if p[1] < self.policy - self.max_staleness]
         self.passes[key].partials = [p for p in kept if p not in stale]
         if stale:
@@ -638,6 +698,8 @@ class RunSim:
             if step % 7 == 6:
                 # Now and then a jump of several versions, which makes buffered rollouts stale.
                 self.set_policy(self.policy + (self.max_staleness + 1 if step % 21 == 20 else 1))
+            if self.rewinds and step % 13 == 12 and self.policy > 0:
+                self.rewind(self.policy - self.rng.randint(1, min(self.policy, 3)))
             if step % 11 == 10:
                 buffered = [r for r in self.rollouts.values() if r.state == "buffered"]
                 self.retire(buffered[:2], "incomplete_group")
@@ -727,7 +789,7 @@ def _expected(
     ratio: tuple[int, float, int] | None = None,
 ) -> dict[str, Any]:
     received = len(rollouts)
-    samples_consumed = sum(r.uses for r in rollouts)
+    samples_consumed = sum(r.trained for r in rollouts)
     lags = [lag for _, lag, _ in samples]
     sample_tokens = sum(t for _, _, t in samples)
     out: dict[str, Any] = {
@@ -740,7 +802,8 @@ def _expected(
         "buffered": sum(r.state == "buffered" for r in rollouts),
         "leased": sum(r.state == "leased" for r in rollouts),
         "samples_consumed": samples_consumed,
-        "tokens_consumed": sum(r.uses * r.tokens for r in rollouts),
+        "samples_rewound": sum(r.rewound for r in rollouts),
+        "tokens_consumed": sum(r.trained * r.tokens for r in rollouts),
         "reuse_factor": samples_consumed / received if received else 0.0,
         "retired": dict(Counter(r.retired_reason for r in rollouts if r.state == "retired")),
         "wasted_tokens": sum(r.tokens for r in rollouts if r.state == "retired" and r.uses == 0),

@@ -57,6 +57,7 @@ async def test_run_known_only_to_redis_reads_as_zeros(
         "buffered": 0,
         "leased": 0,
         "samples_consumed": 0,
+        "samples_rewound": 0,
         "tokens_consumed": 0,
         "reuse_factor": 0.0,
         "retired": {},
@@ -122,7 +123,7 @@ async def test_endpoints_after_drain(
     assert list(body) == [
         "rollouts_received", "groups_received", "duplicates", "rejected", "tokens_generated",
         "tokens_masked", "tokens_masked_stale", "buffered", "leased", "samples_consumed",
-        "tokens_consumed", "reuse_factor", "retired",
+        "samples_rewound", "tokens_consumed", "reuse_factor", "retired",
         "wasted_tokens", "batches", "lag", "kl", "is_ratio", "prompts", "partials", "wait",
         "as_of", "pending_events", "dead_letters", "live",
     ]  # fmt: skip
@@ -165,7 +166,7 @@ async def test_endpoints_after_drain(
     assert acked["trainer_id"] == "trainer-0"
     assert set(acked) >= {
         "batch_id", "trainer_id", "policy_version", "leased_at", "expires_at", "acked_at",
-        "nacked_at", "expired_at", "outcome", "size", "tokens", "lag_mean", "lag_max",
+        "nacked_at", "expired_at", "rewound_at", "outcome", "size", "tokens", "lag_mean", "lag_max",
         "kl_mean", "kl_max", "is_ratio_mean", "clip_fraction", "ess_fraction", "step",
     }  # fmt: skip
     expired = next(b for b in seen if b["outcome"] == "expired")

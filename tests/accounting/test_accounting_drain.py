@@ -37,6 +37,7 @@ SUMMED = (
     "buffered",
     "leased",
     "samples_consumed",
+    "samples_rewound",
     "tokens_consumed",
     "wasted_tokens",
 )
@@ -85,8 +86,8 @@ async def test_invariants_after_mixed_workload(
     sessionmaker: async_sessionmaker[AsyncSession],
 ) -> None:
     sims = [
-        RunSim("solo-" + prefix, seed=1, group_size=1, max_reuse=3, lua=True),
-        RunSim("grpo-" + prefix, seed=2, group_size=4, max_reuse=2, lua=False),
+        RunSim("solo-" + prefix, seed=1, group_size=1, max_reuse=3, lua=True, rewinds=True),
+        RunSim("grpo-" + prefix, seed=2, group_size=4, max_reuse=2, lua=False, rewinds=True),
     ]
     for n, sim in enumerate(sims):
         sim.workload(60)
@@ -101,7 +102,8 @@ async def test_invariants_after_mixed_workload(
         assert kinds == EVENT_TYPES
         assert exp["reuse_factor"] > 1.0
         assert exp["leased"] > 0 and exp["buffered"] > 0
-        assert {"kl", "kl_flush", "max_reuse", "stale"} <= set(exp["retired"])
+        assert {"kl", "kl_flush", "max_reuse", "stale", "rewound"} <= set(exp["retired"])
+        assert exp["samples_rewound"] > 0
         assert exp["wasted_tokens"] > 0
         assert all(exp["prompts"][k] > 0 for k in ("queued", "in_flight", "done", "failed"))
         assert exp["prompts"]["retried"] > 0
@@ -155,6 +157,7 @@ async def test_invariants_after_mixed_workload(
         assert got["samples_consumed"] == sum(b["size"] for b in ledger if b["outcome"] == "acked")
         for b in ledger:
             assert b["outcome"] == sim.batches[b["batch_id"]].outcome
+            assert (b["rewound_at"] is not None) == sim.batches[b["batch_id"]].rewound
             assert b["size"] == len(sim.batches[b["batch_id"]].rollout_ids)
 
         versions = (await accounting_api.get(f"/v1/runs/{sim.run_id}/accounting/versions")).json()
@@ -200,8 +203,9 @@ async def test_redelivery_changes_nothing(
     make_ctx: Callable[..., DrainContext],
     sessionmaker: async_sessionmaker[AsyncSession],
 ) -> None:
-    sim = RunSim(run_id, seed=3, group_size=2)
+    sim = RunSim(run_id, seed=3, group_size=2, rewinds=True)
     sim.workload(40)
+    assert "rewound" in {t for t, _ in sim.events}
     await register_run(redis, prefix, run_id)
     ids = await xadd_events(redis, prefix, run_id, sim.events)
     key = events_key(prefix, run_id)

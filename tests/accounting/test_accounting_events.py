@@ -63,7 +63,8 @@ def test_docs_show_the_schema_table() -> None:
 
 @pytest.mark.parametrize("lua", [True, False])
 def test_encoder_and_decoder_agree_on_every_type(lua: bool) -> None:
-    sim = RunSim("run-1", seed=12, group_size=2, lua=lua)  # a seed whose workload has them all
+    # A seed whose workload has them all.
+    sim = RunSim("run-1", seed=12, group_size=2, lua=lua, rewinds=True)
     sim.workload(25, close=True)
     assert {t for t, _ in sim.events} == EVENT_TYPES
     for i, (event_type, payload) in enumerate(sim.events):
@@ -232,7 +233,8 @@ async def test_batches_applied_in_any_order_give_the_same_tables(
     in_order, shuffled = f"in-order-{tag}", f"shuffled-{tag}"
 
     def events_of(run_id: str) -> list[Any]:
-        sim = RunSim(run_id, seed=9, group_size=2)  # same seed: the same workload
+        # Same seed: the same workload.
+        sim = RunSim(run_id, seed=9, group_size=2, rewinds=True)
         sim.workload(30)
         return [
             decode_entry(run_id, f"{1000 + i}-0", entry(t, p))
@@ -251,4 +253,5 @@ async def test_batches_applied_in_any_order_give_the_same_tables(
 
     a, b = await _rows(sessionmaker, in_order), await _rows(sessionmaker, shuffled)
     assert a["runs"] and a["batches"] and a["reason_totals"] and a["prompt_passes"]
+    assert any(e.type == "rewound" and e.body.batches for e in events)
     assert a == b

@@ -27,6 +27,7 @@ from app.events import (
     Rejected,
     Retired,
     Returned,
+    Rewound,
     RunChanged,
     Waited,
     WorkLeased,
@@ -46,6 +47,7 @@ RETIRE_REASONS = {
     "incomplete_group",
     "zero_variance",
     "run_closed",
+    "rewound",
 }
 
 
@@ -77,6 +79,7 @@ class Script:
         self.work: dict[str, dict[str, Any]] = {}  # lease_id -> the work lease's reply
         self.generators: dict[str, str | None] = {}  # lease_id -> generator_id asked for
         self.registered: dict[str, int] = {}  # prompt_id -> epochs
+        self.rewinds: list[tuple[int, int]] = []  # (from, to)
 
     async def send(self, *rollouts: dict[str, Any]) -> dict[str, Any]:
         resp = await post(self.client, self.run_id, *rollouts)
@@ -115,6 +118,13 @@ class Script:
     async def policy(self, version: int) -> None:
         resp = await self.client.post(f"/v1/runs/{self.run_id}/policy", json={"version": version})
         assert resp.status_code == 200, resp.text
+
+    async def rewind(self, version: int) -> None:
+        before = (await self.client.get(f"/v1/runs/{self.run_id}")).json()["policy_version"]
+        body = {"version": version, "rewind": True}
+        resp = await self.client.post(f"/v1/runs/{self.run_id}/policy", json=body)
+        assert resp.status_code == 200, resp.text
+        self.rewinds.append((before, version))
 
     async def close(self) -> None:
         resp = await self.client.post(f"/v1/runs/{self.run_id}/close")
@@ -221,6 +231,24 @@ async def single_run(client: httpx.AsyncClient, run_id: str) -> Script:
     await s.send(*(rollout(f"s{i}", 0, tokens=2 + i, logprobs=False) for i in range(3)))
     assert (await s.give(await s.take(2))).status_code == 200
     await s.close()
+    return s
+
+
+async def rewind_run(client: httpx.AsyncClient, run_id: str) -> Script:
+    """Batches acked at 0, 1 and 2, then a rewind to 0: the batches at 1 and 2 are undone (one
+    use given back per rollout per batch, retired rollouts' too), what was sampled above 0
+    retires `rewound`."""
+    s = Script(client, run_id)
+    await make_run(client, run_id, max_reuse=2, max_staleness=4)
+    await s.send(rollout("r0", 0, tokens=2), rollout("r1", 0, tokens=3))
+    assert (await s.give(await s.take(2))).status_code == 200
+    await s.policy(1)
+    await s.send(rollout("r2", 1, tokens=4))
+    assert (await s.give(await s.take(3))).status_code == 200  # r0, r1 retire: max_reuse
+    await s.policy(2)
+    await s.send(rollout("r3", 2, tokens=5))
+    assert (await s.give(await s.take(2))).status_code == 200
+    await s.rewind(0)
     return s
 
 
@@ -371,6 +399,20 @@ def check_meaning(s: Script, events: list[Event]) -> None:
                 assert (p.prompt_id, p.pass_) == ("b", 1)
         elif isinstance(body, Waited):
             assert body.role in {"trainer", "generator"}
+        elif isinstance(body, Rewound):
+            assert (body.from_version, body.to_version) in s.rewinds
+            undone = {
+                b: s.leases[b] for b in s.answers if s.leases[b]["policy_version"] > body.to_version
+            }
+            assert sorted(body.batches) == sorted(undone)
+            uses = sorted(
+                (r["rollout_id"], reply["policy_version"])
+                for reply in undone.values()
+                for r in reply["rollouts"]
+            )
+            assert sorted((i.rollout_id, i.batch_version) for i in body.items) == uses
+            for i in body.items:
+                assert (i.policy_version, i.tokens) == s.rollouts[i.rollout_id]
         else:
             assert isinstance(body, Retired)
             for r in body.items:
@@ -384,6 +426,7 @@ async def test_every_event_the_scripts_write_follows_the_schema(
         await grouped_run(api, "schema-groups"),
         await single_run(api, "schema-one"),
         await prompt_run(api, redis, prefix, "schema-prompts"),
+        await rewind_run(api, "schema-rewind"),
     ]
     types: set[str] = set()
     reasons: set[str] = set()

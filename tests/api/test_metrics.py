@@ -331,6 +331,7 @@ async def test_the_ledger_figures_equal_the_accounting(api, drain):
         "expired": 0,
     }
     assert one("samples_consumed_total") == acc["samples_consumed"] == 3
+    assert one("samples_rewound_total") == acc["samples_rewound"] == 0
     assert by("rollouts_retired_total", "reason") == acc["retired"]
     assert one("tokens_generated_total") == acc["tokens_generated"]
     assert one("tokens_consumed_total") == acc["tokens_consumed"]

@@ -24,6 +24,7 @@ from app.errors import outage_of, write_refusal_of
 from app.main import create_app
 from app.settings import Settings
 from tests.api.support import assert_error
+from tests.helpers import drain_heartbeat
 from tests.processes import KillableRedis, RedisServer
 
 RUN = "r"
@@ -174,6 +175,7 @@ async def test_writes_redis_refuses_are_503_change_nothing_and_are_retried_once(
 ) -> None:
     http = refusing.http
     await _set_up(http)
+    await drain_heartbeat(refusing.redis, settings.redis_prefix)  # a worker runs
     assert (await http.get("/readyz")).status_code == 200
     before = await refusing.snapshot(settings.redis_prefix)
 

@@ -62,6 +62,7 @@ EXPECTED: dict[str, tuple[type[BrokerError], int]] = {
     "batch_nacked": (BatchSettled, 0),
     "batch_acked": (BatchSettled, 0),
     "lease_expired": (LeaseExpired, 0),
+    "lease_rewound": (LeaseExpired, 1),
     "lease_lost": (LeaseExpired, 0),
     "work_lost": (InternalError, 1),
     "run_closed": (RunClosed, 0),

@@ -36,6 +36,7 @@ def body(**fields: Any) -> dict[str, Any]:
         "buffered": 2,
         "leased": 0,
         "samples_consumed": 9,
+        "samples_rewound": 4,
         "retired": {"max_reuse": 6},
         "tokens_generated": 4_936,
         "tokens_masked": 1_234,
@@ -69,15 +70,24 @@ def test_the_client_types_the_token_and_partial_figures() -> None:
     assert (acc.tokens_masked, acc.tokens_masked_stale) == (1_234, 321)
     assert acc.lag.token_mean == 0.625
     assert acc.partials == PartialCounts(**PARTIALS)
+    assert acc.samples_rewound == 4
     # A broker without these figures still reads: zeros, no token lag, and no partials.
     older = parse_accounting(
-        body(tokens_masked=None, tokens_masked_stale=None, partials=None, lag={"mean": 0.5})
+        body(
+            tokens_masked=None,
+            tokens_masked_stale=None,
+            samples_rewound=None,
+            partials=None,
+            lag={"mean": 0.5},
+        )
     )
     assert (older.tokens_masked, older.tokens_masked_stale, older.lag.token_mean) == (0, 0, None)
+    assert older.samples_rewound == 0
     assert older.partials is None
     one = {**body(), "policy_version": 3, "tokens_masked": 12, "tokens_masked_stale": 5}
     [v] = parse_versions({"versions": [one]})
     assert (v.tokens_masked, v.tokens_masked_stale, v.lag.token_mean) == (12, 5, 0.625)
+    assert v.samples_rewound == 4
 
 
 def test_the_accounting_table_shows_masked_tokens_token_lag_and_partials() -> None:
@@ -85,6 +95,7 @@ def test_the_accounting_table_shows_masked_tokens_token_lag_and_partials() -> No
     masked = row(lines, "tokens masked")
     assert "1,234" in masked and "25.0% of generated" in masked  # 1234 / 4936
     assert "321" in row(lines, "tokens masked stale")
+    assert " 4 " in row(lines, "samples rewound")
     assert "mean 0.75" in row(lines, "lag") and "max 3" in row(lines, "lag")
     assert "mean 0.625" in row(lines, "token lag")
     assert any("partial rollouts" in x for x in lines)
@@ -104,13 +115,17 @@ def test_the_partials_section_is_shown_only_when_the_broker_reports_it() -> None
 
 def test_the_versions_table_shows_masked_tokens_and_token_lag() -> None:
     one = body(
-        policy_version=3, tokens_masked=4_321, lag={"mean": 1.5, "max": 2, "token_mean": 1.25}
+        policy_version=3,
+        tokens_masked=4_321,
+        samples_rewound=17,
+        lag={"mean": 1.5, "max": 2, "token_mean": 1.25},
     )
     lines = rendered(versions_table(parse_versions({"versions": [one]})))
     header = next(x for x in lines if "version" in x and "received" in x).split()
     [cells] = [x.split() for x in lines if x.split()[:1] == ["3"]]
     named = dict(zip([*header[: header.index("token")], "token lag"], cells, strict=False))
     assert (named["masked"], named["lag"], named["token lag"]) == ("4,321", "1.5", "1.25")
+    assert named["rewound"] == "17"
 
 
 def test_watch_shows_token_lag_and_the_masked_share() -> None:
@@ -126,6 +141,7 @@ def test_watch_shows_token_lag_and_the_masked_share() -> None:
     masked = row(lines, "tokens masked")
     assert "1,234" in masked and "25.0% of generated" in masked
     assert "masked stale at hand-out 321" in masked
+    assert " 4 " in row(lines, "samples rewound")
     [lag] = [x for x in lines if "lag mean" in x]
     assert "lag mean 0.75" in lag and "token lag mean 0.625" in lag
 

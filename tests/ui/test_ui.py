@@ -139,7 +139,14 @@ async def expected_figures(http: httpx.AsyncClient, selected: str) -> dict[str, 
     for v in versions["versions"]:
         k = f"versions.{v['policy_version']}."
         want[k + "policy_version"] = v["policy_version"]
-        for name in ("rollouts_received", "samples_consumed", "reuse_factor", "buffered", "leased"):
+        for name in (
+            "rollouts_received",
+            "samples_consumed",
+            "samples_rewound",
+            "reuse_factor",
+            "buffered",
+            "leased",
+        ):
             want[k + name] = v[name]
         want[k + "retired_total"] = sum(v["retired"].values())
         want[k + "rejected_total"] = sum(v["rejected"].values())

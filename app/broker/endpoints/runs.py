@@ -122,7 +122,13 @@ async def close_run(run_id: RunId, request: Request) -> Response:
 @router.post(
     "/{run_id}/policy",
     response_model=PolicyResult,
-    responses=errors((409, "The version is below the run's current version")),
+    responses=errors(
+        (
+            409,
+            "The version is below the run's current version (without rewind), or the run is "
+            "closed (a rewind)",
+        )
+    ),
     openapi_extra=request_body(PolicyUpdate),
 )
 async def set_policy(run_id: RunId, request: Request) -> Response:

@@ -8,7 +8,8 @@
 --       tokens, kl?] are also where each rollout's measured KL comes from, so the KL gate and the
 --       accounting read one record.
 -- Returns ok('acked', answer) | ok('repeat', answer) (acked before: the stored answer)
---       | err('run_missing') | err('batch_missing') | err('batch_nacked') | err('lease_expired').
+--       | err('run_missing') | err('batch_missing') | err('batch_nacked') | err('lease_expired')
+--       | err('lease_rewound', version): a rewind below the batch's version ended its lease.
 -- The answer is a msgpack map {retired, flushed, stats (the stats text)}.
 if not load_run() then return err('run_missing') end
 local bid = ARGV[2]
@@ -18,6 +19,7 @@ if not f[1] then return err('batch_missing') end
 if f[1] == 'a' then return ok('repeat', f[7]) end
 if f[1] == 'n' then return err('batch_nacked') end
 if f[1] == 'e' then return err('lease_expired') end
+if f[1] == 'r' then return err('lease_rewound', f[5]) end
 if tonumber(f[6]) <= NOW then
   expire_batch(bid)
   finish()
@@ -67,6 +69,7 @@ if ARGV[3] ~= '' and tonumber(ARGV[3]) > CFG.kl_flush then
   local V = tonumber(f[5])
   if V > R.floor then
     redis.call('HSET', RUN, 'floor', I(V))
+    redis.call('ZADD', FLOORS, I(V), I(V))  -- what a rewind below V restores from
     R.floor = V
   end
   retire_below(tonumber(ARGV[6]))
@@ -76,6 +79,7 @@ end
 redis.call('HINCRBY', RUN, 'leased', -tonumber(f[4]))
 local ans = cmsgpack.pack({ retired = retired, flushed = flushed, stats = ARGV[5] })
 redis.call('HSET', bk, 'st', 'a', 'ans', ans, 'end', I(NOW))
+redis.call('ZADD', ACKED, I(NOW), f[5] .. ':' .. bid)  -- a rewind below its version undoes it
 redis.call('PEXPIRE', bk, 86400000)
 finish()
 return ok('acked', ans)

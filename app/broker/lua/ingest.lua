@@ -144,7 +144,8 @@ for i = 1, n do
   local o = 2 + (i - 1) * 8
   local rid, gid, ntok, masked, rw, blob =
     ARGV[o + 1], ARGV[o + 2], ARGV[o + 5], tonumber(ARGV[o + 6]), ARGV[o + 7], ARGV[o + 8]
-  local v, tokens = governing_version(tonumber(ARGV[o + 3]), tonumber(ARGV[o + 4])), tonumber(ntok)
+  local v_new = tonumber(ARGV[o + 4])
+  local v, tokens = governing_version(tonumber(ARGV[o + 3]), v_new), tonumber(ntok)
   local vs = I(v)
   if fate[i] == 'dup' then
     table.insert(dup_ids, rid)
@@ -161,6 +162,7 @@ for i = 1, n do
       admit(1)
       local us = next_seq()
       set_unit(u, { v = v, seq = us, uses = 0, k = 1, n = tokens })
+      note_cross(u, v, v_new)
       make_ready(u, v, us)
       table.insert(acc_items, { rid, rid, v, tokens, 1, masked > 0 and masked or nil })
     else
@@ -169,14 +171,16 @@ for i = 1, n do
       -- A rollout that completes a partial takes its place (its prefix was checked before).
       if work then forget_partial(work[1], rid) end
       redis.call('RPUSH', mkey(u), member_entry(v, tokens, rid))
-      local f = redis.call('HMGET', uk, 'have', 'need', 'v', 'rmin', 'rmax', 'seq')
+      local f = redis.call('HMGET', uk, 'have', 'need', 'v', 'rmin', 'rmax', 'seq', 'vn')
       local new_unit = 0
       local have, need, uv, useq
+      local uvn = v_new  -- the group's newest trained token so far
       if not f[1] then
         new_unit = 1
         useq = work and work[4] or next_seq()
         have, need, uv = 1, gs, v
-        redis.call('HSET', uk, 'need', gs, 'have', 1, 'v', vs, 'seq', useq, 'rmin', rw, 'rmax', rw)
+        redis.call('HSET', uk, 'need', gs, 'have', 1, 'v', vs, 'seq', useq, 'rmin', rw, 'rmax', rw,
+          'vn', I(v_new))
         if work then
           redis.call('HSET', uk, 'pk', work[1], 'att', work[2])  -- admitted when handed out
         else
@@ -189,6 +193,8 @@ for i = 1, n do
       else
         have = redis.call('HINCRBY', uk, 'have', 1)
         need, uv, useq = tonumber(f[2]), tonumber(f[3]), tonumber(f[6])
+        uvn = math.max(uvn, tonumber(f[7] or '0'))
+        if uvn > tonumber(f[7] or '0') then redis.call('HSET', uk, 'vn', I(uvn)) end
         if v < uv then
           uv = v
           redis.call('HSET', uk, 'v', vs)
@@ -222,6 +228,7 @@ for i = 1, n do
             v = uv, seq = useq, uses = 0, k = need, n = 0,
             att = work and work[2] or nil, pk = work and work[1] or nil,
           })
+          note_cross(u, uv, uvn)
           make_ready(u, uv, useq)
         end
       end

@@ -21,6 +21,8 @@ if f[2] then
   return ok('parked', 0, {}, I(NOW))
 end
 load_run()
+-- Acked batches leave the rewind index with their records (kept 24 h after they settle).
+redis.call('ZREMRANGEBYSCORE', ACKED, '-inf', '(' .. I(NOW - 86400000))
 local more = sweep(tonumber(ARGV[2]))
 finish()
 if more == 0 and RETIRED_N == 0 and not unsettled(ARGV[4]) then

@@ -5,7 +5,8 @@
 -- rollouts given with a returned prompt stay with its pass (lib/partials.lua), in place of any
 -- kept under the same rollout_id; the lease that next hands the pass out carries them.
 -- ARGV: wake, lease_id, n, then n prompt ids (n = 0: all of the lease's prompts), m, then m
---       records of 5: rollout_id, group_id, policy_version, response tokens, packed partial.
+--       records of 6: rollout_id, group_id, policy_version, response tokens, packed partial,
+--       the newest version of its trained tokens.
 -- Every partial is checked before anything is written: its group must be a prompt attempt of
 -- this lease that the call returns, its rollout_id not one received already, its version not
 -- above the run's, and a prompt may keep no more partials than group_size. A partial of a
@@ -41,7 +42,7 @@ for _, item in ipairs(items) do lease_groups[attempt_group(item[1], item[2])] = 
 local m = tonumber(ARGV[4 + n])
 local given_partials = {}
 for i = 1, m do
-  local o = 4 + n + (i - 1) * 5
+  local o = 4 + n + (i - 1) * 6
   local rid, gid, v, tokens = ARGV[o + 1], ARGV[o + 2], tonumber(ARGV[o + 3]), tonumber(ARGV[o + 4])
   local pk = lease_groups[gid]
   if not pk then return err('partial_not_in_lease', rid, gid) end
@@ -49,10 +50,11 @@ for i = 1, m do
     return err('partial_not_returned', rid, pass_prompt(pk))
   end
   if redis.call('SISMEMBER', SEEN, rid) == 1 then return err('partial_posted', rid) end
-  if v > R.ver then return err('partial_future_version', rid, I(v)) end
+  local vn = tonumber(ARGV[o + 6])
+  if vn > R.ver then return err('partial_future_version', rid, I(vn)) end
   local l = given_partials[pk]
   if not l then l = {} given_partials[pk] = l end
-  table.insert(l, { rid, ARGV[o + 5], v, tokens })
+  table.insert(l, { rid, ARGV[o + 5], v, tokens, vn })
 end
 for pk, l in pairs(given_partials) do
   local ids = {}
@@ -77,7 +79,7 @@ for _, item in ipairs(items) do
       retire_open('g:' .. attempt_group(pk, att), 'incomplete_group')
       if redis.call('HGET', ppkey(pk), 'st') == 'q' then
         for _, p in ipairs(mine) do
-          keep_partial(pk, p[1], p[3], p[4], p[2])
+          keep_partial(pk, p[1], p[3], p[4], p[2], p[5])
           note_partial('returned', nil, lid, pk, p[1], p[3], p[4])
         end
       end

@@ -209,7 +209,8 @@ class AsyncBrokerClient:
         return True
 
     async def ready(self) -> bool:
-        """True when the broker's Redis and Postgres are reachable (``GET /readyz``)."""
+        """True when the broker is ready (``GET /readyz``): its Redis and Postgres reachable and
+        migrated, and a background worker draining the accounting."""
         try:
             await self.send(self.api.readyz())
         except (Unavailable, BrokerUnreachable):

@@ -479,10 +479,11 @@ class Accounting:
     the invariants hold once it is 0. ``prompts`` and ``wait`` are zeros from a server that does
     not report them. ``tokens_masked`` (of ``tokens_generated``, those posted with loss_mask 0)
     and ``tokens_masked_stale`` (trained tokens handed out masked for their own lag) are 0 from
-    a server that does not report them. ``dead_letters`` (events the ledger could not apply),
-    ``live`` (the broker's own buffered and leased counts) and ``partials`` are None from a
-    server that does not report them; when not given they are read from ``raw``. ``raw`` is the
-    server's body as it came."""
+    a server that does not report them, and so is ``samples_rewound`` (of ``samples_consumed``,
+    the uses a rewind of the policy version gave back to their rollouts). ``dead_letters``
+    (events the ledger could not apply), ``live`` (the broker's own buffered and leased counts)
+    and ``partials`` are None from a server that does not report them; when not given they are
+    read from ``raw``. ``raw`` is the server's body as it came."""
 
     rollouts_received: int
     groups_received: int
@@ -504,6 +505,7 @@ class Accounting:
     wait: WaitStats = field(default_factory=WaitStats)
     tokens_masked: int = 0
     tokens_masked_stale: int = 0
+    samples_rewound: int = 0
     pending_events: int | None = None
     as_of: datetime | None = None
     dead_letters: int | None = None
@@ -564,6 +566,7 @@ class VersionAccounting:
     kl: KlStats
     tokens_masked: int = 0
     tokens_masked_stale: int = 0
+    samples_rewound: int = 0
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 

@@ -207,7 +207,8 @@ class BrokerClient:
         return True
 
     def ready(self) -> bool:
-        """True when the broker's Redis and Postgres are reachable (``GET /readyz``)."""
+        """True when the broker is ready (``GET /readyz``): its Redis and Postgres reachable and
+        migrated, and a background worker draining the accounting."""
         try:
             self.send(self.api.readyz())
         except (Unavailable, BrokerUnreachable):

@@ -4,7 +4,7 @@
 -- its ack, nack or expiry reads nothing unit by unit. 'units' is a msgpack array of
 -- (unit id, record, rollouts) triples; 'rows' one of (rollout id, version, tokens) triples, the
 -- units' rollouts in order.
-local BATCH_STATE = { l = 'leased', a = 'acked', n = 'nacked', e = 'expired' }
+local BATCH_STATE = { l = 'leased', a = 'acked', n = 'nacked', e = 'expired', r = 'rewound' }
 
 -- each_unit(units, rows, fn) calls fn(u, record, its rows).
 local function each_unit(units, rows, fn)
@@ -26,7 +26,8 @@ local function batch_items(rows)
   return items
 end
 
--- Return a live batch's units to the buffer after a nack (state 'n') or an expiry ('e').
+-- Return a live batch's units to the buffer after a nack (state 'n'), an expiry ('e') or a
+-- rewind below its version ('r').
 local function return_batch(bid, f, state, event)
   local rows = cmsgpack.unpack(f[3])
   emit(event, { batch_id = bid, items = batch_items(rows) })

@@ -19,11 +19,11 @@ local function note_partial(kind, reason, lid, pk, rid, v, tokens)
   table.insert(last[4], { rid, pass_prompt(pk), pass_number(pk), v, tokens })
 end
 
--- A partial kept with pass pk: its packed form, and '<version> <tokens>' beside it (Lua's
--- msgpack cannot read the packed form's binary arrays).
-local function keep_partial(pk, rid, v, tokens, blob)
+-- A partial kept with pass pk: its packed form, and '<version> <tokens> <newest version>'
+-- beside it (Lua's msgpack cannot read the packed form's binary arrays).
+local function keep_partial(pk, rid, v, tokens, blob, vn)
   redis.call('HSET', ptkey(pk), rid, blob)
-  redis.call('HSET', pmkey(pk), rid, I(v) .. ' ' .. I(tokens))
+  redis.call('HSET', pmkey(pk), rid, I(v) .. ' ' .. I(tokens) .. ' ' .. I(vn))
 end
 
 local function forget_partial(pk, rid)
@@ -31,13 +31,14 @@ local function forget_partial(pk, rid)
   redis.call('HDEL', pmkey(pk), rid)
 end
 
--- The partials kept with pass pk: { {rollout_id, blob, version, tokens}, ... }.
+-- The partials kept with pass pk: { {rollout_id, blob, version, tokens, newest version}, ... }
+-- (a partial kept before the newest version was: its version).
 local function partials_of(pk)
   local flat = redis.call('HGETALL', ptkey(pk))
   local out = {}
   for i = 1, #flat, 2 do
-    local v, n = string.match(redis.call('HGET', pmkey(pk), flat[i]), '^(%d+) (%d+)$')
-    table.insert(out, { flat[i], flat[i + 1], tonumber(v), tonumber(n) })
+    local v, n, vn = string.match(redis.call('HGET', pmkey(pk), flat[i]), '^(%d+) (%d+) ?(%d*)$')
+    table.insert(out, { flat[i], flat[i + 1], tonumber(v), tonumber(n), tonumber(vn) or tonumber(v) })
   end
   return out
 end
@@ -58,11 +59,13 @@ end
 
 -- Pass pk is handed out in work lease lid: its partials go with it, { blob, ... }, except those
 -- whose version is already too stale to be trained on (judged by the rollout's oldest version,
--- its policy_version, under stale_tokens 'keep'): dropped, their responses start afresh.
+-- its policy_version, under stale_tokens 'keep'), or that hold a token of a version the run was
+-- rewound below ('rewound'): dropped, their responses start afresh.
 local function hand_out_partials(pk, lid)
   local out = {}
   for _, p in ipairs(partials_of(pk)) do
-    local why = CFG.stale_tokens ~= 'mask' and version_reason(p[3])
+    local why = (p[5] > R.ver and 'rewound')
+      or (CFG.stale_tokens ~= 'mask' and version_reason(p[3]))
     if why then
       forget_partial(pk, p[1])
       note_partial('dropped', why, lid, pk, p[1], p[3], p[4])

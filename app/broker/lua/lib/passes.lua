@@ -85,7 +85,8 @@ local function attempt_retired(pk, att, uses, reason)
     note_pass('retired', nil, pk, att, 'd', tonumber(f[3]))
     drop_partials(pk, 'unused')
   else
-    requeue(pk, f, 'retired', nil, true)
+    -- A rewind took away the weights it was sampled by: not the prompt's fault, not a try.
+    requeue(pk, f, 'retired', nil, reason ~= 'rewound')
   end
 end
 

@@ -85,6 +85,13 @@ end
 
 local function set_unit(u, r) table.insert(US_SET, u) table.insert(US_SET, unit_text(r)) end
 
+-- A unit that completes with a trained token newer than its governing version `v` (`vn`, its
+-- newest) is kept in XV by that version, so a rewind below it finds it; write_units() takes the
+-- units it deletes out of XV.
+local function note_cross(u, v, vn)
+  if vn and vn > v then redis.call('ZADD', XV, I(vn), u) end
+end
+
 local function flush_units()
   if #US_SET > 0 then
     each_chunk(US_SET, 1000, function(...) redis.call('HSET', US, ...) end)
@@ -177,6 +184,9 @@ end
 local function write_units()
   flush_units()
   each_chunk(US_DEL, 1000, function(...) redis.call('HDEL', US, ...) end)
+  if #US_DEL > 0 and redis.call('EXISTS', XV) == 1 then
+    each_chunk(US_DEL, 1000, function(...) redis.call('ZREM', XV, ...) end)
+  end
   each_chunk(DELS, 1000, function(...) redis.call('DEL', ...) end)
   if LIVE_DELTA ~= 0 then redis.call('HINCRBY', RUN, 'live', LIVE_DELTA) end
 end

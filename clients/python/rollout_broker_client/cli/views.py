@@ -234,6 +234,11 @@ def accounting_table(
     _section(table, "samples out")
     max_reuse = run.config.get("max_reuse") if run is not None else None
     table.add_row("samples consumed", fmt(acc.samples_consumed), "Σ uses = Σ acked batch sizes")
+    table.add_row(
+        "samples rewound",
+        fmt(acc.samples_rewound),
+        "of them, given back by a rewind",
+    )
     table.add_row("tokens consumed", fmt(acc.tokens_consumed), "trained tokens of the samples")
     table.add_row(
         "tokens masked stale",
@@ -278,11 +283,14 @@ def versions_table(rows: list[VersionAccounting]) -> RenderableType:
     reasons = sorted({k for v in rows for k in v.retired})
     table = Table(
         title="Accounting by policy version",
-        caption="masked: tokens posted with loss_mask 0; token lag: over trained tokens; retired, "
-        "by reason, on the right",
+        caption="masked: tokens posted with loss_mask 0; rewound: of the samples, uses a rewind "
+        "gave back; token lag: over trained tokens; retired, by reason, on the right",
         box=box.SIMPLE_HEAD,
     )
-    cols = ("version", "received", "masked", "buffered", "leased", "samples", "reuse", "lag")
+    cols = (
+        *("version", "received", "masked", "buffered", "leased"),
+        *("samples", "rewound", "reuse", "lag"),
+    )
     for col in (*cols, "token lag", *reasons):
         table.add_column(col, justify="right")
     for v in rows:
@@ -293,6 +301,7 @@ def versions_table(rows: list[VersionAccounting]) -> RenderableType:
             fmt(v.buffered),
             fmt(v.leased),
             fmt(v.samples_consumed),
+            fmt(v.samples_rewound),
             fmt(v.reuse_factor, 3),
             fmt(v.lag.mean, 3),
             fmt(v.lag.token_mean, 3),

@@ -78,6 +78,7 @@ def watch_view(now: _Frame, before: _Frame | None) -> RenderableType:
     flow.add_row("leased", fmt(acc.leased), "")
     flow.add_row("rollouts received", fmt(acc.rollouts_received), rate("rollouts_received"))
     flow.add_row("samples consumed", fmt(acc.samples_consumed), rate("samples_consumed"))
+    flow.add_row("samples rewound", fmt(acc.samples_rewound), "uses a rewind gave back")
     flow.add_row("reuse factor", fmt(acc.reuse_factor, 3), "")
     p = acc.prompts
     done = change(lambda a: a.prompts.done, " done/s")
