@@ -151,3 +151,20 @@ async def test_the_long_poll_answers_when_another_process_moves_the_version(
             assert got.status_code == 200, got.text
             assert got.json()["policy_version"] == 1 and got.json()["weights"] == URI
         await c.post(b + "/v1/runs/idle/policy", json={"version": 1})  # ends the idle poll
+
+
+async def test_a_rewind_wakes_the_followers_with_the_version_it_went_back_to(api, redis, prefix):
+    await make_run(api, "r1")
+    await make_run(api, "idle")
+    await api.post("/v1/runs/r1/policy", json={"version": 3, "weights": "ckpt/3"})
+    follower = asyncio.create_task(_policy(api, "r1", after=3, wait_s=20))
+    await until_long_polling(redis, prefix, "r1", POLICY_WAITING)
+    idle = asyncio.create_task(_policy(api, "idle", after=0, wait_s=10))
+    body = {"version": 1, "weights": "ckpt/1", "rewind": True}
+    assert (await api.post("/v1/runs/r1/policy", json=body)).json()["policy_version"] == 1
+    got = await answered_before(follower, idle)
+    assert got.status_code == 200
+    assert (got.json()["policy_version"], got.json()["weights"]) == (1, "ckpt/1")
+    page = (await api.get("/v1/audit")).json()
+    (rewound,) = [e["detail"] for e in page["entries"] if e["action"] == "run.rewind"]
+    assert rewound == {"version": 1, "weights": "ckpt/1"}
