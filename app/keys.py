@@ -63,6 +63,7 @@ CROSS = "xv"
 # zset: the versions kl_flush raised the floor to, score = version: a rewind below one restores
 # the floor from before it
 FLOORS = "floors"
+POLICY_WAITING = "pwaiting"  # string with a TTL: a follower long-polls the policy version
 # stream: the run's operator actions (audit log entries), each written by the script that makes
 # the change, in the same call; app/access/audit.py moves them into Postgres. A delete keeps it
 # until the run leaves RUNS.
@@ -102,8 +103,10 @@ AUDIT = "audit"
 TOKENS = "tokens"  # pub/sub channel: the id of a revoked token, for every process's cache
 WAKE = "wake"  # pub/sub channel: "units became ready in a run" for long-polling trainers
 # A wake-up names its run by the run's tag (see run_tag), followed by what woke up: nothing for
-# trainers (units became ready), WORK_WAKE for generators (prompts or staleness budget).
+# trainers (units became ready), WORK_WAKE for generators (prompts or staleness budget),
+# POLICY_WAKE for followers of the policy version (it moved).
 WORK_WAKE = "work"
+POLICY_WAKE = "policy"
 
 # Never written: /readyz deletes it (under a hash tag, one per cluster master) to learn whether
 # Redis takes writes; the delete of a missing key is a write Redis refuses like any other.
@@ -134,6 +137,7 @@ LUA_KEYS: dict[str, str] = {
     "PSEEN": PROMPTS_SEEN,
     "WLEASES": WORK_LEASES,
     "WWAITING": WORK_WAITING,
+    "PWAITING": POLICY_WAITING,
     "AUD": OUTBOX,
     "ACKED": ACKED,
     "XV": CROSS,
@@ -237,7 +241,7 @@ def run_tag(prefix: str, run_id: str) -> str:
 
 
 def run_of_wake(prefix: str, message: str) -> tuple[str, str]:
-    """(run id, what woke up: '' or WORK_WAKE) of a wake-up message: the run's tag
+    """(run id, what woke up: '', WORK_WAKE or POLICY_WAKE) of a wake-up message: the run's tag
     (:func:`run_tag`), then the kind. Run ids hold no '}'."""
     run_id, _, kind = message[len(prefix) + 2 :].rpartition("}")
     return run_id, kind
@@ -255,6 +259,7 @@ def lua_prologue() -> str:
         f"local B = string.sub(RUN, 1, #RUN - {len(RUN)})  -- '<prefix>:{{<run_id>}}:'",
         "local TAG = string.sub(B, 1, #B - 1)  -- '<prefix>:{<run_id>}': what a wake-up publishes",
         f"local WORK_WAKE = TAG .. '{_suffix(WORK_WAKE)}'  -- the wake-up of waiting generators",
+        f"local POLICY_WAKE = TAG .. '{_suffix(POLICY_WAKE)}'  -- the wake-up of version followers",
     ]
     for name, suffix in LUA_KEYS.items():
         if name != "RUN":

@@ -64,6 +64,7 @@ ROUTES: Final[dict[tuple[str, str], Rule]] = {
     ("PATCH", "/v1/runs/{run_id}/config"): changing(Scope.OPERATE),
     ("POST", "/v1/runs/{run_id}/close"): changing(Scope.OPERATE),
     ("POST", "/v1/runs/{run_id}/policy"): changing(Scope.TRAIN),
+    ("GET", "/v1/runs/{run_id}/policy"): reading(READ),
     ("POST", "/v1/runs/{run_id}/rollouts"): changing(Scope.GENERATE),
     ("GET", "/v1/runs/{run_id}/batch"): changing(Scope.TRAIN),  # it leases a batch
     ("POST", "/v1/runs/{run_id}/batches/{batch_id}/ack"): changing(Scope.TRAIN),

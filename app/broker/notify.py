@@ -1,8 +1,9 @@
 """Wake-ups for long-polling trainers and generators: one Redis pub/sub subscription per process.
 
 The scripts PUBLISH a run's tag (see app/keys.py) on the wake channel whenever units
-become ready (ingest, nack, expiry, an ack that returns units), and the tag followed by
-``keys.WORK_WAKE`` when prompts or staleness budget became available to generators. Waiters
+become ready (ingest, nack, expiry, an ack that returns units), the tag followed by
+``keys.WORK_WAKE`` when prompts or staleness budget became available to generators, and followed
+by ``keys.POLICY_WAKE`` when the policy version moved (it wakes every follower of it). Waiters
 join their run's line *before* they try, so a wake-up that lands between the try and the wait
 is never lost, and a wake-up reaches one waiter at a time (:class:`Waker`). Pub/sub is
 fire-and-forget, so waiters also re-check at a slow fallback interval (not a tight loop).
@@ -13,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from redis.asyncio import Redis
 
@@ -24,6 +27,12 @@ from app.pubsub import Subscription
 log = logging.getLogger(__name__)
 
 FALLBACK_RECHECK_S = 1.0
+
+# Kinds whose wake-up reaches every waiter of the run at once: each waits for its own answer
+# (a version other than the one it has), which one waiter's try says nothing about.
+BROADCAST = frozenset({keys.POLICY_WAKE})
+
+R = TypeVar("R")
 
 
 @dataclass(eq=False)
@@ -111,10 +120,17 @@ class Waker:
                 return
 
     def wake(self, run_id: str, kind: str = "") -> None:
-        """A wake-up from the channel: the first waiter not woken yet tries."""
+        """A wake-up from the channel: the first waiter not woken yet tries (every waiter, for
+        a kind of :data:`BROADCAST`)."""
+        if kind in BROADCAST:
+            for ticket in self._lines.get((run_id, kind), ()):
+                ticket.event.set()
+            return
         self._wake_next((run_id, kind))
 
     def _wake_next(self, key: tuple[str, str]) -> None:
+        if key[1] in BROADCAST:
+            return  # its wake-ups reach every waiter: none is passed on
         for ticket in self._lines.get(key, ()):
             if not ticket.event.is_set():
                 ticket.event.set()
@@ -127,3 +143,48 @@ class Waker:
     async def wait(self, ticket: Ticket, at_most_s: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(ticket.event.wait(), timeout=self.wait_window(at_most_s))
+
+
+@dataclass(frozen=True, slots=True)
+class Try:
+    """What one try of a long poll is told: whether it is the last, how long the caller will
+    wait for a wake-up if it finds too little, and how long the request has waited so far."""
+
+    last: bool
+    wait_ms: int
+    waited_ms: int
+
+
+async def long_poll(
+    waker: Waker,
+    run_id: str,
+    kind: str,
+    size: int,
+    wait_s: float,
+    attempt: Callable[[Try], Awaitable[tuple[R | None, int | None]]],
+) -> R | None:
+    """Try until ``attempt`` gives a result or ``wait_s`` is over, waiting in the run's line
+    for ``kind`` between tries. ``attempt`` answers (result, None) or (None, how much it found,
+    if it knows)."""
+    started = time.monotonic()
+    deadline = started + max(wait_s, 0.0)
+    with waker.line(run_id, kind, size) as ticket:
+        while True:
+            waker.trying(ticket)
+            remaining = deadline - time.monotonic()
+            last = remaining <= 0
+            got, found = await attempt(
+                Try(
+                    last=last,
+                    # Ask for wake-ups for as long as the wait below, with a second to spare.
+                    wait_ms=0 if last else int(waker.wait_window(remaining) * 1000) + 1000,
+                    waited_ms=int((time.monotonic() - started) * 1000),
+                )
+            )
+            if got is not None:
+                waker.served(ticket)
+                return got
+            waker.short(ticket, found)
+            if last:
+                return None
+            await waker.wait(ticket, remaining)

@@ -25,6 +25,15 @@ class RunState:
 
 
 @dataclass(frozen=True, slots=True)
+class PolicyState:
+    """A run's policy version, where its weights are (None: not said), and when it was set."""
+
+    policy_version: int
+    weights: str | None
+    set_at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
 class RunPage:
     runs: list[RunState]
     next_cursor: str | None  # None: the listing is complete

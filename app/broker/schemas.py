@@ -132,9 +132,21 @@ class RunList(BaseModel):
     next_cursor: str | None
 
 
+MAX_WEIGHTS_CHARS = 2048
+# A location of weights: printable text, no control characters (a path or URI).
+WEIGHTS_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+
+
 class PolicyUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     version: int = Field(ge=0, le=MAX_VERSION)
+    weights: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_WEIGHTS_CHARS,
+        pattern=WEIGHTS_PATTERN,
+        description="Where the version's weights are (a path or URI), kept with the version",
+    )
     rewind: bool = Field(
         default=False,
         description="Allow a version below the run's: move the run back to it (a trainer "
@@ -145,6 +157,14 @@ class PolicyUpdate(BaseModel):
 class PolicyResult(BaseModel):
     policy_version: int
     evicted: int
+
+
+class PolicyOut(BaseModel):
+    """A run's policy version as its followers read it."""
+
+    policy_version: int
+    weights: str | None = Field(description="Where the version's weights are, if it was told")
+    set_at: str = Field(description="When the version was set (the run's creation for its first)")
 
 
 # A trainer's ready-made KL of one rollout: a divergence (≥ 0), within the cap every measured
@@ -195,6 +215,7 @@ __all__ = [
     "IngestMsgpack",
     "IngestResult",
     "NackResult",
+    "PolicyOut",
     "PolicyResult",
     "PolicyUpdate",
     "Rejection",

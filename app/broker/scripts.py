@@ -19,6 +19,7 @@ SCRIPTS = (
     "delete_run",
     "patch_config",
     "set_policy",
+    "policy_view",
     "rewind",
     "close_run",
     "ingest",
@@ -38,7 +39,7 @@ SCRIPTS = (
 # these, which handle a parked run themselves or only read. The store then takes the run back
 # into the index and wakes it, index first (RedisStore._call), and calls again.
 _PARK_AWARE = frozenset(
-    {"create_run", "close_run", "batch_view", "maintain", "wake_run", "delete_run"}
+    {"create_run", "close_run", "batch_view", "policy_view", "maintain", "wake_run", "delete_run"}
 )
 _PARKED_GUARD = """
 if redis.call('HEXISTS', RUN, 'parked') == 1 then

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -21,7 +20,7 @@ from app.broker.acks import ack_result, acked_event, batch_row, check_ack_ids, m
 from app.broker.behaviour import BatchRow, BehaviourCache
 from app.broker.config import RunConfig, RunConfigPatch
 from app.broker.generators import with_lease_generators
-from app.broker.notify import Waker
+from app.broker.notify import Try, Waker, long_poll
 from app.broker.packing import (
     PackedRollout,
     StoredRollout,
@@ -39,6 +38,7 @@ from app.broker.schemas import (
     NackResult,
     PartialJSON,
     PartialMsgpack,
+    PolicyOut,
     PolicyResult,
     PromptsResult,
     Rejection,
@@ -77,16 +77,6 @@ LOST_LEASE_TRIES = 3
 """How often one lease or work request makes its batch or work lease again after a failover
 lost it (each time the master it was made on was replaced before its rollouts or prompts were
 read)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Try:
-    """What one try of a long poll is told: whether it is the last, how long the caller will
-    wait for a wake-up if it finds too little, and how long the request has waited so far."""
-
-    last: bool
-    wait_ms: int
-    waited_ms: int
 
 
 class Broker:
@@ -196,20 +186,50 @@ class Broker:
         await self.store.unlist(run_id)
 
     async def set_policy(
-        self, run_id: str, version: int, by: Caller, *, rewind: bool = False
+        self,
+        run_id: str,
+        version: int,
+        by: Caller,
+        *,
+        weights: str | None = None,
+        rewind: bool = False,
     ) -> PolicyResult:
-        """Move the run to ``version``: forward, or with ``rewind`` back as well (a trainer
-        resuming from a checkpoint); ``evicted`` counts what the change retired ('stale' going
-        forward, 'rewound' going back)."""
+        """Move the run to ``version``, with where its ``weights`` are: forward, or with
+        ``rewind`` back as well (a trainer resuming from a checkpoint); ``evicted`` counts what
+        the change retired ('stale' going forward, 'rewound' going back)."""
+        detail: dict[str, Any] = {"version": version}
+        if weights is not None:
+            detail["weights"] = weights
         with self._refusals(run_id, version=version):
             if rewind:
-                entry = action_entry(by, "run.rewind", run_id, {"version": version})
-                back = await self.store.rewind(run_id, version, entry=entry)
+                entry = action_entry(by, "run.rewind", run_id, detail)
+                back = await self.store.rewind(run_id, version, weights, entry=entry)
                 if back is not None:
                     return PolicyResult(policy_version=back[0], evicted=back[1])
-            entry = action_entry(by, "run.policy", run_id, {"version": version})
-            current, evicted = await self.store.set_policy(run_id, version, entry=entry)
+            entry = action_entry(by, "run.policy", run_id, detail)
+            current, evicted = await self.store.set_policy(
+                run_id, version, entry=entry, weights=weights
+            )
         return PolicyResult(policy_version=current, evicted=evicted)
+
+    async def get_policy(self, run_id: str, after: int | None, wait_s: float) -> PolicyOut | None:
+        """The run's policy version, its weights and when it was set; with ``after``, once the
+        version is another (above: a new one; below: the run was rewound past the caller), or
+        None when ``wait_s`` passes first."""
+        self.check_wait(wait_s)
+
+        async def attempt(t: Try) -> tuple[PolicyOut | None, None]:
+            with self._refusals(run_id):
+                got = await self.store.policy(run_id, after, t.wait_ms)
+            if got.policy_version == after:
+                return None, None
+            return PolicyOut(
+                policy_version=got.policy_version,
+                weights=got.weights,
+                set_at=iso_ms(got.set_at_ms),
+            ), None
+
+        return await long_poll(self.waker, run_id, keys.POLICY_WAKE, 1, wait_s, attempt)
 
     # -- rollouts -------------------------------------------------------------------------
     def check_count(self, n: int) -> None:
@@ -292,7 +312,7 @@ class Broker:
                     return self._delivered(run_id, got), None
                 return None, got
 
-        return await self._long_poll(run_id, "", size, wait_s, attempt)
+        return await long_poll(self.waker, run_id, "", size, wait_s, attempt)
 
     async def _batch_known(self, run_id: str, batch_id: str) -> bool:
         """Whether Redis has the batch, in any state."""
@@ -309,40 +329,6 @@ class Broker:
             raise ValidationFailed(
                 f"wait_s: {wait_s:g} s is above the longest wait, {self.max_wait_s:g} s"
             )
-
-    async def _long_poll(
-        self,
-        run_id: str,
-        kind: str,
-        size: int,
-        wait_s: float,
-        attempt: Callable[[Try], Awaitable[tuple[R | None, int | None]]],
-    ) -> R | None:
-        """Try until ``attempt`` gives a result or ``wait_s`` is over, waiting in the run's line
-        for ``kind`` between tries (see app/broker/notify.py). ``attempt`` answers (result,
-        None) or (None, how much it found, if it knows)."""
-        started = time.monotonic()
-        deadline = started + max(wait_s, 0.0)
-        with self.waker.line(run_id, kind, size) as ticket:
-            while True:
-                self.waker.trying(ticket)
-                remaining = deadline - time.monotonic()
-                last = remaining <= 0
-                got, found = await attempt(
-                    Try(
-                        last=last,
-                        # Ask for wake-ups for as long as the wait below, with a second to spare.
-                        wait_ms=0 if last else int(self.waker.wait_window(remaining) * 1000) + 1000,
-                        waited_ms=int((time.monotonic() - started) * 1000),
-                    )
-                )
-                if got is not None:
-                    self.waker.served(ticket)
-                    return got
-                self.waker.short(ticket, found)
-                if last:
-                    return None
-                await self.waker.wait(ticket, remaining)
 
     def _delivered(self, run_id: str, got: Lease) -> LeasedBatch:
         """A lease as the API hands it out; its behaviour logprobs are kept for the ack."""
@@ -462,7 +448,9 @@ class Broker:
                     raise error_for(err, ctx) from None
                 return (None if got is None else work_answer(got)), None
 
-        return await self._long_poll(run_id, keys.WORK_WAKE, body.max_prompts, body.wait_s, attempt)
+        return await long_poll(
+            self.waker, run_id, keys.WORK_WAKE, body.max_prompts, body.wait_s, attempt
+        )
 
     async def return_work(
         self,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from redis.asyncio import Redis
@@ -19,6 +19,7 @@ from redis.commands.core import AsyncScript
 from app import keys
 from app.broker.config import RunConfig
 from app.broker.packing import PackedRollout
+from app.broker.pass_reads import PassReads
 from app.broker.records import (
     BatchMember,
     BatchView,
@@ -26,6 +27,7 @@ from app.broker.records import (
     Lease,
     LeasedRollout,
     MaintainOutcome,
+    PolicyState,
     RunPage,
     RunState,
     SweepOutcome,
@@ -35,7 +37,6 @@ from app.broker.records import (
     maintain_state,
 )
 from app.broker.replies import AckAnswer, StoreError, ack_answer, decode, text
-from app.broker.run_index import RunIndex
 from app.broker.scripts import load_scripts
 from app.replicas import Replicas
 
@@ -49,6 +50,7 @@ __all__ = [
     "Lease",
     "LeasedRollout",
     "MaintainOutcome",
+    "PolicyState",
     "RedisStore",
     "RunPage",
     "RunState",
@@ -86,14 +88,15 @@ _WAKE_TRIES = 5
 # Scripts whose answer no client relies on for a write: a read, and the maintenance worker's
 # calls (a wake-up is followed by the call that needed it, which waits). They never wait for
 # replicas; every other script does when the store has Replicas.
-_NO_WAIT = frozenset({"batch_view", "maintain", "wake_run"})
+_NO_WAIT = frozenset({"batch_view", "policy_view", "maintain", "wake_run"})
 
 
-class RedisStore(RunIndex):
+class RedisStore(PassReads):
     """Every change to a run's keys, one script call each (or a short loop of bounded calls),
-    and the reads that need no script; the run indexes' part is :class:`RunIndex`'s. With
-    ``replicas``, a script call that changes state is answered only once its master's replicas
-    have it (app/replicas.py); without, each is one EVALSHA as Redis takes it."""
+    and the reads that need no script; the run indexes' part is :class:`RunIndex`'s, the prompt
+    passes' reads :class:`PassReads`'. With ``replicas``, a script call that changes state is
+    answered only once its master's replicas have it (app/replicas.py); without, each is one
+    EVALSHA as Redis takes it."""
 
     def __init__(self, redis: Redis, prefix: str, replicas: Replicas | None = None) -> None:
         super().__init__(redis, prefix)
@@ -166,20 +169,35 @@ class RedisStore(RunIndex):
         return "replaced" if text(outcome) == "replaced" else "changed"
 
     async def set_policy(
-        self, run_id: str, version: int, limit: int = SWEEP_LIMIT, *, entry: bytes = b""
+        self,
+        run_id: str,
+        version: int,
+        limit: int = SWEEP_LIMIT,
+        *,
+        entry: bytes = b"",
+        weights: str | None = None,
     ) -> tuple[int, int]:
         """(policy_version, evicted): the rollouts this change retired as stale, in bounded
         steps of ``limit`` until none is left. Other retirements of the same sweeps (expired
-        leases, timed-out groups) are not evictions by the new version. The entry is written
-        when the version moves (not for the current one again)."""
+        leases, timed-out groups) are not evictions by the new version. The entry is written,
+        and ``weights`` kept with the version, when the version moves (not for the current one
+        again)."""
         _, current, more, retired = await self._call(
-            "set_policy", run_id, str(version), limit, entry
+            "set_policy", run_id, str(version), limit, entry, weights or ""
         )
         evicted = _counts(retired).get("stale", 0)
         while int(more):
             step = await self.sweep(run_id, limit)
             more, evicted = step.more, evicted + step.retired.get("stale", 0)
         return int(current), evicted
+
+    async def policy(self, run_id: str, after: int | None = None, wait_ms: int = 0) -> PolicyState:
+        """The run's policy version, its weights and when it was set; a caller about to wait
+        ``wait_ms`` for a version other than ``after`` is announced in the same call."""
+        ver, wts, at = await self._call(
+            "policy_view", run_id, "" if after is None else after, wait_ms
+        )
+        return PolicyState(int(ver), text(wts) or None, int(at))
 
     async def rewind(
         self, run_id: str, version: int, weights: str | None = None, *, entry: bytes = b""
@@ -453,52 +471,3 @@ class RedisStore(RunIndex):
             ]
         (returned,) = await self._call("work_return", run_id, lease_id, *args)
         return int(returned)
-
-    async def attempt_generators(
-        self, run_id: str, attempts: Sequence[tuple[str, int]]
-    ) -> dict[tuple[str, int], str]:
-        """The generator_id of the work lease each prompt attempt (pass, attempt) was handed out
-        in, for the attempts still live whose lease named one: a pipelined read of the passes,
-        then of their leases. An attempt's lease and its generator never change."""
-        if not attempts:
-            return {}
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for pk, _ in attempts:
-                key = keys.member_key(self.prefix, run_id, keys.PASS, pk)
-                pipe.hmget(key, "st", "att", "lease")
-            passes = await pipe.execute()
-        leases = {
-            a: text(lid)
-            for a, (st, att, lid) in zip(attempts, passes, strict=True)
-            if st is not None
-            and text(st) in ("w", "b")
-            and att is not None
-            and int(att) == a[1]
-            and lid
-        }
-        lids = sorted(set(leases.values()))
-        if not lids:
-            return {}
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for lid in lids:
-                pipe.hget(keys.member_key(self.prefix, run_id, keys.WORK, lid), "gen")
-            gens = dict(zip(lids, await pipe.execute(), strict=True))
-        return {a: text(gens[lid]) for a, lid in leases.items() if gens[lid]}
-
-    async def kept_partials(
-        self, run_id: str, wanted: Mapping[str, Sequence[str]]
-    ) -> dict[str, bytes]:
-        """The partials kept under these rollout ids, by prompt pass: {rollout_id: packed}."""
-        if not wanted:
-            return {}
-        passes = list(wanted)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for pk in passes:
-                pipe.hmget(keys.member_key(self.prefix, run_id, keys.PARTIALS, pk), wanted[pk])
-            got = await pipe.execute()
-        return {
-            rid: blob
-            for pk, blobs in zip(passes, got, strict=True)
-            for rid, blob in zip(wanted[pk], blobs, strict=True)
-            if blob is not None
-        }

@@ -146,3 +146,33 @@ async def test_a_waiter_leaving_with_an_unused_wake_up_passes_it_on(redis):
         assert woken(stays) == [True]
         assert waker.waiting("r") == 1
     assert waker.waiting("r") == 0
+
+
+async def test_a_version_change_wakes_every_follower_of_its_run_and_only_while_one_waits(
+    store, redis
+):
+    waker = Waker(redis, store.wake_channel, store.prefix)
+    await waker.start()
+    try:
+        await store.create_run("r", RunConfig())
+        kind = keys.POLICY_WAKE
+        with waker.line("r", kind) as a, waker.line("r", kind) as b, waker.line("r") as trainer:
+            await store.set_policy("r", 1)  # nobody follows the version yet: nothing is sent
+            await nothing_published_before(waker, redis, store)
+            assert woken(a, b, trainer) == [False, False, False]
+            # A read of a version other than after does not wait, and asks for no wake-up.
+            assert (await store.policy("r", after=0, wait_ms=10_000)).policy_version == 1
+            await store.set_policy("r", 2)
+            await nothing_published_before(waker, redis, store)
+            assert woken(a, b, trainer) == [False, False, False]
+            # A follower with the current version is about to wait: the next change wakes
+            # every follower of the run at once, and no trainer.
+            assert (await store.policy("r", after=2, wait_ms=10_000)).policy_version == 2
+            await store.set_policy("r", 2)  # the same version: nothing moved
+            await nothing_published_before(waker, redis, store)
+            assert woken(a, b, trainer) == [False, False, False]
+            await store.set_policy("r", 3, weights="ckpt/3")
+            await asyncio.wait_for(b.event.wait(), timeout=5)
+            assert woken(a, b, trainer) == [True, True, False]
+    finally:
+        await waker.stop()

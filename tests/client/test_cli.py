@@ -99,6 +99,24 @@ def test_policy_set(live_server: LiveServer) -> None:
     assert code == 1 and err.startswith("error: VersionConflict:")
 
 
+@pytest.mark.slow
+def test_runs_policy_sets_the_version_with_its_weights(live_server: LiveServer) -> None:
+    run = rid()
+    with BrokerClient(live_server.url) as broker:
+        broker.create_run(run)
+        code, out, _ = invoke(live_server, "runs", "policy", run, "2", "--weights", "s3://b/2")
+        assert code == 0
+        assert out.strip() == f"run {run} is at policy version 2; 0 rollouts retired as stale"
+        got = broker.policy(run)
+        assert got is not None and (got.policy_version, got.weights) == (2, "s3://b/2")
+        code, out, _ = invoke(live_server, "runs", "policy", run, "3", "--json")
+        assert code == 0 and json.loads(out) == {"evicted": 0, "policy_version": 3}
+        got = broker.policy(run)
+        assert got is not None and (got.policy_version, got.weights) == (3, None)
+    code, _, err = invoke(live_server, "runs", "policy", run, "4", "--weights", "x" * 2049)
+    assert code == 1 and err.startswith("error: ValidationFailed:")
+
+
 @pytest.fixture
 def trained_run(live_server: LiveServer) -> str:
     """A run with 4 rollouts in, 2 of them used once (max_reuse 1) and retired."""

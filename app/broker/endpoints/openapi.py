@@ -104,6 +104,7 @@ def query_keywords(s: Settings) -> dict[tuple[str, str, str], Keywords]:
     return {
         ("get", "/v1/runs/{run_id}/batch", "size"): {"maximum": s.max_batch_size},
         ("get", "/v1/runs/{run_id}/batch", "wait_s"): {"maximum": s.max_wait_s},
+        ("get", "/v1/runs/{run_id}/policy", "wait_s"): {"maximum": s.max_wait_s},
     }
 
 

@@ -18,10 +18,10 @@ from app.api import (
 )
 from app.broker.config import NULLABLE_CONFIG, RunConfigPatch
 from app.broker.endpoints.deps import broker_of
-from app.broker.schemas import CreateRun, PolicyResult, PolicyUpdate, Run, RunList
+from app.broker.schemas import CreateRun, PolicyOut, PolicyResult, PolicyUpdate, Run, RunList
 from app.caller import check_run
 from app.errors import Forbidden, ValidationFailed
-from app.ids import RUN_ID_PATTERN, RunId
+from app.ids import MAX_VERSION, RUN_ID_PATTERN, RunId
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 
@@ -134,7 +134,35 @@ async def close_run(run_id: RunId, request: Request) -> Response:
 async def set_policy(run_id: RunId, request: Request) -> Response:
     update = await read_model(request, PolicyUpdate, limit=SMALL_BODY_BYTES)
     result = await broker_of(request).set_policy(
-        run_id, update.version, caller_of(request), rewind=update.rewind
+        run_id, update.version, caller_of(request), weights=update.weights, rewind=update.rewind
     )
     await move_actions(request, run_id)
     return render(result)
+
+
+@router.get(
+    "/{run_id}/policy",
+    response_model=PolicyOut,
+    responses={204: {"description": "The version was still `after` when wait_s passed"}},
+)
+async def get_policy(
+    run_id: RunId,
+    request: Request,
+    after: Annotated[
+        int | None,
+        Query(
+            ge=0,
+            le=MAX_VERSION,
+            description="The version the caller has: answer once the run's is another (a "
+            "higher one, or a lower one after a rewind)",
+        ),
+    ] = None,
+    # At most BROKER_MAX_WAIT_S (Broker.check_wait).
+    wait_s: Annotated[float, Query(ge=0, allow_inf_nan=False)] = 0.0,
+) -> Response:
+    """The run's policy version, where its weights are and when it was set; with ``after``, a
+    long poll that generators follow weight updates by."""
+    got = await broker_of(request).get_policy(run_id, after, wait_s)
+    if got is None:
+        return Response(status_code=204)
+    return render(got)

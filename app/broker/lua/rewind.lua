@@ -174,7 +174,7 @@ for _, lid in ipairs(redis.call('ZRANGE', WLEASES, 0, -1)) do
 end
 
 -- 5. The run.
-redis.call('HSET', RUN, 'wts', ARGV[3], 'vat', I(NOW))
+move_version(W, ARGV[3])  -- its followers learn of it at once
 run_snapshot('policy')
 audit(ARGV[4])
 emit('rewound', { from_version = from, to_version = W, batches = undone, items = items })

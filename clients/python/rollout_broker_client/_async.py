@@ -36,6 +36,7 @@ from rollout_broker_client._models import (
     NewToken,
     Partial,
     PolicyResult,
+    PolicyVersion,
     PromptState,
     PromptStateName,
     RegisterResult,
@@ -246,9 +247,35 @@ class AsyncBrokerClient:
         run is open or has not settled (its leases still out, its events not yet applied)."""
         await self.send(self.api.delete_run(run_id))
 
-    async def set_policy(self, run_id: str, version: int) -> PolicyResult:
-        """Announce policy ``version``; rollouts now too stale retire (``evicted``)."""
-        return await self.send(self.api.set_policy(run_id, version))
+    async def set_policy(
+        self, run_id: str, version: int, *, weights: str | None = None, rewind: bool = False
+    ) -> PolicyResult:
+        """Announce policy ``version``, with where its ``weights`` are (a path or URI kept with
+        the version for :meth:`follow_policy`); rollouts now too stale retire (``evicted``).
+        ``rewind`` moves the run back to an earlier version (SPEC "Policy versions")."""
+        return await self.send(self.api.set_policy(run_id, version, weights, rewind))
+
+    async def policy(
+        self, run_id: str, *, after: int | None = None, wait_s: float = 0.0
+    ) -> PolicyVersion | None:
+        """The run's policy version, its weights and when it was set. With ``after``, waits up
+        to ``wait_s`` for a version other than ``after`` (a new one, or a lower one once the
+        run was rewound past it); None if it is still ``after`` then."""
+        return await self.send(self.api.policy(run_id, after, wait_s))
+
+    async def follow_policy(
+        self, run_id: str, *, after: int | None = None, wait_s: float = 30.0
+    ) -> AsyncIterator[PolicyVersion]:
+        """Every new policy version of the run as it is set, for generators that load each
+        one's weights: ``async for v in client.follow_policy(run_id, after=loaded)``. Without
+        ``after``, the current version comes first. Each wait is a long poll of ``wait_s``,
+        asked again when it passes; the requests are retried through outages as any other
+        (:class:`Retry`). A version below the last one means the run was rewound."""
+        while True:
+            got = await self.policy(run_id, after=after, wait_s=wait_s)
+            if got is not None:
+                after = got.policy_version
+                yield got
 
     # -- generators -----------------------------------------------------------------------
     async def post_rollouts(self, run_id: str, rollouts: Sequence[RolloutLike]) -> IngestResult:

@@ -31,6 +31,7 @@ __all__ = [
     "NewToken",
     "PartialCounts",
     "PolicyResult",
+    "PolicyVersion",
     "Prompt",
     "PromptCounts",
     "PromptState",
@@ -247,6 +248,16 @@ class IngestResult:
 class PolicyResult:
     policy_version: int
     evicted: int
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyVersion:
+    """A run's policy version as its followers see it: where its weights are (None when it was
+    set without) and when it was set."""
+
+    policy_version: int
+    weights: str | None
+    set_at: datetime
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,7 @@ from rollout_broker_client._models import (
     NewToken,
     Partial,
     PolicyResult,
+    PolicyVersion,
     Prompt,
     PromptCounts,
     PromptState,
@@ -327,6 +328,15 @@ def _lp_array(value: Any) -> Float32Array:
     if isinstance(value, bytes | bytearray | memoryview):
         return cast(Float32Array, np.frombuffer(value, dtype="<f4"))
     return np.asarray(value, dtype=np.float32)
+
+
+def parse_policy(body: Any) -> PolicyVersion:
+    weights = body.get("weights")
+    return PolicyVersion(
+        policy_version=int(body["policy_version"]),
+        weights=None if weights is None else str(weights),
+        set_at=_time(body["set_at"]),
+    )
 
 
 def parse_run(body: Any) -> Run:
@@ -688,8 +698,15 @@ class Api:
     def delete_run(self, run_id: str) -> Call[None]:
         return Call("DELETE", _p(run_id), lambda r, b: None)
 
-    def set_policy(self, run_id: str, version: int) -> Call[PolicyResult]:
-        content, headers = self._body({"version": int(version)})
+    def set_policy(
+        self, run_id: str, version: int, weights: str | None = None, rewind: bool = False
+    ) -> Call[PolicyResult]:
+        doc: dict[str, Any] = {"version": int(version)}
+        if weights is not None:
+            doc["weights"] = str(weights)
+        if rewind:
+            doc["rewind"] = True
+        content, headers = self._body(doc)
         return Call(
             "POST",
             _p(run_id) + "/policy",
@@ -697,6 +714,20 @@ class Api:
             None,
             content,
             headers,
+        )
+
+    def policy(
+        self, run_id: str, after: int | None = None, wait_s: float = 0.0
+    ) -> Call[PolicyVersion | None]:
+        params = {"wait_s": repr(float(wait_s))}
+        if after is not None:
+            params["after"] = str(int(after))
+        return Call(
+            "GET",
+            _p(run_id) + "/policy",
+            lambda r, b: None if r.status_code == 204 else parse_policy(b),
+            params,
+            extra_timeout=max(0.0, float(wait_s)),
         )
 
     # generators

@@ -3,7 +3,7 @@
 -- the {<run_id>} hash tag and the scripts run unchanged on Redis Cluster. KEYS[2] is the run's
 -- never-written guard key: declared so that a cluster refuses a script while the run's slot is
 -- being moved (app/keys.py, GUARD), never read or written here. The key locals (RUN, B, TAG,
--- EV, Q, VS, OPEN, OV, LEASES, US, SEEN, GDONE, WAITING, PQ, PSEEN, WLEASES, WWAITING, AUD) and
+-- EV, Q, VS, OPEN, OV, LEASES, US, SEEN, GDONE, WAITING, PQ, PSEEN, WLEASES, WWAITING, PWAITING, AUD) and
 -- key functions (qvkey, ukey, mkey, dkey, bkey, ppkey, pbkey, wkey) come before this file,
 -- generated from app/keys.py. Each script names the libraries it uses in its first line
 -- ('-- requires: ...'), and so does each library; app/broker/store.py puts them before the script

@@ -49,6 +49,20 @@ local function permanent_reason(uses, v, kl)
   return nil
 end
 
+-- The run's policy version becomes v, with the location of its weights ('' for none: those of
+-- the version before belong to it) and the time of the change; the followers of the version
+-- (GET .../policy?after=) are woken, if any waits.
+local function move_version(v, weights)
+  redis.call('HSET', RUN, 'ver', I(v), 'vat', I(NOW))
+  if weights ~= '' then
+    redis.call('HSET', RUN, 'wts', weights)
+  else
+    redis.call('HDEL', RUN, 'wts')
+  end
+  R.ver = v
+  if redis.call('EXISTS', PWAITING) == 1 then redis.call('PUBLISH', WAKE, POLICY_WAKE) end
+end
+
 local function run_snapshot(change)
   local f = redis.call('HMGET', RUN, 'id', 'cfg', 'ver', 'st', 'created')
   emit('run', {

@@ -158,17 +158,34 @@ def runs_delete(
 # -- policy ----------------------------------------------------------------------------------------
 
 
-@policy_cli.command("set")
-def policy_set(
+Weights = Annotated[
+    str | None,
+    typer.Option(
+        "--weights",
+        metavar="URI",
+        help="Where the version's weights are (a path or URI), kept with the version for the "
+        "generators that follow it",
+    ),
+]
+Rewind = Annotated[
+    bool, typer.Option("--rewind", help="Move the run back to an earlier version (a checkpoint's)")
+]
+
+
+@runs_cli.command("policy")
+def runs_policy(
     run_id: RunArg,
     version: Annotated[int, typer.Argument(help="The new policy version", min=0)],
+    weights: Weights = None,
+    rewind: Rewind = False,
     url: Url = None,
     token: Token = None,
     as_json: AsJson = False,
 ) -> None:
-    """Announce a new policy version; rollouts now too stale retire."""
+    """Announce a new policy version (and where its weights are); rollouts now too stale
+    retire."""
     with connect(url, token) as broker:
-        result = broker.set_policy(run_id, version)
+        result = broker.set_policy(run_id, version, weights=weights, rewind=rewind)
     if as_json:
         print_json(result)
     else:
@@ -176,6 +193,20 @@ def policy_set(
             f"run {run_id} is at policy version {result.policy_version}; "
             f"{result.evicted} rollouts retired as stale"
         )
+
+
+@policy_cli.command("set")
+def policy_set(
+    run_id: RunArg,
+    version: Annotated[int, typer.Argument(help="The new policy version", min=0)],
+    weights: Weights = None,
+    rewind: Rewind = False,
+    url: Url = None,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """Announce a new policy version; rollouts now too stale retire (as `runs policy`)."""
+    runs_policy(run_id, version, weights, rewind, url, token, as_json)
 
 
 # -- batches ---------------------------------------------------------------------------------------
