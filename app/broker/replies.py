@@ -132,7 +132,9 @@ REFUSALS: dict[str, Refusal] = {
     "run_busy": Refusal(RunBusy, "run {run_id!r} cannot be deleted yet: {0}; retry later"),
     # arg: the run's current version
     "version_backwards": Refusal(
-        VersionConflict, "policy version {version} is below the run's current version {0}"
+        VersionConflict,
+        "policy version {version} is below the run's current version {0}; a trainer resuming "
+        "from a checkpoint of it moves the run back with rewind: true",
     ),
     "version_future": Refusal(
         ValidationFailed, "policy_version {version} is above the run's current version {0}"

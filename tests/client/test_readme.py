@@ -35,9 +35,16 @@ def blocks(kind: str, readme: Path = REPO / "README.md") -> list[str]:
     return out
 
 
-def test_python_tour(live_server: LiveServer) -> None:
-    (code,) = [b for b in blocks("python") if "BrokerClient" in b]
-    printed = next(b for b in blocks("") if b.startswith("accepted "))
+@pytest.mark.parametrize(
+    ("run", "first_line"),
+    [("tour-py", "accepted "), ("resume-tour", "crashed ")],
+    ids=["tour", "resuming"],
+)
+def test_python_tour(live_server: LiveServer, run: str, first_line: str) -> None:
+    """The tour, and the section on resuming a trainer (a rewind's accounting before, after and
+    once trained again)."""
+    (code,) = [b for b in blocks("python") if f'"{run}"' in b]
+    printed = next(b for b in blocks("") if b.startswith(first_line))
     code = code.replace("http://127.0.0.1:8000", live_server.url)
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
