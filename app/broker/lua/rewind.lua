@@ -156,21 +156,7 @@ end
 
 -- 4. Work leases above W.
 for _, lid in ipairs(redis.call('ZRANGE', WLEASES, 0, -1)) do
-  local wk = wkey(lid)
-  local f = redis.call('HMGET', wk, 'st', 'v', 'items')
-  if f[1] == 'l' and tonumber(f[2]) > W then
-    for _, item in ipairs(cjson.decode(f[3])) do
-      local pk, att = item[1], item[2]
-      local pf = pass_fields(pk)
-      if pf[1] == 'w' and pf[4] == lid and tonumber(pf[2]) == att then
-        requeue(pk, pf, 'rewound', lid, false)
-        retire_open('g:' .. attempt_group(pk, att), 'rewound')
-      end
-    end
-    redis.call('HSET', wk, 'st', 'r')
-    redis.call('ZREM', WLEASES, lid)
-    redis.call('PEXPIRE', wk, 86400000)
-  end
+  if tonumber(redis.call('HGET', wkey(lid), 'v')) > W then end_work(lid, 'r', 'rewound', false, 'rewound') end
 end
 
 -- 5. The run.

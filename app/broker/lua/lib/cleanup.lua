@@ -2,25 +2,29 @@
 -- Bounded clean-up of a run: expired batches and work leases, timed-out groups, and units below
 -- the version floor (everything buffered, in a closed run).
 
--- End a work lease whose time ran out: its passes still in flight go back to the queue (a try
--- each), and a partial group of theirs retires ('incomplete_group').
-local function expire_work(lid)
+-- End a live work lease (state `st`: 'e'xpired, 'r'eturned by a rewind): its passes still in
+-- flight go back to the queue (`cause`; a try when `counts`), and a partial group of theirs
+-- retires (`reason`).
+local function end_work(lid, st, cause, counts, reason)
   local wk = wkey(lid)
   local f = redis.call('HMGET', wk, 'st', 'items')
   redis.call('ZREM', WLEASES, lid)
   if f[1] ~= 'l' then return 0 end
-  redis.call('HSET', wk, 'st', 'e')
+  redis.call('HSET', wk, 'st', st)
   redis.call('PEXPIRE', wk, 86400000)
   for _, item in ipairs(cjson.decode(f[2])) do
     local pk, att = item[1], item[2]
     local pf = pass_fields(pk)
     if pf[1] == 'w' and pf[4] == lid and tonumber(pf[2]) == att then
-      requeue(pk, pf, 'expired', lid, true)
-      retire_open('g:' .. attempt_group(pk, att), 'incomplete_group')
+      requeue(pk, pf, cause, lid, counts)
+      retire_open('g:' .. attempt_group(pk, att), reason)
     end
   end
   return 1
 end
+
+-- A work lease whose time ran out: a try for each of its unfinished passes.
+local function expire_work(lid) return end_work(lid, 'e', 'expired', true, 'incomplete_group') end
 
 -- Retire buffered units below the version floor (everything, in a closed run), at most
 -- `budget` units; returns the budget left.

@@ -191,7 +191,7 @@ def runs_policy(
     else:
         typer.echo(
             f"run {run_id} is at policy version {result.policy_version}; "
-            f"{result.evicted} rollouts retired as stale"
+            f"{result.evicted} rollouts retired as {'rewound' if rewind else 'stale'}"
         )
 
 
