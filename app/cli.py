@@ -193,8 +193,6 @@ def serve(
         )
     if with_workers:
         settings = settings.model_copy(update={"workers_in_process": True})
-    if not settings.workers_in_process:  # said here, once, whatever the API processes
-        typer.echo(NO_WORKERS, err=True)
     try:
         if migrate:
             assert settings.database_url is not None
@@ -202,6 +200,8 @@ def serve(
         # Decided on the final settings (the embedded services' URLs), after any migration,
         # so that an admin token stored in the database is found.
         settings = _auth_settings(settings, host)
+        if not settings.workers_in_process:  # once, whatever the API processes; not when
+            typer.echo(NO_WORKERS, err=True)  # serve refuses to start anyway
         if api_processes > 1:
             _serve_processes(settings, host, port, api_processes)
             return
