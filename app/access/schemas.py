@@ -20,8 +20,14 @@ MAX_RUN_PATTERNS = 100
 RESERVED_NAMES = frozenset({BOOTSTRAP_NAME, ANONYMOUS.name})
 """The names the audit log gives callers that are not tokens: ``BROKER_ADMIN_TOKEN`` and, with
 auth off, everybody."""
+# The audit log names callers by it, so it holds nothing a reader cannot see: no control
+# characters (C0, DEL, C1) and no invisible or direction-changing format characters (zero-width
+# marks and joiners, bidi embeddings, overrides and isolates, the byte-order mark), with which
+# one name could be shown as another.
+HIDDEN_CHARACTERS = "\x00-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u2069\ufeff"
 TokenName = Annotated[
-    str, StringConstraints(min_length=1, max_length=100, pattern=r"^[^\x00-\x1f\x7f]+$")
+    str,
+    StringConstraints(min_length=1, max_length=100, pattern=f"^[^{HIDDEN_CHARACTERS}]+$"),
 ]
 
 

@@ -64,10 +64,17 @@ return {now, newest[2]}
 # Delete a consumer from a stream's group only while it holds no pending entry: checked and
 # done in one step, so an entry delivered to it meanwhile is never dropped from the group's
 # pending list (DELCONSUMER forgets whatever the consumer still holds). A consumer that is
-# alive after all is created again by its next read. 1: deleted, 0: not in the group, -1: it
-# holds entries.
+# alive after all is created again by its next read. 1: deleted, 0: not in the group (or no
+# stream or no group), -1: it holds entries. Any other error (a write Redis refuses) is raised.
 _DELETE_IDLE_CONSUMER_LUA = """
-for _, row in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+local rows = redis.pcall('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])
+if type(rows) == 'table' and rows['err'] then
+  if string.find(rows['err'], '^NOGROUP') or string.find(rows['err'], 'no such key') then
+    return 0
+  end
+  return rows
+end
+for _, row in ipairs(rows) do
   local c = {}
   for i = 1, #row, 2 do c[row[i]] = row[i + 1] end
   if c['name'] == ARGV[2] then
@@ -167,14 +174,11 @@ class ConsumerGroup:
         """Delete ``consumer`` from the run's group unless it holds pending entries: 1 when it
         was deleted, 0 when it was not in the group (or there is no group), -1 when it holds
         entries (and stays)."""
-        try:
-            return int(
-                await self._delete_idle_consumer(
-                    keys=[self.events_key(run_id)], args=[self.group, consumer]
-                )
+        return int(
+            await self._delete_idle_consumer(
+                keys=[self.events_key(run_id)], args=[self.group, consumer]
             )
-        except ResponseError:
-            return 0  # no stream or no group
+        )
 
 
 async def drain_check(consumers: ConsumerGroup) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from accounting_helpers import RunSim, register_run, xadd_events
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting import repository
@@ -185,6 +186,12 @@ async def test_a_consumer_holding_entries_is_never_deleted(
     assert await _consumers(redis, prefix, run_id) == {"holder": 2}
     assert await stream.delete_consumer(run_id, "nobody") == 0
     assert await stream.delete_consumer("no-such-run", "holder") == 0
+    await redis.xadd(events_key(prefix, "no-group-yet"), {"e": "x"})
+    assert await stream.delete_consumer("no-group-yet", "holder") == 0
+    # Any other error is not "not in the group": it is raised, and the pass that met it fails.
+    await redis.set(events_key(prefix, "not-a-stream"), "x")
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        await stream.delete_consumer("not-a-stream", "holder")
     await stream.ack(
         run_id,
         [

@@ -272,6 +272,11 @@ async def test_a_token_request_that_is_wrong_is_422_and_creates_nothing(app_clie
         {"name": "x", "scopes": ["root"]},
         {"name": "x", "scopes": ["train", "train"]},
         {"name": "", "scopes": ["train"]},
+        {"name": "ops\x85", "scopes": ["train"]},  # a C1 control (NEL)
+        {"name": "ops\u202egnp.exe", "scopes": ["train"]},  # shown as "opsexe.png"
+        {"name": "o\u200bps", "scopes": ["train"]},  # shown as "ops"
+        {"name": "ops\u2066", "scopes": ["train"]},
+        {"name": "\ufeffops", "scopes": ["train"]},
         {"name": "x", "scopes": ["admin"], "runs": ["a"]},
         {"name": "x", "scopes": ["train"], "runs": ["a b"]},
         {"name": "x", "scopes": ["train"], "runs": ["a*b"]},

@@ -156,7 +156,9 @@ end
 
 -- 4. Work leases above W.
 for _, lid in ipairs(redis.call('ZRANGE', WLEASES, 0, -1)) do
-  if tonumber(redis.call('HGET', wkey(lid), 'v')) > W then end_work(lid, 'r', 'rewound', false, 'rewound') end
+  if tonumber(redis.call('HGET', wkey(lid), 'v')) > W then
+    end_work(lid, 'r', 'rewound', false, 'rewound')
+  end
 end
 
 -- 5. The run.

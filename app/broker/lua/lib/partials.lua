@@ -37,8 +37,10 @@ local function partials_of(pk)
   local flat = redis.call('HGETALL', ptkey(pk))
   local out = {}
   for i = 1, #flat, 2 do
-    local v, n, vn = string.match(redis.call('HGET', pmkey(pk), flat[i]), '^(%d+) (%d+) ?(%d*)$')
-    table.insert(out, { flat[i], flat[i + 1], tonumber(v), tonumber(n), tonumber(vn) or tonumber(v) })
+    local meta = redis.call('HGET', pmkey(pk), flat[i])
+    local v, n, vn = string.match(meta, '^(%d+) (%d+) ?(%d*)$')
+    v = tonumber(v)
+    table.insert(out, { flat[i], flat[i + 1], v, tonumber(n), tonumber(vn) or v })
   end
   return out
 end
