@@ -12,22 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Protocol
 
 import msgpack
 
 from app.broker.packing import PackedRollout
 from app.broker.partials import pass_of_group
 
-__all__ = ["GeneratorsReader", "attempt_of_group", "named_by", "with_lease_generators"]
-
-
-class GeneratorsReader(Protocol):
-    """What :func:`with_lease_generators` reads (app/broker/store.py)."""
-
-    async def attempt_generators(
-        self, run_id: str, attempts: Sequence[tuple[str, int]]
-    ) -> Mapping[tuple[str, int], str]: ...
+__all__ = ["attempt_of_group", "named_by", "unnamed_attempts", "with_lease_generators"]
 
 
 def attempt_of_group(group_id: str | None) -> tuple[str, int] | None:
@@ -58,18 +49,25 @@ def named_by(r: PackedRollout, generator_id: str) -> PackedRollout:
     )
 
 
-async def with_lease_generators(
-    store: GeneratorsReader, run_id: str, packed: Sequence[PackedRollout]
-) -> list[PackedRollout]:
-    """``packed``, each rollout that names no generator and belongs to a live prompt attempt
-    of a work lease that named one given that lease's ``generator_id``."""
+def unnamed_attempts(packed: Sequence[PackedRollout]) -> list[tuple[str, int]]:
+    """The prompt attempts of the rollouts in ``packed`` that name no generator, each once:
+    whose generators :func:`with_lease_generators` needs (``attempt_reads`` of
+    app/broker/pass_reads.py reads them)."""
     wanted: dict[tuple[str, int], None] = {}
     for r in packed:
         if not r.has_generator:
             a = attempt_of_group(r.group_id)
             if a is not None:
                 wanted[a] = None
-    gens = await store.attempt_generators(run_id, list(wanted)) if wanted else {}
+    return list(wanted)
+
+
+def with_lease_generators(
+    packed: Sequence[PackedRollout], gens: Mapping[tuple[str, int], str]
+) -> list[PackedRollout]:
+    """``packed``, each rollout that names no generator and belongs to a live prompt attempt
+    of a work lease that named one given that lease's ``generator_id``: ``gens``, by attempt,
+    of :func:`unnamed_attempts`."""
     if not gens:
         return list(packed)
     out = []

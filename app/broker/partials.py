@@ -6,7 +6,7 @@ check that a rollout completing one starts with it. lua/lib/partials.lua keeps t
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -23,10 +23,10 @@ from app.broker.tokens import unpack_mask
 from app.errors import ValidationFailed
 
 __all__ = [
-    "PartialsReader",
     "check_prefixes",
     "pack_partials",
     "partial_doc",
+    "partials_wanted",
     "pass_of_group",
     "prefix_arrays",
     "prefix_mismatch",
@@ -118,31 +118,27 @@ def prefix_mismatch(prefix: StoredRollout, posted: StoredRollout) -> str | None:
     return None
 
 
-class PartialsReader(Protocol):
-    """What :func:`check_prefixes` reads: the kept partials (app/broker/store.py)."""
-
-    async def kept_partials(
-        self, run_id: str, wanted: Mapping[str, Sequence[str]]
-    ) -> dict[str, bytes]: ...
-
-
-async def check_prefixes(
-    store: PartialsReader, run_id: str, packed: Sequence[PackedRollout]
-) -> None:
-    """422 (``prefix_mismatch``) for the whole request when a rollout that completes a kept
-    partial (same rollout_id, its prompt attempt's group) does not start with it. Partials
-    change only when their attempt ends, so a check made before ingest holds for a rollout
-    the ingest accepts: one of an attempt that ended since is ``stale_attempt``."""
+def partials_wanted(packed: Sequence[PackedRollout]) -> dict[str, list[str]]:
+    """The rollout ids of ``packed`` whose group names a prompt attempt, by prompt pass: the
+    partials :func:`check_prefixes` needs (``attempt_reads`` of app/broker/pass_reads.py
+    reads them)."""
     wanted: dict[str, list[str]] = {}
-    posted: dict[str, PackedRollout] = {}
     for r in packed:
         pk = pass_of_group(r.group_id)
         if pk is not None:
             wanted.setdefault(pk, []).append(r.rollout_id)
-            posted[r.rollout_id] = r
-    kept = await store.kept_partials(run_id, wanted)
+    return wanted
+
+
+def check_prefixes(packed: Sequence[PackedRollout], kept: Mapping[str, bytes]) -> None:
+    """422 (``prefix_mismatch``) for the whole request when a rollout that completes a kept
+    partial (same rollout_id, its prompt attempt's group) does not start with it: ``kept``,
+    the partials of :func:`partials_wanted`, by rollout id. Partials change only when their
+    attempt ends, so a check made before ingest holds for a rollout the ingest accepts: one
+    of an attempt that ended since is ``stale_attempt``."""
     if not kept:
         return
+    posted = {r.rollout_id: r for r in packed if pass_of_group(r.group_id) is not None}
     rids = list(kept)
     prefixes = unpack_rollouts([kept[rid] for rid in rids])
     completed = unpack_rollouts([posted[rid].blob for rid in rids])

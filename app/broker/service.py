@@ -19,7 +19,7 @@ from app import keys
 from app.broker.acks import ack_result, acked_event, batch_row, check_ack_ids, measure
 from app.broker.behaviour import BatchRow, BehaviourCache
 from app.broker.config import RunConfig, RunConfigPatch
-from app.broker.generators import with_lease_generators
+from app.broker.generators import unnamed_attempts, with_lease_generators
 from app.broker.notify import Try, Waker, long_poll
 from app.broker.packing import (
     PackedRollout,
@@ -27,7 +27,7 @@ from app.broker.packing import (
     pack_rollouts,
     unpack_rollouts,
 )
-from app.broker.partials import check_prefixes, pack_partials
+from app.broker.partials import check_prefixes, pack_partials, partials_wanted
 from app.broker.prompt_limits import PromptLimits, with_prompts
 from app.broker.replies import ErrorContext, StoreError, error_for
 from app.broker.run_index import ORPHAN_GRACE_MS, RunStatus, Visible
@@ -244,8 +244,11 @@ class Broker:
     async def ingest_packed(self, run_id: str, packed: list[PackedRollout]) -> IngestResult:
         """Ingest rollouts :meth:`pack` has packed (the API packs big bodies off the event
         loop, one rollout at a time)."""
-        packed = await with_lease_generators(self.store, run_id, packed)
-        await check_prefixes(self.store, run_id, packed)
+        # What both rules read, of rollouts of prompt attempts only: two round trips at most.
+        attempts, wanted = unnamed_attempts(packed), partials_wanted(packed)
+        got = await self.store.attempt_reads(run_id, attempts, wanted)
+        packed = with_lease_generators(packed, got.generators)
+        check_prefixes(packed, got.partials)
         with self._refusals(run_id):
             out = await self.store.ingest(run_id, packed)
         return IngestResult(
