@@ -246,11 +246,14 @@ async def test_master_failover_loses_at_most_the_unreplicated_writes(
         # Short, frequent resends: the time until service resumes is measured through them.
         retry = RecordingRetry(deadline_s=45.0, backoff_s=0.05, max_backoff_s=0.5)
         clients = [AsyncBrokerClient(a.url, retry=retry) for a in apis]
+        admin = cast(Redis, cluster_client(servers.seeds))
+        # Before the run exists: a drain that read, applied and trimmed the run's first event
+        # before this group was made would leave it out of the stream, where the checks below
+        # would take it for an event the failover rolled back.
+        await admin.xgroup_create(keys.events_key(PREFIX, RUN), AUDIT, id="0", mkstream=True)
         await clients[0].create_run(
             RUN, {"group_size": GROUP, "max_staleness": 1000, "lease_timeout_s": LEASE_TIMEOUT_S}
         )
-        admin = cast(Redis, cluster_client(servers.seeds))
-        await admin.xgroup_create(keys.events_key(PREFIX, RUN), AUDIT, id="0", mkstream=True)
 
         sent: dict[str, int] = {}  # rollout_id -> tokens, of every rollout sent
         told_accepted: dict[str, int] = {}  # rollout_id -> tokens, answered accepted/duplicate
