@@ -38,18 +38,20 @@ def group_rollouts(item: WorkItem, version: int, rewards: tuple[float, float] = 
     ]
 
 
-async def recount(store: RedisStore, run: str) -> dict[str, Any]:
-    """The run's prompt passes by state, read key by key (not from the scripts' counters)."""
+async def recount(store: RedisStore, run: str, passes: list[str]) -> dict[str, Any]:
+    """The run's prompt passes (``passes``: their ids) by state, read key by key (not from the
+    scripts' counters), in one pipeline: a SCAN would walk every key of the shared Redis."""
     r = store.redis
-    states: dict[str, list[str]] = {}
-    # SCAN may return a key more than once (while the keyspace is rehashed).
-    found = {k async for k in r.scan_iter(match=keys.member_key(store.prefix, run, keys.PASS, "*"))}
-    for key in sorted(found):
-        st = (await r.hget(key, "st")).decode()
-        states.setdefault(st, []).append(key.decode())
-    adm = int(await r.hget(store.run_key(run), "adm") or 0)
-    queued = await r.zcard(keys.run_key(store.prefix, run, keys.PROMPT_QUEUE))
-    return {"states": {k: len(v) for k, v in states.items()}, "adm": adm, "queued": queued}
+    async with r.pipeline(transaction=False) as pipe:
+        for pk in passes:
+            pipe.hget(keys.member_key(store.prefix, run, keys.PASS, pk), "st")
+        pipe.hget(store.run_key(run), "adm")
+        pipe.zcard(keys.run_key(store.prefix, run, keys.PROMPT_QUEUE))
+        *sts, adm, queued = await pipe.execute()
+    states: dict[str, int] = {}
+    for st in sts:
+        states[st.decode()] = states.get(st.decode(), 0) + 1
+    return {"states": states, "adm": int(adm or 0), "queued": queued}
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -68,6 +70,8 @@ async def test_the_budget_count_matches_the_state_under_random_operations(store,
         ),
     )
     await store.register_prompts(run, [(f"p{i}", b"\x80") for i in range(40)], epochs=2)
+    passes = [f"p{i}#{n}" for i in range(40) for n in (1, 2)]
+    done_by_use = DoneByUse(store, run)
     version = 0
     held: dict[str, tuple[str, list[WorkItem], int]] = {}  # lease id -> (lease, items, version)
     for _ in range(120):
@@ -112,27 +116,34 @@ async def test_the_budget_count_matches_the_state_under_random_operations(store,
             version += 1
             await store.set_policy(run, version)
 
-        seen = await recount(store, run)
+        seen = await recount(store, run, passes)
         st = seen["states"]
         # Every pass is somewhere, and the queue holds exactly the queued ones.
         assert sum(st.values()) == 80
         assert seen["queued"] == st.get("q", 0)
         # Admitted = in flight + complete groups waiting for a trainer + groups that reached a
         # gradient: the passes done by an ack (zero_variance ones are done unused).
-        done_by_use = await _done_by_use(store, run)
-        assert seen["adm"] == st.get("w", 0) + st.get("b", 0) + done_by_use, (op, seen)
+        used = await done_by_use.count()
+        assert seen["adm"] == st.get("w", 0) + st.get("b", 0) + used, (op, seen)
         # And never more than the budget allows at this version.
         assert seen["adm"] <= (version + 1 + 1) * B
 
 
-async def _done_by_use(store: RedisStore, run: str) -> int:
-    n = 0
-    for _, f in await store.redis.xrange(store.events_key(run)):
-        if f[b"e"] == b"passes":
-            d = msgpack.unpackb(f[b"d"], raw=False)
-            if d["cause"] == "acked":
-                n += len(d["items"])
-    return n
+class DoneByUse:
+    """Passes done by an ack so far: the items of the run's `passes` events of cause `acked`,
+    read from where the last count stopped."""
+
+    def __init__(self, store: RedisStore, run: str) -> None:
+        self.store, self.run, self.after, self.n = store, run, "-", 0
+
+    async def count(self) -> int:
+        for sid, f in await self.store.redis.xrange(self.store.events_key(self.run), self.after):
+            self.after = "(" + sid.decode()
+            if f[b"e"] == b"passes":
+                d = msgpack.unpackb(f[b"d"], raw=False)
+                if d["cause"] == "acked":
+                    self.n += len(d["items"])
+        return self.n
 
 
 def _acked(lease: Lease) -> bytes:
