@@ -45,6 +45,22 @@ def rollout(
     return r
 
 
+def answers_for(prompt: dict[str, Any], version: int, n: int = 2) -> list[dict[str, Any]]:
+    """``n`` three-token responses to a prompt handed out by a work lease, posted under its
+    ``group_id`` at ``version`` (the lease's), rewards 0, 1, ...: what a test's generator sends."""
+    gid = prompt["group_id"]
+    return [
+        {
+            "rollout_id": f"{gid}/{i}",
+            "group_id": gid,
+            "policy_version": version,
+            "response_ids": [1, 2, 3],
+            "reward": float(i),
+        }
+        for i in range(n)
+    ]
+
+
 async def make_run(client: httpx.AsyncClient, run_id: str = "r1", **config: Any) -> dict[str, Any]:
     resp = await client.post("/v1/runs", json={"run_id": run_id, "config": config})
     assert resp.status_code == 201, resp.text

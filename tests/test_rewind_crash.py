@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from app import keys
+from tests.helpers import answers_for
 from tests.processes import KillableRedis
 from tests.traffic import brokers
 
@@ -90,17 +91,7 @@ async def test_a_rewind_racing_acks_and_work_through_kills_loses_and_doubles_not
                 assert resp.status_code == 200, resp.text
                 lease = resp.json()
                 for p in lease["prompts"]:
-                    gid = p["group_id"]
-                    rollouts = [
-                        {
-                            "rollout_id": f"{gid}/{i}",
-                            "group_id": gid,
-                            "policy_version": lease["policy_version"],
-                            "response_ids": [1, 2, 3],
-                            "reward": float(i),
-                        }
-                        for i in range(2)
-                    ]
+                    rollouts = answers_for(p, lease["policy_version"])
                     out = await call(
                         "POST", f"/v1/runs/{RUN}/rollouts", json={"rollouts": rollouts}
                     )

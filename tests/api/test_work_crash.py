@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from tests.api.conftest import _start_server, _stop_server
+from tests.helpers import answers_for
 from tests.services import RedisBackend
 
 pytestmark = pytest.mark.slow
@@ -206,17 +207,7 @@ async def test_an_api_process_and_a_worker_killed_mid_run_lose_nothing(
                 assert resp.status_code == 200, resp.text
                 lease = resp.json()
                 for p in lease["prompts"]:
-                    gid = p["group_id"]
-                    rollouts = [
-                        {
-                            "rollout_id": f"{gid}/{i}",
-                            "group_id": gid,
-                            "policy_version": lease["policy_version"],
-                            "response_ids": [1, 2, 3],
-                            "reward": float(i),
-                        }
-                        for i in range(2)
-                    ]
+                    rollouts = answers_for(p, lease["policy_version"])
                     out = await call("POST", "/v1/runs/r/rollouts", json={"rollouts": rollouts})
                     assert out.status_code == 202, out.text
                     await asyncio.sleep(0.01)
