@@ -64,6 +64,16 @@ CROSS = "xv"
 # the floor from before it
 FLOORS = "floors"
 POLICY_WAITING = "pwaiting"  # string with a TTL: a follower long-polls the policy version
+# hash: every rollout that awaits its reward (posted with none, still buffered) -> '<unit> <ingest
+# ms>'; its length less the run hash's `rwl` is what awaits a reward lease
+AWAITING = "aw"
+# hash: every complete unit with unscored members -> its reward state (JSON: unscored count, the
+# min and max of the rewards it has, expired reward leases, the live reward lease holding it)
+AWAITING_UNITS = "aun"
+AWAITING_QUEUE = "aq"  # zset: awaiting units in no live reward lease, by arrival seq
+AWAITING_VERSIONS = "av"  # zset: every awaiting unit by its version, for eviction and rewind
+REWARD_LEASES = "rleases"  # zset: live reward leases by expiry ms
+REWARD_WAITING = "rwaiting"  # string with a TTL: a reward worker is long-polling the run
 # stream: the run's operator actions (audit log entries), each written by the script that makes
 # the change, in the same call; app/access/audit.py moves them into Postgres. A delete keeps it
 # until the run leaves RUNS.
@@ -86,6 +96,7 @@ BLOB = "d:"  # string per rollout: the packed rollout (read with MGET outside th
 BATCH = "b:"  # hash per batch: state, its units and rollouts, size, version, stored ack answer
 PASS = "pp:"  # hash per prompt pass '<prompt_id>#<pass>': st, att, tries, lease, seq
 PROMPT = "pb:"  # string per prompt: the packed prompt (prompt_ids and data)
+REWARD_LEASE = "rl:"  # hash per reward lease: state, expiry, worker, its units and rollouts
 WORK = "w:"  # hash per work lease: state, version, expiry, its passes, groups still open
 # hash per prompt pass: rollout_id -> a partial rollout given back with the pass, in the packed
 # rollout format (app/broker/packing.py); lua/lib/partials.lua says when each comes and goes
@@ -104,9 +115,11 @@ TOKENS = "tokens"  # pub/sub channel: the id of a revoked token, for every proce
 WAKE = "wake"  # pub/sub channel: "units became ready in a run" for long-polling trainers
 # A wake-up names its run by the run's tag (see run_tag), followed by what woke up: nothing for
 # trainers (units became ready), WORK_WAKE for generators (prompts or staleness budget),
-# POLICY_WAKE for followers of the policy version (it moved).
+# POLICY_WAKE for followers of the policy version (it moved), REWARD_WAKE for reward workers
+# (units came to await a reward lease).
 WORK_WAKE = "work"
 POLICY_WAKE = "policy"
+REWARD_WAKE = "reward"
 
 # Never written: /readyz deletes it (under a hash tag, one per cluster master) to learn whether
 # Redis takes writes; the delete of a missing key is a write Redis refuses like any other.
@@ -142,6 +155,12 @@ LUA_KEYS: dict[str, str] = {
     "ACKED": ACKED,
     "XV": CROSS,
     "FLOORS": FLOORS,
+    "AW": AWAITING,
+    "AUN": AWAITING_UNITS,
+    "AQ": AWAITING_QUEUE,
+    "AV": AWAITING_VERSIONS,
+    "RLEASES": REWARD_LEASES,
+    "RWAITING": REWARD_WAITING,
 }
 LUA_FAMILIES: dict[str, str] = {
     "qvkey": VERSION_QUEUE,
@@ -152,6 +171,7 @@ LUA_FAMILIES: dict[str, str] = {
     "ppkey": PASS,
     "pbkey": PROMPT,
     "wkey": WORK,
+    "rlkey": REWARD_LEASE,
     "ptkey": PARTIALS,
     "pmkey": PARTIAL_META,
 }
@@ -241,7 +261,7 @@ def run_tag(prefix: str, run_id: str) -> str:
 
 
 def run_of_wake(prefix: str, message: str) -> tuple[str, str]:
-    """(run id, what woke up: '', WORK_WAKE or POLICY_WAKE) of a wake-up message: the run's tag
+    """(run id, what woke up: '', WORK_WAKE, POLICY_WAKE or REWARD_WAKE) of a wake-up message: the run's tag
     (:func:`run_tag`), then the kind. Run ids hold no '}'."""
     run_id, _, kind = message[len(prefix) + 2 :].rpartition("}")
     return run_id, kind
@@ -260,6 +280,7 @@ def lua_prologue() -> str:
         "local TAG = string.sub(B, 1, #B - 1)  -- '<prefix>:{<run_id>}': what a wake-up publishes",
         f"local WORK_WAKE = TAG .. '{_suffix(WORK_WAKE)}'  -- the wake-up of waiting generators",
         f"local POLICY_WAKE = TAG .. '{_suffix(POLICY_WAKE)}'  -- the wake-up of version followers",
+        f"local REWARD_WAKE = TAG .. '{_suffix(REWARD_WAKE)}'  -- the wake-up of reward workers",
     ]
     for name, suffix in LUA_KEYS.items():
         if name != "RUN":
