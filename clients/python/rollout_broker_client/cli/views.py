@@ -18,6 +18,7 @@ if TYPE_CHECKING:
         PartialCounts,
         PromptCounts,
         PromptState,
+        RewardCounts,
         Run,
         TrainingVersion,
         VersionAccounting,
@@ -50,6 +51,17 @@ def histogram(hist: dict[int, int], width: int = 16) -> str:
 
 def seconds(value: float) -> str:
     return f"{value:,.1f} s"
+
+
+def reward_line(r: RewardCounts) -> str:
+    return f"awaiting {r.awaiting:,}, in reward leases {r.leased:,}, timed out {r.timed_out:,}"
+
+
+def reward_wait_note(acc: Accounting) -> str:
+    """What the summed reward wait means, with its mean per rollout scored."""
+    mean = acc.mean_reward_wait_s
+    each = "none scored yet" if mean is None else f"mean {fmt(mean, 3)} s per rollout scored"
+    return f"from ingest to score; {each}"
 
 
 def prompt_line(p: PromptCounts) -> str:
@@ -178,6 +190,20 @@ def _partial_rows(table: Table, p: PartialCounts) -> None:
     )
 
 
+def _reward_rows(table: Table, r: RewardCounts) -> None:
+    """Rollouts posted without a reward, by where they are on the way to their score."""
+    _section(table, "rewards")
+    table.add_row("awaiting", fmt(r.awaiting), "unscored, in no reward lease")
+    table.add_row("in reward leases", fmt(r.leased), "unscored, leased to a reward worker")
+    table.add_row("scored", fmt(r.scored), "got their reward from a reward worker")
+    table.add_row(
+        "timed out",
+        fmt(r.timed_out),
+        "reward leases expired, once per unscored rollout in them",
+        end_section=True,
+    )
+
+
 def accounting_table(
     acc: Accounting, run: Run | None = None, *, deleted: str | None = None
 ) -> RenderableType:
@@ -228,9 +254,18 @@ def accounting_table(
     )
     if acc.partials is not None:  # shown whenever the broker reports them, zeros too
         _partial_rows(table, acc.partials)
+    if acc.rewards is not None:  # shown whenever the broker reports them, zeros too
+        _reward_rows(table, acc.rewards)
     _section(table, "waits")
     table.add_row("generators waited", seconds(acc.wait.generator_s), "for prompts or budget")
-    table.add_row("trainers waited", seconds(acc.wait.trainer_s), "for rollouts", end_section=True)
+    rewards = acc.wait.reward_s is not None
+    table.add_row(
+        "trainers waited", seconds(acc.wait.trainer_s), "for rollouts", end_section=not rewards
+    )
+    if acc.wait.reward_s is not None:
+        table.add_row(
+            "rewards waited", seconds(acc.wait.reward_s), reward_wait_note(acc), end_section=True
+        )
     _section(table, "samples out")
     max_reuse = run.config.get("max_reuse") if run is not None else None
     table.add_row("samples consumed", fmt(acc.samples_consumed), "Σ uses = Σ acked batch sizes")
