@@ -661,11 +661,12 @@ class TrainingVersion:
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
-Scope = Literal["generate", "train", "operate", "admin"]
+Scope = Literal["generate", "reward", "train", "operate", "admin"]
 """What an access token may do (SPEC "Access control"): ``generate`` posts rollouts and takes
-and returns work; ``train`` leases, acks, nacks and sets the policy version; ``operate``
-creates, changes, closes and deletes runs, registers prompts and reads the accounting and the
-audit log; ``admin`` manages tokens, and may do everything. Any scope reads its runs."""
+and returns work; ``reward`` leases rollouts to score and posts their rewards; ``train``
+leases, acks, nacks and sets the policy version; ``operate`` creates, changes, closes and
+deletes runs, registers prompts and reads the accounting and the audit log; ``admin`` manages
+tokens, and may do everything. Any scope reads its runs."""
 
 
 @dataclass(frozen=True, slots=True)
