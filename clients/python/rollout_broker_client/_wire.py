@@ -145,7 +145,8 @@ class Call(Generic[T]):
     ``idempotent``: sending it again after it may have reached the broker changes nothing, so it
     may be retried after a lost answer or an outage. Every request this client builds is: it
     names what it creates (the run_id of a run, the batch_id of a lease, the lease_id of a work
-    lease) and ingest is by rollout_id. ``retry_statuses``: the statuses that mean "try again
+    or reward lease), ingest is by rollout_id and a reward sent again is a duplicate.
+    ``retry_statuses``: the statuses that mean "try again
     later" (an outage, a restarting broker behind a proxy). ``extra_timeout`` lengthens the
     read timeout (long polls).
     """
@@ -1058,10 +1059,10 @@ class Retry:
     Retried: a request that never reached the broker (connection refused, connect timeout);
     one whose answer was lost (the connection dropped, a read timeout) or that met ``502``,
     ``503`` or ``504``, when it is idempotent, as every request of this client is (ingest by
-    ``rollout_id``, a lease by the ``batch_id`` and a work lease by the ``lease_id`` the client
-    chose, ...) but the creation of a token. Not retried: any other status, ``500`` included (a
-    bug, not an outage), ``401`` and ``403`` (the token will not do better a second time), and
-    ``429``, which the writer waits out on its own terms.
+    ``rollout_id``, a lease by the ``batch_id`` and a work or reward lease by the ``lease_id``
+    the client chose, a score by its value, ...) but the creation of a token. Not retried: any
+    other status, ``500`` included (a bug, not an outage), ``401`` and ``403`` (the token will
+    not do better a second time), and ``429``, which the writer waits out on its own terms.
 
     The waits grow exponentially from ``backoff_s`` to ``max_backoff_s``, jittered (each is 50
     to 100 % of its step), and are at least the ``Retry-After`` the broker or a proxy sent. A
