@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 from rollout_broker_client import (
     AsyncBrokerClient,
+    AsyncRewardWork,
     BrokerClient,
     RewardConflict,
     RewardLeaseNotFound,
+    RewardLeaseOver,
     Rollout,
     ScoreResult,
     SyncASGITransport,
@@ -131,16 +133,26 @@ async def test_closing_the_client_gives_back_open_reward_leases(api: httpx.Async
 
 
 async def test_give_back_some_and_score_the_rest(broker: AsyncBrokerClient) -> None:
+    """A group is leased and given back whole: naming one rollout gives back its group."""
     await setup_run(broker, "some", 2)
     lease = await broker.reward_lease("some", 4, lease_id="worker-1-lease-1")
     assert lease is not None and lease.lease_id == "worker-1-lease-1"
     assert await broker.return_rewards("some", lease.lease_id, []) == 0  # none named: none back
-    one, two, *rest = [r.rollout_id for r in lease.rollouts]
-    assert await broker.return_rewards("some", lease.lease_id, [one]) == 1
-    assert (await broker.score("some", {two: 1.0}, lease_id=lease.lease_id)).scored == 1
-    assert await broker.return_rewards("some", lease.lease_id) == len(rest)  # all it still holds
+    async with AsyncRewardWork(broker, "some", lease) as work:
+        a, b = sorted({r.group_id for r in work.rollouts})  # type: ignore[type-var]
+        group_a = sorted(r.rollout_id for r in work.rollouts if r.group_id == a)
+        b0, b1 = sorted(r.rollout_id for r in work.rollouts if r.group_id == b)
+        assert await work.give_back([group_a[0]]) == 2
+        assert sorted(r.rollout_id for r in work.returned) == group_a
+        assert sorted(r.rollout_id for r in work.unscored) == [b0, b1]
+        assert (await work.score({b0: 1.0})).scored == 1
+    assert [r.rollout_id for r in work.returned][2:] == [b1]  # the rest, on leaving the block
     again = await broker.reward_lease("some", 4)
-    assert again is not None and {r.rollout_id for r in again.rollouts} == {one, *rest}
+    assert again is not None and {r.rollout_id for r in again.rollouts} == {*group_a, b1}
+    with pytest.raises(RewardLeaseOver):  # its id is not handed out again once it is over
+        await broker.reward_lease("some", 4, lease_id="worker-1-lease-1")
+    with pytest.raises(RewardLeaseNotFound):
+        await broker.return_rewards("some", "no-such-lease")
 
 
 # -- resends and refusals --------------------------------------------------------------------------

@@ -21,6 +21,7 @@ by the body's ``error`` field, carrying the body's ``detail``:
         │   ├── LeaseExpired         ack after the lease ran out
         │   ├── BatchSettled         nack of an acked batch, or the reverse
         │   ├── WorkLeaseOver        a work lease_id reused after its lease was returned or expired
+        │   ├── RewardLeaseOver      a reward lease_id reused after its lease was over
         │   └── RewardConflict       a different reward for a rollout already scored
         ├── PayloadTooLarge (413)
         ├── UnsupportedMediaType (415)
@@ -63,6 +64,7 @@ __all__ = [
     "PayloadTooLarge",
     "RewardConflict",
     "RewardLeaseNotFound",
+    "RewardLeaseOver",
     "RunClosed",
     "RunConflict",
     "RunNotFound",
@@ -173,6 +175,10 @@ class WorkLeaseOver(Conflict):
     """The work lease was returned or expired: its prompts went back; lease with a new id."""
 
 
+class RewardLeaseOver(Conflict):
+    """The reward lease was returned or expired: its rollouts went back; lease with a new id."""
+
+
 class RewardConflict(Conflict):
     """A rollout already scored was sent another reward: the first one stands."""
 
@@ -237,6 +243,7 @@ _BY_NAME: dict[str, type[BrokerHTTPError]] = {
         RunConflict,
         RunClosed,
         WorkLeaseOver,
+        RewardLeaseOver,
         RewardConflict,
         VersionConflict,
         LeaseExpired,

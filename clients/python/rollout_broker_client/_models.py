@@ -228,6 +228,7 @@ class RewardRollout:
     loss_mask: UInt8Array | None = None  # None: every token is trained
     data: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1170,18 +1170,17 @@ class RewardWork:
 
     def give_back(self, rollouts: Iterable[RewardRollout | str] | None = None) -> int:
         """Return rollouts of this lease not scored (all of them by default) to the broker now,
-        for any reward worker to lease at once; returns how many the broker took back."""
-        chosen = (
-            list(self._unscored.values())
-            if rollouts is None
-            else [
-                self._unscored[rid]
-                for rid in dict.fromkeys(
-                    r if isinstance(r, str) else r.rollout_id for r in rollouts
-                )
-                if rid in self._unscored
+        for any reward worker to lease at once; returns how many the broker took back. A
+        group is leased and given back whole: a rollout goes back with the unscored members of
+        its group."""
+        if rollouts is None:
+            chosen = list(self._unscored.values())
+        else:
+            named = {r if isinstance(r, str) else r.rollout_id for r in rollouts}
+            groups = {self._by_id[rid].group_id for rid in named if rid in self._by_id} - {None}
+            chosen = [
+                r for r in self._unscored.values() if r.rollout_id in named or r.group_id in groups
             ]
-        )
         if not chosen:
             return 0
         ids = [r.rollout_id for r in chosen]

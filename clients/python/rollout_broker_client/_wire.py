@@ -464,6 +464,7 @@ def parse_reward_lease(body: Any) -> RewardLease:
                 loss_mask=_mask_array(r.get("loss_mask")),
                 data=r.get("data"),
                 metadata=r.get("metadata"),
+                finish_reason=r.get("finish_reason"),
             )
             for r in body["rollouts"]
         ],
