@@ -125,7 +125,8 @@ async def test_a_break_gives_back_the_rest_before_the_next_request(
 async def test_closing_the_client_gives_back_open_reward_leases(api: httpx.AsyncClient) -> None:
     client = AsyncBrokerClient(http=api)
     await setup_run(client, "close", 1)
-    lease = await anext(client.reward_work("close", max_rollouts=2, wait_s=0))
+    leases = client.reward_work("close", max_rollouts=2, wait_s=0)
+    lease = await anext(leases)  # the loop object lives on: only close() can settle it
     await client.close()
     assert lease.settled and len(lease.returned) == 2
     back = await AsyncBrokerClient(http=api).reward_lease("close", 10)
@@ -208,7 +209,8 @@ async def test_scores_are_checked_before_sending(
     wired: AsyncBrokerClient, recorder: Recorder
 ) -> None:
     await setup_run(wired, "checked", 1)
-    lease = await anext(wired.reward_work("checked", max_rollouts=2, wait_s=0))
+    leases = wired.reward_work("checked", max_rollouts=2, wait_s=0)
+    lease = await anext(leases)
     rid = lease.rollouts[0].rollout_id
     before = len(recorder.exchanges)
     for bad, error in (
@@ -239,7 +241,8 @@ def test_sync_reward_loop_gives_back_at_break_and_on_exceptions(settings: Settin
         broker.create_run("sync", {"group_size": 2})
         broker.post_rollouts("sync", unscored(3))
         for lease in broker.reward_work("sync", max_rollouts=2, wait_s=0):
-            lease.score({lease.rollouts[0].rollout_id: 1.0})
+            first = lease.rollouts[0]
+            lease.score({first.rollout_id: judge(first.response_ids)})
             break
         broker.get_run("sync")  # the dropped loop's lease is given back before this request
         assert lease.settled and len(lease.returned) == 1
