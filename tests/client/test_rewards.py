@@ -92,7 +92,9 @@ async def test_a_body_that_raises_gives_back_the_rest_at_once(
 ) -> None:
     await setup_run(wired, "crash", 2)
     with pytest.raises(KeyError, match="reward model crashed"):
-        async for lease in wired.reward_work("crash", max_rollouts=4, wait_s=0):
+        async for lease in wired.reward_work(
+            "crash", max_rollouts=4, wait_s=0, stop_when_empty=True
+        ):
             async with lease:
                 first = lease.rollouts[0]
                 await lease.score({first.rollout_id: 1.0})
@@ -112,7 +114,7 @@ async def test_a_break_gives_back_the_rest_before_the_next_request(
     broker: AsyncBrokerClient,
 ) -> None:
     await setup_run(broker, "brk", 2)
-    async for lease in broker.reward_work("brk", max_rollouts=4, wait_s=0):
+    async for lease in broker.reward_work("brk", max_rollouts=4, wait_s=0, stop_when_empty=True):
         await lease.score({lease.rollouts[0].rollout_id: 0.0})
         break
     again = await broker.reward_lease("brk", 10)  # the dropped loop's lease goes back first
@@ -125,7 +127,7 @@ async def test_a_break_gives_back_the_rest_before_the_next_request(
 async def test_closing_the_client_gives_back_open_reward_leases(api: httpx.AsyncClient) -> None:
     client = AsyncBrokerClient(http=api)
     await setup_run(client, "close", 1)
-    leases = client.reward_work("close", max_rollouts=2, wait_s=0)
+    leases = client.reward_work("close", max_rollouts=2, wait_s=0, stop_when_empty=True)
     lease = await anext(leases)  # the loop object lives on: only close() can settle it
     await client.close()
     assert lease.settled and len(lease.returned) == 2
@@ -209,7 +211,7 @@ async def test_scores_are_checked_before_sending(
     wired: AsyncBrokerClient, recorder: Recorder
 ) -> None:
     await setup_run(wired, "checked", 1)
-    leases = wired.reward_work("checked", max_rollouts=2, wait_s=0)
+    leases = wired.reward_work("checked", max_rollouts=2, wait_s=0, stop_when_empty=True)
     lease = await anext(leases)
     rid = lease.rollouts[0].rollout_id
     before = len(recorder.exchanges)
@@ -240,14 +242,17 @@ def test_sync_reward_loop_gives_back_at_break_and_on_exceptions(settings: Settin
         broker = BrokerClient(http=http)
         broker.create_run("sync", {"group_size": 2})
         broker.post_rollouts("sync", unscored(3))
-        for lease in broker.reward_work("sync", max_rollouts=2, wait_s=0):
+        for lease in broker.reward_work("sync", max_rollouts=2, wait_s=0, stop_when_empty=True):
             first = lease.rollouts[0]
             lease.score({first.rollout_id: judge(first.response_ids)})
             break
         broker.get_run("sync")  # the dropped loop's lease is given back before this request
         assert lease.settled and len(lease.returned) == 1
 
-        with pytest.raises(ZeroDivisionError), broker.reward_work("sync", max_rollouts=6) as ls:
+        with (
+            pytest.raises(ZeroDivisionError),
+            broker.reward_work("sync", max_rollouts=6, wait_s=0, stop_when_empty=True) as ls,
+        ):
             for lease in ls:
                 assert lease.rollouts
                 1 / 0  # noqa: B018
