@@ -26,6 +26,7 @@ from rollout_broker_client import (
     ValidationFailed,
 )
 from rollout_broker_client._wire import Api, parse_reward_lease, rollout_doc
+from rollout_broker_client.protocol import MSGPACK
 
 from app.main import create_app
 from app.settings import Settings
@@ -65,7 +66,7 @@ async def setup_run(broker: AsyncBrokerClient, run: str, groups: int) -> None:
 
 
 async def test_rollouts_posted_without_a_reward_are_scored_by_the_loop(
-    wired: AsyncBrokerClient,
+    wired: AsyncBrokerClient, recorder: Recorder
 ) -> None:
     await setup_run(wired, "later", 3)
     assert await wired.lease_batch("later", 2) is None  # no trainer gets an unscored rollout
@@ -80,6 +81,12 @@ async def test_rollouts_posted_without_a_reward_are_scored_by_the_loop(
         assert lease.unscored == [] and lease.lease_id
         seen += [r.rollout_id for r in lease.rollouts]
     assert sorted(seen) == sorted(r.rollout_id for r in unscored(3))  # each scored once
+    answers = {
+        resp.headers["content-type"]
+        for req, _, resp in recorder.exchanges
+        if req.url.path.endswith("/rewards/lease") and resp.status_code == 200
+    }
+    assert answers == {MSGPACK}  # the tokens came as raw arrays, as a batch's do
     batch = await wired.lease_batch("later", 6)
     assert batch is not None
     assert {r.rollout_id: r.reward for r in batch} == {
