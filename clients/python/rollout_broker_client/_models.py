@@ -28,6 +28,7 @@ __all__ = [
     "LagStats",
     "LeasedRollout",
     "LiveCounts",
+    "LiveRewardCounts",
     "NewToken",
     "PartialCounts",
     "PolicyResult",
@@ -528,11 +529,33 @@ def partial_counts(value: Mapping[str, Any]) -> PartialCounts:
 
 
 @dataclass(frozen=True, slots=True)
+class LiveRewardCounts:
+    """The broker's own counts of the rollouts awaiting a reward: in no reward lease, and in
+    one."""
+
+    awaiting: int
+    leased: int
+
+
+@dataclass(frozen=True, slots=True)
 class LiveCounts:
-    """The broker's own counts of a run's rollouts, from its live state rather than the ledger."""
+    """The broker's own counts of a run's rollouts, from its live state rather than the ledger;
+    ``rewards`` is None from a broker that does not report them."""
 
     buffered: int
     leased: int
+    rewards: LiveRewardCounts | None = None
+
+    @classmethod
+    def of(cls, live: Mapping[str, Any]) -> LiveCounts:
+        """The ``live`` object of an accounting answer."""
+        r = live.get("rewards")
+        rewards = (
+            LiveRewardCounts(int(r["awaiting"]), int(r["leased"]))
+            if isinstance(r, Mapping)
+            else None
+        )
+        return cls(buffered=int(live["buffered"]), leased=int(live["leased"]), rewards=rewards)
 
 
 @dataclass(frozen=True, slots=True)
@@ -582,8 +605,7 @@ class Accounting:
             object.__setattr__(self, "dead_letters", int(self.raw["dead_letters"]))
         live = self.raw.get("live")
         if self.live is None and isinstance(live, Mapping):
-            counts = LiveCounts(buffered=int(live["buffered"]), leased=int(live["leased"]))
-            object.__setattr__(self, "live", counts)
+            object.__setattr__(self, "live", LiveCounts.of(live))
         partials = self.raw.get("partials")
         if self.partials is None and isinstance(partials, Mapping):
             object.__setattr__(self, "partials", partial_counts(partials))
@@ -611,14 +633,25 @@ class Accounting:
     @property
     def matches_live(self) -> bool:
         """The ledger is checked and right: caught up (``pending_events == 0``), no dead
-        letters, and its buffered and leased equal the broker's live counts. False whenever
-        the server does not say enough to tell."""
+        letters, and its buffered and leased (and, from a broker that reports them, the
+        rollouts awaiting a reward) equal the broker's live counts. False whenever the server
+        does not say enough to tell."""
         return (
             self.pending_events == 0
             and self.dead_letters == 0
             and self.live is not None
             and (self.buffered, self.leased) == (self.live.buffered, self.live.leased)
+            and self.rewards_match_live is not False
         )
+
+    @property
+    def rewards_match_live(self) -> bool | None:
+        """Whether the ledger's rollouts awaiting a reward (in no reward lease, and in one)
+        equal the broker's live counts; None when the broker does not report both."""
+        live = self.live.rewards if self.live is not None else None
+        if self.rewards is None or live is None:
+            return None
+        return (self.rewards.awaiting, self.rewards.leased) == (live.awaiting, live.leased)
 
 
 @dataclass(frozen=True, slots=True)

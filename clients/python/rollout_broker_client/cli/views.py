@@ -128,7 +128,8 @@ def run_detail(run: Run) -> RenderableType:
 
 def ledger_check(acc: Accounting) -> tuple[bool, str]:
     """Whether the accounting can be trusted, and why not: the ledger's buffered and leased
-    equal the broker's live counts (``live``), every event is applied (``pending_events`` 0),
+    (and the rollouts awaiting a reward, from a broker that reports them) equal the broker's
+    live counts (``live``), every event is applied (``pending_events`` 0),
     none was dead-lettered, and received = buffered + leased + retired. A broker that does not
     report ``live`` or ``dead_letters`` cannot be checked: no ✓ then."""
     raw = acc.raw
@@ -142,6 +143,12 @@ def ledger_check(acc: Accounting) -> tuple[bool, str]:
         why.append(
             f"the ledger's buffered {acc.buffered:,}, leased {acc.leased:,} are not the live "
             f"{live.get('buffered')}, {live.get('leased')}"
+        )
+    if acc.rewards_match_live is False and acc.rewards and acc.live and acc.live.rewards:
+        why.append(
+            f"the ledger's awaiting a reward {acc.rewards.awaiting:,}, in reward leases "
+            f"{acc.rewards.leased:,} are not the live {acc.live.rewards.awaiting:,}, "
+            f"{acc.live.rewards.leased:,}"
         )
     if acc.pending_events is None:
         why.append("the broker does not report pending events")
