@@ -83,10 +83,13 @@ async def test_page_shows_the_reward_figures(
             body = await real.json()
             del body["rewards"]
             del body["wait"]["reward_s"]
+            body["live"].pop("rewards", None)
             await route.fulfill(response=real, json=body)
 
         without = {
-            k: v for k, v in want.items() if not k.startswith("rewards.") and k != "wait.reward_s"
+            k: v
+            for k, v in want.items()
+            if not k.startswith(("rewards.", "live.rewards.")) and k != "wait.reward_s"
         }
         await page.route("**/v1/runs/*/accounting", older)
         try:
