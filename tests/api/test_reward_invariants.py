@@ -28,6 +28,7 @@ from app.keys import (
 from tests.helpers import lease, make_run, post, rollout
 
 RUN = "inv"
+OPS = ["post", "post", "lease", "lease", "score", "return", "wait", "policy", "policy"]
 
 
 async def check(redis: Any, prefix: str) -> None:
@@ -79,7 +80,7 @@ async def test_reward_indexes_agree_after_any_calls(api, redis, prefix, seed):
     version, leases, scored = 0, [], set()
     n = 0
     for _ in range(80):
-        op = rng.choice(["post", "post", "lease", "lease", "score", "return", "wait", "policy", "policy"])
+        op = rng.choice(OPS)
         if op == "post":
             g = f"g{n}"
             n += 1
