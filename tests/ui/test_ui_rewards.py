@@ -76,6 +76,9 @@ async def test_page_shows_the_reward_figures(
         wrong = watch(page, broker.url)
         await page.goto(f"{broker.url}/ui?interval={INTERVAL_S}#run={quote(run)}")
         await until_shown(page, want)
+        shot = tmp_path / "ui-rewards.png"
+        await page.screenshot(path=str(shot), full_page=True)
+        print(f"\nscreenshot of the page: {shot}")
 
         # A broker that does not report them: n/a, and no reward wait among the waits.
         async def older(route: Route) -> None:
