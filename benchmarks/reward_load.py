@@ -89,6 +89,7 @@ class TrainerResult:
     span_s: float = 0.0  # from the first batch to the deadline
     empty: int = 0  # leases answered 204
     checked: int = 0  # rewards compared with the verifier's score
+    leases_s: list[float] = field(default_factory=list)  # each lease call from the first batch on
     ids: list[str] = field(default_factory=list)
 
 
@@ -236,6 +237,7 @@ def train(plan: Plan, version: Any, start: float) -> TrainerResult:
         got_at = time.perf_counter()
         if first is not None:
             out.idle_s += got_at - now
+            out.leases_s.append(got_at - now)
         if status == 204:
             out.empty += 1
             continue
@@ -297,14 +299,15 @@ def _role(name: str, plan: Plan, version: Any, barrier: Any, out: Any) -> None:
             got = reward(plan, start)
         else:
             got = train(plan, version, start)
-        out.put((name, "ok", got))
+        out.put((name, "ok", (got, time.process_time())))
     except BaseException:  # the parent re-raises it
         barrier.abort()
         out.put((name, "error", traceback.format_exc()))
 
 
 def run_arm(plan: Plan, first_version: int = 0) -> dict[str, Any]:
-    """The three roles in forked processes, started together; their results by role name."""
+    """The three roles in forked processes, started together; their results by role name, and
+    the CPU seconds each process used (``cpu:<name>``)."""
     ctx = mp.get_context("fork")
     version = ctx.Value("q", first_version)
     barrier = ctx.Barrier(3)
@@ -320,7 +323,7 @@ def run_arm(plan: Plan, first_version: int = 0) -> dict[str, Any]:
         for _ in procs:
             name, kind, value = out.get(timeout=timeout)
             if kind == "ok":
-                results[name] = value
+                results[name], results[f"cpu:{name}"] = value
             else:
                 errors.append(f"{name}: {value}")
     finally:

@@ -41,7 +41,7 @@ import orjson
 
 from app import keys
 from benchmarks.harness import ROOT, Row, delete_keys
-from benchmarks.load import Http, expect
+from benchmarks.load import Http, expect, percentile
 from benchmarks.report import machine, summary, table
 from benchmarks.reward_load import Plan, Verifier, run_arm
 from benchmarks.servers import (
@@ -103,9 +103,13 @@ class Arm:
     name: str
     totals: dict[str, float] = field(default_factory=dict)
     fills: list[float] = field(default_factory=list)  # seconds to each round's first batch
+    lease_p50s: list[float] = field(default_factory=list)  # each round's median lease call
+    lease_maxs: list[float] = field(default_factory=list)  # and its longest
 
     def add(self, tally: dict[str, float]) -> None:
         self.fills.append(tally["fill_s"])
+        self.lease_p50s.append(tally["lease_p50_s"])
+        self.lease_maxs.append(tally["lease_max_s"])
         for k, v in tally.items():
             self.totals[k] = self.totals.get(k, 0) + v
 
@@ -234,6 +238,8 @@ def run_one(server: Server, name: str, s: Setup, verifier: Verifier) -> dict[str
         cpu0, t1 = proc_cpu_s(server.pid), time.monotonic()
         got = run_arm(plan)
         cpu = {"broker_cpu_s": proc_cpu_s(server.pid) - cpu0, "load_s": time.monotonic() - t1}
+        http.close()  # idle for longer than the server keeps a connection
+        http = Http(server.address)
         states = lease_states(http, run_id, got["reward"].lease_ids)
         status, data, _ = http.call("POST", f"/v1/runs/{run_id}/close")
         expect(status, data, 200)
@@ -276,6 +282,9 @@ def tally(
         "rescored": len(hung & set(r.rescored)),
         "hung_trained": len(hung & set(t.ids)),
         "dead_letters": acc.get("dead_letters", 0),
+        "lease_p50_s": percentile(t.leases_s, 50),
+        "lease_max_s": max(t.leases_s, default=0.0),
+        **{f"cpu.{k}": got[f"cpu:{k}"] for k in ("generate", "reward", "train")},
     }
     for k, v in acc["retired"].items():
         out[f"retired.{k}"] = v
@@ -286,11 +295,24 @@ def tally(
     return out
 
 
+CPU_KEYS = ("cpu.generate", "cpu.reward", "cpu.train")
+
+
+def secs(xs: list[float]) -> str:
+    return ", ".join(f"{x:.2f}" for x in xs)
+
+
+def ms(xs: list[float]) -> str:
+    return ", ".join(f"{x * 1e3:.0f}" for x in xs)
+
+
 def arm_note(arm: Arm) -> str:
     span = arm["span_s"]
+    cores = "/".join(f"{arm[k] / arm['load_s']:.2f}" for k in CPU_KEYS)
     note = (
         f"idle {100 * arm.idle_share:.2f} % of the trainer's {span:.1f} s from its first batch "
-        f"(which came after {', '.join(f'{x:.2f}' for x in arm.fills)} s), in ack calls "
+        f"(which came after {secs(arm.fills)} s; lease calls p50 {ms(arm.lease_p50s)} ms, "
+        f"longest {ms(arm.lease_maxs)} ms), in ack calls "
         f"{100 * arm['ack_s'] / span:.1f} %, in policy calls {100 * arm['policy_s'] / span:.1f} "
         f"%; {arm['batches']:,.0f} batches, {arm['trained']:,.0f} rollouts trained, every "
         f"reward its verifier score ({arm['checked']:,.0f} checked); {arm['posted']:,.0f} posted "
@@ -298,7 +320,8 @@ def arm_note(arm: Arm) -> str:
         f"{arm.counts('lease.')}), {arm['scored']:,.0f} rollouts scored, "
         f"{arm['duplicates']:,.0f} duplicates; reward leases expired: {arm['lease.expired']:,.0f}; "
         f"retired: {arm.counts('retired.')}; the broker process used "
-        f"{arm['broker_cpu_s'] / arm['load_s']:.2f} cores"
+        f"{arm['broker_cpu_s'] / arm['load_s']:.2f} cores, the generators, reward workers and "
+        f"trainer {cores} cores"
     )
     if arm.counts("rejected.") != "none":
         note += f"; rejected at ingest: {arm.counts('rejected.')}"
@@ -463,7 +486,12 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(summary(rows))
     if args.json:
-        doc = {"machine": info, "quick": args.quick, "rows": [r.to_json() for r in rows]}
+        doc = {
+            "machine": info,
+            "quick": args.quick,
+            "rows": [r.to_json() for r in rows],
+            "arms": {arm.name: arm.totals for arm in (fast, slow)},
+        }
         Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0
 
