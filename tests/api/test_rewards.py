@@ -143,10 +143,12 @@ async def test_given_back_rollouts_are_leased_again_at_once(api):
     assert rids(await reward_lease(api, "r1", 1)) == ["a"]
 
 
-async def test_stale_awaiting_rollouts_retire_and_a_late_score_is_told(api):
+async def test_stale_awaiting_rollouts_retire_and_a_late_score_is_told(api, redis, prefix):
     await make_run(api, "r1", max_staleness=0)
     await post(api, "r1", rollout("a", reward=None))
     await set_policy(api, "r1", 1)
+    assert (await retired(redis, prefix, "r1")) == {"stale": ["a"]}
+    assert (await reward_lease(api, "r1", 1)).status_code == 204  # no longer to be scored
     resp = await score(api, "r1", {"a": 1.0})
     assert resp.json() == {"scored": 0, "duplicates": 0, "retired": ["a"]}
 
