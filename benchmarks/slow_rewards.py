@@ -1,5 +1,5 @@
 """A slow, sometimes hanging verifier against one that answers at once:
-``python -m benchmarks.slow_rewards`` (``--quick``: a few seconds).
+``python -m benchmarks.slow_rewards`` (``--quick``: tiny sizes, about 12 s).
 
 Two arms in one run, on one broker, one ``rollout-broker worker``, a private Redis and a new
 Postgres database, each arm on a run of its own with the same seed: the same generators post
@@ -11,7 +11,7 @@ lease drops it, the lease expires after the run's ``reward_timeout_s`` (swept by
 maintenance loop or the next reward lease) and its unscored rollout is leased again.
 
 The figure is the trainer's idle time (in lease calls, from its first batch on), and the target
-is on the idle share of (b) over (a): generation runs a little ahead of training, so with the
+is on the idle shares, (b) minus (a): generation runs a little ahead of training, so with the
 verifier at once the trainer is almost never idle, and a ratio of two near-zero times would be
 noise; the difference of the two shares, in points of the trainer's time, is what a user loses.
 Every reward the trainer gets is compared with the verifier's score for that rollout (a pure
@@ -451,10 +451,10 @@ def services(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.slow_rewards", description=__doc__)
-    p.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, about 12 s")
     p.add_argument("--seconds", type=float, help="each round's length (default 15, quick 1.5)")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--json", metavar="PATH", help="also write the rows and arms as JSON")
     p.add_argument("--redis-url", help="use this Redis instead of a private redis-server")
     p.add_argument("--app-dir", default=str(ROOT), help="the broker source tree to benchmark")
     p.add_argument("--pg-url", default=os.environ.get("BENCH_PG_URL", PG_URL))
