@@ -15,6 +15,7 @@ from app.api import (
     wants_msgpack,
 )
 from app.broker.endpoints.deps import broker_of
+from app.broker.endpoints.openapi import RewardLeaseOutMsgpack
 from app.broker.schemas import (
     ReturnResult,
     RewardLeaseBody,
@@ -32,7 +33,7 @@ router = APIRouter(prefix="/v1/runs", tags=["rewards"])
     "/{run_id}/rewards/lease",
     response_model=RewardLeaseOut,
     responses={
-        200: msgpack_answer(RewardLeaseOut),
+        200: msgpack_answer(RewardLeaseOutMsgpack),
         204: {"description": "No rollout awaited a reward within wait_s"},
         **errors((409, "The run is closed, or the client-chosen lease_id is over")),
     },
@@ -50,12 +51,12 @@ async def lease_rewards(run_id: RunId, request: Request) -> Response:
     "/{run_id}/rewards",
     response_model=ScoreResult,
     responses=errors(
-        (404, "No such run, or no such reward lease in it"),
+        (404, "No such run"),
         (409, "A rollout was scored before with another reward (nothing was scored)"),
         (
             422,
-            "The body is malformed, a reward is not finite, or a rollout was never received "
-            "or is not in the named lease (nothing was scored)",
+            "The body is malformed, a reward is not finite, the named lease does not exist, "
+            "or a rollout was never received or is not in the named lease (nothing was scored)",
         ),
     ),
     openapi_extra=request_body(ScoreBody),
