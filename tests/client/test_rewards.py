@@ -208,7 +208,7 @@ async def test_another_reward_for_a_scored_rollout_is_a_conflict(broker: AsyncBr
     with pytest.raises(RewardConflict) as err:
         await broker.score("conflict", {rid: 0.5})
     assert err.value.status == 409
-    with pytest.raises(RewardLeaseNotFound):
+    with pytest.raises(ValidationFailed, match="no reward lease"):  # the body names it: 422
         await broker.score("conflict", {rid: 1.0}, lease_id="no-such-lease")
     with pytest.raises(ValidationFailed):
         await broker.score("conflict", {"no-such-rollout": 1.0})
