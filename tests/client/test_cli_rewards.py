@@ -130,3 +130,12 @@ def test_a_live_brokers_reward_figures_reach_the_client_and_the_commands(
     code, out, err = invoke(live_server, "watch", run, "--count", "1")
     assert code == 0, err
     assert "awaiting 1, in reward leases 1, timed out 0" in out
+
+
+def test_tokens_create_takes_the_reward_scope() -> None:
+    """``-s reward`` passes the command's own check and goes to the broker (unreachable
+    here), where ``-s root`` is refused before any request."""
+    code, _, err = invoke(
+        None, "tokens", "create", "rm-0", "-s", "reward", "--url", "http://127.0.0.1:9"
+    )
+    assert code == 1 and "127.0.0.1:9" in err, err

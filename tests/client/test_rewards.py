@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from datetime import UTC, datetime
 
 import httpx
 import msgpack
 import numpy as np
 import pytest
+from pydantic import SecretStr
 from rollout_broker_client import (
     AsyncBrokerClient,
     AsyncRewardWork,
     BrokerClient,
+    Forbidden,
     RewardConflict,
     RewardLeaseNotFound,
     RewardLeaseOver,
@@ -31,6 +34,7 @@ from rollout_broker_client.protocol import MSGPACK
 from app.main import create_app
 from app.settings import Settings
 from tests.client.recorder import Recorder
+from tests.helpers import KNOWN_SECRETS
 
 
 def unscored(run_groups: int, group_size: int = 2) -> list[Rollout]:
@@ -338,3 +342,26 @@ def test_score_and_return_requests() -> None:
     assert back.path == "/v1/runs/r/rewards/lease/L%201/return"
     assert json.loads(back.content or b"") == {"rollout_ids": ["a"]}
     assert json.loads(Api().return_rewards("r", "L", None).content or b"") == {}
+
+
+async def test_a_reward_scoped_token_scores_and_does_nothing_else(settings: Settings) -> None:
+    admin_token = secrets.token_urlsafe(32)
+    KNOWN_SECRETS.add(admin_token)  # the session's log watch fails the run if a log line holds it
+    auth = settings.model_copy(update={"auth": True, "admin_token": SecretStr(admin_token)})
+    app = create_app(auth)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://broker") as http,
+    ):
+        admin = AsyncBrokerClient(http=http, token=admin_token)
+        await setup_run(admin, "scoped", 1)
+        made = await admin.create_token("rm-0", "reward", "scoped")
+        assert made.scopes == ["reward"]
+        worker = AsyncBrokerClient(http=http, token=made.token)
+        scored = []
+        async for lease in worker.reward_work("scoped", wait_s=0, stop_when_empty=True):
+            await lease.score({r.rollout_id: judge(r.response_ids) for r in lease.rollouts})
+            scored += list(lease.scored)
+        assert sorted(scored) == ["g0-0", "g0-1"]
+        with pytest.raises(Forbidden):
+            await worker.post_rollouts("scoped", unscored(2))
