@@ -24,8 +24,12 @@ from app.events.payloads import (
     Rejected,
     Retired,
     Returned,
+    RewardExpired,
+    RewardLeased,
+    RewardReturned,
     Rewound,
     RunChanged,
+    Scored,
     StreamId,
     Waited,
     Wire,
@@ -71,7 +75,8 @@ SCHEMA: dict[str, EventType] = {
             "`group_size > 1`, else the rollout id. `new_unit` is 1 when this rollout opened a "
             "new group (counts `groups_received`); `masked` (absent: 0) counts its tokens posted "
             "with `loss_mask` 0. `policy_version` is the version the run judges it by: its "
-            "`v_old`, or its `v_new` under `stale_tokens: mask`",
+            "`v_old`, or its `v_new` under `stale_tokens: mask`. `awaiting` is 1 for a "
+            "rollout posted without a reward (then `masked` is written, 0 or not)",
         ),
         EventType(
             "duplicate",
@@ -116,7 +121,8 @@ SCHEMA: dict[str, EventType] = {
             Retired,
             "buffered → gone. Reasons: `stale`, `max_reuse`, `kl`, `kl_flush`, "
             "`incomplete_group`, `zero_variance`, `run_closed`, `rewound` (a token sampled "
-            "above the version a rewind went back to). `uses == 0` means the tokens were wasted",
+            "above the version a rewind went back to), `reward_timeout`. `uses == 0` means the "
+            "tokens were wasted; `unscored` says where a rollout still awaiting its reward was",
         ),
         EventType(
             "rewound",
@@ -153,6 +159,31 @@ SCHEMA: dict[str, EventType] = {
             'partial rollouts of prompt passes (SPEC "Partial rollouts") came, went out with '
             "a work lease, or were dropped; a rollout posted complete in place of one is in "
             "`accepted`",
+        ),
+        EventType(
+            "reward_leased",
+            RewardLeased,
+            "rollouts awaiting their reward handed to a reward worker: each item awaiting → "
+            "reward-leased",
+        ),
+        EventType(
+            "scored",
+            Scored,
+            "rollouts got their reward (`POST .../rewards`; not those posted with one): each "
+            "item reward-leased (`leased` 1) or awaiting (0) → scored; `wait_ms` is summed in "
+            "`wait.reward_s` and observed in the reward-latency histogram",
+        ),
+        EventType(
+            "reward_expired",
+            RewardExpired,
+            "a reward lease ran out: each unscored item reward-leased → awaiting, one more "
+            "`timed_out`; one at `max_reward_attempts` then retires `reward_timeout` (a "
+            "`retired` event follows)",
+        ),
+        EventType(
+            "reward_returned",
+            RewardReturned,
+            "a reward worker gave rollouts back unscored: each item reward-leased → awaiting",
         ),
         EventType(
             "waited",

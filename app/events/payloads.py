@@ -62,6 +62,9 @@ class AcceptedItem:
     masked: int = wire(
         "int", optional=True, minimum=0, default=0, note="of `tokens`, those with loss_mask 0"
     )
+    awaiting: bool = wire(
+        "flag", optional=True, default=False, note="1: posted without a reward (absent: 0)"
+    )
 
 
 @_wire_class
@@ -188,6 +191,14 @@ class RetiredItem:
     policy_version: int = wire("int")
     tokens: int = wire("int", minimum=0)
     uses: int = wire("int", minimum=0)
+    unscored: int = wire(
+        "int",
+        optional=True,
+        minimum=0,
+        default=0,
+        note="absent/0: it had its reward; 1: unscored, in no reward lease; 2: unscored, in a "
+        "live reward lease",
+    )
 
 
 @_wire_class
@@ -302,6 +313,59 @@ class PartialsChanged:
 
 
 @_wire_class
+class RewardItem:
+    rollout_id: str = wire("text")
+    policy_version: int = wire("int")
+    tokens: int = wire("int", minimum=0)
+
+
+@_wire_class
+class RewardLeased:
+    lease_id: str = wire("text")
+    worker_id: str | None = wire("text", optional=True, note="str, absent when none")
+    expires_at_ms: int = wire("int", key="expires_at", minimum=0, note="ms")
+    items: tuple[RewardItem, ...] = wire("items", of=RewardItem)
+    wait_ms: int = wire(
+        "int", optional=True, minimum=0, default=0, note="ms the reward worker's request waited"
+    )
+
+
+@_wire_class
+class ScoredItem:
+    rollout_id: str = wire("text")
+    policy_version: int = wire("int")
+    reward: float = wire("float")
+    wait_ms: int = wire("int", minimum=0, note="ms from the rollout's ingest to its score")
+    leased: bool = wire("flag", note="1: it was in a live reward lease")
+
+
+@_wire_class
+class Scored:
+    items: tuple[ScoredItem, ...] = wire("items", of=ScoredItem)
+
+
+@_wire_class
+class RewardExpiredItem:
+    rollout_id: str = wire("text")
+    policy_version: int = wire("int")
+    attempts: int = wire(
+        "int", minimum=1, note="expiries of this rollout so far, this one included"
+    )
+
+
+@_wire_class
+class RewardExpired:
+    lease_id: str = wire("text")
+    items: tuple[RewardExpiredItem, ...] = wire("items", of=RewardExpiredItem)
+
+
+@_wire_class
+class RewardReturned:
+    lease_id: str = wire("text")
+    items: tuple[RewardItem, ...] = wire("items", of=RewardItem)
+
+
+@_wire_class
 class Waited:
     role: str = wire("text", note="`trainer` or `generator`")
     wait_ms: int = wire("int", minimum=0)
@@ -321,6 +385,10 @@ Payload: TypeAlias = (
     | WorkLeased
     | PassesChanged
     | PartialsChanged
+    | RewardLeased
+    | Scored
+    | RewardExpired
+    | RewardReturned
     | Waited
 )
 
