@@ -465,6 +465,8 @@ class RunSim:
                     for r in rollouts
                 ),
             ),
+            # Only rollouts posted unscored: an event the rollout workload would not have.
+            self.reward_rng if all(r.posted_unscored for r in rollouts) else None,
         )
 
     def set_policy(self, version: int) -> None:
