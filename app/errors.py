@@ -112,6 +112,18 @@ class WorkLeaseNotFound(NotFound):
     pass
 
 
+class RewardLeaseNotFound(NotFound):
+    pass
+
+
+class RewardConflict(Conflict):
+    pass
+
+
+class RewardLeaseOver(Conflict):
+    pass
+
+
 class RunClosed(Conflict):
     pass
 

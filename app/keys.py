@@ -261,8 +261,8 @@ def run_tag(prefix: str, run_id: str) -> str:
 
 
 def run_of_wake(prefix: str, message: str) -> tuple[str, str]:
-    """(run id, what woke up: '', WORK_WAKE, POLICY_WAKE or REWARD_WAKE) of a wake-up message: the run's tag
-    (:func:`run_tag`), then the kind. Run ids hold no '}'."""
+    """(run id, what woke up: '', WORK_WAKE, POLICY_WAKE or REWARD_WAKE) of a wake-up message:
+    the run's tag (:func:`run_tag`), then the kind. Run ids hold no '}'."""
     run_id, _, kind = message[len(prefix) + 2 :].rpartition("}")
     return run_id, kind
 

@@ -25,7 +25,7 @@ def rollout(
     *,
     tokens: int = 4,
     group: str | None = None,
-    reward: float = 1.0,
+    reward: float | None = 1.0,
     logprobs: list[float] | bool | None = True,
 ) -> dict[str, Any]:
     r: dict[str, Any] = {

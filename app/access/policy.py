@@ -1,7 +1,8 @@
 """The access rules of the SPEC ("Access control"), written once: which scope each route needs,
 and whether a caller's token lets it touch a run.
 
-Scopes: ``generate`` posts rollouts and takes and returns work; ``train`` leases, acks, nacks and
+Scopes: ``generate`` posts rollouts and takes and returns work; ``reward`` leases rollouts to
+score and posts their rewards; ``train`` leases, acks, nacks and
 sets the policy version; ``operate`` creates, patches, closes and deletes runs, registers prompts
 and reads the accounting and the audit log; ``admin`` manages tokens. An ``admin`` token may do
 everything (it could mint itself any other token anyway). Any scope may read the runs it may
@@ -18,6 +19,7 @@ from app.caller import Caller
 
 class Scope(StrEnum):
     GENERATE = "generate"
+    REWARD = "reward"
     TRAIN = "train"
     OPERATE = "operate"
     ADMIN = "admin"
@@ -73,6 +75,9 @@ ROUTES: Final[dict[tuple[str, str], Rule]] = {
     ("GET", "/v1/runs/{run_id}/prompts"): reading(Scope.OPERATE),
     ("POST", "/v1/runs/{run_id}/work"): changing(Scope.GENERATE),
     ("POST", "/v1/runs/{run_id}/work/{lease_id}/return"): changing(Scope.GENERATE),
+    ("POST", "/v1/runs/{run_id}/rewards/lease"): changing(Scope.REWARD),
+    ("POST", "/v1/runs/{run_id}/rewards"): changing(Scope.REWARD),
+    ("POST", "/v1/runs/{run_id}/rewards/lease/{lease_id}/return"): changing(Scope.REWARD),
     ("GET", "/v1/runs/{run_id}/accounting"): reading(Scope.OPERATE),
     ("GET", "/v1/runs/{run_id}/accounting/versions"): reading(Scope.OPERATE),
     ("GET", "/v1/runs/{run_id}/accounting/training"): reading(Scope.OPERATE),

@@ -40,6 +40,8 @@ class RunConfig(BaseModel):
     step_groups: int | None = Field(None, ge=1, le=1_000_000_000)
     work_timeout_s: float = Field(1800.0, gt=0, le=7 * 86400, allow_inf_nan=False)
     max_attempts: int = Field(3, ge=1, le=1000)
+    reward_timeout_s: float = Field(600.0, gt=0, le=7 * 86400, allow_inf_nan=False)
+    max_reward_attempts: int = Field(3, ge=1, le=1000)
 
     def canonical_json(self) -> str:
         """The one text form of a config: how Redis stores it and how equality is judged."""

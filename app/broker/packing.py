@@ -34,7 +34,7 @@ class PackedRollout:
     group_id: str | None
     policy_version: int  # v_old
     tokens: int
-    reward_text: str  # repr(float): Lua's tonumber() reads it back to the exact double
+    reward_text: str  # repr(float): Lua's tonumber() reads it back exactly; '' = awaits one
     blob: bytes
     v_new: int  # the newest version over trained tokens
     masked: int  # tokens with loss_mask 0
@@ -183,7 +183,7 @@ def pack_rollout(
     prompt_ids: list[int] | bytes | None,
     response_ids: list[int] | bytes,
     logprobs: list[float] | bytes | None,
-    reward: float,
+    reward: float | None,
     finish_reason: str | None,
     metadata: dict[str, Any] | None,
     max_tokens: int,
@@ -252,7 +252,7 @@ def _packed(
     tokens: int,
     prompt: tuple[bytes, int] | None,
     logprobs: bytes | None,
-    reward: float,
+    reward: float | None,
     finish_reason: str | None,
     metadata: dict[str, Any] | None,
     rules: TokenRules | None,
@@ -286,7 +286,7 @@ def _packed(
             doc["vs"] = rules.versions
         v_new, masked = rules.v_new, rules.masked
     blob = msgpack.packb(doc, use_bin_type=True)
-    reward_text = repr(float(reward))
+    reward_text = "" if reward is None else repr(float(reward))
     return PackedRollout(
         rid, group_id, policy_version, tokens, reward_text, blob, v_new, masked, "gi" in doc
     )
@@ -308,7 +308,7 @@ class RolloutFields(Protocol):
     @property
     def logprobs(self) -> list[float] | bytes | None: ...
     @property
-    def reward(self) -> float: ...
+    def reward(self) -> float | None: ...
     @property
     def finish_reason(self) -> str | None: ...
     @property
@@ -461,7 +461,7 @@ class StoredRollout(NamedTuple):
     prompt_ids: Int32Array | None
     response_ids: Int32Array
     logprobs: Float32Array | None
-    reward: float
+    reward: float | None  # None while it awaits its reward: never handed to a trainer
     finish_reason: str | None
     metadata: dict[str, Any] | None
     loss_mask: bytes | None  # a bit per token as stored (tokens.unpack_mask); None: all trained

@@ -23,6 +23,9 @@ from app.errors import (
     InternalError,
     LeaseExpired,
     OverCapacity,
+    RewardConflict,
+    RewardLeaseNotFound,
+    RewardLeaseOver,
     RunBusy,
     RunClosed,
     RunConflict,
@@ -212,6 +215,39 @@ REFUSALS: dict[str, Refusal] = {
         ValidationFailed,
         "prompt {0!r} would keep {1} partials, more than its group_size {2} "
         "(too_many_partials); nothing was returned",
+    ),
+    "reward_lease_missing": Refusal(
+        RewardLeaseNotFound, "no reward lease {lease_id!r} in run {run_id!r}"
+    ),
+    # arg: the lease's state, 'scored', 'returned' or 'expired'
+    "reward_lease_over": Refusal(
+        RewardLeaseOver, "reward lease {lease_id!r} was {0}; choose a new lease_id"
+    ),
+    # arg: the rollout id
+    "reward_unknown": Refusal(
+        ValidationFailed, "rollout {0!r} was never received in run {run_id!r}; nothing was scored"
+    ),
+    "reward_not_in_lease": Refusal(
+        ValidationFailed,
+        "rollout {0!r} is not in reward lease {lease_id!r}; nothing was scored",
+    ),
+    # args: the rollout id, its reward
+    # Raised by the store, not a script. args: the rollout id, its reward
+    "reward_conflict": Refusal(
+        RewardConflict,
+        "rollout {0!r} has the reward {1} already; a reward is not changed; nothing was scored",
+    ),
+    # Raised by the store, not a script: a reward lease's rollout retired before it was read.
+    "reward_lease_lost": Refusal(
+        RewardLeaseOver,
+        "reward lease {lease_id!r} of run {run_id!r} lost rollouts before they could be "
+        "delivered; lease again with a new lease_id",
+    ),
+    # Raised by the store, not a script: the rollouts kept changing while they were scored.
+    "reward_raced": Refusal(
+        RunBusy,
+        "rollouts of run {run_id!r} kept changing while they were scored; nothing was scored; "
+        "retry",
     ),
     # Raised by the store, not a script: a handed-out prompt has no stored data. arg: its id
     "work_lost": Refusal(InternalError, "prompt {0!r} of run {run_id!r} has no stored data"),

@@ -69,7 +69,8 @@ class RolloutJSON(BaseModel):
     logprobs: Floats | None = None
     loss_mask: Mask | None = None
     versions: Versions | None = None
-    reward: float = Field(allow_inf_nan=False)
+    # null or absent: the rollout awaits its reward (SPEC "Rewards")
+    reward: float | None = Field(None, allow_inf_nan=False)
     generator_id: ItemId | None = None
     finish_reason: FinishReason | None = None
     metadata: dict[str, Any] | None = None
@@ -336,12 +337,12 @@ class PartialJSON(RolloutJSON):
     under the group_id of its prompt's attempt."""
 
     group_id: ItemId
-    reward: None = None  # type: ignore[assignment]
+    reward: None = None
 
 
 class PartialMsgpack(RolloutMsgpack):
     group_id: ItemId
-    reward: None = None  # type: ignore[assignment]
+    reward: None = None
 
 
 class ReturnBody(BaseModel):
@@ -362,3 +363,72 @@ class ReturnMsgpack(ReturnBody):
 
 class ReturnResult(BaseModel):
     returned: int
+
+
+# -- rewards (SPEC "Rewards") -----------------------------------------------------------------
+class RewardLeaseBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    max_rollouts: int = Field(ge=1, le=65536)
+    worker_id: ItemId | None = None
+    wait_s: float = Field(0.0, ge=0, le=3600, allow_inf_nan=False)
+    lease_id: LeaseId | None = Field(
+        None, description="Client-chosen id: retrying the call returns the same reward lease"
+    )
+
+
+class RewardRolloutOut(BaseModel):
+    """A rollout handed out to be scored (msgpack answers carry the arrays as raw bytes)."""
+
+    rollout_id: str
+    group_id: str | None
+    prompt_id: str | None = Field(
+        None, description="The prompt of a rollout posted under a work lease (absent otherwise)"
+    )
+    prompt_ids: list[int] | None
+    response_ids: list[int]
+    loss_mask: list[int] | None = Field(description="0/1 per token; null: every token trained")
+    data: Any = Field(None, description="The registered prompt's data (absent otherwise)")
+    metadata: dict[str, Any] | None
+    finish_reason: FinishReason | None
+
+
+class RewardLeaseOut(BaseModel):
+    lease_id: str
+    expires_at: str
+    rollouts: list[RewardRolloutOut]
+
+
+def _finite(rewards: dict[str, float]) -> dict[str, float]:
+    for rid, value in rewards.items():
+        if not math.isfinite(value):
+            raise ValueError(f"the reward of rollout {rid!r} is not finite")
+    return rewards
+
+
+class ScoreBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    rewards: dict[ItemId, float] = Field(
+        max_length=65536, description="rollout_id -> its reward (finite)"
+    )
+    lease_id: LeaseId | None = Field(None, description="The reward lease the rollouts are of")
+
+    @field_validator("rewards")
+    @classmethod
+    def _rewards(cls, v: dict[str, float]) -> dict[str, float]:
+        return _finite(v)
+
+
+class ScoreResult(BaseModel):
+    scored: int
+    duplicates: int
+    retired: list[str] = Field(
+        description="Rollouts that had retired (stale, the run closed, ...) before their reward "
+        "came: nothing to do for them"
+    )
+
+
+class RewardReturnBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    rollout_ids: Annotated[list[ItemId], Field(fail_fast=True)] | None = Field(
+        None, max_length=65536, description="Give back the groups of these (absent: all)"
+    )

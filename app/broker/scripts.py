@@ -31,6 +31,9 @@ SCRIPTS = (
     "register_prompts",
     "work",
     "work_return",
+    "reward_lease",
+    "score",
+    "reward_return",
 )
 
 

@@ -30,6 +30,7 @@ from app.broker.packing import (
 from app.broker.partials import check_prefixes, pack_partials, partials_wanted
 from app.broker.prompt_limits import PromptLimits, with_prompts
 from app.broker.replies import ErrorContext, StoreError, error_for
+from app.broker.rewards import Rewards
 from app.broker.run_index import ORPHAN_GRACE_MS, RunStatus, Visible
 from app.broker.schemas import (
     AckBody,
@@ -102,6 +103,9 @@ class Broker:
         self.max_wait_s = max_wait_s
         self.retry_after_s = retry_after_s
         self.behaviour = BehaviourCache(behaviour_cache_bytes)
+        self.rewards = Rewards(
+            store, waker, max_wait_s=max_wait_s, max_rollouts=max_rollouts_per_request
+        )
 
     @contextlib.contextmanager
     def _refusals(

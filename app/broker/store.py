@@ -130,6 +130,8 @@ class RedisStore(PassReads):
                 await self.wake(run_id, int(err.args_[0]))
         raise StoreError("run_parked")  # parked again at every try: not seen in practice
 
+    run_script = _call  # for the stores of the parts beside this one (app/broker/reward_store.py)
+
     async def wake(self, run_id: str, held: int) -> None:
         """Take a parked run (holding token ``held``) back into the active index, then into
         service. StoreError('run_missing') for a run being deleted."""

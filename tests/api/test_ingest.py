@@ -243,8 +243,6 @@ _BASE = '"rollout_id": "bad", "policy_version": 0, "response_ids": [1, 2]'
 
 MALFORMED_JSON = [
     ("reward_string", _bad(reward="high"), "reward"),
-    ("reward_missing", _bad(reward=_DROP), "reward"),
-    ("reward_null", _bad(reward=None), "reward"),
     ("response_ids_string", _bad(response_ids="abc"), "response_ids"),
     ("response_ids_missing", _bad(response_ids=_DROP), "response_ids"),
     ("response_ids_floats", _bad(response_ids=[1.5, 2.5]), "response_ids"),

@@ -1,12 +1,19 @@
-"""The broker's HTTP endpoints: runs and policy versions, rollouts, batches, prompts and work.
+"""The broker's HTTP endpoints: runs and policy versions, rollouts, batches, prompts and work,
+rewards.
 Each parses the request with :mod:`app.api`, calls :class:`app.broker.service.Broker` and renders
 its answer; the rules are the service's."""
 
 from fastapi import APIRouter
 
-from app.broker.endpoints import batches, prompts, rollouts, runs
+from app.broker.endpoints import batches, prompts, rewards, rollouts, runs
 
-ROUTERS: tuple[APIRouter, ...] = (runs.router, rollouts.router, batches.router, prompts.router)
+ROUTERS: tuple[APIRouter, ...] = (
+    runs.router,
+    rollouts.router,
+    batches.router,
+    prompts.router,
+    rewards.router,
+)
 """In the order the app includes them."""
 
 post_rollouts = rollouts.post_rollouts

@@ -2,7 +2,9 @@
 -- Store a request's rollouts: all-or-nothing validation first (Redis does not roll a script
 -- back), then the writes, the accounting events and one wake-up for long-polling trainers.
 -- ARGV: wake, n, then n records of 8: rollout_id, group_id ('' = none), policy_version (v_old),
---       v_new, tokens, masked tokens, reward (exact decimal text), blob. A rollout is judged
+--       v_new, tokens, masked tokens, reward (exact decimal text; '' = it awaits one), blob.
+-- A unit that completes with a rollout awaiting its reward awaits (lib/units.lua) instead of
+-- being ready: no trainer gets it before its last member is scored (score.lua). A rollout is judged
 --       'stale' by its governing version (lib/run.lua), 'future_version' by its v_new, and is
 --       buffered, counted and retired under its governing version.
 -- A group id that names a prompt attempt ('<prompt_id>#<pass>.<attempt>' of a registered
@@ -158,20 +160,22 @@ for i = 1, n do
     table.insert(blobs, dkey(rid))
     table.insert(blobs, blob)
     local u = unit[i]
+    local awaits = rw == ''
+    if awaits then note_awaiting(rid, v, u) end
     if string.sub(u, 1, 2) == 'r:' then  -- a single rollout: a new complete unit
       admit(1)
       local us = next_seq()
       set_unit(u, { v = v, seq = us, uses = 0, k = 1, n = tokens })
       note_cross(u, v, v_new)
-      make_ready(u, v, us)
-      table.insert(acc_items, { rid, rid, v, tokens, 1, masked > 0 and masked or nil })
+      if awaits then await_unit(u, v, us, 1, '', '') else make_ready(u, v, us) end
+      table.insert(acc_items, accepted_item(rid, rid, v, tokens, 1, masked, awaits))
     else
       local uk = ukey(u)
       local work = attempt_of(gid)
       -- A rollout that completes a partial takes its place (its prefix was checked before).
       if work then forget_partial(work[1], rid) end
       redis.call('RPUSH', mkey(u), member_entry(v, tokens, rid))
-      local f = redis.call('HMGET', uk, 'have', 'need', 'v', 'rmin', 'rmax', 'seq', 'vn')
+      local f = redis.call('HMGET', uk, 'have', 'need', 'v', 'rmin', 'rmax', 'seq', 'vn', 'aw')
       local new_unit = 0
       local have, need, uv, useq
       local uvn = v_new  -- the group's newest trained token so far
@@ -179,8 +183,12 @@ for i = 1, n do
         new_unit = 1
         useq = work and work[4] or next_seq()
         have, need, uv = 1, gs, v
-        redis.call('HSET', uk, 'need', gs, 'have', 1, 'v', vs, 'seq', useq, 'rmin', rw, 'rmax', rw,
-          'vn', I(v_new))
+        redis.call('HSET', uk, 'need', gs, 'have', 1, 'v', vs, 'seq', useq, 'vn', I(v_new))
+        if awaits then
+          redis.call('HSET', uk, 'aw', 1)
+        else
+          redis.call('HSET', uk, 'rmin', rw, 'rmax', rw)
+        end
         if work then
           redis.call('HSET', uk, 'pk', work[1], 'att', work[2])  -- admitted when handed out
         else
@@ -200,11 +208,13 @@ for i = 1, n do
           redis.call('HSET', uk, 'v', vs)
           redis.call('ZADD', OV, vs, u)
         end
-        -- Compare as doubles, keep the exact text: Lua would print doubles with 14 digits.
-        if tonumber(rw) < tonumber(f[4]) then redis.call('HSET', uk, 'rmin', rw) end
-        if tonumber(rw) > tonumber(f[5]) then redis.call('HSET', uk, 'rmax', rw) end
+        if awaits then
+          redis.call('HINCRBY', uk, 'aw', 1)
+        else
+          note_reward(uk, rw, f[4], f[5])
+        end
       end
-      table.insert(acc_items, { rid, gid, v, tokens, new_unit, masked > 0 and masked or nil })
+      table.insert(acc_items, accepted_item(rid, gid, v, tokens, new_unit, masked, awaits))
       if have == need then  -- complete: from its own hash to a record in US
         if need > 1 then
           redis.call('ZREM', OPEN, u)
@@ -216,11 +226,9 @@ for i = 1, n do
           if lid then work_settled(lid) end
           drop_partials(work[1], 'unused', lid)  -- partials its generator did not continue
         end
-        local function zero_variance()
-          local rr = redis.call('HMGET', uk, 'rmin', 'rmax')
-          return tonumber(rr[1]) == tonumber(rr[2])
-        end
-        if need > 1 and CFG.drop_zero_variance_groups and zero_variance() then
+        local rr = redis.call('HMGET', uk, 'rmin', 'rmax', 'aw')
+        local unscored = tonumber(rr[3] or '0')
+        if unscored == 0 and zero_variance(need, rr[1], rr[2]) then
           retire_open(u, 'zero_variance')
         else
           table.insert(DELS, uk)
@@ -229,7 +237,11 @@ for i = 1, n do
             att = work and work[2] or nil, pk = work and work[1] or nil,
           })
           note_cross(u, uv, uvn)
-          make_ready(u, uv, useq)
+          if unscored > 0 then
+            await_unit(u, uv, useq, unscored, rr[1] or '', rr[2] or '')
+          else
+            make_ready(u, uv, useq)
+          end
         end
       end
     end

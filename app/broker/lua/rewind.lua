@@ -141,10 +141,14 @@ while true do
     end
   end
 end
+local function rewound() return 'rewound' end
+while retire_awaiting('(' .. I(W), '+inf', rewound, 1000) == 0 do end
 for _, u in ipairs(redis.call('ZRANGEBYSCORE', XV, '(' .. I(W), '+inf')) do
-  -- Ready ones only: the leases that held one ended above, and what they retired is gone.
-  if redis.call('ZSCORE', Q, u) then
-    retire_unit(u, 'rewound', parse_unit(redis.call('HGET', US, u)), true)
+  -- Ready or awaiting ones only: the leases that held one ended above, and what they retired
+  -- is gone.
+  local ready = redis.call('ZSCORE', Q, u) ~= false
+  if ready or (awaiting_on() and redis.call('HEXISTS', AUN, u) == 1) then
+    retire_unit(u, 'rewound', parse_unit(redis.call('HGET', US, u)), ready)
   end
 end
 for _, u in ipairs(redis.call('ZRANGE', OPEN, 0, -1)) do

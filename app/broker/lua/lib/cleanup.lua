@@ -1,6 +1,6 @@
--- requires: batches
--- Bounded clean-up of a run: expired batches and work leases, timed-out groups, and units below
--- the version floor (everything buffered, in a closed run).
+-- requires: batches, rewards
+-- Bounded clean-up of a run: expired batches, work and reward leases, timed-out groups, and units
+-- below the version floor (everything buffered, in a closed run).
 
 -- End a live work lease (state `st`: 'e'xpired, 'r'eturned by a rewind): its passes still in
 -- flight go back to the queue (`cause`; a try when `counts`), and a partial group of theirs
@@ -41,6 +41,7 @@ local function retire_below(budget)
     for i = 1, #open_old, 2 do retire_open(open_old[i], reason_for(tonumber(open_old[i + 1]))) end
     budget = budget - #open_old / 2
   end
+  budget = retire_awaiting('-inf', floor_v, reason_for, budget)
   while budget > 0 do
     local vs = redis.call('ZRANGEBYSCORE', VS, '-inf', floor_v, 'LIMIT', 0, 1)
     if #vs == 0 then break end
@@ -73,6 +74,7 @@ local function sweep(limit)
   local work = redis.call('ZRANGEBYSCORE', WLEASES, '-inf', I(NOW), 'LIMIT', 0, limit)
   for _, lid in ipairs(work) do expire_work(lid) end
   if #work == limit then more = 1 end
+  if expire_reward_leases(limit) == limit then more = 1 end
 
   local budget = limit
   local cutoff = NOW - CFG.group_timeout_s * 1000

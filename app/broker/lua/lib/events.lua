@@ -5,6 +5,7 @@
 local WAKE = ARGV[1]  -- pub/sub channel that wakes long-polling trainers and generators
 local WOKE = false  -- units were made ready: trainers waiting on the run are woken
 local WORK_WOKE = false  -- prompts or budget came free, or the run closed: generators are woken
+local REWARD_WOKE = false  -- units came to await a reward lease: reward workers are woken
 
 local function emit(e, d)
   d['t'] = NOW
@@ -39,5 +40,8 @@ local function wake_waiting()
   end
   if WORK_WOKE and redis.call('EXISTS', WWAITING) == 1 then
     redis.call('PUBLISH', WAKE, WORK_WAKE)
+  end
+  if REWARD_WOKE and redis.call('EXISTS', RWAITING) == 1 then
+    redis.call('PUBLISH', WAKE, REWARD_WAKE)
   end
 end

@@ -1,7 +1,7 @@
 -- requires: run
 -- What a closed run still waits for before it costs the workers nothing (and may be deleted),
--- or nil when it has settled: nothing buffered, leased, in an open group or in a live work
--- lease, and every event of its stream read and acknowledged by the accounting consumer group.
+-- or nil when it has settled: nothing buffered, leased, in an open group or in a live work or
+-- reward lease, and every event of its stream read and acknowledged by the accounting consumer group.
 
 -- Stream ids 'ms-seq' in order (ms is exact as a double up to 2^53).
 local function stream_id_le(a, b)
@@ -37,7 +37,10 @@ local function unsettled(group)
   if R.st ~= 'closed' then return 'open' end
   local f = redis.call('HMGET', RUN, 'live', 'leased')
   if tonumber(f[1] or '0') ~= 0 or tonumber(f[2] or '0') ~= 0 then return 'live' end
-  if redis.call('ZCARD', LEASES) > 0 or redis.call('ZCARD', OPEN) > 0 then return 'live' end
+  if redis.call('ZCARD', LEASES) > 0 or redis.call('ZCARD', OPEN) > 0
+    or redis.call('ZCARD', RLEASES) > 0 then
+    return 'live'
+  end
   if redis.call('ZCARD', WLEASES) > 0 then return 'work' end
   return undrained(group)
 end

@@ -113,6 +113,111 @@ local function flush_units()
   READY = {}
 end
 
+-- Rewards (SPEC "Rewards"). A rollout posted without one awaits it: AW maps it to
+-- '<ingest ms> <version> <unit>'. A complete unit with unscored members is awaiting, not ready:
+-- its record is in US as any unit's, its reward state in AUN (JSON: n unscored members, lo and
+-- hi the least and greatest reward it has ('' none), x its expired reward leases, l the live
+-- reward lease holding it, if any), and it is in AV (by version: eviction and rewind) and, while
+-- in no live reward lease, in AQ (by arrival seq: what reward leases take).
+local AWAIT_ON = nil  -- whether the run has unscored rollouts: read once a call, then kept
+local function awaiting_on()
+  if AWAIT_ON == nil then AWAIT_ON = redis.call('EXISTS', AW) == 1 end
+  return AWAIT_ON
+end
+
+local function note_awaiting(rid, v, u)
+  redis.call('HSET', AW, rid, I(NOW) .. ' ' .. I(v) .. ' ' .. u)
+  AWAIT_ON = true
+end
+
+-- (ingest ms, version, unit) of an unscored rollout's AW entry.
+local function parse_awaiting(text)
+  local t, v, u = string.match(text, '^(%d+) (%d+) (.*)$')
+  return tonumber(t), tonumber(v), u
+end
+
+local function reward_state(u)
+  local t = redis.call('HGET', AUN, u)
+  return t and cjson.decode(t) or nil
+end
+
+local function set_reward_state(u, s) redis.call('HSET', AUN, u, cjson.encode(s)) end
+
+-- A complete unit that waits for `n` scores (`lo`, `hi`: the rewards it has, '' none).
+local function await_unit(u, v, seq, n, lo, hi)
+  set_reward_state(u, { n = n, lo = lo, hi = hi, x = 0 })
+  redis.call('ZADD', AQ, I(seq), u)
+  redis.call('ZADD', AV, I(v), u)
+  REWARD_WOKE = true
+end
+
+-- The least and greatest reward of a unit once `rw` is in (texts, compared as doubles, kept
+-- exact: Lua would print doubles with 14 digits; nil or '' = none yet).
+local function widen(lo, hi, rw)
+  if not lo or lo == '' then return rw, rw end
+  if tonumber(rw) < tonumber(lo) then lo = rw end
+  if tonumber(rw) > tonumber(hi) then hi = rw end
+  return lo, hi
+end
+
+-- A reward joins a group still filling (its hash `uk`, whose rmin and rmax were `lo`, `hi`).
+local function note_reward(uk, rw, lo, hi)
+  local l2, h2 = widen(lo, hi, rw)
+  if l2 ~= lo or h2 ~= hi then redis.call('HSET', uk, 'rmin', l2, 'rmax', h2) end
+end
+
+-- Whether a complete unit of `k` rollouts, all scored, between rewards `lo` and `hi`, retires
+-- under drop_zero_variance_groups.
+local function zero_variance(k, lo, hi)
+  return k > 1 and CFG.drop_zero_variance_groups and lo ~= nil and lo ~= ''
+    and tonumber(lo) == tonumber(hi)
+end
+
+-- An 'accepted' event's item: `masked` is left out when 0 unless the awaiting flag follows.
+local function accepted_item(rid, uid, v, tokens, new_unit, masked, awaits)
+  if awaits then return { rid, uid, v, tokens, new_unit, masked, 1 } end
+  return { rid, uid, v, tokens, new_unit, masked > 0 and masked or nil }
+end
+
+-- A live reward lease's count of unscored rollouts changes by `d`; at 0 it has nothing left to
+-- score and ends ('d'one).
+local function reward_lease_less(lid, d)
+  redis.call('HINCRBY', RUN, 'rwl', d)
+  local rk = rlkey(lid)
+  if redis.call('HINCRBY', rk, 'left', d) <= 0 and redis.call('HGET', rk, 'st') == 'l' then
+    redis.call('HSET', rk, 'st', 'd')
+    redis.call('PEXPIRE', rk, 86400000)
+    redis.call('ZREM', RLEASES, lid)
+  end
+end
+
+-- Which of a retiring unit's rollouts (`rows`) are unscored: by position, 1 (in no reward
+-- lease) or 2 (in a live one), nil when none is. Their reward state goes.
+local function unscored_of(u, rows)
+  if not awaiting_on() then return nil end
+  local ids = {}
+  for i, row in ipairs(rows) do ids[i] = row[1] end
+  local got = redis.call('HMGET', AW, unpack(ids))
+  local s = reward_state(u)
+  local flag = (s and s.l) and 2 or 1
+  local out, gone = nil, {}
+  for i, x in ipairs(got) do
+    if x then
+      out = out or {}
+      out[i] = flag
+      table.insert(gone, ids[i])
+    end
+  end
+  if s then
+    redis.call('HDEL', AUN, u)
+    redis.call('ZREM', AQ, u)
+    redis.call('ZREM', AV, u)
+    if s.l and #gone > 0 then reward_lease_less(s.l, -#gone) end
+  end
+  if #gone > 0 then redis.call('HDEL', AW, unpack(gone)) end
+  return out
+end
+
 -- Remove a unit's rollouts: their retirement (one event per reason, written by finish()), their
 -- keys, and what the unit counted for. `rows` = rollouts_of(u, ...), `uses` its uses so far,
 -- `pk`, `att` the prompt attempt it answers, if any.
@@ -123,8 +228,11 @@ local function retire_rollouts(u, reason, rows, uses, pk, att)
     RETIRED[reason] = items
     table.insert(RETIRED_ORDER, reason)
   end
-  for _, row in ipairs(rows) do
-    table.insert(items, { row[1], row[2], row[3], uses })
+  local unscored = unscored_of(u, rows)
+  for i, row in ipairs(rows) do
+    local item = { row[1], row[2], row[3], uses }
+    if unscored and unscored[i] then item[5] = unscored[i] end
+    table.insert(items, item)
     table.insert(DELS, dkey(row[1]))
   end
   if string.sub(u, 1, 2) == 'g:' then
