@@ -325,8 +325,12 @@ class RewardLeased:
     worker_id: str | None = wire("text", optional=True, note="str, absent when none")
     expires_at_ms: int = wire("int", key="expires_at", minimum=0, note="ms")
     items: tuple[RewardItem, ...] = wire("items", of=RewardItem)
-    wait_ms: int = wire(
-        "int", optional=True, minimum=0, default=0, note="ms the reward worker's request waited"
+    wait_ms: int | None = wire(
+        "int",
+        optional=True,
+        minimum=0,
+        default=None,
+        note="ms the reward worker's request waited, absent when not told",
     )
 
 
