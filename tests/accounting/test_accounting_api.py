@@ -125,8 +125,8 @@ async def test_endpoints_after_drain(
         "rollouts_received", "groups_received", "duplicates", "rejected", "tokens_generated",
         "tokens_masked", "tokens_masked_stale", "buffered", "leased", "samples_consumed",
         "samples_rewound", "tokens_consumed", "reuse_factor", "retired",
-        "wasted_tokens", "batches", "lag", "kl", "is_ratio", "prompts", "partials", "rewards", "wait",
-        "as_of", "pending_events", "dead_letters", "live",
+        "wasted_tokens", "batches", "lag", "kl", "is_ratio", "prompts", "partials", "rewards",
+        "wait", "as_of", "pending_events", "dead_letters", "live",
     ]  # fmt: skip
 
     # pending_events: delivered-but-unacknowledged plus never-delivered entries.
