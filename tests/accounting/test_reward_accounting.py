@@ -13,6 +13,7 @@ import pytest
 from accounting_helpers import drain_all, register_run, xadd_events
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
+from rollout_broker_client._wire import parse_accounting
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -163,6 +164,9 @@ async def test_the_broker_s_reward_leases_are_accounted_and_agree_with_live(
         "leased": 2,
     }
     assert check.mismatch
+    # The client tells the two apart too.
+    assert parse_accounting(acc).matches_live
+    assert not parse_accounting((await api.get(f"/v1/runs/{RUN}/accounting")).json()).matches_live
 
 
 async def test_the_metrics_show_the_reward_latency_histogram(
