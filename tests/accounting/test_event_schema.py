@@ -337,17 +337,19 @@ async def reward_run(client: httpx.AsyncClient, run_id: str) -> Script:
     with no lease, a rollout whose reward lease expired until it retired `reward_timeout`, and
     a close with one rollout awaiting and one in a live reward lease."""
     s = Script(client, run_id)
-    await make_run(client, run_id, reward_timeout_s=0.05, max_reward_attempts=2)
+    await make_run(client, run_id, max_reward_attempts=2)
     await s.send(*(rollout(f"w{i}", 0, tokens=2 + i, reward=None) for i in range(5)))
     await s.send(rollout("posted_with_one", 0))
     first = await s.reward_take(2, worker_id="judge-1")  # w0, w1
     await s.score({"w0": 0.5}, lease_id=first["lease_id"])
     await s.reward_give_back(first["lease_id"])  # w1 awaits again
     await s.score({"w2": 1.0})  # awaiting, no lease
+    await s.patch(reward_timeout_s=0.05)  # only the leases taken now run out
     for attempt in range(2):  # w1 twice: reward_timeout
         timed = await s.reward_take(1, lease_id=f"reward-lease-{attempt}")
         assert [r["rollout_id"] for r in timed["rollouts"]] == ["w1"]
         await s.reward_expire(timed["lease_id"])
+    await s.patch(reward_timeout_s=600)
     await s.reward_take(1, worker_id="judge-2")  # w3 stays leased; w4 awaits
     await s.close()
     await reward_lease(client, run_id, 1)  # sweeps what the close left

@@ -118,17 +118,20 @@ RUN = "rewarded"
 
 async def _broker_run(api: httpx.AsyncClient) -> None:
     """The broker's reward leases: scored, given back, expired to reward_timeout, left live."""
-    await make_run(api, RUN, reward_timeout_s=0.05, max_reward_attempts=2)
+    await make_run(api, RUN, max_reward_attempts=2)
     await post(api, RUN, *(rollout(f"w{i}", 0, reward=None) for i in range(6)), rollout("plain"))
     first = (await reward_lease(api, RUN, 2)).json()  # w0, w1
     assert (await score(api, RUN, {"w0": 0.5}, lease_id=first["lease_id"])).json()["scored"] == 1
     url = f"/v1/runs/{RUN}/rewards/lease/{first['lease_id']}/return"
     assert (await api.post(url, json={})).json() == {"returned": 1}
     assert (await score(api, RUN, {"w2": 1.0})).json()["scored"] == 1
+    # Only the leases taken now run out (a slow machine would let the first expire too).
+    assert (await api.patch(f"/v1/runs/{RUN}/config", json={"reward_timeout_s": 0.05})).is_success
     for attempt in range(2):  # w1 expires twice: reward_timeout
         lease_id = f"reward-lease-{attempt}"
         assert (await reward_lease(api, RUN, 1, lease_id=lease_id)).status_code == 200
         await expire_reward_lease(api, RUN, lease_id)
+    assert (await api.patch(f"/v1/runs/{RUN}/config", json={"reward_timeout_s": 600})).is_success
     assert (await reward_lease(api, RUN, 1)).status_code == 200  # w3 leased; w4, w5 await
 
 
