@@ -139,12 +139,15 @@ async def _pg_execute(server_url: str, sql: str) -> None:
 
 
 @contextlib.contextmanager
-def postgres_database(server_url: str, app_dir: Path, workdir: Path) -> Iterator[str]:
-    """A new database on the Postgres server at ``server_url`` (libpq form, without a database
-    name; its user may create databases), migrated by the broker tree at ``app_dir``. Yields
-    its SQLAlchemy async URL; the database is dropped afterwards."""
+def postgres_database(
+    server_url: str, app_dir: Path, workdir: Path, name: str | None = None
+) -> Iterator[str]:
+    """A new database (``name``, or a new name) on the Postgres server at ``server_url`` (libpq
+    form, without a database name; its user may create databases), migrated by the broker tree
+    at ``app_dir``. Yields its SQLAlchemy async URL (:func:`database_url`); the database is
+    dropped afterwards."""
     base = server_url.rstrip("/")
-    name = f"rbbench_{uuid.uuid4().hex[:12]}"
+    name = name or f"rbbench_{uuid.uuid4().hex[:12]}"
     try:
         asyncio.run(_pg_execute(base, f'CREATE DATABASE "{name}"'))
     except Exception as exc:  # the driver's errors, or no server there
@@ -153,7 +156,7 @@ def postgres_database(server_url: str, app_dir: Path, workdir: Path) -> Iterator
             "need a Postgres server whose user may create databases: --pg-url or $BENCH_PG_URL"
         ) from exc
     try:
-        url = f"postgresql+asyncpg://{base.split('://', 1)[1]}/{name}"
+        url = database_url(base, name)
         migrate = (
             "import sys; from app.db import upgrade_to_head_sync; upgrade_to_head_sync(sys.argv[1])"
         )
@@ -173,6 +176,11 @@ def postgres_database(server_url: str, app_dir: Path, workdir: Path) -> Iterator
         yield url
     finally:
         asyncio.run(_pg_execute(base, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+def database_url(server_url: str, name: str) -> str:
+    """The SQLAlchemy async URL of database ``name`` on the Postgres server at ``server_url``."""
+    return f"postgresql+asyncpg://{server_url.rstrip('/').split('://', 1)[1]}/{name}"
 
 
 @dataclass

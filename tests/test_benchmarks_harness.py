@@ -315,3 +315,59 @@ def test_layout_probe_runs_every_way_and_reports_ratios_against_raw() -> None:
         # Both figures are printed to the µs, the ratio to 0.01: what the rounding leaves open.
         low, high = (raw_us - 0.5) / (us + 0.5), (raw_us + 0.5) / (us - 0.5)
         assert low - 0.005 <= ratio <= high + 0.005, (name, us, ratio, raw_us)
+
+
+def test_slow_rewards_quick_run_checks_every_trained_reward_and_compares_idle_shares(
+    tmp_path: Path,
+) -> None:
+    """benchmarks/slow_rewards.py at its tiny size: both arms run on a private Redis, a broker
+    and a worker, the slow arm's hung rollouts come back through expired reward leases, every
+    trained rollout carried its verifier score (the run stops with an error otherwise), and the
+    target is the slow arm's idle share over the other's, in points."""
+    out = tmp_path / "slow.json"
+    env = dict(os.environ)
+    if "BROKER_TEST_PG_URL" in env:
+        env.setdefault("BENCH_PG_URL", env["BROKER_TEST_PG_URL"])
+    if find_redis_server() is None and "BROKER_TEST_REDIS_URL" in env:
+        env.setdefault("BENCH_REDIS_URL", env["BROKER_TEST_REDIS_URL"])
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.slow_rewards", "--quick", "--json", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    rows = {r["id"]: r for r in doc["rows"]}
+    assert list(rows) == [
+        "slow_rewards.at_once.idle",
+        "slow_rewards.slow.idle",
+        "slow_rewards.at_once.trained",
+        "slow_rewards.slow.trained",
+    ]
+    fast, slow = doc["arms"]["at-once"], doc["arms"]["slow"]
+    for arm in (fast, slow):
+        assert arm["trained"] > 0 and arm["checked"] == arm["trained"], arm
+        assert arm["idle_s"] <= arm["span_s"], arm
+    # The at-once verifier never hangs; the slow one does (seed 1 hangs rollouts of the first
+    # groups), the leases holding them expire and the rollouts are scored on a later lease.
+    assert fast["hung"] == fast["dropped"] == fast.get("lease.expired", 0) == 0, fast
+    assert slow["hung"] >= 1 and slow["dropped"] >= 1, slow
+    assert slow["lease.expired"] >= slow["dropped"] and slow["rescored"] >= 1, slow
+    for key, arm in (("at_once", fast), ("slow", slow)):
+        assert rows[f"slow_rewards.{key}.idle"]["value"] == pytest.approx(arm["idle_s"] * 1e3)
+        trained = rows[f"slow_rewards.{key}.trained"]
+        assert trained["value"] == pytest.approx(arm["trained"] / arm["span_s"]), key
+    (target,) = rows["slow_rewards.slow.idle"]["targets"]
+    points = 100 * (slow["idle_s"] / slow["span_s"] - fast["idle_s"] / fast["span_s"])
+    assert target["ratio"] == pytest.approx(points, rel=1e-12)
+    assert (target["need"], target["at_most"]) == (5.0, True)
+    assert target["ok"] is (points <= 5.0)
+    printed = _cells(proc.stdout)
+    for r in rows.values():
+        assert printed[r["measure"]][1] == _shown(r["value"], r["unit"]), r["id"]
+    verdict = "PASS" if target["ok"] else "MISS"
+    assert printed[rows["slow_rewards.slow.idle"]["measure"]][7].endswith(verdict)

@@ -35,6 +35,8 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "step_groups": None,
     "work_timeout_s": 1800.0,
     "max_attempts": 3,
+    "reward_timeout_s": 600.0,
+    "max_reward_attempts": 3,
 }
 
 MSGPACK = {"content-type": "application/msgpack"}

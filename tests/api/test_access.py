@@ -129,6 +129,7 @@ async def test_health_and_the_api_description_need_no_token(app_client):
 # What each scope may do, from the SPEC; the table in app/access/policy.py must agree.
 SPEC_SCOPES = {
     "generate": {"rollouts", "work", "work_return", "read"},
+    "reward": {"reward_lease", "rewards", "reward_return", "read"},
     "train": {"lease", "ack", "nack", "policy", "read"},
     "operate": {
         "create",
@@ -164,6 +165,9 @@ def _calls(run: str) -> dict[str, tuple[str, str, dict[str, Any] | None]]:
         ),
         "work": ("POST", f"{base}/work", {"max_prompts": 1}),
         "work_return": ("POST", f"{base}/work/wl-00000000/return", {}),
+        "reward_lease": ("POST", f"{base}/rewards/lease", {"max_rollouts": 1}),
+        "rewards": ("POST", f"{base}/rewards", {"rewards": {}}),
+        "reward_return": ("POST", f"{base}/rewards/lease/rl-00000000/return", {}),
         "accounting": ("GET", f"{base}/accounting", None),
         "versions": ("GET", f"{base}/accounting/versions", None),
         "batches": ("GET", f"{base}/batches", None),
@@ -186,7 +190,7 @@ async def test_each_scope_may_do_what_the_spec_says_and_nothing_else(app_client,
             assert resp.status_code not in (401, 403), (scope, what, resp.text)
         else:
             detail = assert_error(resp, 403, "Forbidden")
-            assert re.search(r"lacks the scope '(train|generate|operate)'$", detail), detail
+            assert re.search(r"lacks the scope '(train|generate|reward|operate)'$", detail), detail
     for method, path in (("GET", "/v1/tokens"), ("POST", "/v1/tokens")):
         resp = await app_client.request(
             method, path, json={"name": "n", "scopes": ["generate"]}, headers=token

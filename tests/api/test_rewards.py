@@ -7,6 +7,8 @@ import asyncio
 from typing import Any
 
 import httpx
+import msgpack
+import numpy as np
 import pytest
 
 from app.keys import AWAITING, REWARD_WAITING, run_key
@@ -143,10 +145,12 @@ async def test_given_back_rollouts_are_leased_again_at_once(api):
     assert rids(await reward_lease(api, "r1", 1)) == ["a"]
 
 
-async def test_stale_awaiting_rollouts_retire_and_a_late_score_is_told(api):
+async def test_stale_awaiting_rollouts_retire_and_a_late_score_is_told(api, redis, prefix):
     await make_run(api, "r1", max_staleness=0)
     await post(api, "r1", rollout("a", reward=None))
     await set_policy(api, "r1", 1)
+    assert (await retired(redis, prefix, "r1")) == {"stale": ["a"]}
+    assert (await reward_lease(api, "r1", 1)).status_code == 204  # no longer to be scored
     resp = await score(api, "r1", {"a": 1.0})
     assert resp.json() == {"scored": 0, "duplicates": 0, "retired": ["a"]}
 
@@ -259,3 +263,32 @@ async def test_a_reward_worker_long_poll_is_woken_by_a_post(api, redis, prefix):
     await post(api, "r1", rollout("a", reward=None))
     got = await answered_before(waiting, idle)
     assert rids(got) == ["a"]
+
+
+async def test_a_work_leased_rollout_comes_with_its_prompt_in_json_and_msgpack(api):
+    await make_run(api, "r1")
+    prompt = {"prompt_id": "p", "prompt_ids": [7, 8, 9], "data": {"answer": 42}}
+    await api.post("/v1/runs/r1/prompts", json={"prompts": [prompt]})
+    work = (await api.post("/v1/runs/r1/work", json={"max_prompts": 1})).json()
+    gid = work["prompts"][0]["group_id"]
+    one = {
+        "rollout_id": "x",
+        "group_id": gid,
+        "policy_version": 0,
+        "response_ids": [1, 2],
+        "loss_mask": [1, 0],
+    }
+    assert (await post(api, "r1", one)).json()["accepted"] == 1
+    body = {"max_rollouts": 1, "lease_id": "lease-0001"}
+    got = (await reward_lease(api, "r1", 1, lease_id="lease-0001")).json()["rollouts"][0]
+    assert got["prompt_id"] == "p" and got["data"] == {"answer": 42}
+    assert got["prompt_ids"] == [7, 8, 9] and got["loss_mask"] == [1, 0]
+    resp = await api.post(
+        "/v1/runs/r1/rewards/lease",
+        content=msgpack.packb(body),
+        headers={"content-type": "application/msgpack", "accept": "application/msgpack"},
+    )
+    packed = msgpack.unpackb(resp.content)["rollouts"][0]
+    assert np.frombuffer(packed["prompt_ids"], "<i4").tolist() == [7, 8, 9]
+    assert np.frombuffer(packed["response_ids"], "<i4").tolist() == [1, 2]
+    assert np.frombuffer(packed["loss_mask"], "u1").tolist() == [1, 0]

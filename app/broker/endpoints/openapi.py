@@ -23,7 +23,12 @@ from app.broker.schemas import (
     PromptJSON,
     PromptsBody,
     ReturnBody,
+    RewardLeaseBody,
+    RewardLeaseOut,
+    RewardReturnBody,
+    RewardRolloutOut,
     RolloutJSON,
+    ScoreBody,
     WorkBody,
 )
 from app.ids import LEASE_ID_PATTERN, RUN_ID_PATTERN
@@ -65,6 +70,10 @@ def field_keywords(s: Settings) -> dict[tuple[type[BaseModel], str], Keywords]:
         (PromptJSON, "data"): data,
         (WorkBody, "max_prompts"): {"maximum": s.max_prompts_per_lease},
         (WorkBody, "wait_s"): {"maximum": s.max_wait_s},
+        (RewardLeaseBody, "max_rollouts"): {"maximum": s.max_rollouts_per_request},
+        (RewardLeaseBody, "wait_s"): {"maximum": s.max_wait_s},
+        (ScoreBody, "rewards"): {"maxProperties": s.max_rollouts_per_request},
+        (RewardReturnBody, "rollout_ids"): {"maxItems": s.max_rollouts_per_request},
     }
 
 
@@ -124,6 +133,20 @@ class BatchOutMsgpack(BatchOut):
     """A leased batch as a msgpack answer."""
 
     rollouts: list[LeasedRolloutMsgpack]  # type: ignore[assignment]
+
+
+class RewardRolloutMsgpack(RewardRolloutOut):
+    """A rollout to score in a msgpack answer: its arrays are raw little-endian bytes."""
+
+    prompt_ids: bytes | None = Field(description="int32 token ids")  # type: ignore[assignment]
+    response_ids: bytes = Field(description="int32 token ids")  # type: ignore[assignment]
+    loss_mask: bytes | None = Field(description="uint8 0/1 per token")  # type: ignore[assignment]
+
+
+class RewardLeaseOutMsgpack(RewardLeaseOut):
+    """A reward lease as a msgpack answer."""
+
+    rollouts: list[RewardRolloutMsgpack]  # type: ignore[assignment]
 
 
 OPENAPI: Final = OpenAPIPart(

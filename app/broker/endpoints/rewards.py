@@ -15,6 +15,7 @@ from app.api import (
     wants_msgpack,
 )
 from app.broker.endpoints.deps import broker_of
+from app.broker.endpoints.openapi import RewardLeaseOutMsgpack
 from app.broker.schemas import (
     ReturnResult,
     RewardLeaseBody,
@@ -32,7 +33,7 @@ router = APIRouter(prefix="/v1/runs", tags=["rewards"])
     "/{run_id}/rewards/lease",
     response_model=RewardLeaseOut,
     responses={
-        200: msgpack_answer(RewardLeaseOut),
+        200: msgpack_answer(RewardLeaseOutMsgpack),
         204: {"description": "No rollout awaited a reward within wait_s"},
         **errors((409, "The run is closed, or the client-chosen lease_id is over")),
     },
