@@ -535,19 +535,19 @@ class Accounting:
             object.__setattr__(self, "dead_letters", int(self.raw["dead_letters"]))
         live = self.raw.get("live")
         if self.live is None and isinstance(live, Mapping):
-            rewards = live.get("rewards") or {}
-            counts = LiveCounts(
+            awaiting = live.get("rewards") or {}
+            live_counts = LiveCounts(
                 buffered=int(live["buffered"]),
                 leased=int(live["leased"]),
-                rewards_awaiting=int(rewards.get("awaiting") or 0),
-                rewards_leased=int(rewards.get("leased") or 0),
+                rewards_awaiting=int(awaiting.get("awaiting") or 0),
+                rewards_leased=int(awaiting.get("leased") or 0),
             )
-            object.__setattr__(self, "live", counts)
+            object.__setattr__(self, "live", live_counts)
         rewards = self.raw.get("rewards")
         if self.rewards is None and isinstance(rewards, Mapping):
             figures = ("awaiting", "leased", "scored", "timed_out")
-            counts = RewardCounts(**{k: int(rewards.get(k) or 0) for k in figures})
-            object.__setattr__(self, "rewards", counts)
+            reward_counts = RewardCounts(**{k: int(rewards.get(k) or 0) for k in figures})
+            object.__setattr__(self, "rewards", reward_counts)
         partials = self.raw.get("partials")
         if self.partials is None and isinstance(partials, Mapping):
             object.__setattr__(self, "partials", partial_counts(partials))
