@@ -219,6 +219,10 @@ REFUSALS: dict[str, Refusal] = {
     "reward_lease_missing": Refusal(
         RewardLeaseNotFound, "no reward lease {lease_id!r} in run {run_id!r}"
     ),
+    # The lease named in a body (the path names a run that exists): the body is wrong.
+    "reward_lease_unknown": Refusal(
+        ValidationFailed, "no reward lease {lease_id!r} in run {run_id!r}; nothing was scored"
+    ),
     # arg: the lease's state, 'scored', 'returned' or 'expired'
     "reward_lease_over": Refusal(
         RewardLeaseOver, "reward lease {lease_id!r} was {0}; choose a new lease_id"

@@ -166,6 +166,13 @@ LIMITS = (
     ),
     Limit(
         REFUSED,
+        r"POST /v1/runs/\{run_id\}/rewards",
+        422,
+        r"was never received|is not in reward lease|^no reward lease",
+        "rewards are for rollouts the run received, of the lease named (if one is)",
+    ),
+    Limit(
+        REFUSED,
         r"GET /v1/runs/\{run_id\}/(batches|prompts|accounting/dead-letters)",
         -1,  # 400 or 422
         r"^invalid cursor$",

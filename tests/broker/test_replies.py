@@ -81,6 +81,7 @@ EXPECTED: dict[str, tuple[type[BrokerError], int]] = {
     "partial_future_version": (ValidationFailed, 2),
     "too_many_partials": (ValidationFailed, 3),
     "reward_lease_missing": (RewardLeaseNotFound, 0),
+    "reward_lease_unknown": (ValidationFailed, 0),
     "reward_lease_over": (RewardLeaseOver, 1),
     "reward_unknown": (ValidationFailed, 1),
     "reward_not_in_lease": (ValidationFailed, 1),

@@ -72,7 +72,11 @@ def field_keywords(s: Settings) -> dict[tuple[type[BaseModel], str], Keywords]:
         (WorkBody, "wait_s"): {"maximum": s.max_wait_s},
         (RewardLeaseBody, "max_rollouts"): {"maximum": s.max_rollouts_per_request},
         (RewardLeaseBody, "wait_s"): {"maximum": s.max_wait_s},
-        (ScoreBody, "rewards"): {"maxProperties": s.max_rollouts_per_request},
+        # Keys that are not rollout ids are refused too (patternProperties alone lets them by).
+        (ScoreBody, "rewards"): {
+            "maxProperties": s.max_rollouts_per_request,
+            "additionalProperties": False,
+        },
         (RewardReturnBody, "rollout_ids"): {"maxItems": s.max_rollouts_per_request},
     }
 

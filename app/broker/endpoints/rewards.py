@@ -51,12 +51,12 @@ async def lease_rewards(run_id: RunId, request: Request) -> Response:
     "/{run_id}/rewards",
     response_model=ScoreResult,
     responses=errors(
-        (404, "No such run, or no such reward lease in it"),
+        (404, "No such run"),
         (409, "A rollout was scored before with another reward (nothing was scored)"),
         (
             422,
-            "The body is malformed, a reward is not finite, or a rollout was never received "
-            "or is not in the named lease (nothing was scored)",
+            "The body is malformed, a reward is not finite, the named lease does not exist, "
+            "or a rollout was never received or is not in the named lease (nothing was scored)",
         ),
     ),
     openapi_extra=request_body(ScoreBody),

@@ -10,7 +10,7 @@
 --       text), and what the caller read: the packed rollout with the reward set (it was
 --       unscored), 'd' (it was scored with this reward: a duplicate) or '' (not there).
 -- Returns ok(scored, duplicates, {rollout_id, ...}: those that retired before their reward)
---       | err('run_missing') | err('reward_lease_missing') | err('reward_raced')
+--       | err('run_missing') | err('reward_lease_unknown') | err('reward_raced')
 --       | err('reward_unknown', rollout_id): never received
 --       | err('reward_not_in_lease', rollout_id).
 if not load_run() then return err('run_missing') end
@@ -18,7 +18,7 @@ local lid = ARGV[2]
 local in_lease = nil
 if lid ~= '' then
   local f = redis.call('HMGET', rlkey(lid), 'st', 'rids')
-  if not f[1] then return err('reward_lease_missing') end
+  if not f[1] then return err('reward_lease_unknown') end
   in_lease = {}
   for _, rid in ipairs(cjson.decode(f[2])) do in_lease[rid] = true end
 end
