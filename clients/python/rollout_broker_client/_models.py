@@ -439,6 +439,7 @@ class WaitStats:
 
     generator_s: float = 0.0
     trainer_s: float = 0.0
+    reward_s: float = 0.0  # from ingest to score, over the rollouts scored by reward workers
 
 
 @dataclass(frozen=True, slots=True)
@@ -465,11 +466,26 @@ def partial_counts(value: Mapping[str, Any]) -> PartialCounts:
 
 
 @dataclass(frozen=True, slots=True)
+class RewardCounts:
+    """Rollouts posted without a reward (SPEC "Rewards"): unscored in no reward lease
+    (``awaiting``) and in a live one (``leased``), scored by reward workers, and the expiries of
+    reward leases (one per unscored rollout in the lease)."""
+
+    awaiting: int = 0
+    leased: int = 0
+    scored: int = 0
+    timed_out: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class LiveCounts:
-    """The broker's own counts of a run's rollouts, from its live state rather than the ledger."""
+    """The broker's own counts of a run's rollouts, from its live state rather than the ledger;
+    ``rewards_awaiting`` and ``rewards_leased`` are 0 from a server that does not report them."""
 
     buffered: int
     leased: int
+    rewards_awaiting: int = 0
+    rewards_leased: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -511,6 +527,7 @@ class Accounting:
     dead_letters: int | None = None
     live: LiveCounts | None = None
     partials: PartialCounts | None = None
+    rewards: RewardCounts | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -518,8 +535,19 @@ class Accounting:
             object.__setattr__(self, "dead_letters", int(self.raw["dead_letters"]))
         live = self.raw.get("live")
         if self.live is None and isinstance(live, Mapping):
-            counts = LiveCounts(buffered=int(live["buffered"]), leased=int(live["leased"]))
-            object.__setattr__(self, "live", counts)
+            awaiting = live.get("rewards") or {}
+            live_counts = LiveCounts(
+                buffered=int(live["buffered"]),
+                leased=int(live["leased"]),
+                rewards_awaiting=int(awaiting.get("awaiting") or 0),
+                rewards_leased=int(awaiting.get("leased") or 0),
+            )
+            object.__setattr__(self, "live", live_counts)
+        rewards = self.raw.get("rewards")
+        if self.rewards is None and isinstance(rewards, Mapping):
+            figures = ("awaiting", "leased", "scored", "timed_out")
+            reward_counts = RewardCounts(**{k: int(rewards.get(k) or 0) for k in figures})
+            object.__setattr__(self, "rewards", reward_counts)
         partials = self.raw.get("partials")
         if self.partials is None and isinstance(partials, Mapping):
             object.__setattr__(self, "partials", partial_counts(partials))
@@ -536,13 +564,21 @@ class Accounting:
     @property
     def matches_live(self) -> bool:
         """The ledger is checked and right: caught up (``pending_events == 0``), no dead
-        letters, and its buffered and leased equal the broker's live counts. False whenever
-        the server does not say enough to tell."""
+        letters, and its buffered and leased, and its rollouts awaiting a reward (in no reward
+        lease and in one), equal the broker's live counts. False whenever the server does not
+        say enough to tell."""
+        rewards = self.rewards or RewardCounts()
         return (
             self.pending_events == 0
             and self.dead_letters == 0
             and self.live is not None
-            and (self.buffered, self.leased) == (self.live.buffered, self.live.leased)
+            and (self.buffered, self.leased, rewards.awaiting, rewards.leased)
+            == (
+                self.live.buffered,
+                self.live.leased,
+                self.live.rewards_awaiting,
+                self.live.rewards_leased,
+            )
         )
 
 

@@ -526,6 +526,7 @@ def parse_accounting(body: Any) -> Accounting:
         wait=WaitStats(
             generator_s=float(w.get("generator_s") or 0.0),
             trainer_s=float(w.get("trainer_s") or 0.0),
+            reward_s=float(w.get("reward_s") or 0.0),
         ),
         pending_events=None if pending is None else int(pending),
         as_of=_opt_time(body.get("as_of")),
