@@ -61,6 +61,18 @@ def answers_for(prompt: dict[str, Any], version: int, n: int = 2) -> list[dict[s
     ]
 
 
+def live_of_ledger(acc: dict[str, Any]) -> dict[str, Any]:
+    """The ``live`` counts an accounting answer must carry when its ledger agrees with the
+    broker's live state: buffered, leased, and the rollouts awaiting a reward (in no reward
+    lease, and in one)."""
+    rewards = acc["rewards"]
+    return {
+        "buffered": acc["buffered"],
+        "leased": acc["leased"],
+        "rewards": {"awaiting": rewards["awaiting"], "leased": rewards["leased"]},
+    }
+
+
 async def make_run(client: httpx.AsyncClient, run_id: str = "r1", **config: Any) -> dict[str, Any]:
     resp = await client.post("/v1/runs", json={"run_id": run_id, "config": config})
     assert resp.status_code == 201, resp.text

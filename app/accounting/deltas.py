@@ -14,6 +14,7 @@ __all__ = [
     "BATCH_VALUE_FIELDS",
     "MAX_COLUMNS",
     "MIN_COLUMNS",
+    "REWARD_LATENCY_BOUNDS_MS",
     "BatchPatch",
     "Fold",
     "ReasonDelta",
@@ -50,6 +51,13 @@ class TotalsDelta:
     kl_max: float | None = None
     # Uses a rewind gave back (the `rewound` events' items); still in rollouts_acked.
     samples_rewound: int = 0
+    # Rollouts posted without a reward (docs/events.md): net moves in and out of awaiting and
+    # of reward leases (a batch may hold a move out whose move in is in another), those scored
+    # through the API, and the expiries of reward leases, one per unscored rollout in them.
+    rewards_awaiting: int = 0
+    rewards_leased: int = 0
+    rewards_scored: int = 0
+    rewards_timed_out: int = 0
 
 
 @dataclass
@@ -70,6 +78,7 @@ class RunTotalsDelta(TotalsDelta):
     prompts_registered: int = 0  # Σ passes of the registered prompts
     trainer_wait_ms: int = 0
     generator_wait_ms: int = 0
+    reward_wait_ms: int = 0  # Σ ingest → score of the scored rollouts
     # Partial rollouts (the `partials` events): how many came back, went out again or were
     # dropped, and the response tokens of those resumed and dropped.
     partials_returned: int = 0
@@ -94,6 +103,11 @@ class TrainingDelta:
     ratio_sum: float = 0.0
     ratio_clipped: int = 0
 
+
+REWARD_LATENCY_BOUNDS_MS = (100, 500, 1_000, 2_000, 5_000, 10_000, 30_000, 60_000, 120_000,
+                            300_000, 600_000, 1_800_000)  # fmt: skip
+"""Upper bounds of the reward-latency histogram's buckets (ingest → score), in ms; the ledger
+keeps the scores per bucket (not cumulative), and the last bucket (+Inf) is every score."""
 
 # Columns merged with GREATEST / LEAST instead of addition.
 MAX_COLUMNS = frozenset({"lag_max", "kl_max", "last_event_ms"})
@@ -198,6 +212,8 @@ class Fold:
     batches: dict[str, BatchPatch] = field(default_factory=dict)
     snapshot: RunSnapshot | None = None
     passes: dict[tuple[str, int], PassState] = field(default_factory=dict)  # (prompt_id, pass)
+    # Scores per bucket of the reward latency: the bucket's bound (ms) -> scores in it
+    reward_latency: dict[int, int] = field(default_factory=dict)
 
     def version(self, policy_version: int) -> TotalsDelta:
         delta = self.versions.get(policy_version)
@@ -224,6 +240,13 @@ class Fold:
             self.batches[batch_id] = patch
         else:
             known.merge(patch)
+
+    def observe_reward_latency(self, wait_ms: int) -> None:
+        """One score in the smallest bucket that holds it; one beyond the last bound is only
+        in the histogram's count (``rewards_scored``) and sum (``reward_wait_ms``)."""
+        bound = next((b for b in REWARD_LATENCY_BOUNDS_MS if wait_ms <= b), None)
+        if bound is not None:
+            self.reward_latency[bound] = self.reward_latency.get(bound, 0) + 1
 
     def prompt_pass(self, prompt_id: str, pass_: int, state: PassState) -> None:
         key = (prompt_id, pass_)

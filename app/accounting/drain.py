@@ -262,12 +262,17 @@ class Drainer:
             self.mismatches += 1
             log.error(
                 "ledger of run %s disagrees with the live state once caught up: buffered %d "
-                "(live %d), leased %d (live %d), %d dead letters",
+                "(live %d), leased %d (live %d), awaiting a reward %d (live %d), reward-leased "
+                "%d (live %d), %d dead letters",
                 run_id,
                 check.buffered,
                 check.live.buffered,
                 check.leased,
                 check.live.leased,
+                check.rewards[0],
+                check.live.rewards.awaiting,
+                check.rewards[1],
+                check.live.rewards.leased,
                 check.dead_letters,
             )
         return counts

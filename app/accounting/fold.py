@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import assert_never
 
-from app.accounting.deltas import BatchPatch, Fold, RunSnapshot
+from app.accounting.deltas import BatchPatch, Fold, RunSnapshot, TotalsDelta
 from app.accounting.passes import MAX_PASSES, PassState, pass_state
 from app.events import (
     Accepted,
@@ -30,8 +30,12 @@ from app.events import (
     Rejected,
     Retired,
     Returned,
+    RewardExpired,
+    RewardLeased,
+    RewardReturned,
     Rewound,
     RunChanged,
+    Scored,
     Waited,
     WorkLeased,
     lag_of,
@@ -41,6 +45,9 @@ __all__ = ["fold_events"]
 
 REJECTED = "rejected"
 RETIRED = "retired"
+# A retired item's `unscored`: it awaited a reward lease, or was in a live one.
+UNSCORED_AWAITING = 1
+UNSCORED_LEASED = 2
 
 _WAIT_COLUMNS = {"trainer": "trainer_wait_ms", "generator": "generator_wait_ms"}
 
@@ -92,6 +99,12 @@ def fold_events(events: Iterable[Event]) -> Fold:
             _fold_passes(fold, event, body)
         elif isinstance(body, PartialsChanged):
             _fold_partials(fold, body)
+        elif isinstance(body, RewardLeased | RewardReturned):
+            _fold_reward_moved(fold, body)
+        elif isinstance(body, Scored):
+            _fold_scored(fold, body)
+        elif isinstance(body, RewardExpired):
+            _fold_reward_expired(fold, body)
         elif isinstance(body, Waited):
             _fold_waited(fold, body)
         else:
@@ -120,6 +133,7 @@ def _fold_accepted(fold: Fold, body: Accepted) -> None:
             totals.groups_received += int(item.new_unit)
             totals.tokens_generated += item.tokens
             totals.tokens_masked += item.masked
+            totals.rewards_awaiting += int(item.awaiting)
 
 
 def _fold_rejected(fold: Fold, body: Rejected) -> None:
@@ -243,12 +257,52 @@ def _fold_retired(fold: Fold, body: Retired) -> None:
             totals.rollouts_retired += 1
             if wasted:
                 totals.wasted_tokens += item.tokens
+            _leave_rewards(totals, item.unscored)
         reason = fold.reason(item.policy_version, RETIRED, body.reason)
         reason.rollouts += 1
         reason.tokens += item.tokens
         if wasted:
             reason.unused += 1
             reason.wasted_tokens += item.tokens
+
+
+def _leave_rewards(totals: TotalsDelta, unscored: int) -> None:
+    """A retired rollout that still awaited its reward leaves where it was."""
+    if unscored == UNSCORED_AWAITING:
+        totals.rewards_awaiting -= 1
+    elif unscored == UNSCORED_LEASED:
+        totals.rewards_leased -= 1
+    elif unscored != 0:
+        raise EventError(f"retired: unknown unscored place {unscored}")
+
+
+def _fold_reward_moved(fold: Fold, body: RewardLeased | RewardReturned) -> None:
+    """Awaiting → reward-leased (``reward_leased``), or back (``reward_returned``)."""
+    step = 1 if isinstance(body, RewardLeased) else -1
+    for item in body.items:
+        for totals in (fold.run, fold.version(item.policy_version)):
+            totals.rewards_awaiting -= step
+            totals.rewards_leased += step
+
+
+def _fold_scored(fold: Fold, body: Scored) -> None:
+    for item in body.items:
+        for totals in (fold.run, fold.version(item.policy_version)):
+            totals.rewards_scored += 1
+            if item.leased:
+                totals.rewards_leased -= 1
+            else:
+                totals.rewards_awaiting -= 1
+        fold.run.reward_wait_ms += item.wait_ms
+        fold.observe_reward_latency(item.wait_ms)
+
+
+def _fold_reward_expired(fold: Fold, body: RewardExpired) -> None:
+    for item in body.items:
+        for totals in (fold.run, fold.version(item.policy_version)):
+            totals.rewards_leased -= 1
+            totals.rewards_awaiting += 1
+            totals.rewards_timed_out += 1
 
 
 def _fold_rewound(fold: Fold, event: Event, body: Rewound) -> None:

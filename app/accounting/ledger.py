@@ -1,7 +1,8 @@
 """The ledger against the live state: the broker's counts in Redis and the drain's progress
 read at one moment with the totals in Postgres (:func:`read_settled`), and the check of the
-ledger's ``buffered`` and ``leased`` against them (:func:`check_ledger`), which the drain runs
-once a run has gone quiet.
+ledger's ``buffered`` and ``leased``, and of its rollouts awaiting a reward (``rewards``:
+awaiting and reward-leased), against them (:func:`check_ledger`), which the drain runs once a
+run has gone quiet.
 
 The ledger's ``buffered`` and ``leased`` are its own flow counts (:func:`ledger_counts`). They
 are checked against ``live``, the broker's counts in Redis, which no event goes through: an
@@ -17,7 +18,7 @@ from sqlalchemy import ARRAY, Text, bindparam, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.accounting.models import RunTotals, VersionTotals
-from app.accounting.schemas import LiveCounts
+from app.accounting.schemas import LiveCounts, LiveRewardCounts
 from app.accounting.stream import EventStream, LiveSnapshot
 from app.events import StreamId
 
@@ -144,6 +145,7 @@ class LedgerCheck:
     dead_letters: int
     buffered: int
     leased: int
+    rewards: tuple[int, int]  # (awaiting, leased) of the rollouts awaiting their reward
     live: LiveCounts | None
     current: bool
 
@@ -155,28 +157,39 @@ class LedgerCheck:
     @property
     def mismatch(self) -> bool:
         """Settled, and the ledger disagrees with the live counts."""
-        return (
-            self.settled
-            and self.live is not None
-            and (self.buffered, self.leased) != (self.live.buffered, self.live.leased)
+        if not self.settled or self.live is None:
+            return False
+        live = self.live
+        return (self.buffered, self.leased, *self.rewards) != (
+            live.buffered,
+            live.leased,
+            live.rewards.awaiting,
+            live.rewards.leased,
         )
 
 
 def live_counts(snapshot: LiveSnapshot) -> LiveCounts | None:
+    """``live`` of the accounting. The rollouts awaiting a reward lease are those of the run's
+    AWAITING hash less those in live reward leases (the run hash's ``rwl``)."""
     buffered = snapshot.buffered
     if buffered is None or snapshot.leased is None:
         return None
-    return LiveCounts(buffered=buffered, leased=snapshot.leased)
+    rewards = LiveRewardCounts(
+        awaiting=snapshot.unscored - snapshot.reward_leased, leased=snapshot.reward_leased
+    )
+    return LiveCounts(buffered=buffered, leased=snapshot.leased, rewards=rewards)
 
 
 def check_of(run_id: str, settled: Settled) -> LedgerCheck:
-    buffered, leased = ledger_counts(settled.totals or zero_totals())
+    totals = settled.totals or zero_totals()
+    buffered, leased = ledger_counts(totals)
     return LedgerCheck(
         run_id=run_id,
         pending=settled.pending,
         dead_letters=settled.snapshot.dead_letters,
         buffered=buffered,
         leased=leased,
+        rewards=(totals.rewards_awaiting, totals.rewards_leased),
         live=live_counts(settled.snapshot),
         current=settled.current,
     )

@@ -27,6 +27,7 @@ __all__ = [
     "ProcessedEvent",
     "PromptPass",
     "ReasonTotals",
+    "RewardLatencyCount",
     "Run",
     "RunTotals",
     "TrainingTotals",
@@ -90,6 +91,12 @@ class _Totals:
     )
     # Uses a rewind gave back (still counted in rollouts_acked: the gradients happened).
     samples_rewound: Mapped[int] = _count()
+    # Rollouts posted without a reward: awaiting a reward lease, in a live one (both net sums of
+    # the moves), scored through the API, and expiries of reward leases (one per rollout each).
+    rewards_awaiting: Mapped[int] = _count()
+    rewards_leased: Mapped[int] = _count()
+    rewards_scored: Mapped[int] = _count()
+    rewards_timed_out: Mapped[int] = _count()
 
 
 class RunTotals(_Totals, Base):
@@ -122,6 +129,8 @@ class RunTotals(_Totals, Base):
     # Time long polls waited: trainers for rollouts, generators for prompts or budget.
     trainer_wait_ms: Mapped[int] = _count()
     generator_wait_ms: Mapped[int] = _count()
+    # Σ ingest → score over the scored rollouts (ms).
+    reward_wait_ms: Mapped[int] = _count()
     # Partial rollouts: returned, resumed and dropped, and the tokens of the last two.
     partials_returned: Mapped[int] = _count()
     partials_resumed: Mapped[int] = _count()
@@ -183,6 +192,18 @@ class LagCount(Base):
     policy_version: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     lag: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     samples: Mapped[int] = _count()
+
+
+class RewardLatencyCount(Base):
+    """The reward-latency histogram (ingest → score): scores per (run, bucket), each bucket
+    named by its upper bound in ms (app.accounting.deltas.REWARD_LATENCY_BOUNDS_MS), counts not
+    cumulative; a score beyond the last bound is in no row, only in the run's totals."""
+
+    __tablename__ = "reward_latency_counts"
+
+    run_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    bound_ms: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    scores: Mapped[int] = _count()
 
 
 class Batch(Base):

@@ -28,6 +28,7 @@ from app.accounting.ledger import (
 from app.accounting.models import (
     LagCount,
     ReasonTotals,
+    RewardLatencyCount,
     Run,
     RunTotals,
     TrainingTotals,
@@ -41,6 +42,7 @@ from app.accounting.schemas import (
     LagStats,
     PartialCounts,
     PromptCounts,
+    RewardCounts,
     RunAccounting,
     TrainingAccounting,
     TrainingVersion,
@@ -121,6 +123,20 @@ async def _lags_of(session: AsyncSession, run_ids: Sequence[str]) -> dict[str, L
     return result
 
 
+async def _reward_latency_of(
+    session: AsyncSession, run_ids: Sequence[str]
+) -> dict[str, dict[int, int]]:
+    rows = await session.execute(
+        select(RewardLatencyCount.run_id, RewardLatencyCount.bound_ms, RewardLatencyCount.scores)
+        .where(RewardLatencyCount.run_id.in_(run_ids))
+        .order_by(RewardLatencyCount.run_id, RewardLatencyCount.bound_ms)
+    )
+    result: dict[str, dict[int, int]] = defaultdict(dict)
+    for run_id, bound, scores in rows.all():
+        result[run_id][bound] = scores
+    return result
+
+
 def _sum_by_reason(per_version: dict[int, dict[str, dict[str, int]]], kind: str) -> dict[str, int]:
     total: dict[str, int] = defaultdict(int)
     for kinds in per_version.values():
@@ -165,6 +181,12 @@ def _common(
             else None,
         ),
         "kl": KlStats(mean=_ratio(totals.kl_sum, totals.kl_tokens), max=totals.kl_max),
+        "rewards": RewardCounts(
+            awaiting=totals.rewards_awaiting,
+            leased=totals.rewards_leased,
+            scored=totals.rewards_scored,
+            timed_out=totals.rewards_timed_out,
+        ),
     }
 
 
@@ -175,6 +197,9 @@ class CheckedAccounting:
     accounting: RunAccounting
     check: LedgerCheck
     totals: RunTotals  # zeros when nothing was drained yet
+    # The reward-latency histogram: bucket bound (ms) -> scores in it, not cumulative; the
+    # scores beyond the last bound are in totals.rewards_scored only.
+    reward_latency: dict[int, int]
 
 
 async def run_accounting(session: AsyncSession, stream: EventStream, run_id: str) -> RunAccounting:
@@ -188,7 +213,9 @@ async def checked_accounting(
     settled = await read_settled(session, stream, run_id)
     if settled.totals is None:
         await require_run(session, stream, run_id)
-    return _checked(run_id, settled, await _reasons(session, run_id), await _lags(session, run_id))
+    latency = (await _reward_latency_of(session, [run_id])).get(run_id, {})
+    reasons, lags = await _reasons(session, run_id), await _lags(session, run_id)
+    return _checked(run_id, settled, reasons, lags, latency)
 
 
 async def checked_accounting_of(
@@ -201,6 +228,7 @@ async def checked_accounting_of(
     ready = [r for r in run_ids if settled[r].readable]
     reasons = await _reasons_of(session, ready)
     lags = await _lags_of(session, ready)
+    latency = await _reward_latency_of(session, ready)
     out: dict[str, CheckedAccounting] = {}
     for run_id in ready:
         try:
@@ -209,7 +237,11 @@ async def checked_accounting_of(
         except RunNotFound:
             continue
         out[run_id] = _checked(
-            run_id, settled[run_id], reasons.get(run_id, {}), lags.get(run_id, {})
+            run_id,
+            settled[run_id],
+            reasons.get(run_id, {}),
+            lags.get(run_id, {}),
+            latency.get(run_id, {}),
         )
     session.expunge_all()  # the totals rows answered stay loaded through the rollback
     await session.rollback()  # ends the snapshot: each run read again starts its own
@@ -222,7 +254,9 @@ async def checked_accounting_of(
     return {run_id: out[run_id] for run_id in run_ids if run_id in out}
 
 
-def _checked(run_id: str, settled: Settled, reasons: Reasons, lags: Lags) -> CheckedAccounting:
+def _checked(
+    run_id: str, settled: Settled, reasons: Reasons, lags: Lags, latency: dict[int, int]
+) -> CheckedAccounting:
     totals = settled.totals or zero_totals()
     histogram: dict[int, int] = defaultdict(int)
     for per_lag in lags.values():
@@ -264,13 +298,14 @@ def _checked(run_id: str, settled: Settled, reasons: Reasons, lags: Lags) -> Che
         wait=WaitStats(
             generator_s=totals.generator_wait_ms / 1000,
             trainer_s=totals.trainer_wait_ms / 1000,
+            reward_s=totals.reward_wait_ms / 1000,
         ),
         as_of=ms_to_datetime(totals.last_event_ms),
         pending_events=settled.pending,
         dead_letters=settled.snapshot.dead_letters,
         live=live_counts(settled.snapshot),
     )
-    return CheckedAccounting(accounting, check_of(run_id, settled), totals)
+    return CheckedAccounting(accounting, check_of(run_id, settled), totals, latency)
 
 
 async def version_accounting(

@@ -30,6 +30,7 @@ from app.accounting.models import (
     ProcessedEvent,
     PromptPass,
     ReasonTotals,
+    RewardLatencyCount,
     Run,
     RunTotals,
     TrainingTotals,
@@ -200,6 +201,15 @@ async def apply_fold(session: AsyncSession, run_id: str, fold: Fold) -> None:
         [
             {"run_id": run_id, "policy_version": version, "lag": lag, "samples": samples}
             for (version, lag), samples in sorted(fold.lags.items())
+        ],
+    )
+    await _upsert_add(
+        session,
+        _table(RewardLatencyCount),
+        ["run_id", "bound_ms"],
+        [
+            {"run_id": run_id, "bound_ms": bound, "scores": scores}
+            for bound, scores in sorted(fold.reward_latency.items())
         ],
     )
     await _upsert_batches(session, run_id, fold)

@@ -16,9 +16,11 @@ __all__ = [
     "KlStats",
     "LagStats",
     "LiveCounts",
+    "LiveRewardCounts",
     "PromptCounts",
     "PromptPage",
     "PromptPassRecord",
+    "RewardCounts",
     "RunAccounting",
     "TrainingAccounting",
     "TrainingVersion",
@@ -88,6 +90,28 @@ class PartialCounts(BaseModel):
 class WaitStats(BaseModel):
     generator_s: float = Field(description="Time generators' requests waited for prompts or budget")
     trainer_s: float = Field(description="Time trainers' lease requests waited for rollouts")
+    reward_s: float = Field(
+        description="Time from ingest to score, summed over the rollouts scored through "
+        "POST .../rewards"
+    )
+
+
+class RewardCounts(BaseModel):
+    """Rollouts posted without a reward (SPEC "Rewards"). The awaiting and reward-leased ones
+    are buffered too: they count in ``buffered``."""
+
+    awaiting: int = Field(description="Unscored rollouts buffered and in no live reward lease")
+    leased: int = Field(description="Unscored rollouts in live reward leases")
+    scored: int = Field(description="Rollouts that got their reward through POST .../rewards")
+    timed_out: int = Field(
+        description="Expiries of reward leases, one per unscored rollout in the lease (a "
+        "rollout counts once per expiry, up to max_reward_attempts)"
+    )
+
+
+class LiveRewardCounts(BaseModel):
+    awaiting: int = Field(description="Unscored rollouts in no live reward lease")
+    leased: int = Field(description="Unscored rollouts in live reward leases")
 
 
 class LiveCounts(BaseModel):
@@ -95,12 +119,17 @@ class LiveCounts(BaseModel):
 
     buffered: int = Field(description="Rollouts stored and not leased (incomplete groups too)")
     leased: int = Field(description="Rollouts in live leases")
+    rewards: LiveRewardCounts = Field(
+        description="Of the buffered rollouts, those awaiting their reward: in no live reward "
+        "lease, and in one"
+    )
 
 
 class RunAccounting(BaseModel):
     """A run's accounting; once drained, ``rollouts_received == buffered + leased + Σ retired``
     and ``samples_consumed == Σ sizes of the acknowledged batches``; and with no dead letters,
-    ``buffered == live.buffered`` and ``leased == live.leased``."""
+    ``buffered == live.buffered``, ``leased == live.leased``, and ``rewards.awaiting`` and
+    ``rewards.leased`` equal ``live.rewards``'s."""
 
     rollouts_received: int
     groups_received: int
@@ -131,6 +160,7 @@ class RunAccounting(BaseModel):
     is_ratio: IsRatioStats
     prompts: PromptCounts
     partials: PartialCounts
+    rewards: RewardCounts
     wait: WaitStats
     as_of: datetime | None = Field(description="Time of the newest drained event")
     pending_events: int = Field(description="Stream entries not yet drained into Postgres")
@@ -167,6 +197,7 @@ class VersionAccounting(BaseModel):
     wasted_tokens: int
     lag: LagStats
     kl: KlStats
+    rewards: RewardCounts
 
 
 class VersionsAccounting(BaseModel):

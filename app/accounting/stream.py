@@ -74,9 +74,10 @@ class LiveSnapshot:
     Redis in one MULTI, so that they describe one moment.
 
     ``live`` and ``leased`` are the run hash's counts (buffered + leased, and leased), ``None``
-    when the run has none (deleted). ``last_delivered`` is the consumer group's last delivered
-    id, ``None`` without a group; ``last_entry`` is the stream's newest entry id, ``None`` when
-    it holds none. ``length`` is the stream's length, for a stream with no group yet.
+    when the run has none (deleted); the buffered rollouts awaiting a reward are ``unscored``,
+    ``reward_leased`` of them in live reward leases. ``last_delivered`` is the consumer group's
+    last delivered id, ``None`` without a group; ``last_entry`` is the stream's newest entry id,
+    ``None`` when it holds none. ``length`` is the stream's length, for a stream with no group yet.
 
     The group's ``lag`` (``XINFO GROUPS``, Redis 7) is not read: it is derived from the group's
     ``entries-read``, which a replica that joined by full sync keeps wrong for good (Redis 7.0),
@@ -86,6 +87,10 @@ class LiveSnapshot:
 
     live: int | None
     leased: int | None
+    # Rollouts awaiting their reward: every one (``HLEN`` of the run's AWAITING hash), and those
+    # in live reward leases (the run hash's ``rwl``); 0 when absent.
+    unscored: int
+    reward_leased: int
     group_pending: int | None
     last_delivered: bytes | None
     last_entry: bytes | None
@@ -358,21 +363,28 @@ class EventStream(ConsumerGroup):
         key shares the run's hash tag). A missing or malformed key reads as absent."""
         events = self.events_key(run_id)
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hmget(keys.run_key(self.prefix, run_id), "live", "leased")
+            pipe.hmget(keys.run_key(self.prefix, run_id), "live", "leased", "rwl")
+            pipe.hlen(keys.run_key(self.prefix, run_id, keys.AWAITING))
             pipe.xinfo_groups(events)
             pipe.xlen(events)
             pipe.xrevrange(events, count=1)
             pipe.xlen(self.dead_key(run_id))
-            counts, groups, length, newest, dead = await pipe.execute(raise_on_error=False)
+            replies = await pipe.execute(raise_on_error=False)
+        counts, unscored, groups, length, newest, dead = replies
         live = leased = None
-        if not isinstance(counts, Exception) and None not in counts:
-            live, leased = int(counts[0]), int(counts[1])
+        reward_leased = 0
+        if not isinstance(counts, Exception):
+            if None not in counts[:2]:
+                live, leased = int(counts[0]), int(counts[1])
+            reward_leased = int(counts[2] or 0)
         ours = None
         if not isinstance(groups, Exception):
             ours = next((g for g in groups if as_text(g["name"]) == self.group), None)
         return LiveSnapshot(
             live=live,
             leased=leased,
+            unscored=0 if isinstance(unscored, Exception) else int(unscored),
+            reward_leased=reward_leased,
             group_pending=int(ours["pending"]) if ours is not None else None,
             last_delivered=ours["last-delivered-id"] if ours is not None else None,
             last_entry=newest[0][0] if newest and not isinstance(newest, Exception) else None,

@@ -4,7 +4,6 @@ the strict decoder, the encoder, and the docs' table."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -12,8 +11,6 @@ from typing import Any
 import msgpack
 
 from app.events.payloads import (
-    _INT64_MAX,
-    _INT64_MIN,
     Accepted,
     Acked,
     Duplicate,
@@ -27,20 +24,33 @@ from app.events.payloads import (
     Rejected,
     Retired,
     Returned,
+    RewardExpired,
+    RewardLeased,
+    RewardReturned,
     Rewound,
     RunChanged,
+    Scored,
     StreamId,
     Waited,
     Wire,
     WorkLeased,
-    text_fault,
+)
+from app.events.readers import (
+    read_array,
+    read_flag,
+    read_float,
+    read_int,
+    read_json,
+    read_map,
+    read_opt_map,
+    read_text,
 )
 
 
 def _duplicate_n(d: Mapping[str, Any]) -> Mapping[str, Any]:
     # `n` repeats len(ids); an entry that lacks it is still counted.
     if d.get("n") is None:
-        return {**d, "n": len(_array(d.get("ids"), "ids"))}
+        return {**d, "n": len(read_array(d.get("ids"), "ids"))}
     return d
 
 
@@ -65,7 +75,8 @@ SCHEMA: dict[str, EventType] = {
             "`group_size > 1`, else the rollout id. `new_unit` is 1 when this rollout opened a "
             "new group (counts `groups_received`); `masked` (absent: 0) counts its tokens posted "
             "with `loss_mask` 0. `policy_version` is the version the run judges it by: its "
-            "`v_old`, or its `v_new` under `stale_tokens: mask`",
+            "`v_old`, or its `v_new` under `stale_tokens: mask`. `awaiting` is 1 for a "
+            "rollout posted without a reward (then `masked` is written, 0 or not)",
         ),
         EventType(
             "duplicate",
@@ -110,7 +121,8 @@ SCHEMA: dict[str, EventType] = {
             Retired,
             "buffered → gone. Reasons: `stale`, `max_reuse`, `kl`, `kl_flush`, "
             "`incomplete_group`, `zero_variance`, `run_closed`, `rewound` (a token sampled "
-            "above the version a rewind went back to). `uses == 0` means the tokens were wasted",
+            "above the version a rewind went back to), `reward_timeout`. `uses == 0` means the "
+            "tokens were wasted; `unscored` says where a rollout still awaiting its reward was",
         ),
         EventType(
             "rewound",
@@ -149,6 +161,31 @@ SCHEMA: dict[str, EventType] = {
             "`accepted`",
         ),
         EventType(
+            "reward_leased",
+            RewardLeased,
+            "rollouts awaiting their reward handed to a reward worker: each item awaiting → "
+            "reward-leased",
+        ),
+        EventType(
+            "scored",
+            Scored,
+            "rollouts got their reward (`POST .../rewards`; not those posted with one): each "
+            "item reward-leased (`leased` 1) or awaiting (0) → scored; `wait_ms` is summed in "
+            "`wait.reward_s` and observed in the reward-latency histogram",
+        ),
+        EventType(
+            "reward_expired",
+            RewardExpired,
+            "a reward lease ran out: each unscored item reward-leased → awaiting, one more "
+            "`timed_out`; one at `max_reward_attempts` then retires `reward_timeout` (a "
+            "`retired` event follows)",
+        ),
+        EventType(
+            "reward_returned",
+            RewardReturned,
+            "a reward worker gave rollouts back unscored: each item reward-leased → awaiting",
+        ),
+        EventType(
             "waited",
             Waited,
             "a long poll that waited and got nothing (time of one that got something is in "
@@ -158,93 +195,6 @@ SCHEMA: dict[str, EventType] = {
 }
 
 EVENT_TYPES = frozenset(SCHEMA)
-
-
-# --- field readers ---------------------------------------------------------------------------
-
-
-def _text(value: Any, what: str) -> str:
-    if isinstance(value, bytes):
-        try:
-            value = value.decode("utf-8")
-        except UnicodeDecodeError:
-            raise EventError(f"{what}: not UTF-8") from None
-    if not isinstance(value, str):
-        raise EventError(f"{what}: expected a string, got {type(value).__name__}")
-    fault = text_fault(value)
-    if fault is not None:
-        raise EventError(f"{what}: {fault}")
-    return value
-
-
-def _int(value: Any, what: str, *, minimum: int = _INT64_MIN) -> int:
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise EventError(f"{what}: expected an integer, got {type(value).__name__}")
-    if not minimum <= value <= _INT64_MAX:
-        raise EventError(f"{what}: {value} out of range")
-    return value
-
-
-def _float(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise EventError(f"{what}: expected a number, got {type(value).__name__}")
-    result = float(value)
-    if not math.isfinite(result):
-        raise EventError(f"{what}: not finite")
-    return result
-
-
-def _flag(value: Any, what: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if value in (0, 1):
-        return bool(value)
-    raise EventError(f"{what}: expected 0 or 1")
-
-
-def _map(value: Any, what: str) -> dict[str, Any]:
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise EventError(f"{what}: expected a map with string keys")
-    return value
-
-
-def _opt_map(value: Any, what: str) -> dict[str, Any]:
-    return {} if value is None else _map(value, what)
-
-
-def _json(value: Any, what: str, depth: int = 0) -> Any:
-    """A value that JSONB can store as it is (the run config is kept verbatim)."""
-    if depth > 32:
-        raise EventError(f"{what}: nested too deeply")
-    if value is None or isinstance(value, bool | int | str):
-        if isinstance(value, int) and not isinstance(value, bool):
-            return _int(value, what)
-        return _text(value, what) if isinstance(value, str) else value
-    if isinstance(value, float):
-        return _float(value, what)
-    if isinstance(value, bytes):
-        return _text(value, what)
-    if isinstance(value, list):
-        return [_json(v, what, depth + 1) for v in value]
-    if isinstance(value, dict):
-        return {_text(k, what): _json(v, what, depth + 1) for k, v in value.items()}
-    raise EventError(f"{what}: {type(value).__name__} is not JSON")
-
-
-def _array(value: Any, what: str) -> list[Any]:
-    """A list, or the map a Lua encoder writes for an array with holes (keys 1..n)."""
-    if isinstance(value, list):
-        return value
-    if isinstance(value, dict) and all(
-        isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 4096 for k in value
-    ):
-        size = max(value, default=0)
-        return [value.get(i) for i in range(1, size + 1)]
-    if isinstance(value, dict) and not value:
-        return []
-    raise EventError(f"{what}: expected an array")
 
 
 # --- the codec, derived from the declaration -------------------------------------------------
@@ -262,25 +212,25 @@ class _Field:
 def _reader(w: Wire) -> Callable[[Any, str], Any]:
     kind = w.kind
     if kind == "text":
-        return _text
+        return read_text
     if kind == "int":
         minimum = w.minimum
-        return lambda value, what: _int(value, what, minimum=minimum)
+        return lambda value, what: read_int(value, what, minimum=minimum)
     if kind == "float":
-        return _float
+        return read_float
     if kind == "flag":
-        return _flag
+        return read_flag
     if kind == "map":
-        return lambda value, what: _json(_opt_map(value, what), what)
+        return lambda value, what: read_json(read_opt_map(value, what), what)
     if kind == "texts":
         return lambda value, what: tuple(
-            _text(v, f"{what}[{i}]") for i, v in enumerate(_array(value, what))
+            read_text(v, f"{what}[{i}]") for i, v in enumerate(read_array(value, what))
         )
     assert w.of is not None, "items and struct name their class"
     of = w.of
     if kind == "items":
         return lambda value, what: _read_items(of, value, what)
-    return lambda value, what: of(**_read_map(of, _opt_map(value, what), f"{what}."))
+    return lambda value, what: of(**_read_map(of, read_opt_map(value, what), f"{what}."))
 
 
 _FIELDS: dict[type, tuple[_Field, ...]] = {}
@@ -324,8 +274,8 @@ def _read_items(cls: type, value: Any, what: str) -> tuple[Any, ...]:
     fields = _fields(cls)
     arity, required = _arity(cls)
     items = []
-    for i, raw in enumerate(_array(value, what)):
-        row = _array(raw, f"{what}[{i}]")
+    for i, raw in enumerate(read_array(value, what)):
+        row = read_array(raw, f"{what}[{i}]")
         if not required <= len(row) <= arity:
             raise EventError(f"{what}[{i}]: expected {arity} fields, got {len(row)}")
         items.append(
@@ -359,14 +309,14 @@ def decode_entry(run_id: str, entry_id: bytes | str, fields: Mapping[bytes, byte
     raw_payload = fields.get(b"d")
     if raw_type is None or raw_payload is None:
         raise EventError("entry lacks field 'e' or 'd'")
-    event_type = _text(raw_type, "e")
+    event_type = read_text(raw_type, "e")
     if event_type not in SCHEMA:
         raise EventError(f"unknown event type {event_type!r}")
     try:
         payload = msgpack.unpackb(raw_payload, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise EventError(f"payload is not msgpack: {exc}") from None
-    payload = _map(payload, "d")
+    payload = read_map(payload, "d")
     body = decode_payload(event_type, payload)
     if isinstance(body, RunChanged) and body.run_id != run_id:
         raise EventError("run event of another run")
@@ -374,7 +324,7 @@ def decode_entry(run_id: str, entry_id: bytes | str, fields: Mapping[bytes, byte
         run_id=run_id,
         stream_id=stream_id,
         type=event_type,
-        t_ms=_int(payload.get("t"), "t", minimum=0),
+        t_ms=read_int(payload.get("t"), "t", minimum=0),
         body=body,
     )
 

@@ -3,72 +3,28 @@ map, whose ``wire(...)`` fields say how each is written (see the package docstri
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from functools import total_ordering
-from typing import Any, Literal, TypeAlias, TypeVar, dataclass_transform
+from typing import Any, TypeAlias
 
-_INT64_MIN = -(2**63)
-_INT64_MAX = 2**63 - 1
-MAX_TEXT = 1024
+from app.events.wire import (
+    MAX_TEXT,
+    EventError,
+    StreamId,
+    Wire,
+    _wire_class,
+    text_fault,
+    wire,
+)
 
-
-def text_fault(value: str) -> str | None:
-    """Why the ledger cannot hold ``value`` as a text (an id, a reason), or None when it can.
-
-    This is the one rule: the decoder applies it to every text of an event, and the API applies
-    it to every id it accepts (app/broker/config.py), so whatever a script is given to record,
-    the drain can apply. A Postgres ``text`` holds no NUL and only UTF-8; the length bound keeps
-    ledger rows and keys small.
-    """
-    if len(value) > MAX_TEXT:
-        return f"longer than {MAX_TEXT} characters"
-    if "\x00" in value:
-        return "holds a NUL character, which the ledger cannot store"
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return "is not valid Unicode (a lone surrogate)"
-    return None
-
-
-class EventError(ValueError):
-    """A stream entry that does not follow the event contract; retrying cannot fix it."""
-
-
-@total_ordering
-@dataclass(frozen=True, slots=True)
-class StreamId:
-    """A Redis stream entry id, ``<ms>-<seq>``, ordered the way Redis orders it."""
-
-    ms: int
-    seq: int
-
-    @classmethod
-    def parse(cls, raw: bytes | str) -> StreamId:
-        text = raw.decode("ascii") if isinstance(raw, bytes) else raw
-        ms, sep, seq = text.partition("-")
-        try:
-            if not sep:
-                raise ValueError(text)
-            return cls(int(ms), int(seq))
-        except ValueError:
-            raise EventError(f"not a stream id: {text!r}") from None
-
-    def next(self) -> StreamId:
-        """The smallest id greater than this one (``XTRIM MINID`` keeps ids >= its argument)."""
-        if self.seq >= 2**64 - 1:
-            return StreamId(self.ms + 1, 0)
-        return StreamId(self.ms, self.seq + 1)
-
-    def __lt__(self, other: object) -> bool:
-        if not isinstance(other, StreamId):
-            return NotImplemented
-        return (self.ms, self.seq) < (other.ms, other.seq)
-
-    def __str__(self) -> str:
-        return f"{self.ms}-{self.seq}"
+# Re-exported: the codec reads the machinery and the payloads from here.
+__all__ = [
+    "MAX_TEXT",
+    "EventError",
+    "StreamId",
+    "Wire",
+    "text_fault",
+    "wire",
+]
 
 
 def lag_of(batch_version: int, rollout_version: int) -> int:
@@ -81,53 +37,6 @@ def lag_of(batch_version: int, rollout_version: int) -> int:
     checks that every ``leased`` item the scripts write carries exactly this value.
     """
     return batch_version - rollout_version
-
-
-# --- the declaration -------------------------------------------------------------------------
-
-Kind: TypeAlias = Literal["text", "int", "float", "flag", "map", "texts", "items", "struct"]
-
-_REQUIRED: Any = dataclasses.MISSING
-
-
-@dataclass(frozen=True, slots=True)
-class Wire:
-    """How one attribute of a payload class is written in the event."""
-
-    kind: Kind
-    key: str | None  # the key in the payload map; None: the attribute's name
-    # May be absent (nil): then it decodes to the attribute's default, or None. A "map" or
-    # "struct" that is absent always reads as empty.
-    optional: bool
-    minimum: int
-    of: type | None  # "items": the item class; "struct": the map's class
-    note: str  # for the docs' table
-
-
-def wire(
-    kind: Kind,
-    *,
-    key: str | None = None,
-    optional: bool = False,
-    minimum: int = _INT64_MIN,
-    of: type | None = None,
-    note: str = "",
-    default: Any = _REQUIRED,
-) -> Any:
-    """A dataclass field that is part of an event payload (see :class:`Wire`)."""
-    metadata = {"wire": Wire(kind, key, optional, minimum, of, note)}
-    if default is _REQUIRED:
-        return dataclasses.field(metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
-
-
-_T = TypeVar("_T")
-
-
-@dataclass_transform(frozen_default=True, field_specifiers=(wire,))
-def _wire_class(cls: type[_T]) -> type[_T]:
-    """A payload class (or an item or map of one): a frozen dataclass of ``wire`` fields."""
-    return dataclass(frozen=True, slots=True)(cls)
 
 
 # --- payload types ---------------------------------------------------------------------------
@@ -152,6 +61,9 @@ class AcceptedItem:
     new_unit: bool = wire("flag")
     masked: int = wire(
         "int", optional=True, minimum=0, default=0, note="of `tokens`, those with loss_mask 0"
+    )
+    awaiting: bool = wire(
+        "flag", optional=True, default=False, note="1: posted without a reward (absent: 0)"
     )
 
 
@@ -279,6 +191,14 @@ class RetiredItem:
     policy_version: int = wire("int")
     tokens: int = wire("int", minimum=0)
     uses: int = wire("int", minimum=0)
+    unscored: int = wire(
+        "int",
+        optional=True,
+        minimum=0,
+        default=0,
+        note="absent/0: it had its reward; 1: unscored, in no reward lease; 2: unscored, in a "
+        "live reward lease",
+    )
 
 
 @_wire_class
@@ -393,6 +313,63 @@ class PartialsChanged:
 
 
 @_wire_class
+class RewardItem:
+    rollout_id: str = wire("text")
+    policy_version: int = wire("int")
+    tokens: int = wire("int", minimum=0)
+
+
+@_wire_class
+class RewardLeased:
+    lease_id: str = wire("text")
+    worker_id: str | None = wire("text", optional=True, note="str, absent when none")
+    expires_at_ms: int = wire("int", key="expires_at", minimum=0, note="ms")
+    items: tuple[RewardItem, ...] = wire("items", of=RewardItem)
+    wait_ms: int | None = wire(
+        "int",
+        optional=True,
+        minimum=0,
+        default=None,
+        note="ms the reward worker's request waited, absent when not told",
+    )
+
+
+@_wire_class
+class ScoredItem:
+    rollout_id: str = wire("text")
+    policy_version: int = wire("int")
+    reward: float = wire("float")
+    wait_ms: int = wire("int", minimum=0, note="ms from the rollout's ingest to its score")
+    leased: bool = wire("flag", note="1: it was in a live reward lease")
+
+
+@_wire_class
+class Scored:
+    items: tuple[ScoredItem, ...] = wire("items", of=ScoredItem)
+
+
+@_wire_class
+class RewardExpiredItem:
+    rollout_id: str = wire("text")
+    policy_version: int = wire("int")
+    attempts: int = wire(
+        "int", minimum=1, note="expiries of this rollout so far, this one included"
+    )
+
+
+@_wire_class
+class RewardExpired:
+    lease_id: str = wire("text")
+    items: tuple[RewardExpiredItem, ...] = wire("items", of=RewardExpiredItem)
+
+
+@_wire_class
+class RewardReturned:
+    lease_id: str = wire("text")
+    items: tuple[RewardItem, ...] = wire("items", of=RewardItem)
+
+
+@_wire_class
 class Waited:
     role: str = wire("text", note="`trainer` or `generator`")
     wait_ms: int = wire("int", minimum=0)
@@ -412,6 +389,10 @@ Payload: TypeAlias = (
     | WorkLeased
     | PassesChanged
     | PartialsChanged
+    | RewardLeased
+    | Scored
+    | RewardExpired
+    | RewardReturned
     | Waited
 )
 

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting import queries
+from app.accounting.deltas import REWARD_LATENCY_BOUNDS_MS
 from app.accounting.schemas import RunAccounting
 from app.accounting.stream import EventStream
 from app.broker.store import RedisStore, RunState
@@ -49,6 +50,7 @@ class LedgerFigures:
     lease_rollouts: dict[str, int]
     drain_delay_s: float
     mismatch: bool
+    reward_latency: dict[int, int]  # bucket bound (ms) -> scores in it (not cumulative)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +131,7 @@ async def _ledgers(
                 },
                 drain_delay_s=max(0, now_ms - oldest.ms) / 1000 if oldest is not None else 0.0,
                 mismatch=checked.check.mismatch,
+                reward_latency=checked.reward_latency,
             )
     return out
 
@@ -149,6 +152,19 @@ def _lag_buckets(histogram: dict[int, int]) -> tuple[list[tuple[str, float]], fl
     ]
     buckets.append(("+Inf", float(sum(histogram.values()))))
     return buckets, float(sum(lag * n for lag, n in histogram.items()))
+
+
+def _reward_latency_buckets(
+    latency: dict[int, int], scored: int, reward_s: float
+) -> tuple[list[tuple[str, float]], float]:
+    """Cumulative ``le`` buckets (seconds) of the ledger's reward-latency counts; the ``+Inf``
+    bucket is every score, those beyond the last bound too, and the sum is ``wait.reward_s``."""
+    buckets, below = [], 0
+    for bound in REWARD_LATENCY_BOUNDS_MS:
+        below += latency.get(bound, 0)
+        buckets.append((str(bound / 1000), float(below)))
+    buckets.append(("+Inf", float(scored)))
+    return buckets, reward_s
 
 
 class _BrokerCollector(Collector):
@@ -205,6 +221,10 @@ class _BrokerCollector(Collector):
         put("tokens_masked_stale_total", acc.tokens_masked_stale, run)
         buckets, lag_sum = _lag_buckets(acc.lag.histogram)
         families[f"{NAMESPACE}_sample_lag_versions"].add_metric([run], buckets, lag_sum)
+        latency, reward_s = _reward_latency_buckets(
+            ledger.reward_latency, acc.rewards.scored, acc.wait.reward_s
+        )
+        families[f"{NAMESPACE}_reward_latency_seconds"].add_metric([run], latency, reward_s)
         for name, figure in (
             ("token_lag_versions_mean", acc.lag.token_mean),
             ("kl_mean", acc.kl.mean),

@@ -167,6 +167,13 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
         f"the version that generated the rollout), {_LEDGER}",
     ),
     _m(
+        "reward_latency_seconds",
+        "histogram",
+        _RUN,
+        "Time from a rollout's ingest to its reward, over the rollouts posted without one and "
+        f"scored through POST .../rewards, {_LEDGER}",
+    ),
+    _m(
         "token_lag_versions_mean",
         "gauge",
         _RUN,

@@ -48,9 +48,16 @@ from app.events import (
     RetiredItem,
     Returned,
     ReturnedItem,
+    RewardExpired,
+    RewardExpiredItem,
+    RewardItem,
+    RewardLeased,
+    RewardReturned,
     Rewound,
     RewoundItem,
     RunChanged,
+    Scored,
+    ScoredItem,
     Waited,
     WorkItem,
     WorkLeased,
@@ -150,6 +157,20 @@ class SimRollout:
     kl: float | None = None
     trained: int = 0  # uses ever acked, those a rewind gave back too
     rewound: int = 0  # uses a rewind gave back
+    # Posted without a reward: "awaiting" a reward lease, "leased" in one, None once scored (or
+    # for one posted with its reward); scored through the API, reward-lease expiries, and the
+    # ms from ingest to score.
+    reward: str | None = None
+    posted_unscored: bool = False
+    scored: bool = False
+    reward_lease: str | None = None
+    reward_expiries: int = 0
+    reward_wait_ms: int = 0
+    ingest_ms: int = 0
+
+    def unscored_place(self) -> int:
+        """Its ``unscored`` in a ``retired`` item."""
+        return {"awaiting": 1, "leased": 2}.get(self.reward or "", 0)
 
 
 @dataclass
@@ -213,14 +234,19 @@ class RunSim:
     partial_rng: random.Random = field(init=False)
     partial_counts: Counter[str] = field(default_factory=Counter)  # the `partials` figures
     rewinds: bool = False  # the workload rewinds the version now and then
+    max_reward_attempts: int = 2
+    reward_rng: random.Random = field(init=False)
+    reward_leases: list[str] = field(default_factory=list)  # reward leases still live
     work_versions: dict[str, int] = field(default_factory=dict)  # work lease -> the run's V
     _n: int = 0
     _work_n: int = 0
+    _reward_n: int = 0
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         self.work_rng = random.Random(self.seed + 1_000_003)
         self.partial_rng = random.Random(self.seed + 2_000_003)
+        self.reward_rng = random.Random(self.seed + 3_000_003)
 
     # --- emitting ---------------------------------------------------------------------
 
@@ -275,7 +301,8 @@ class RunSim:
                 items.append(AcceptedItem(rid, unit_id, version, tokens, k == 0))
         self._emit("accepted", Accepted(tuple(items)))
         if self.rollouts and self.rng.random() < 0.7:
-            ids = self.rng.sample(sorted(self.rollouts), k=min(3, len(self.rollouts)))
+            known = sorted(k for k, r in self.rollouts.items() if not r.posted_unscored)
+            ids = self.rng.sample(known, k=min(3, len(known)))
             self.duplicates += len(ids)
             self._emit("duplicate", Duplicate(n=len(ids), ids=tuple(ids)))
         if self.rng.random() < 0.6:
@@ -292,6 +319,7 @@ class RunSim:
             for r in self.rollouts.values()
             if r.state == "buffered"
             and r.uses < self.max_reuse
+            and not r.posted_unscored  # kept from trainers: the rollout workload stays a seed's
             and self.policy - r.version <= self.max_staleness
         ]
 
@@ -432,8 +460,13 @@ class RunSim:
             "retired",
             Retired(
                 reason,
-                tuple(RetiredItem(r.rollout_id, r.version, r.tokens, r.uses) for r in rollouts),
+                tuple(
+                    RetiredItem(r.rollout_id, r.version, r.tokens, r.uses, r.unscored_place())
+                    for r in rollouts
+                ),
             ),
+            # Only rollouts posted unscored: an event the rollout workload would not have.
+            self.reward_rng if all(r.posted_unscored for r in rollouts) else None,
         )
 
     def set_policy(self, version: int) -> None:
@@ -494,6 +527,125 @@ class RunSim:
     def close(self) -> None:
         self._run_event("closed", status="closed")
         self.retire(list(self.rollouts.values()), "run_closed")
+
+    # --- rewards: rollouts posted without one, reward leases -----------------------------
+
+    def post_unscored(self, n: int) -> list[SimRollout]:
+        """Rollouts posted without a reward (single ones): buffered, awaiting a reward lease."""
+        rng = self.reward_rng
+        posted = []
+        for _ in range(n):
+            self._reward_n += 1
+            rid = f"ra-{self._reward_n}"
+            posted.append(
+                SimRollout(
+                    rid, rid, self.policy, rng.randint(1, 200), reward="awaiting",
+                    posted_unscored=True,
+                )
+            )  # fmt: skip
+        items = tuple(AcceptedItem(r.rollout_id, r.unit_id, r.version, r.tokens, True, 0, True)
+                      for r in posted)  # fmt: skip
+        self._emit("accepted", Accepted(items), rng)
+        for r in posted:
+            r.ingest_ms = self.t
+            self.rollouts[r.rollout_id] = r
+        return posted
+
+    def lease_rewards(self, k: int) -> str | None:
+        """A reward lease of the ``k`` oldest rollouts awaiting one."""
+        rng = self.reward_rng
+        pool = [
+            r for r in self.rollouts.values() if r.state == "buffered" and r.reward == "awaiting"
+        ]
+        if not pool:
+            return None
+        chosen = pool[:k]
+        self._reward_n += 1
+        lease_id = f"rl-{self._reward_n}"
+        for r in chosen:
+            r.reward, r.reward_lease = "leased", lease_id
+        self.reward_leases.append(lease_id)
+        body = RewardLeased(
+            lease_id=lease_id,
+            worker_id=rng.choice((None, "rw-0")),
+            expires_at_ms=self.t + 600_000,
+            items=tuple(RewardItem(r.rollout_id, r.version, r.tokens) for r in chosen),
+            wait_ms=rng.choice((0, rng.randint(1, 3000))),
+        )
+        self._emit("reward_leased", body, rng)
+        return lease_id
+
+    def reward_members(self, lease_id: str) -> list[SimRollout]:
+        """The rollouts of a reward lease still in it (not scored, retired or given back)."""
+        return [
+            r
+            for r in self.rollouts.values()
+            if r.state == "buffered" and r.reward == "leased" and r.reward_lease == lease_id
+        ]
+
+    def score(self, rollouts: Sequence[SimRollout]) -> None:
+        """Rewards posted for ``rollouts`` (awaiting, or in a live reward lease)."""
+        rng = self.reward_rng
+        items = []
+        for r in rollouts:
+            # Now and then a score later than the histogram's last bound (30 min).
+            late = rng.choice((0, 0, 0, rng.randint(1, 2_500_000)))
+            r.reward_wait_ms = max(0, self.t - r.ingest_ms) + late
+            items.append(ScoredItem(r.rollout_id, r.version, rng.choice((0.0, 1.0, rng.random())),
+                                    r.reward_wait_ms, r.reward == "leased"))  # fmt: skip
+            r.reward, r.reward_lease, r.scored = None, None, True
+        if items:
+            self._emit("scored", Scored(tuple(items)), rng)
+
+    def expire_rewards(self, lease_id: str) -> None:
+        """The reward lease runs out: its rollouts await again, one more attempt each; those at
+        ``max_reward_attempts`` retire ``reward_timeout``."""
+        members = self.reward_members(lease_id)
+        self.reward_leases.remove(lease_id)
+        for r in members:
+            r.reward, r.reward_lease = "awaiting", None
+            r.reward_expiries += 1
+        items = tuple(
+            RewardExpiredItem(r.rollout_id, r.version, r.reward_expiries) for r in members
+        )
+        self._emit("reward_expired", RewardExpired(lease_id, items), self.reward_rng)
+        self.retire(
+            [r for r in members if r.reward_expiries >= self.max_reward_attempts], "reward_timeout"
+        )
+
+    def return_rewards(self, lease_id: str) -> None:
+        members = self.reward_members(lease_id)
+        self.reward_leases.remove(lease_id)
+        for r in members:
+            r.reward, r.reward_lease = "awaiting", None
+        items = tuple(RewardItem(r.rollout_id, r.version, r.tokens) for r in members)
+        self._emit("reward_returned", RewardReturned(lease_id, items), self.reward_rng)
+
+    def reward_work(self) -> None:
+        """One round of the reward workers: rollouts posted unscored, reward leases taken, and
+        each live one scored (whole or in part), given back, let expire or kept."""
+        rng = self.reward_rng
+        if rng.random() < 0.3:
+            self.post_unscored(rng.randint(1, 2))
+        if rng.random() < 0.6:
+            self.lease_rewards(rng.randint(1, 4))
+        for lease_id in list(self.reward_leases):
+            members = self.reward_members(lease_id)
+            roll = rng.random()
+            if roll < 0.3 or not members:
+                self.score(members)
+                self.reward_leases.remove(lease_id)
+            elif roll < 0.45:
+                self.score(members[: len(members) // 2 or 1])
+            elif roll < 0.55:
+                self.return_rewards(lease_id)
+            elif roll < 0.8:
+                self.expire_rewards(lease_id)
+        awaiting = [
+            r for r in self.rollouts.values() if r.state == "buffered" and r.reward == "awaiting"
+        ]
+        if awaiting and rng.random() < 0.2:
+            self.score(awaiting[:1])  # scored with no lease
 
     # --- prompts, work leases and waits ------------------------------------------------
 
@@ -681,6 +833,7 @@ class RunSim:
             self.create()
         for step in range(steps):
             self.prompt_work()
+            self.reward_work()
             self.ingest(self.rng.randint(1, 4))
             for _ in range(self.rng.randint(1, 3)):
                 self.lease(self.rng.randint(1, 6) * self.group_size)
@@ -701,7 +854,11 @@ class RunSim:
             if self.rewinds and step % 13 == 12 and self.policy > 0:
                 self.rewind(self.policy - self.rng.randint(1, min(self.policy, 3)))
             if step % 11 == 10:
-                buffered = [r for r in self.rollouts.values() if r.state == "buffered"]
+                buffered = [
+                    r
+                    for r in self.rollouts.values()
+                    if r.state == "buffered" and not r.posted_unscored
+                ]
                 self.retire(buffered[:2], "incomplete_group")
                 self.retire(buffered[2:3], "zero_variance")
         if close:
@@ -710,6 +867,8 @@ class RunSim:
             self.close()
         else:
             self.lease(2 * self.group_size)  # leave a live lease behind
+            self.post_unscored(3)
+            self.lease_rewards(2)  # and a live reward lease, and rollouts awaiting one
             self.register(2)
             self.take_work(3)  # and a live work lease
 
@@ -734,6 +893,7 @@ class RunSim:
             "wait": {
                 "generator_s": self.wait_ms["generator"] / 1000,
                 "trainer_s": self.wait_ms["trainer"] / 1000,
+                "reward_s": sum(r.reward_wait_ms for r in self.rollouts.values()) / 1000,
             },
         }
 
@@ -814,6 +974,12 @@ def _expected(
             "token_mean": sum(lag * t for _, lag, t in samples) / sample_tokens
             if sample_tokens
             else None,
+        },
+        "rewards": {
+            "awaiting": sum(r.state == "buffered" and r.reward == "awaiting" for r in rollouts),
+            "leased": sum(r.state == "buffered" and r.reward == "leased" for r in rollouts),
+            "scored": sum(r.scored for r in rollouts),
+            "timed_out": sum(r.reward_expiries for r in rollouts),
         },
         "kl": {
             "mean": kl_sum / kl_tokens if kl_tokens else None,

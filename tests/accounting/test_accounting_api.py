@@ -81,7 +81,8 @@ async def test_run_known_only_to_redis_reads_as_zeros(
             "tokens_resumed": 0,
             "tokens_dropped": 0,
         },
-        "wait": {"generator_s": 0.0, "trainer_s": 0.0},
+        "rewards": {"awaiting": 0, "leased": 0, "scored": 0, "timed_out": 0},
+        "wait": {"generator_s": 0.0, "trainer_s": 0.0, "reward_s": 0.0},
         "as_of": None,
         # No consumer group yet: every entry of the stream is pending.
         "pending_events": len(sim.events),
@@ -124,8 +125,8 @@ async def test_endpoints_after_drain(
         "rollouts_received", "groups_received", "duplicates", "rejected", "tokens_generated",
         "tokens_masked", "tokens_masked_stale", "buffered", "leased", "samples_consumed",
         "samples_rewound", "tokens_consumed", "reuse_factor", "retired",
-        "wasted_tokens", "batches", "lag", "kl", "is_ratio", "prompts", "partials", "wait",
-        "as_of", "pending_events", "dead_letters", "live",
+        "wasted_tokens", "batches", "lag", "kl", "is_ratio", "prompts", "partials", "rewards",
+        "wait", "as_of", "pending_events", "dead_letters", "live",
     ]  # fmt: skip
 
     # pending_events: delivered-but-unacknowledged plus never-delivered entries.

@@ -108,6 +108,8 @@ async def test_invariants_after_mixed_workload(
         assert all(exp["prompts"][k] > 0 for k in ("queued", "in_flight", "done", "failed"))
         assert exp["prompts"]["retried"] > 0
         assert exp["wait"]["generator_s"] > 0 and exp["wait"]["trainer_s"] > 0
+        assert exp["wait"]["reward_s"] > 0
+        assert all(exp["rewards"][k] > 0 for k in ("awaiting", "leased", "scored", "timed_out"))
 
         resp = await accounting_api.get(f"/v1/runs/{sim.run_id}/accounting")
         assert resp.status_code == 200, resp.text

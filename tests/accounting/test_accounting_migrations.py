@@ -37,6 +37,7 @@ TABLES = {
     "audit_log",
     "prompt_passes",
     "training_totals",
+    "reward_latency_counts",
 }
 
 
@@ -159,5 +160,49 @@ async def test_live_token_names_become_unique_without_losing_a_token(
             "b1": "bootstrap-b1",
             "c1": "solo",
         }
+    finally:
+        await engine.dispose()
+
+
+async def test_rewards_upgrade_keeps_the_totals_and_starts_the_reward_counts_at_zero(
+    database_factory: Callable[[], Awaitable[str]],
+) -> None:
+    """0010_rewards on a database with totals: the rows keep every figure, the reward counts
+    start at 0 per run and per version, and the latency histogram's table takes rows."""
+    url = await database_factory()
+    await upgrade_to_head(url)
+    await downgrade(url, "0009_rewind")
+    engine = create_engine(url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                text("INSERT INTO run_totals (run_id, rollouts_received) VALUES ('r', 7)")
+            )
+            await conn.execute(
+                text(
+                    "INSERT INTO version_totals (run_id, policy_version, rollouts_received)"
+                    " VALUES ('r', 3, 7)"
+                )
+            )
+        await upgrade_to_head(url)
+        assert await schema_at_head(engine)
+        rewards = (
+            "rollouts_received, rewards_awaiting, rewards_leased, rewards_scored, rewards_timed_out"
+        )
+        async with engine.begin() as conn:
+            run = (
+                await conn.execute(text(f"SELECT {rewards}, reward_wait_ms FROM run_totals"))
+            ).one()
+            version = (await conn.execute(text(f"SELECT {rewards} FROM version_totals"))).one()
+            await conn.execute(
+                text("INSERT INTO reward_latency_counts (run_id, bound_ms) VALUES ('r', 100)")
+            )
+            latency = (await conn.execute(text("SELECT scores FROM reward_latency_counts"))).one()
+        assert tuple(run) == (7, 0, 0, 0, 0, 0)
+        assert tuple(version) == (7, 0, 0, 0, 0)
+        assert tuple(latency) == (0,)
+        await downgrade(url, "0009_rewind")
+        async with engine.connect() as conn:
+            assert "reward_latency_counts" not in await conn.run_sync(_tables)
     finally:
         await engine.dispose()

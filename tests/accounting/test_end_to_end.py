@@ -99,7 +99,10 @@ async def test_a_mixed_workload_adds_up(api: httpx.AsyncClient, make_ctx, prefix
     assert acc["groups_received"] == 12
     assert acc["leased"] == live.leased == len(held["rollouts"]) == 2
     assert acc["buffered"] == live.live - live.leased == 0
-    assert acc["live"] == {"buffered": 0, "leased": 2} and acc["dead_letters"] == 0
+    assert (
+        acc["live"] == {"buffered": 0, "leased": 2, "rewards": {"awaiting": 0, "leased": 0}}
+        and acc["dead_letters"] == 0
+    )
     retired = acc["retired"]
     assert acc["rollouts_received"] == acc["buffered"] + acc["leased"] + sum(retired.values())
     assert retired == {"max_reuse": 4, "kl": 4, "zero_variance": 2, "stale": 6, "kl_flush": 6}

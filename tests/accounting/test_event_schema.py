@@ -27,8 +27,13 @@ from app.events import (
     Rejected,
     Retired,
     Returned,
+    RewardExpired,
+    RewardExpiredItem,
+    RewardLeased,
+    RewardReturned,
     Rewound,
     RunChanged,
+    Scored,
     Waited,
     WorkLeased,
     decode_entry,
@@ -37,6 +42,8 @@ from app.events import (
     lag_of,
 )
 from app.keys import events_key
+from tests.api.test_rewards import _expire as expire_reward_lease
+from tests.api.test_rewards import reward_lease, score
 from tests.helpers import ack, lease, make_run, post, rollout
 
 RETIRE_REASONS = {
@@ -48,6 +55,7 @@ RETIRE_REASONS = {
     "zero_variance",
     "run_closed",
     "rewound",
+    "reward_timeout",
 }
 
 
@@ -80,6 +88,12 @@ class Script:
         self.generators: dict[str, str | None] = {}  # lease_id -> generator_id asked for
         self.registered: dict[str, int] = {}  # prompt_id -> epochs
         self.rewinds: list[tuple[int, int]] = []  # (from, to)
+        self.unscored: set[str] = set()  # rollout_ids posted without a reward
+        self.reward_leases: dict[str, dict[str, Any]] = {}  # lease_id -> the reward lease's reply
+        self.reward_workers: dict[str, str | None] = {}  # lease_id -> worker_id asked for
+        self.scores: dict[str, float] = {}  # rollout_id -> its reward, posted later
+        self.scored_leased: set[str] = set()  # of them, those scored while in a reward lease
+        self.rewards_back: dict[str, str] = {}  # lease_id -> reward_returned | reward_expired
 
     async def send(self, *rollouts: dict[str, Any]) -> dict[str, Any]:
         resp = await post(self.client, self.run_id, *rollouts)
@@ -87,6 +101,8 @@ class Script:
         body: dict[str, Any] = resp.json()
         for r in rollouts:
             self.rollouts.setdefault(r["rollout_id"], (r["policy_version"], len(r["response_ids"])))
+            if r.get("reward") is None:
+                self.unscored.add(r["rollout_id"])
         for rej in body["rejected"]:
             self.rejected[rej["rollout_id"]] = rej["reason"]
         return body
@@ -125,6 +141,31 @@ class Script:
         resp = await self.client.post(f"/v1/runs/{self.run_id}/policy", json=body)
         assert resp.status_code == 200, resp.text
         self.rewinds.append((before, version))
+
+    async def reward_take(self, k: int, **body: Any) -> dict[str, Any]:
+        resp = await reward_lease(self.client, self.run_id, k, **body)
+        assert resp.status_code == 200, resp.text
+        got: dict[str, Any] = resp.json()
+        self.reward_leases[got["lease_id"]] = got
+        self.reward_workers[got["lease_id"]] = body.get("worker_id")
+        return got
+
+    async def score(self, rewards: dict[str, float], lease_id: str | None = None) -> None:
+        body = {} if lease_id is None else {"lease_id": lease_id}
+        resp = await score(self.client, self.run_id, rewards, **body)
+        assert resp.json()["scored"] == len(rewards), resp.text
+        self.scores.update(rewards)
+        if lease_id is not None:
+            self.scored_leased.update(rewards)
+
+    async def reward_give_back(self, lease_id: str) -> None:
+        url = f"/v1/runs/{self.run_id}/rewards/lease/{lease_id}/return"
+        assert (await self.client.post(url, json={})).status_code == 200
+        self.rewards_back[lease_id] = "reward_returned"
+
+    async def reward_expire(self, lease_id: str) -> None:
+        await expire_reward_lease(self.client, self.run_id, lease_id)
+        self.rewards_back[lease_id] = "reward_expired"
 
     async def close(self) -> None:
         resp = await self.client.post(f"/v1/runs/{self.run_id}/close")
@@ -291,6 +332,30 @@ async def prompt_run(client: httpx.AsyncClient, redis: Redis, prefix: str, run_i
     return s
 
 
+async def reward_run(client: httpx.AsyncClient, run_id: str) -> Script:
+    """Rollouts posted without a reward: a reward lease scored in part and given back, a score
+    with no lease, a rollout whose reward lease expired until it retired `reward_timeout`, and
+    a close with one rollout awaiting and one in a live reward lease."""
+    s = Script(client, run_id)
+    await make_run(client, run_id, max_reward_attempts=2)
+    await s.send(*(rollout(f"w{i}", 0, tokens=2 + i, reward=None) for i in range(5)))
+    await s.send(rollout("posted_with_one", 0))
+    first = await s.reward_take(2, worker_id="judge-1")  # w0, w1
+    await s.score({"w0": 0.5}, lease_id=first["lease_id"])
+    await s.reward_give_back(first["lease_id"])  # w1 awaits again
+    await s.score({"w2": 1.0})  # awaiting, no lease
+    await s.patch(reward_timeout_s=0.05)  # only the leases taken now run out
+    for attempt in range(2):  # w1 twice: reward_timeout
+        timed = await s.reward_take(1, lease_id=f"reward-lease-{attempt}")
+        assert [r["rollout_id"] for r in timed["rollouts"]] == ["w1"]
+        await s.reward_expire(timed["lease_id"])
+    await s.patch(reward_timeout_s=600)
+    await s.reward_take(1, worker_id="judge-2")  # w3 stays leased; w4 awaits
+    await s.close()
+    await reward_lease(client, run_id, 1)  # sweeps what the close left
+    return s
+
+
 async def stream_entries(redis: Redis, prefix: str, run_id: str) -> list[tuple[bytes, Any]]:
     return list(await redis.xrange(events_key(prefix, run_id)))
 
@@ -328,6 +393,7 @@ def check_meaning(s: Script, events: list[Event]) -> None:
                 unit = a.rollout_id.rsplit("-", 1)[0] if "-" in a.rollout_id else a.rollout_id
                 assert a.unit_id == unit
                 assert a.new_unit == (unit not in seen_units)
+                assert a.awaiting == (a.rollout_id in s.unscored)
                 seen_units.add(unit)
         elif isinstance(body, Duplicate):
             assert body.n == len(body.ids) > 0
@@ -399,6 +465,28 @@ def check_meaning(s: Script, events: list[Event]) -> None:
                 assert (p.prompt_id, p.pass_) == ("b", 1)
         elif isinstance(body, Waited):
             assert body.role in {"trainer", "generator"}
+        elif isinstance(body, RewardLeased):
+            reply = s.reward_leases[body.lease_id]
+            assert body.worker_id == s.reward_workers[body.lease_id]
+            assert [i.rollout_id for i in body.items] == [
+                r["rollout_id"] for r in reply["rollouts"]
+            ]
+            for i in body.items:
+                assert (i.policy_version, i.tokens) == s.rollouts[i.rollout_id]
+        elif isinstance(body, Scored):
+            for sc in body.items:
+                assert sc.reward == s.scores[sc.rollout_id]
+                assert sc.policy_version == s.rollouts[sc.rollout_id][0]
+                assert sc.leased == (sc.rollout_id in s.scored_leased)
+                assert 0 <= sc.wait_ms < 60_000
+        elif isinstance(body, RewardExpired | RewardReturned):
+            assert s.rewards_back[body.lease_id] == event.type
+            for i in body.items:
+                assert i.policy_version == s.rollouts[i.rollout_id][0]
+                if isinstance(i, RewardExpiredItem):
+                    assert i.attempts == int(body.lease_id.removeprefix("reward-lease-")) + 1
+                else:
+                    assert i.tokens == s.rollouts[i.rollout_id][1]
         elif isinstance(body, Rewound):
             assert (body.from_version, body.to_version) in s.rewinds
             undone = {
@@ -417,6 +505,10 @@ def check_meaning(s: Script, events: list[Event]) -> None:
             assert isinstance(body, Retired)
             for r in body.items:
                 assert (r.policy_version, r.tokens) == s.rollouts[r.rollout_id]
+                awaiting = r.rollout_id in s.unscored and r.rollout_id not in s.scores
+                assert (r.unscored > 0) == awaiting
+                if body.reason == "reward_timeout":
+                    assert r.unscored == 1
 
 
 async def test_every_event_the_scripts_write_follows_the_schema(
@@ -427,9 +519,11 @@ async def test_every_event_the_scripts_write_follows_the_schema(
         await single_run(api, "schema-one"),
         await prompt_run(api, redis, prefix, "schema-prompts"),
         await rewind_run(api, "schema-rewind"),
+        await reward_run(api, "schema-rewards"),
     ]
     types: set[str] = set()
     reasons: set[str] = set()
+    places: set[int] = set()  # the `unscored` of retired items
     for s in scripts:
         entries = await stream_entries(redis, prefix, s.run_id)
         assert entries
@@ -437,7 +531,9 @@ async def test_every_event_the_scripts_write_follows_the_schema(
         check_meaning(s, events)
         types |= {e.type for e in events}
         reasons |= {e.body.reason for e in events if isinstance(e.body, Retired)}
+        places |= {i.unscored for e in events if isinstance(e.body, Retired) for i in e.body.items}
         reasons |= {i.reason for e in events if isinstance(e.body, Rejected) for i in e.body.items}
     assert types == EVENT_TYPES
+    assert places == {0, 1, 2}
     assert "stale_attempt" in reasons
     assert reasons >= RETIRE_REASONS | {"future_version"}

@@ -23,7 +23,7 @@ from app.accounting.drain import DrainCounts
 from app.accounting.stream import EventStream, LiveSnapshot
 from app.events import EventError
 from app.keys import CONSUMER_GROUP, run_key
-from tests.helpers import ack, lease, make_run, post, rollout
+from tests.helpers import ack, lease, live_of_ledger, make_run, post, rollout
 from workers.drain import DrainContext, drain_once
 
 RUN = "ledger"
@@ -73,7 +73,7 @@ async def test_the_ledger_agrees_with_the_live_counts(
 
     assert acc["pending_events"] == 0 and acc["dead_letters"] == 0
     assert (acc["buffered"], acc["leased"], acc["retired"]) == (2, 2, {"max_reuse": 2})
-    assert acc["live"] == {"buffered": 2, "leased": 2}
+    assert acc["live"] == {"buffered": 2, "leased": 2, "rewards": {"awaiting": 0, "leased": 0}}
     assert (counts.checked, counts.mismatched, ctx.drainer.mismatches) == (1, 0, 0)
     # Checked once per quiet period: the next quiet pass has nothing new to check.
     assert (await drain_once(ctx)).checked == 0
@@ -141,7 +141,7 @@ async def test_a_run_with_events_pending_is_checked_once_they_are_applied(
     assert counts.applied > 0 and (counts.checked, counts.mismatched) == (0, 0)
     acc = (await api.get(f"/v1/runs/{RUN}/accounting")).json()
     assert acc["pending_events"] == 1
-    assert acc["live"] == {"buffered": acc["buffered"] + 1, "leased": acc["leased"]}
+    assert acc["live"] == {**live_of_ledger(acc), "buffered": acc["buffered"] + 1}
 
     # Once it is claimed and applied, the run is checked, and agrees.
     claimer = make_ctx(claim_idle_ms=0)
@@ -151,11 +151,8 @@ async def test_a_run_with_events_pending_is_checked_once_they_are_applied(
     assert acc["pending_events"] == 0
     assert (
         acc["live"]
-        == {"buffered": acc["buffered"], "leased": acc["leased"]}
-        == {
-            "buffered": 4,
-            "leased": 2,
-        }
+        == live_of_ledger(acc)
+        == {"buffered": 4, "leased": 2, "rewards": {"awaiting": 0, "leased": 0}}
     )
 
 
@@ -272,6 +269,6 @@ async def test_a_wrong_group_lag_neither_holds_back_nor_hides_a_mismatch(
 
     acc = (await api.get(f"/v1/runs/{RUN}/accounting")).json()
     assert acc["pending_events"] == 0
-    assert acc["live"] == {"buffered": acc["buffered"] + 1, "leased": acc["leased"]}
+    assert acc["live"] == {**live_of_ledger(acc), "buffered": acc["buffered"] + 1}
     assert (counts.checked, counts.mismatched, ctx.drainer.mismatches) == (1, 1, 1)
     assert any("disagrees with the live" in r.getMessage() for r in caplog.records)

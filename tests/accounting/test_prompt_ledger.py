@@ -476,4 +476,4 @@ async def test_prompt_events_that_cannot_be_applied_are_dead_lettered(
     assert got["prompts"] == {
         "registered": 1, "queued": 1, "in_flight": 0, "done": 0, "failed": 0, "retried": 0
     }  # fmt: skip
-    assert got["wait"] == {"generator_s": 0.0, "trainer_s": 0.03}
+    assert got["wait"] == {"generator_s": 0.0, "trainer_s": 0.03, "reward_s": 0.0}

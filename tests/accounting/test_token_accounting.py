@@ -92,7 +92,7 @@ async def test_masked_tokens_and_token_lag_are_counted_exactly(
     assert acc["kl"]["mean"] == pytest.approx(float(k.mean()), rel=1e-6)
     retired = acc["retired"]
     assert acc["rollouts_received"] == acc["buffered"] + acc["leased"] + sum(retired.values())
-    assert acc["live"] == {"buffered": 0, "leased": 0}
+    assert acc["live"] == {"buffered": 0, "leased": 0, "rewards": {"awaiting": 0, "leased": 0}}
     assert parse_accounting(acc).matches_live
 
     per = (await api.get(f"/v1/runs/{run}/accounting/versions")).json()["versions"]

@@ -28,7 +28,6 @@ __all__ = [
     "LagStats",
     "LeasedRollout",
     "LiveCounts",
-    "LiveRewardCounts",
     "NewToken",
     "PartialCounts",
     "PolicyResult",
@@ -529,33 +528,14 @@ def partial_counts(value: Mapping[str, Any]) -> PartialCounts:
 
 
 @dataclass(frozen=True, slots=True)
-class LiveRewardCounts:
-    """The broker's own counts of the rollouts awaiting a reward: in no reward lease, and in
-    one."""
-
-    awaiting: int
-    leased: int
-
-
-@dataclass(frozen=True, slots=True)
 class LiveCounts:
     """The broker's own counts of a run's rollouts, from its live state rather than the ledger;
-    ``rewards`` is None from a broker that does not report them."""
+    ``rewards_awaiting`` and ``rewards_leased`` are 0 from a server that does not report them."""
 
     buffered: int
     leased: int
-    rewards: LiveRewardCounts | None = None
-
-    @classmethod
-    def of(cls, live: Mapping[str, Any]) -> LiveCounts:
-        """The ``live`` object of an accounting answer."""
-        r = live.get("rewards")
-        rewards = (
-            LiveRewardCounts(int(r["awaiting"]), int(r["leased"]))
-            if isinstance(r, Mapping)
-            else None
-        )
-        return cls(buffered=int(live["buffered"]), leased=int(live["leased"]), rewards=rewards)
+    rewards_awaiting: int = 0
+    rewards_leased: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -605,7 +585,14 @@ class Accounting:
             object.__setattr__(self, "dead_letters", int(self.raw["dead_letters"]))
         live = self.raw.get("live")
         if self.live is None and isinstance(live, Mapping):
-            object.__setattr__(self, "live", LiveCounts.of(live))
+            awaiting = live.get("rewards") or {}
+            live_counts = LiveCounts(
+                buffered=int(live["buffered"]),
+                leased=int(live["leased"]),
+                rewards_awaiting=int(awaiting.get("awaiting") or 0),
+                rewards_leased=int(awaiting.get("leased") or 0),
+            )
+            object.__setattr__(self, "live", live_counts)
         partials = self.raw.get("partials")
         if self.partials is None and isinstance(partials, Mapping):
             object.__setattr__(self, "partials", partial_counts(partials))
@@ -633,25 +620,31 @@ class Accounting:
     @property
     def matches_live(self) -> bool:
         """The ledger is checked and right: caught up (``pending_events == 0``), no dead
-        letters, and its buffered and leased (and, from a broker that reports them, the
-        rollouts awaiting a reward) equal the broker's live counts. False whenever the server
-        does not say enough to tell."""
+        letters, and its buffered and leased, and its rollouts awaiting a reward (in no reward
+        lease and in one), equal the broker's live counts. False whenever the server does not
+        say enough to tell."""
+        rewards = self.rewards or RewardCounts()
         return (
             self.pending_events == 0
             and self.dead_letters == 0
             and self.live is not None
-            and (self.buffered, self.leased) == (self.live.buffered, self.live.leased)
-            and self.rewards_match_live is not False
+            and (self.buffered, self.leased, rewards.awaiting, rewards.leased)
+            == (
+                self.live.buffered,
+                self.live.leased,
+                self.live.rewards_awaiting,
+                self.live.rewards_leased,
+            )
         )
 
     @property
     def rewards_match_live(self) -> bool | None:
         """Whether the ledger's rollouts awaiting a reward (in no reward lease, and in one)
-        equal the broker's live counts; None when the broker does not report both."""
-        live = self.live.rewards if self.live is not None else None
-        if self.rewards is None or live is None:
+        equal the broker's live counts; None from a broker that reports no reward figures."""
+        if self.rewards is None or self.live is None:
             return None
-        return (self.rewards.awaiting, self.rewards.leased) == (live.awaiting, live.leased)
+        live = (self.live.rewards_awaiting, self.live.rewards_leased)
+        return (self.rewards.awaiting, self.rewards.leased) == live
 
 
 @dataclass(frozen=True, slots=True)

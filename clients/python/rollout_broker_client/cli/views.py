@@ -144,11 +144,11 @@ def ledger_check(acc: Accounting) -> tuple[bool, str]:
             f"the ledger's buffered {acc.buffered:,}, leased {acc.leased:,} are not the live "
             f"{live.get('buffered')}, {live.get('leased')}"
         )
-    if acc.rewards_match_live is False and acc.rewards and acc.live and acc.live.rewards:
+    if acc.rewards_match_live is False and acc.rewards and acc.live:
         why.append(
             f"the ledger's awaiting a reward {acc.rewards.awaiting:,}, in reward leases "
-            f"{acc.rewards.leased:,} are not the live {acc.live.rewards.awaiting:,}, "
-            f"{acc.live.rewards.leased:,}"
+            f"{acc.rewards.leased:,} are not the live {acc.live.rewards_awaiting:,}, "
+            f"{acc.live.rewards_leased:,}"
         )
     if acc.pending_events is None:
         why.append("the broker does not report pending events")
