@@ -346,7 +346,7 @@ def test_score_and_return_requests() -> None:
 
 async def test_a_reward_scoped_token_scores_and_does_nothing_else(settings: Settings) -> None:
     admin_token = secrets.token_urlsafe(32)
-    KNOWN_SECRETS.add(admin_token)  # the session's log watch fails the run if a log line holds it
+    KNOWN_SECRETS.add(admin_token)  # the test run's log watch fails if a log line holds it
     auth = settings.model_copy(update={"auth": True, "admin_token": SecretStr(admin_token)})
     app = create_app(auth)
     async with (
