@@ -40,6 +40,8 @@ NAMES = {
     "AsyncLease": "Lease",
     "AsyncWork": "Work",
     "AsyncWorkLoop": "WorkLoop",
+    "AsyncRewardWork": "RewardWork",
+    "AsyncRewardLoop": "RewardLoop",
     "AsyncClient": "Client",  # httpx.AsyncClient
     "aclose": "close",
     "asyncio": "time",  # asyncio.sleep
@@ -63,6 +65,8 @@ PROSE_NAMES = (
     "AsyncLease",
     "AsyncWorkLoop",
     "AsyncWork",
+    "AsyncRewardWork",
+    "AsyncRewardLoop",
     "AsyncClient",
 )
 

@@ -37,12 +37,13 @@ def blocks(kind: str, readme: Path = REPO / "README.md") -> list[str]:
 
 @pytest.mark.parametrize(
     ("run", "first_line"),
-    [("tour-py", "accepted "), ("resume-tour", "crashed ")],
-    ids=["tour", "resuming"],
+    [("tour-py", "accepted "), ("resume-tour", "crashed "), ("reward-tour", "unscored: ")],
+    ids=["tour", "resuming", "rewards"],
 )
 def test_python_tour(live_server: LiveServer, run: str, first_line: str) -> None:
-    """The tour, and the section on resuming a trainer (a rewind's accounting before, after and
-    once trained again)."""
+    """The tour, the section on resuming a trainer (a rewind's accounting before, after and
+    once trained again) and the one on rewards that arrive later (a reward worker that crashes
+    gives back what it did not score)."""
     (code,) = [b for b in blocks("python") if f'"{run}"' in b]
     printed = next(b for b in blocks("") if b.startswith(first_line))
     code = code.replace("http://127.0.0.1:8000", live_server.url)

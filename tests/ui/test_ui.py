@@ -126,6 +126,11 @@ async def expected_figures(http: httpx.AsyncClient, selected: str) -> dict[str, 
     want["retired_total"] = sum(acc["retired"].values())
     want["rejected_total"] = sum(acc["rejected"].values())
     want["ledger_live"] = "ok"
+    if "rewards" in acc:  # the mean wait for a reward, per rollout scored
+        scored, waited = acc["rewards"]["scored"], acc["wait"].get("reward_s")
+        want["rewards.mean_wait_s"] = waited / scored if scored and waited is not None else None
+    else:
+        want["rewards"] = "n/a"
     want |= {
         "run.run_id": run["run_id"],
         "run.status": run["status"],

@@ -3,11 +3,12 @@
 
 Generators post rollouts through a writer that batches them, retries safely and waits out
 ``429`` backpressure, or take their prompts from the broker in a loop of work leases that gives
-back every prompt it did not post; trainers lease batches in a context manager that acks on a
-normal exit and nacks on an exception; operators register prompts and read runs and the
-accounting, and manage access tokens and read the audit log of a broker with auth on. A
-client sends ``token=`` (default: the ``BROKER_TOKEN`` environment variable) as a bearer
-token::
+back every prompt it did not post; reward workers score rollouts posted without a reward in a
+loop of reward leases that gives back every rollout it did not score; trainers lease batches in
+a context manager that acks on a normal exit and nacks on an exception; operators register
+prompts and read runs and the accounting, and manage access tokens and read the audit log of a
+broker with auth on. A client sends ``token=`` (default: the ``BROKER_TOKEN`` environment
+variable) as a bearer token::
 
     from rollout_broker_client import BrokerClient, Rollout
 
@@ -26,6 +27,8 @@ from rollout_broker_client._asgi import SyncASGITransport
 from rollout_broker_client._async import (
     AsyncBrokerClient,
     AsyncLease,
+    AsyncRewardLoop,
+    AsyncRewardWork,
     AsyncRolloutWriter,
     AsyncWork,
     AsyncWorkLoop,
@@ -44,6 +47,9 @@ from rollout_broker_client._errors import (
     NotFound,
     OverCapacity,
     PayloadTooLarge,
+    RewardConflict,
+    RewardLeaseNotFound,
+    RewardLeaseOver,
     RunClosed,
     RunConflict,
     RunNotFound,
@@ -83,10 +89,13 @@ from rollout_broker_client._models import (
     RegisterResult,
     Rejection,
     RewardCounts,
+    RewardLease,
+    RewardRollout,
     Rollout,
     Run,
     RunConfig,
     Scope,
+    ScoreResult,
     TrainingVersion,
     VersionAccounting,
     WaitStats,
@@ -97,6 +106,8 @@ from rollout_broker_client._sync import (
     DEFAULT_URL,
     BrokerClient,
     Lease,
+    RewardLoop,
+    RewardWork,
     RolloutWriter,
     Work,
     WorkLoop,
@@ -112,6 +123,8 @@ __all__ = [
     "AckResult",
     "AsyncBrokerClient",
     "AsyncLease",
+    "AsyncRewardLoop",
+    "AsyncRewardWork",
     "AsyncRolloutWriter",
     "AsyncWork",
     "AsyncWorkLoop",
@@ -152,7 +165,14 @@ __all__ = [
     "RegisterResult",
     "Rejection",
     "Retry",
+    "RewardConflict",
     "RewardCounts",
+    "RewardLease",
+    "RewardLeaseNotFound",
+    "RewardLeaseOver",
+    "RewardLoop",
+    "RewardRollout",
+    "RewardWork",
     "Rollout",
     "RolloutWriter",
     "Run",
@@ -161,6 +181,7 @@ __all__ = [
     "RunConflict",
     "RunNotFound",
     "Scope",
+    "ScoreResult",
     "ServerError",
     "SyncASGITransport",
     "TokenNotFound",

@@ -41,10 +41,13 @@ from rollout_broker_client._models import (
     PromptStateName,
     RegisterResult,
     Rejection,
+    RewardLease,
+    RewardRollout,
     Rollout,
     Run,
     RunConfig,
     Scope,
+    ScoreResult,
     TrainingVersion,
     VersionAccounting,
     WorkLease,
@@ -69,6 +72,8 @@ __all__ = [
     "DEFAULT_URL",
     "AsyncBrokerClient",
     "AsyncLease",
+    "AsyncRewardLoop",
+    "AsyncRewardWork",
     "AsyncRolloutWriter",
     "AsyncWork",
     "AsyncWorkLoop",
@@ -126,10 +131,11 @@ class AsyncBrokerClient:
         self.timeout = timeout
         self.retry = retry or Retry()
         self.api = Api(format, trainer_id, generator_id)
-        # The work leases of work() not yet settled, given back when the client closes, and
-        # those whose loop was left without settling them, given back before the next request.
-        self._works: set[AsyncWork] = set()
-        self._abandoned: list[AsyncWork] = []
+        # The work and reward leases of work() and reward_work() not yet settled, given back
+        # when the client closes, and those whose loop was left without settling them, given
+        # back before the next request.
+        self._works: set[AsyncWork | AsyncRewardWork] = set()
+        self._abandoned: list[AsyncWork | AsyncRewardWork] = []
 
     async def __aenter__(self) -> AsyncBrokerClient:
         return self
@@ -142,8 +148,9 @@ class AsyncBrokerClient:
         return f"{type(self).__name__}({self.base_url!r}, token={token})"
 
     async def close(self) -> None:
-        """Give back the unposted prompts of the work leases still open, then close the
-        connection pool (not one passed in as ``http``)."""
+        """Give back the unposted prompts of the work leases still open and the unscored
+        rollouts of the reward leases, then close the connection pool (not one passed in as
+        ``http``)."""
         self._abandoned.clear()
         for work in list(self._works):
             await work.settle(failing=True)
@@ -398,6 +405,67 @@ class AsyncBrokerClient:
                 yield parse_prompt_state(doc)
             if not cursor:
                 return
+
+    # -- reward workers -------------------------------------------------------------------
+    async def reward_lease(
+        self,
+        run_id: str,
+        max_rollouts: int,
+        *,
+        worker_id: str | None = None,
+        wait_s: float = 0.0,
+        lease_id: str | None = None,
+    ) -> RewardLease | None:
+        """Lease up to ``max_rollouts`` rollouts posted without a reward, waiting up to
+        ``wait_s`` for some; None if none came. The request names its lease (``lease_id``, or
+        a new id), so a resend after a lost answer gets the same lease. Score them with
+        :meth:`score` or give them back with :meth:`return_rewards`; :meth:`reward_work` does
+        both for you."""
+        return await self.send(
+            self.api.reward_lease(
+                run_id, max_rollouts, worker_id=worker_id, wait_s=wait_s, lease_id=lease_id
+            )
+        )
+
+    async def score(
+        self, run_id: str, rewards: Mapping[str, float], *, lease_id: str | None = None
+    ) -> ScoreResult:
+        """Send rewards by rollout_id (finite numbers, checked before sending), under a reward
+        lease or without one. The same reward again counts as a duplicate, so a resend is
+        safe; another reward for a rollout already scored raises :class:`RewardConflict`."""
+        if not rewards:
+            return ScoreResult(0, 0, [])
+        return await self.send(self.api.score(run_id, rewards, lease_id))
+
+    async def return_rewards(
+        self, run_id: str, lease_id: str, rollout_ids: Sequence[str] | None = None
+    ) -> int:
+        """Give unscored rollouts of a reward lease back (all it still holds when
+        ``rollout_ids`` is None) for any reward worker to lease at once, without counting an
+        attempt; returns how many went back."""
+        if rollout_ids is not None and not rollout_ids:
+            return 0  # an empty list on the wire would mean all of them
+        return await self.send(self.api.return_rewards(run_id, lease_id, rollout_ids))
+
+    def reward_work(
+        self,
+        run_id: str,
+        *,
+        max_rollouts: int = 8,
+        worker_id: str | None = None,
+        wait_s: float = 30.0,
+        stop_when_empty: bool = False,
+    ) -> AsyncRewardLoop:
+        """The reward worker loop: reward leases one after another; see
+        :class:`AsyncRewardLoop`."""
+        return AsyncRewardLoop(
+            self,
+            run_id,
+            max_rollouts=max_rollouts,
+            worker_id=worker_id,
+            wait_s=wait_s,
+            stop_when_empty=stop_when_empty,
+        )
 
     # -- trainers -------------------------------------------------------------------------
     async def lease_batch(
@@ -1009,6 +1077,209 @@ class AsyncWorkLoop:
 
     async def aclose(self) -> None:
         """End the loop, giving back the prompts of its current lease not posted."""
+        self._done = True
+        await self._settle_current(failing=False)
+
+    async def _settle_current(self, *, failing: bool) -> None:
+        work, self.current = self.current, None
+        if work is not None:
+            await work.settle(failing=failing)
+
+    def __del__(self) -> None:
+        work = getattr(self, "current", None)
+        if work is not None and not work.settled:
+            work.settled = True
+            work.client._abandoned.append(work)
+
+
+class AsyncRewardWork:
+    """The rollouts of one reward lease, as :meth:`AsyncBrokerClient.reward_work` hands them
+    out.
+
+    Score :attr:`rollouts` with :meth:`score`, all at once or a few at a time. Every rollout
+    not scored goes back to the broker, for any reward worker to lease at once, when the lease
+    is settled: the loop does so when it takes the next lease, when it ends and when its body
+    leaves by ``break`` or an exception; :meth:`give_back` returns some sooner. One whose return
+    failed goes back when the lease expires. To drive a lease of
+    :meth:`AsyncBrokerClient.reward_lease` yourself, ``async with AsyncRewardWork(client,
+    run_id, lease) as work:`` settles it on leaving the block.
+    """
+
+    def __init__(self, client: AsyncBrokerClient, run_id: str, lease: RewardLease) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.lease = lease
+        self.scored: dict[str, float] = {}
+        self.retired: list[str] = []  # retired (stale, say) before their score came
+        self.returned: list[RewardRollout] = []
+        self.settled = False  # over for this client: no more scores, the rest goes back
+        self._giving_back = False
+        self._by_id = {r.rollout_id: r for r in lease.rollouts}
+        self._unscored = dict(self._by_id)
+        client._works.add(self)
+
+    @property
+    def lease_id(self) -> str:
+        return self.lease.lease_id
+
+    @property
+    def rollouts(self) -> list[RewardRollout]:
+        return self.lease.rollouts
+
+    @property
+    def unscored(self) -> list[RewardRollout]:
+        """The rollouts of this lease not scored and not given back."""
+        return list(self._unscored.values())
+
+    def __len__(self) -> int:
+        return len(self.lease.rollouts)
+
+    async def __aenter__(self) -> AsyncRewardWork:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.settle(failing=exc_type is not None)
+
+    async def score(self, rewards: Mapping[str, float]) -> ScoreResult:
+        """Send rewards by rollout_id (finite numbers) for rollouts of this lease, in one
+        request under the lease's id, resent as any idempotent request is. A rollout of
+        another lease, or one given back, is a ValueError and a reward that is not a finite
+        number a ValueError or TypeError, before anything is sent. Rollouts that retired before
+        their score came are in the answer's ``retired`` and in :attr:`retired`. A settled
+        lease takes no more scores (RuntimeError)."""
+        if self.settled:
+            raise RuntimeError(
+                f"reward lease {self.lease_id!r} is settled: its unscored rollouts went back"
+            )
+        strange = [rid for rid in rewards if rid not in self._by_id]
+        if strange:
+            raise ValueError(f"{strange!r}: not rollouts of reward lease {self.lease_id!r}")
+        back = {r.rollout_id for r in self.returned}
+        gone = [rid for rid in rewards if rid in back]
+        if gone:
+            raise ValueError(f"{gone!r} of reward lease {self.lease_id!r} were given back")
+        result = await self.client.score(self.run_id, rewards, lease_id=self.lease_id)
+        for rid, value in rewards.items():
+            self._unscored.pop(rid, None)
+            self.scored[rid] = float(value)
+        self.retired.extend(result.retired)
+        return result
+
+    async def give_back(self, rollouts: Iterable[RewardRollout | str] | None = None) -> int:
+        """Return rollouts of this lease not scored (all of them by default) to the broker now,
+        for any reward worker to lease at once; returns how many the broker took back. A
+        group is leased and given back whole: a rollout goes back with the unscored members of
+        its group."""
+        if rollouts is None:
+            chosen = list(self._unscored.values())
+        else:
+            named = {r if isinstance(r, str) else r.rollout_id for r in rollouts}
+            groups = {self._by_id[rid].group_id for rid in named if rid in self._by_id} - {None}
+            chosen = [
+                r for r in self._unscored.values() if r.rollout_id in named or r.group_id in groups
+            ]
+        if not chosen:
+            return 0
+        ids = [r.rollout_id for r in chosen]
+        n = await self.client.return_rewards(self.run_id, self.lease_id, ids)
+        for r in chosen:
+            del self._unscored[r.rollout_id]
+        self.returned.extend(chosen)
+        return n
+
+    async def settle(self, *, failing: bool = False) -> None:
+        """End the lease for this client: give back every rollout not scored. A broker that
+        cannot be reached is logged (the rollouts go back when the lease expires), as is any
+        error when ``failing`` (an exception is already on its way); other errors raise."""
+        if self._giving_back:
+            return
+        self._giving_back = self.settled = True
+        self.client._works.discard(self)
+        try:
+            await self.give_back()
+        except BrokerError as err:
+            if not (failing or isinstance(err, BrokerUnreachable | ServerError | NotFound)):
+                raise
+            log.warning(
+                "could not give back %d rollouts of reward lease %s (%s); the broker leases "
+                "them again once the lease expires at %s",
+                len(self._unscored),
+                self.lease_id,
+                err,
+                self.lease.expires_at.isoformat(),
+            )
+
+
+class AsyncRewardLoop:
+    """The reward worker loop, ``async for lease in client.reward_work(run_id,
+    max_rollouts=8)``: reward leases one after another, each an :class:`AsyncRewardWork` whose
+    rollouts the body scores. The loop settles each lease (gives back its rollouts not scored)
+    before it takes the next, and ends at a ``break``, an exception or, with
+    ``stop_when_empty``, the first time the broker has nothing to score within ``wait_s``;
+    otherwise it keeps asking.
+
+    Leaving the loop settles its last lease: at once inside ``async with
+    client.reward_work(...) as leases``, or through :meth:`aclose`; without either, the client
+    gives the rollouts back before its next request, or when it closes (a ``break`` or an
+    exception drops the loop, whose destructor hands the lease to the client: it sends nothing
+    itself).
+    """
+
+    def __init__(
+        self,
+        client: AsyncBrokerClient,
+        run_id: str,
+        *,
+        max_rollouts: int = 8,
+        worker_id: str | None = None,
+        wait_s: float = 30.0,
+        stop_when_empty: bool = False,
+    ) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.max_rollouts = max_rollouts
+        self.worker_id = worker_id
+        self.wait_s = wait_s
+        self.stop_when_empty = stop_when_empty
+        self.current: AsyncRewardWork | None = None
+        self.leases = 0
+        self._done = False
+
+    def __aiter__(self) -> AsyncRewardLoop:
+        return self
+
+    async def __anext__(self) -> AsyncRewardWork:
+        await self._settle_current(failing=False)
+        while not self._done:
+            lease = await self.client.reward_lease(
+                self.run_id, self.max_rollouts, worker_id=self.worker_id, wait_s=self.wait_s
+            )
+            if lease is not None:
+                self.leases += 1
+                self.current = AsyncRewardWork(self.client, self.run_id, lease)
+                return self.current
+            self._done = self.stop_when_empty
+        raise StopAsyncIteration
+
+    async def __aenter__(self) -> AsyncRewardLoop:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._done = True
+        await self._settle_current(failing=exc_type is not None)
+
+    async def aclose(self) -> None:
+        """End the loop, giving back the unscored rollouts of its current lease."""
         self._done = True
         await self._settle_current(failing=False)
 

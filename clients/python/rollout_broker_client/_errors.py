@@ -12,14 +12,17 @@ by the body's ``error`` field, carrying the body's ``detail``:
         │   ├── RunNotFound
         │   ├── BatchNotFound
         │   ├── TokenNotFound        no such token id (to revoke)
-        │   └── WorkLeaseNotFound    no such work lease (or long forgotten)
+        │   ├── WorkLeaseNotFound    no such work lease (or long forgotten)
+        │   └── RewardLeaseNotFound  no such reward lease (or long forgotten)
         ├── Conflict (409)
         │   ├── RunConflict          same run_id, different config
         │   ├── RunClosed            work asked of a closed run
         │   ├── VersionConflict      policy version moving backwards
         │   ├── LeaseExpired         ack after the lease ran out
         │   ├── BatchSettled         nack of an acked batch, or the reverse
-        │   └── WorkLeaseOver        a work lease_id reused after its lease was returned or expired
+        │   ├── WorkLeaseOver        a work lease_id reused after its lease was returned or expired
+        │   ├── RewardLeaseOver      a reward lease_id reused after its lease was over
+        │   └── RewardConflict       a different reward for a rollout already scored
         ├── PayloadTooLarge (413)
         ├── UnsupportedMediaType (415)
         ├── ValidationFailed (422)
@@ -59,6 +62,9 @@ __all__ = [
     "NotFound",
     "OverCapacity",
     "PayloadTooLarge",
+    "RewardConflict",
+    "RewardLeaseNotFound",
+    "RewardLeaseOver",
     "RunClosed",
     "RunConflict",
     "RunNotFound",
@@ -145,6 +151,10 @@ class WorkLeaseNotFound(NotFound):
     pass
 
 
+class RewardLeaseNotFound(NotFound):
+    pass
+
+
 class TokenNotFound(NotFound):
     pass
 
@@ -163,6 +173,14 @@ class RunClosed(Conflict):
 
 class WorkLeaseOver(Conflict):
     """The work lease was returned or expired: its prompts went back; lease with a new id."""
+
+
+class RewardLeaseOver(Conflict):
+    """The reward lease was returned or expired: its rollouts went back; lease with a new id."""
+
+
+class RewardConflict(Conflict):
+    """A rollout already scored was sent another reward: the first one stands."""
 
 
 class VersionConflict(Conflict):
@@ -219,11 +237,14 @@ _BY_NAME: dict[str, type[BrokerHTTPError]] = {
         RunNotFound,
         BatchNotFound,
         WorkLeaseNotFound,
+        RewardLeaseNotFound,
         TokenNotFound,
         Conflict,
         RunConflict,
         RunClosed,
         WorkLeaseOver,
+        RewardLeaseOver,
+        RewardConflict,
         VersionConflict,
         LeaseExpired,
         BatchSettled,

@@ -38,10 +38,14 @@ __all__ = [
     "PromptStateName",
     "RegisterResult",
     "Rejection",
+    "RewardCounts",
+    "RewardLease",
+    "RewardRollout",
     "Rollout",
     "Run",
     "RunConfig",
     "Scope",
+    "ScoreResult",
     "TrainingVersion",
     "VersionAccounting",
     "WaitStats",
@@ -83,12 +87,13 @@ class Rollout:
     response token, default all 1) marks with 0 the tokens not to train on (tool output,
     environment and user turns); ``versions`` gives the version that sampled each token as
     ``[(offset, version), ...]`` (default: every token at ``policy_version``, which must be the
-    oldest version over trained tokens)."""
+    oldest version over trained tokens). ``reward`` None posts it unscored: it awaits its
+    reward from a reward worker (:meth:`BrokerClient.reward_work`) before any trainer gets it."""
 
     rollout_id: str
     policy_version: int
     response_ids: npt.ArrayLike
-    reward: float
+    reward: float | None = None
     logprobs: npt.ArrayLike | None = None
     group_id: str | None = None
     prompt_ids: npt.ArrayLike | None = None
@@ -206,6 +211,44 @@ class WorkLease:
     policy_version: int
     expires_at: datetime
     prompts: list[WorkPrompt]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RewardRollout:
+    """A rollout handed to a reward worker to score: its tokens (``prompt_ids`` those of its
+    prompt, the registered prompt's when it was posted under a work lease), its loss mask, the
+    prompt's ``data`` (the reference answer, say) and its ``metadata``. Compared by identity,
+    as its arrays cannot be compared by value."""
+
+    rollout_id: str
+    group_id: str | None
+    prompt_id: str | None
+    prompt_ids: Int32Array | None
+    response_ids: Int32Array
+    loss_mask: UInt8Array | None = None  # None: every token is trained
+    data: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RewardLease:
+    """Unscored rollouts leased to one reward worker; those not scored by ``expires_at`` are
+    leased again (up to the run's ``max_reward_attempts``)."""
+
+    lease_id: str
+    expires_at: datetime
+    rollouts: list[RewardRollout]
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreResult:
+    """The answer to scores: how many were new, how many repeated a score already there, and
+    the rollouts that had retired (stale, say) before their score came: nothing to do."""
+
+    scored: int
+    duplicates: int
+    retired: list[str] = field(default_factory=list)
 
 
 PromptStateName = Literal["queued", "in_flight", "done", "failed"]
@@ -439,7 +482,19 @@ class WaitStats:
 
     generator_s: float = 0.0
     trainer_s: float = 0.0
-    reward_s: float = 0.0  # from ingest to score, over the rollouts scored by reward workers
+    reward_s: float | None = None  # ingest to score, summed; None from a broker without it
+
+
+@dataclass(frozen=True, slots=True)
+class RewardCounts:
+    """Rollouts posted without a reward (SPEC "Rewards"): ``awaiting`` a reward lease,
+    ``leased`` to a reward worker, ``scored`` through the rewards endpoint, and ``timed_out``
+    counts each expiry of a reward lease once per unscored rollout in it."""
+
+    awaiting: int = 0
+    leased: int = 0
+    scored: int = 0
+    timed_out: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -455,6 +510,13 @@ class PartialCounts:
     tokens_dropped: int = 0
 
 
+def reward_counts(value: Mapping[str, Any]) -> RewardCounts:
+    """The ``rewards`` object of an accounting answer (a figure it lacks reads 0)."""
+    return RewardCounts(
+        **{k: int(value.get(k) or 0) for k in ("awaiting", "leased", "scored", "timed_out")}
+    )
+
+
 def partial_counts(value: Mapping[str, Any]) -> PartialCounts:
     """The ``partials`` object of an accounting answer (a figure it lacks reads 0)."""
     return PartialCounts(
@@ -463,18 +525,6 @@ def partial_counts(value: Mapping[str, Any]) -> PartialCounts:
             for k in ("returned", "resumed", "dropped", "tokens_resumed", "tokens_dropped")
         }
     )
-
-
-@dataclass(frozen=True, slots=True)
-class RewardCounts:
-    """Rollouts posted without a reward (SPEC "Rewards"): unscored in no reward lease
-    (``awaiting``) and in a live one (``leased``), scored by reward workers, and the expiries of
-    reward leases (one per unscored rollout in the lease)."""
-
-    awaiting: int = 0
-    leased: int = 0
-    scored: int = 0
-    timed_out: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -497,9 +547,9 @@ class Accounting:
     and ``tokens_masked_stale`` (trained tokens handed out masked for their own lag) are 0 from
     a server that does not report them, and so is ``samples_rewound`` (of ``samples_consumed``,
     the uses a rewind of the policy version gave back to their rollouts). ``dead_letters``
-    (events the ledger could not apply), ``live`` (the broker's own buffered and leased counts)
-    and ``partials`` are None from a server that does not report them; when not given they are
-    read from ``raw``. ``raw`` is the server's body as it came."""
+    (events the ledger could not apply), ``live`` (the broker's own buffered and leased counts),
+    ``partials`` and ``rewards`` are None from a server that does not report them; when not
+    given they are read from ``raw``. ``raw`` is the server's body as it came."""
 
     rollouts_received: int
     groups_received: int
@@ -543,14 +593,20 @@ class Accounting:
                 rewards_leased=int(awaiting.get("leased") or 0),
             )
             object.__setattr__(self, "live", live_counts)
-        rewards = self.raw.get("rewards")
-        if self.rewards is None and isinstance(rewards, Mapping):
-            figures = ("awaiting", "leased", "scored", "timed_out")
-            reward_counts = RewardCounts(**{k: int(rewards.get(k) or 0) for k in figures})
-            object.__setattr__(self, "rewards", reward_counts)
         partials = self.raw.get("partials")
         if self.partials is None and isinstance(partials, Mapping):
             object.__setattr__(self, "partials", partial_counts(partials))
+        rewards = self.raw.get("rewards")
+        if self.rewards is None and isinstance(rewards, Mapping):
+            object.__setattr__(self, "rewards", reward_counts(rewards))
+
+    @property
+    def mean_reward_wait_s(self) -> float | None:
+        """Mean seconds from ingest to score over the rollouts scored; None before the first,
+        or from a broker that does not report them."""
+        if self.rewards is None or self.wait.reward_s is None or not self.rewards.scored:
+            return None
+        return self.wait.reward_s / self.rewards.scored
 
     @property
     def retired_total(self) -> int:
@@ -580,6 +636,15 @@ class Accounting:
                 self.live.rewards_leased,
             )
         )
+
+    @property
+    def rewards_match_live(self) -> bool | None:
+        """Whether the ledger's rollouts awaiting a reward (in no reward lease, and in one)
+        equal the broker's live counts; None from a broker that reports no reward figures."""
+        if self.rewards is None or self.live is None:
+            return None
+        live = (self.live.rewards_awaiting, self.live.rewards_leased)
+        return (self.rewards.awaiting, self.rewards.leased) == live
 
 
 @dataclass(frozen=True, slots=True)
@@ -623,11 +688,12 @@ class TrainingVersion:
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
-Scope = Literal["generate", "train", "operate", "admin"]
+Scope = Literal["generate", "reward", "train", "operate", "admin"]
 """What an access token may do (SPEC "Access control"): ``generate`` posts rollouts and takes
-and returns work; ``train`` leases, acks, nacks and sets the policy version; ``operate``
-creates, changes, closes and deletes runs, registers prompts and reads the accounting and the
-audit log; ``admin`` manages tokens, and may do everything. Any scope reads its runs."""
+and returns work; ``reward`` leases rollouts to score and posts their rewards; ``train``
+leases, acks, nacks and sets the policy version; ``operate`` creates, changes, closes and
+deletes runs, registers prompts and reads the accounting and the audit log; ``admin`` manages
+tokens, and may do everything. Any scope reads its runs."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ token that the clients send without ever showing it."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -52,10 +53,13 @@ from rollout_broker_client._models import (
     PromptState,
     RegisterResult,
     Rejection,
+    RewardLease,
+    RewardRollout,
     Rollout,
     Run,
     RunConfig,
     Scope,
+    ScoreResult,
     TrainingVersion,
     UInt8Array,
     VersionAccounting,
@@ -141,7 +145,8 @@ class Call(Generic[T]):
     ``idempotent``: sending it again after it may have reached the broker changes nothing, so it
     may be retried after a lost answer or an outage. Every request this client builds is: it
     names what it creates (the run_id of a run, the batch_id of a lease, the lease_id of a work
-    lease) and ingest is by rollout_id. ``retry_statuses``: the statuses that mean "try again
+    or reward lease), ingest is by rollout_id and a reward sent again is a duplicate.
+    ``retry_statuses``: the statuses that mean "try again
     later" (an outage, a restarting broker behind a proxy). ``extra_timeout`` lengthens the
     read timeout (long polls).
     """
@@ -205,11 +210,9 @@ def rollout_doc(r: RolloutLike, binary: bool) -> dict[str, Any]:
     """The wire form of one rollout; arrays as little-endian bytes when ``binary``."""
     src: Mapping[str, Any] = _as_mapping(r)
     rid = str(src["rollout_id"])
-    doc: dict[str, Any] = {
-        "rollout_id": rid,
-        "policy_version": int(src["policy_version"]),
-        "reward": float(src["reward"]),
-    }
+    doc: dict[str, Any] = {"rollout_id": rid, "policy_version": int(src["policy_version"])}
+    if src.get("reward") is not None:  # absent: the rollout awaits its reward
+        doc["reward"] = float(src["reward"])
     resp = _ids(src["response_ids"], "response_ids", rid)
     doc["response_ids"] = resp.tobytes() if binary else resp.tolist()
     if src.get("prompt_ids") is not None:
@@ -251,9 +254,7 @@ def partial_doc(p: PartialLike, binary: bool) -> dict[str, Any]:
     )
     if src.get("group_id") is None:
         raise ValueError(f"partial {src.get('rollout_id')!r} has no group_id: name its prompt's")
-    doc = rollout_doc({**src, "reward": 0.0}, binary)
-    del doc["reward"]
-    return doc
+    return rollout_doc({**src, "reward": None}, binary)
 
 
 def _as_mapping(r: RolloutLike) -> Mapping[str, Any]:
@@ -449,6 +450,51 @@ def parse_work(body: Any) -> WorkLease:
     )
 
 
+def parse_reward_lease(body: Any) -> RewardLease:
+    return RewardLease(
+        lease_id=body["lease_id"],
+        expires_at=_time(body["expires_at"]),
+        rollouts=[
+            RewardRollout(
+                rollout_id=r["rollout_id"],
+                group_id=r.get("group_id"),
+                prompt_id=r.get("prompt_id"),
+                prompt_ids=None if r.get("prompt_ids") is None else _id_array(r["prompt_ids"]),
+                response_ids=_id_array(r["response_ids"]),
+                loss_mask=_mask_array(r.get("loss_mask")),
+                data=r.get("data"),
+                metadata=r.get("metadata"),
+                finish_reason=r.get("finish_reason"),
+            )
+            for r in body["rollouts"]
+        ],
+    )
+
+
+def parse_score(body: Any) -> ScoreResult:
+    return ScoreResult(
+        scored=int(body["scored"]),
+        duplicates=int(body["duplicates"]),
+        retired=[str(x) for x in body.get("retired") or []],
+    )
+
+
+def reward_values(rewards: Mapping[str, Any]) -> dict[str, float]:
+    """Rewards by rollout_id as finite floats; anything else is refused before it is sent, so a
+    bad score never costs a round trip or half a request."""
+    out: dict[str, float] = {}
+    for rid, value in rewards.items():
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"a reward's key must be a rollout_id, not {rid!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+            raise TypeError(f"reward of {rid!r} must be a number, not {type(value).__name__}")
+        v = float(value)
+        if not math.isfinite(v):
+            raise ValueError(f"reward of {rid!r} must be finite, not {v}")
+        out[rid] = v
+    return out
+
+
 def parse_prompt_state(doc: Any) -> PromptState:
     return PromptState(
         prompt_id=doc["prompt_id"],
@@ -526,7 +572,7 @@ def parse_accounting(body: Any) -> Accounting:
         wait=WaitStats(
             generator_s=float(w.get("generator_s") or 0.0),
             trainer_s=float(w.get("trainer_s") or 0.0),
-            reward_s=float(w.get("reward_s") or 0.0),
+            reward_s=None if w.get("reward_s") is None else float(w["reward_s"]),
         ),
         pending_events=None if pending is None else int(pending),
         as_of=_opt_time(body.get("as_of")),
@@ -819,6 +865,57 @@ class Api:
             params["cursor"] = cursor
         return Call("GET", _p(run_id) + "/prompts", lambda r, b: _page(b), params)
 
+    # reward workers
+    def reward_lease(
+        self,
+        run_id: str,
+        max_rollouts: int,
+        *,
+        worker_id: str | None,
+        wait_s: float,
+        lease_id: str | None,
+    ) -> Call[RewardLease | None]:
+        # Our own lease id makes a resend safe: the broker answers it with the same lease.
+        doc: dict[str, Any] = {
+            "max_rollouts": int(max_rollouts),
+            "wait_s": float(wait_s),
+            "lease_id": lease_id or uuid.uuid4().hex,
+        }
+        if worker_id is not None:
+            doc["worker_id"] = worker_id
+        content, headers = self._body(doc)
+        if self.fmt == "msgpack":
+            headers["accept"] = f"{MSGPACK}, {JSON};q=0.5"
+        return Call(
+            "POST",
+            _p(run_id) + "/rewards/lease",
+            lambda r, b: None if r.status_code == 204 else parse_reward_lease(b),
+            None,
+            content,
+            headers,
+            extra_timeout=max(0.0, float(wait_s)),
+        )
+
+    def score(
+        self, run_id: str, rewards: Mapping[str, Any], lease_id: str | None
+    ) -> Call[ScoreResult]:
+        # Idempotent: the same reward again is a duplicate, so a resend changes nothing.
+        doc: dict[str, Any] = {"rewards": reward_values(rewards)}
+        if lease_id is not None:
+            doc["lease_id"] = lease_id
+        content, headers = self._body(doc)
+        return Call(
+            "POST", _p(run_id) + "/rewards", lambda r, b: parse_score(b), None, content, headers
+        )
+
+    def return_rewards(
+        self, run_id: str, lease_id: str, rollout_ids: Sequence[str] | None
+    ) -> Call[int]:
+        doc: dict[str, Any] = {} if rollout_ids is None else {"rollout_ids": list(rollout_ids)}
+        content, headers = self._body(doc)
+        path = f"{_p(run_id)}/rewards/lease/{quote(lease_id, safe='')}/return"
+        return Call("POST", path, lambda r, b: int(b["returned"]), None, content, headers)
+
     # trainers
     def lease(
         self,
@@ -963,10 +1060,10 @@ class Retry:
     Retried: a request that never reached the broker (connection refused, connect timeout);
     one whose answer was lost (the connection dropped, a read timeout) or that met ``502``,
     ``503`` or ``504``, when it is idempotent, as every request of this client is (ingest by
-    ``rollout_id``, a lease by the ``batch_id`` and a work lease by the ``lease_id`` the client
-    chose, ...) but the creation of a token. Not retried: any other status, ``500`` included (a
-    bug, not an outage), ``401`` and ``403`` (the token will not do better a second time), and
-    ``429``, which the writer waits out on its own terms.
+    ``rollout_id``, a lease by the ``batch_id`` and a work or reward lease by the ``lease_id``
+    the client chose, a score by its value, ...) but the creation of a token. Not retried: any
+    other status, ``500`` included (a bug, not an outage), ``401`` and ``403`` (the token will
+    not do better a second time), and ``429``, which the writer waits out on its own terms.
 
     The waits grow exponentially from ``backoff_s`` to ``max_backoff_s``, jittered (each is 50
     to 100 % of its step), and are at least the ``Retry-After`` the broker or a proxy sent. A

@@ -320,6 +320,7 @@ class ScopeName(StrEnum):
     """The scopes of a token (the client's ``Scope``), spelled here for typer to read."""
 
     GENERATE = "generate"
+    REWARD = "reward"
     TRAIN = "train"
     OPERATE = "operate"
     ADMIN = "admin"
@@ -339,7 +340,8 @@ def tokens_create(
         typer.Option(
             "--scope",
             "-s",
-            help="What the token may do: generate, train, operate or admin; repeat for more",
+            help="What the token may do: generate, reward, train, operate or admin; repeat for"
+            " more",
         ),
     ],
     run: Annotated[

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
         PartialCounts,
         PromptCounts,
         PromptState,
+        RewardCounts,
         Run,
         TrainingVersion,
         VersionAccounting,
@@ -50,6 +51,17 @@ def histogram(hist: dict[int, int], width: int = 16) -> str:
 
 def seconds(value: float) -> str:
     return f"{value:,.1f} s"
+
+
+def reward_line(r: RewardCounts) -> str:
+    return f"awaiting {r.awaiting:,}, in reward leases {r.leased:,}, timed out {r.timed_out:,}"
+
+
+def reward_wait_note(acc: Accounting) -> str:
+    """What the summed reward wait means, with its mean per rollout scored."""
+    mean = acc.mean_reward_wait_s
+    each = "none scored yet" if mean is None else f"mean {fmt(mean, 3)} s per rollout scored"
+    return f"from ingest to score; {each}"
 
 
 def prompt_line(p: PromptCounts) -> str:
@@ -116,7 +128,8 @@ def run_detail(run: Run) -> RenderableType:
 
 def ledger_check(acc: Accounting) -> tuple[bool, str]:
     """Whether the accounting can be trusted, and why not: the ledger's buffered and leased
-    equal the broker's live counts (``live``), every event is applied (``pending_events`` 0),
+    (and the rollouts awaiting a reward, from a broker that reports them) equal the broker's
+    live counts (``live``), every event is applied (``pending_events`` 0),
     none was dead-lettered, and received = buffered + leased + retired. A broker that does not
     report ``live`` or ``dead_letters`` cannot be checked: no ✓ then."""
     raw = acc.raw
@@ -130,6 +143,12 @@ def ledger_check(acc: Accounting) -> tuple[bool, str]:
         why.append(
             f"the ledger's buffered {acc.buffered:,}, leased {acc.leased:,} are not the live "
             f"{live.get('buffered')}, {live.get('leased')}"
+        )
+    if acc.rewards_match_live is False and acc.rewards and acc.live:
+        why.append(
+            f"the ledger's awaiting a reward {acc.rewards.awaiting:,}, in reward leases "
+            f"{acc.rewards.leased:,} are not the live {acc.live.rewards_awaiting:,}, "
+            f"{acc.live.rewards_leased:,}"
         )
     if acc.pending_events is None:
         why.append("the broker does not report pending events")
@@ -174,6 +193,20 @@ def _partial_rows(table: Table, p: PartialCounts) -> None:
         "dropped",
         fmt(p.dropped),
         f"too stale, left out of their group or of a failed pass; {p.tokens_dropped:,} tokens",
+        end_section=True,
+    )
+
+
+def _reward_rows(table: Table, r: RewardCounts) -> None:
+    """Rollouts posted without a reward, by where they are on the way to their score."""
+    _section(table, "rewards")
+    table.add_row("awaiting", fmt(r.awaiting), "unscored, in no reward lease")
+    table.add_row("in reward leases", fmt(r.leased), "unscored, leased to a reward worker")
+    table.add_row("scored", fmt(r.scored), "got their reward from a reward worker")
+    table.add_row(
+        "timed out",
+        fmt(r.timed_out),
+        "reward leases expired, once per unscored rollout in them",
         end_section=True,
     )
 
@@ -228,9 +261,18 @@ def accounting_table(
     )
     if acc.partials is not None:  # shown whenever the broker reports them, zeros too
         _partial_rows(table, acc.partials)
+    if acc.rewards is not None:  # shown whenever the broker reports them, zeros too
+        _reward_rows(table, acc.rewards)
     _section(table, "waits")
     table.add_row("generators waited", seconds(acc.wait.generator_s), "for prompts or budget")
-    table.add_row("trainers waited", seconds(acc.wait.trainer_s), "for rollouts", end_section=True)
+    rewards = acc.wait.reward_s is not None
+    table.add_row(
+        "trainers waited", seconds(acc.wait.trainer_s), "for rollouts", end_section=not rewards
+    )
+    if acc.wait.reward_s is not None:
+        table.add_row(
+            "rewards waited", seconds(acc.wait.reward_s), reward_wait_note(acc), end_section=True
+        )
     _section(table, "samples out")
     max_reuse = run.config.get("max_reuse") if run is not None else None
     table.add_row("samples consumed", fmt(acc.samples_consumed), "Σ uses = Σ acked batch sizes")

@@ -29,6 +29,8 @@ from rollout_broker_client.cli.views import (
     masked_note,
     prompt_line,
     reasons,
+    reward_line,
+    reward_wait_note,
     seconds,
 )
 
@@ -88,6 +90,12 @@ def watch_view(now: _Frame, before: _Frame | None) -> RenderableType:
     flow.add_row("generators waited", seconds(acc.wait.generator_s), busy)
     busy = change(lambda a: a.wait.trainer_s, " waiting on average")
     flow.add_row("trainers waited", seconds(acc.wait.trainer_s), busy)
+    if acc.rewards is not None:  # a broker that reports rewards
+        scored = change(lambda a: a.rewards.scored if a.rewards else 0, " scored/s")
+        line = reward_line(acc.rewards) + (f", {scored}" if scored else "")
+        flow.add_row("rewards scored", fmt(acc.rewards.scored), line)
+    if acc.wait.reward_s is not None:
+        flow.add_row("rewards waited", seconds(acc.wait.reward_s), reward_wait_note(acc))
     flow.add_row("retired", fmt(acc.retired_total), reasons(acc.retired))
     flow.add_row(
         "tokens masked",
