@@ -258,7 +258,7 @@ async def test_a_reward_worker_long_poll_is_woken_by_a_post(api, redis, prefix):
     await make_run(api, "quiet")
     waiting = asyncio.create_task(reward_lease(api, "r1", 1, wait_s=20))
     await until_long_polling(redis, prefix, "r1", REWARD_WAITING)
-    idle = asyncio.create_task(reward_lease(api, "quiet", 1, wait_s=10))
+    idle = asyncio.create_task(reward_lease(api, "quiet", 1, wait_s=3))
     await post(api, "r1", rollout("a", reward=None))
     got = await answered_before(waiting, idle)
     assert rids(got) == ["a"]
