@@ -40,6 +40,7 @@ NAMES = {
     "AsyncLease": "Lease",
     "AsyncWork": "Work",
     "AsyncWorkLoop": "WorkLoop",
+    "_AsyncLeaseLoop": "_LeaseLoop",
     "AsyncRewardWork": "RewardWork",
     "AsyncRewardLoop": "RewardLoop",
     "AsyncClient": "Client",  # httpx.AsyncClient

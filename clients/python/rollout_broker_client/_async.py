@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, TypeVar, Unpack
+from typing import Any, Generic, Literal, Protocol, Self, TypeVar, Unpack
 
 import httpx
 import numpy.typing as npt
@@ -1006,7 +1006,81 @@ def _in_prompt(group_id: str, p: PartialLike) -> PartialLike:
     return {**p, "group_id": group_id}
 
 
-class AsyncWorkLoop:
+class _Settling(Protocol):
+    """A lease a loop hands out: settled (what it did not use given back) before the next."""
+
+    settled: bool
+    client: AsyncBrokerClient
+
+    async def settle(self, *, failing: bool) -> None: ...
+
+
+_Settled = TypeVar("_Settled", bound=_Settling)
+
+
+class _AsyncLeaseLoop(Generic[_Settled]):
+    """What the generator and reward worker loops share: leases one after another (each taken
+    by :meth:`_take`, None when the broker had nothing within ``wait_s``), each settled before
+    the next is taken and when the loop is left."""
+
+    def __init__(
+        self, client: AsyncBrokerClient, run_id: str, wait_s: float, stop_when_empty: bool
+    ) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.wait_s = wait_s
+        self.stop_when_empty = stop_when_empty
+        self.current: _Settled | None = None
+        self.leases = 0
+        self._done = False
+
+    async def _take(self) -> _Settled | None:
+        raise NotImplementedError
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> _Settled:
+        await self._settle_current(failing=False)
+        while not self._done:
+            lease = await self._take()
+            if lease is not None:
+                self.leases += 1
+                self.current = lease
+                return lease
+            self._done = self.stop_when_empty
+        raise StopAsyncIteration
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._done = True
+        await self._settle_current(failing=exc_type is not None)
+
+    async def aclose(self) -> None:
+        """End the loop, giving back what its current lease holds and did not use."""
+        self._done = True
+        await self._settle_current(failing=False)
+
+    async def _settle_current(self, *, failing: bool) -> None:
+        work, self.current = self.current, None
+        if work is not None:
+            await work.settle(failing=failing)
+
+    def __del__(self) -> None:
+        work = getattr(self, "current", None)
+        if work is not None and not work.settled:
+            work.settled = True
+            work.client._abandoned.append(work)
+
+
+class AsyncWorkLoop(_AsyncLeaseLoop["AsyncWork"]):
     """The generator loop, ``async for lease in client.work(run_id, max_prompts=8)``: work
     leases one after another, each an :class:`AsyncWork` whose prompts the body generates for
     and posts. The loop settles each lease (gives back its prompts not posted) before it takes
@@ -1031,65 +1105,19 @@ class AsyncWorkLoop:
         stop_when_empty: bool = False,
         max_backpressure_s: float | None = 600.0,
     ) -> None:
-        self.client = client
-        self.run_id = run_id
+        super().__init__(client, run_id, wait_s, stop_when_empty)
         self.max_prompts = max_prompts
         self.generator_id = generator_id
-        self.wait_s = wait_s
-        self.stop_when_empty = stop_when_empty
         self.max_backpressure_s = max_backpressure_s
-        self.current: AsyncWork | None = None
-        self.leases = 0
-        self._done = False
 
-    def __aiter__(self) -> AsyncWorkLoop:
-        return self
-
-    async def __anext__(self) -> AsyncWork:
-        await self._settle_current(failing=False)
-        while not self._done:
-            lease = await self.client.work_lease(
-                self.run_id,
-                self.max_prompts,
-                generator_id=self.generator_id,
-                wait_s=self.wait_s,
-            )
-            if lease is not None:
-                self.leases += 1
-                self.current = AsyncWork(
-                    self.client, self.run_id, lease, max_backpressure_s=self.max_backpressure_s
-                )
-                return self.current
-            self._done = self.stop_when_empty
-        raise StopAsyncIteration
-
-    async def __aenter__(self) -> AsyncWorkLoop:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._done = True
-        await self._settle_current(failing=exc_type is not None)
-
-    async def aclose(self) -> None:
-        """End the loop, giving back the prompts of its current lease not posted."""
-        self._done = True
-        await self._settle_current(failing=False)
-
-    async def _settle_current(self, *, failing: bool) -> None:
-        work, self.current = self.current, None
-        if work is not None:
-            await work.settle(failing=failing)
-
-    def __del__(self) -> None:
-        work = getattr(self, "current", None)
-        if work is not None and not work.settled:
-            work.settled = True
-            work.client._abandoned.append(work)
+    async def _take(self) -> AsyncWork | None:
+        lease = await self.client.work_lease(
+            self.run_id, self.max_prompts, generator_id=self.generator_id, wait_s=self.wait_s
+        )
+        if lease is None:
+            return None
+        backpressure = self.max_backpressure_s
+        return AsyncWork(self.client, self.run_id, lease, max_backpressure_s=backpressure)
 
 
 class AsyncRewardWork:
@@ -1215,7 +1243,7 @@ class AsyncRewardWork:
             )
 
 
-class AsyncRewardLoop:
+class AsyncRewardLoop(_AsyncLeaseLoop["AsyncRewardWork"]):
     """The reward worker loop, ``async for lease in client.reward_work(run_id,
     max_rollouts=8)``: reward leases one after another, each an :class:`AsyncRewardWork` whose
     rollouts the body scores. The loop settles each lease (gives back its rollouts not scored)
@@ -1240,56 +1268,12 @@ class AsyncRewardLoop:
         wait_s: float = 30.0,
         stop_when_empty: bool = False,
     ) -> None:
-        self.client = client
-        self.run_id = run_id
+        super().__init__(client, run_id, wait_s, stop_when_empty)
         self.max_rollouts = max_rollouts
         self.worker_id = worker_id
-        self.wait_s = wait_s
-        self.stop_when_empty = stop_when_empty
-        self.current: AsyncRewardWork | None = None
-        self.leases = 0
-        self._done = False
 
-    def __aiter__(self) -> AsyncRewardLoop:
-        return self
-
-    async def __anext__(self) -> AsyncRewardWork:
-        await self._settle_current(failing=False)
-        while not self._done:
-            lease = await self.client.reward_lease(
-                self.run_id, self.max_rollouts, worker_id=self.worker_id, wait_s=self.wait_s
-            )
-            if lease is not None:
-                self.leases += 1
-                self.current = AsyncRewardWork(self.client, self.run_id, lease)
-                return self.current
-            self._done = self.stop_when_empty
-        raise StopAsyncIteration
-
-    async def __aenter__(self) -> AsyncRewardLoop:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._done = True
-        await self._settle_current(failing=exc_type is not None)
-
-    async def aclose(self) -> None:
-        """End the loop, giving back the unscored rollouts of its current lease."""
-        self._done = True
-        await self._settle_current(failing=False)
-
-    async def _settle_current(self, *, failing: bool) -> None:
-        work, self.current = self.current, None
-        if work is not None:
-            await work.settle(failing=failing)
-
-    def __del__(self) -> None:
-        work = getattr(self, "current", None)
-        if work is not None and not work.settled:
-            work.settled = True
-            work.client._abandoned.append(work)
+    async def _take(self) -> AsyncRewardWork | None:
+        lease = await self.client.reward_lease(
+            self.run_id, self.max_rollouts, worker_id=self.worker_id, wait_s=self.wait_s
+        )
+        return None if lease is None else AsyncRewardWork(self.client, self.run_id, lease)

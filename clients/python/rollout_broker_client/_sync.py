@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, TypeVar, Unpack
+from typing import Any, Generic, Literal, Protocol, Self, TypeVar, Unpack
 
 import httpx
 import numpy.typing as npt
@@ -1004,7 +1004,81 @@ def _in_prompt(group_id: str, p: PartialLike) -> PartialLike:
     return {**p, "group_id": group_id}
 
 
-class WorkLoop:
+class _Settling(Protocol):
+    """A lease a loop hands out: settled (what it did not use given back) before the next."""
+
+    settled: bool
+    client: BrokerClient
+
+    def settle(self, *, failing: bool) -> None: ...
+
+
+_Settled = TypeVar("_Settled", bound=_Settling)
+
+
+class _LeaseLoop(Generic[_Settled]):
+    """What the generator and reward worker loops share: leases one after another (each taken
+    by :meth:`_take`, None when the broker had nothing within ``wait_s``), each settled before
+    the next is taken and when the loop is left."""
+
+    def __init__(
+        self, client: BrokerClient, run_id: str, wait_s: float, stop_when_empty: bool
+    ) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.wait_s = wait_s
+        self.stop_when_empty = stop_when_empty
+        self.current: _Settled | None = None
+        self.leases = 0
+        self._done = False
+
+    def _take(self) -> _Settled | None:
+        raise NotImplementedError
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> _Settled:
+        self._settle_current(failing=False)
+        while not self._done:
+            lease = self._take()
+            if lease is not None:
+                self.leases += 1
+                self.current = lease
+                return lease
+            self._done = self.stop_when_empty
+        raise StopIteration
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._done = True
+        self._settle_current(failing=exc_type is not None)
+
+    def close(self) -> None:
+        """End the loop, giving back what its current lease holds and did not use."""
+        self._done = True
+        self._settle_current(failing=False)
+
+    def _settle_current(self, *, failing: bool) -> None:
+        work, self.current = self.current, None
+        if work is not None:
+            work.settle(failing=failing)
+
+    def __del__(self) -> None:
+        work = getattr(self, "current", None)
+        if work is not None and not work.settled:
+            work.settled = True
+            work.client._abandoned.append(work)
+
+
+class WorkLoop(_LeaseLoop["Work"]):
     """The generator loop, ``for lease in client.work(run_id, max_prompts=8)``: work
     leases one after another, each an :class:`Work` whose prompts the body generates for
     and posts. The loop settles each lease (gives back its prompts not posted) before it takes
@@ -1029,65 +1103,19 @@ class WorkLoop:
         stop_when_empty: bool = False,
         max_backpressure_s: float | None = 600.0,
     ) -> None:
-        self.client = client
-        self.run_id = run_id
+        super().__init__(client, run_id, wait_s, stop_when_empty)
         self.max_prompts = max_prompts
         self.generator_id = generator_id
-        self.wait_s = wait_s
-        self.stop_when_empty = stop_when_empty
         self.max_backpressure_s = max_backpressure_s
-        self.current: Work | None = None
-        self.leases = 0
-        self._done = False
 
-    def __iter__(self) -> WorkLoop:
-        return self
-
-    def __next__(self) -> Work:
-        self._settle_current(failing=False)
-        while not self._done:
-            lease = self.client.work_lease(
-                self.run_id,
-                self.max_prompts,
-                generator_id=self.generator_id,
-                wait_s=self.wait_s,
-            )
-            if lease is not None:
-                self.leases += 1
-                self.current = Work(
-                    self.client, self.run_id, lease, max_backpressure_s=self.max_backpressure_s
-                )
-                return self.current
-            self._done = self.stop_when_empty
-        raise StopIteration
-
-    def __enter__(self) -> WorkLoop:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._done = True
-        self._settle_current(failing=exc_type is not None)
-
-    def close(self) -> None:
-        """End the loop, giving back the prompts of its current lease not posted."""
-        self._done = True
-        self._settle_current(failing=False)
-
-    def _settle_current(self, *, failing: bool) -> None:
-        work, self.current = self.current, None
-        if work is not None:
-            work.settle(failing=failing)
-
-    def __del__(self) -> None:
-        work = getattr(self, "current", None)
-        if work is not None and not work.settled:
-            work.settled = True
-            work.client._abandoned.append(work)
+    def _take(self) -> Work | None:
+        lease = self.client.work_lease(
+            self.run_id, self.max_prompts, generator_id=self.generator_id, wait_s=self.wait_s
+        )
+        if lease is None:
+            return None
+        backpressure = self.max_backpressure_s
+        return Work(self.client, self.run_id, lease, max_backpressure_s=backpressure)
 
 
 class RewardWork:
@@ -1213,7 +1241,7 @@ class RewardWork:
             )
 
 
-class RewardLoop:
+class RewardLoop(_LeaseLoop["RewardWork"]):
     """The reward worker loop, ``for lease in client.reward_work(run_id,
     max_rollouts=8)``: reward leases one after another, each an :class:`RewardWork` whose
     rollouts the body scores. The loop settles each lease (gives back its rollouts not scored)
@@ -1238,56 +1266,12 @@ class RewardLoop:
         wait_s: float = 30.0,
         stop_when_empty: bool = False,
     ) -> None:
-        self.client = client
-        self.run_id = run_id
+        super().__init__(client, run_id, wait_s, stop_when_empty)
         self.max_rollouts = max_rollouts
         self.worker_id = worker_id
-        self.wait_s = wait_s
-        self.stop_when_empty = stop_when_empty
-        self.current: RewardWork | None = None
-        self.leases = 0
-        self._done = False
 
-    def __iter__(self) -> RewardLoop:
-        return self
-
-    def __next__(self) -> RewardWork:
-        self._settle_current(failing=False)
-        while not self._done:
-            lease = self.client.reward_lease(
-                self.run_id, self.max_rollouts, worker_id=self.worker_id, wait_s=self.wait_s
-            )
-            if lease is not None:
-                self.leases += 1
-                self.current = RewardWork(self.client, self.run_id, lease)
-                return self.current
-            self._done = self.stop_when_empty
-        raise StopIteration
-
-    def __enter__(self) -> RewardLoop:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._done = True
-        self._settle_current(failing=exc_type is not None)
-
-    def close(self) -> None:
-        """End the loop, giving back the unscored rollouts of its current lease."""
-        self._done = True
-        self._settle_current(failing=False)
-
-    def _settle_current(self, *, failing: bool) -> None:
-        work, self.current = self.current, None
-        if work is not None:
-            work.settle(failing=failing)
-
-    def __del__(self) -> None:
-        work = getattr(self, "current", None)
-        if work is not None and not work.settled:
-            work.settled = True
-            work.client._abandoned.append(work)
+    def _take(self) -> RewardWork | None:
+        lease = self.client.reward_lease(
+            self.run_id, self.max_rollouts, worker_id=self.worker_id, wait_s=self.wait_s
+        )
+        return None if lease is None else RewardWork(self.client, self.run_id, lease)
