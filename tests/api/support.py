@@ -23,6 +23,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "max_reuse": 1,
     "kl_max": 0.05,
     "kl_flush": 0.1,
+    "kl_flush_window": 1,
     "kl_estimator": "k3",
     "clip_epsilon": 0.2,
     "group_size": 1,

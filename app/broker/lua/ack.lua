@@ -1,7 +1,7 @@
 -- requires: cleanup, finish
 -- Acknowledge a live batch: every rollout gains one use, units at max_reuse or above kl_max
--- retire, and a batch mean KL above kl_flush raises the run's version floor to the batch's
--- version, flushing every buffered unit below it. The first use of a prompt attempt's group
+-- retire, and kl_flush_window batches in a row with a mean KL above kl_flush raise the run's
+-- version floor to the last one's version, flushing every buffered unit below it. The first use of a prompt attempt's group
 -- makes its prompt pass done. A repeat returns the stored answer.
 -- ARGV: wake, batch_id, kl_mean ('' = not measured), acked event payload (msgpack, without t),
 --       stats text (stored for repeats), flush_limit. The event's items [rollout_id, version,
@@ -64,8 +64,22 @@ each_unit(cmsgpack.unpack(f[2]), cmsgpack.unpack(f[3]), function(u, r, part)
 end)
 local retired = RETIRED_N
 
+-- kl_flush_window: the run hash's 'klrun' counts the acked batches in a row whose mean KL is
+-- above kl_flush; one at or below ends the streak, an unmeasured one leaves it as it is, and a
+-- flush starts it afresh (a run created before the window reads it as 1: one batch flushes).
+local over = false
+if ARGV[3] ~= '' then
+  if tonumber(ARGV[3]) > CFG.kl_flush then
+    local streak = redis.call('HINCRBY', RUN, 'klrun', 1)
+    over = streak >= (CFG.kl_flush_window or 1)
+    if over then redis.call('HDEL', RUN, 'klrun') end
+  else
+    redis.call('HDEL', RUN, 'klrun')
+  end
+end
+
 local flushed = 0
-if ARGV[3] ~= '' and tonumber(ARGV[3]) > CFG.kl_flush then
+if over then
   local V = tonumber(f[5])
   if V > R.floor then
     redis.call('HSET', RUN, 'floor', I(V))

@@ -66,6 +66,7 @@ class RunConfig(TypedDict, total=False):
     max_reuse: int
     kl_max: float
     kl_flush: float
+    kl_flush_window: int
     kl_estimator: Literal["k1", "k2", "k3"]
     clip_epsilon: float
     group_size: int
