@@ -6,11 +6,13 @@ that the trainer leases and acks again and again (max_reuse is high), each ack w
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
 import pytest
 
+from app import keys
 from tests.api.support import assert_error, ids, patch, retired, set_policy
 from tests.helpers import ack, lease, make_run, post, rollout
 
@@ -118,3 +120,12 @@ async def test_a_bad_window_is_422_and_changes_nothing(api, window):
     resp = await api.patch("/v1/runs/r1/config", json={"kl_flush_window": window})
     assert_error(resp, 422, "ValidationFailed")
     assert (await api.get("/v1/runs/r1")).json()["config"]["kl_flush_window"] == 4
+
+
+async def test_a_run_created_before_the_window_flushes_at_one_batch(api, redis, prefix):
+    await _old_and_fresh(api)
+    run = keys.run_key(prefix, "r1")
+    cfg = json.loads(await redis.hget(run, "cfg"))
+    del cfg["kl_flush_window"]  # as a run created before the field stored its config
+    await redis.hset(run, "cfg", json.dumps(cfg, sort_keys=True))
+    assert await _train(api, ABOVE) == 1
