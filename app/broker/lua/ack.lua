@@ -10,7 +10,8 @@
 -- Returns ok('acked', answer) | ok('repeat', answer) (acked before: the stored answer)
 --       | err('run_missing') | err('batch_missing') | err('batch_nacked') | err('lease_expired')
 --       | err('lease_rewound', version): a rewind below the batch's version ended its lease.
--- The answer is a msgpack map {retired, flushed, stats (the stats text)}.
+-- The answer is a msgpack map {retired, flushed, stats (the stats text), kl_coef (β after this
+-- ack, as beta_text: '' when off)}.
 if not load_run() then return err('run_missing') end
 local bid = ARGV[2]
 local bk = bkey(bid)
@@ -90,8 +91,18 @@ if over then
   flushed = RETIRED_N - retired
 end
 
+-- The adaptive KL penalty (SPEC): a measured batch of n samples moves β toward kl_target.
+local beta = kl_beta()
+if beta and ARGV[3] ~= '' then
+  local e = math.min(math.max(tonumber(ARGV[3]) / CFG.kl_target - 1, -0.2), 0.2)
+  beta = beta * (1 + e * tonumber(f[4]) / CFG.kl_horizon)
+  redis.call('HSET', RUN, 'beta', beta_text(beta))
+end
+
 redis.call('HINCRBY', RUN, 'leased', -tonumber(f[4]))
-local ans = cmsgpack.pack({ retired = retired, flushed = flushed, stats = ARGV[5] })
+local ans = cmsgpack.pack({
+  retired = retired, flushed = flushed, stats = ARGV[5], kl_coef = beta_text(beta),
+})
 redis.call('HSET', bk, 'st', 'a', 'ans', ans, 'end', I(NOW))
 redis.call('ZADD', ACKED, I(NOW), f[5] .. ':' .. bid)  -- a rewind below its version undoes it
 redis.call('PEXPIRE', bk, 86400000)
