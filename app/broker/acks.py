@@ -79,6 +79,7 @@ def ack_result(answer: AckAnswer, size: int) -> AckResult:
         consumed=size,
         retired=answer.retired,
         flushed=answer.flushed,
+        kl_coef=answer.kl_coef,
         stats=BatchStats.model_validate_json(answer.stats_json),
     )
 

@@ -26,6 +26,11 @@ class RunConfig(BaseModel):
     max_reuse: int = Field(1, ge=1, le=10_000)
     kl_max: float = Field(0.05, ge=0, le=1e12, allow_inf_nan=False)
     kl_flush: float = Field(0.1, ge=0, le=1e12, allow_inf_nan=False)
+    kl_flush_window: int = Field(1, ge=1, le=1_000_000)
+    # The adaptive KL penalty (null: off); its β lives in the run hash (app/broker/lua/ack.lua).
+    kl_coef: float | None = Field(None, ge=0, le=1e12, allow_inf_nan=False)
+    kl_target: float = Field(0.02, gt=0, le=1e12, allow_inf_nan=False)
+    kl_horizon: int = Field(10_000, ge=1, le=1_000_000_000)
     kl_estimator: KlEstimator = "k3"
     clip_epsilon: float = Field(0.2, gt=0, lt=1, allow_inf_nan=False)
     group_size: int = Field(1, ge=1, le=4096)

@@ -84,6 +84,7 @@ class Lease:
     expires_at_ms: int
     rollouts: list[LeasedRollout]
     token_floor: int | None  # under stale_tokens 'mask': tokens below it are handed out masked
+    kl_coef: float | None  # the adaptive KL penalty's β at hand-out; None when off
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,17 +91,27 @@ class AckAnswer:
     retired: int
     flushed: int
     stats_json: str  # the BatchStats as the first ack rendered them
+    kl_coef: float | None = None  # the adaptive KL penalty's β after the ack; None when off
 
 
 def ack_answer(raw: bytes) -> AckAnswer:
-    """Read a stored answer: a msgpack map {retired, flushed, stats} written by ack.lua."""
+    """Read a stored answer: a msgpack map {retired, flushed, stats, kl_coef} written by
+    ack.lua (kl_coef: absent in answers stored before it)."""
     try:
         stored = msgpack.unpackb(raw, raw=False)
     except ValueError:
         # Written before answers were msgpack: "retired,flushed,stats_json" (kept 24 h).
         retired, flushed, stats = raw.decode().split(",", 2)
         return AckAnswer(int(retired), int(flushed), stats)
-    return AckAnswer(int(stored["retired"]), int(stored["flushed"]), str(stored["stats"]))
+    beta = beta_of(stored.get("kl_coef", ""))
+    return AckAnswer(int(stored["retired"]), int(stored["flushed"]), str(stored["stats"]), beta)
+
+
+def beta_of(raw: Any) -> float | None:
+    """The adaptive KL penalty's β as the scripts reply it (lib/run.lua beta_text): '' when
+    off, else a float's 17 digits, which parse back to the same double."""
+    t = text(raw)
+    return float(t) if t else None
 
 
 # -- the error table -------------------------------------------------------------------------

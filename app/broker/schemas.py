@@ -200,6 +200,7 @@ class AckResult(BaseModel):
     retired: int
     flushed: int
     stats: BatchStats
+    kl_coef: float | None  # the adaptive KL penalty's β after this ack; null when off
 
 
 class NackResult(BaseModel):
@@ -256,6 +257,7 @@ class BatchOut(BaseModel):
     batch_id: str
     policy_version: int
     lease_expires_at: str
+    kl_coef: float | None  # the adaptive KL penalty's β to train this batch with; null when off
     rollouts: list[LeasedRolloutOut]
 
 

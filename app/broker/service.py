@@ -49,12 +49,7 @@ from app.broker.schemas import (
     RunList,
     WorkBody,
 )
-from app.broker.store import (
-    BatchView,
-    Lease,
-    RedisStore,
-    RunState,
-)
+from app.broker.store import BatchView, Lease, RedisStore, RunState
 from app.broker.tokens import U8Array, hand_out
 from app.broker.views import WorkAnswer, iso_ms, run_view, work_answer
 from app.caller import Caller, action_entry
@@ -66,6 +61,7 @@ class LeasedBatch:
     batch_id: str
     policy_version: int
     lease_expires_at: str
+    kl_coef: float | None  # the adaptive KL penalty's β; None when off
     # (rollout, uses, lag, the loss mask handed out: None when every token is trained, the
     # prompt_id of a rollout posted under a work lease, which then carries the registered
     # prompt's prompt_ids when it was posted without any)
@@ -355,6 +351,7 @@ class Broker:
             batch_id=got.batch_id,
             policy_version=V,
             lease_expires_at=iso_ms(got.expires_at_ms),
+            kl_coef=got.kl_coef,
             rollouts=out,
         )
 

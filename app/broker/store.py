@@ -36,7 +36,7 @@ from app.broker.records import (
     _counts,
     maintain_state,
 )
-from app.broker.replies import AckAnswer, StoreError, ack_answer, decode, text
+from app.broker.replies import AckAnswer, StoreError, ack_answer, beta_of, decode, text
 from app.broker.scripts import load_scripts
 from app.replicas import Replicas
 
@@ -319,7 +319,7 @@ class RedisStore(PassReads):
         if text(outcome) == "short":
             (found,) = body
             return int(found)
-        bid, version, expires_at, rows, floor = body
+        bid, version, expires_at, rows, floor, beta = body
         pids = [text(pid) for *_, pid in rows]
         got = await self.blobs(run_id, [text(rid) for _, _, rid, _ in rows])
         prompts = list(dict.fromkeys(pid for pid in pids if pid))
@@ -331,7 +331,9 @@ class RedisStore(PassReads):
                 raise StoreError("lease_lost")
             prompt = prompt_of.get(pid) if pid else None
             rollouts.append(LeasedRollout(int(uses), int(lag), blob, pid or None, prompt))
-        return Lease(text(bid), int(version), int(expires_at), rollouts, _floor(floor))
+        return Lease(
+            text(bid), int(version), int(expires_at), rollouts, _floor(floor), beta_of(beta)
+        )
 
     async def blobs(self, run_id: str, rollout_ids: Sequence[str]) -> list[bytes | None]:
         """The packed rollouts, in one MGET (None for one that is gone)."""

@@ -82,6 +82,7 @@ async def test_ack_answers_consumed_retired_flushed(api, redis, prefix):
         "consumed": 2,
         "retired": 2,
         "flushed": 0,
+        "kl_coef": None,
         "stats": {
             "kl_mean": None,
             "kl_max": None,
@@ -508,6 +509,7 @@ async def test_ack_logprobs_for_a_rollout_ingested_without_them_measure_nothing(
         "consumed": 1,
         "retired": 0,
         "flushed": 0,
+        "kl_coef": None,
         "stats": {
             "kl_mean": None,
             "kl_max": None,

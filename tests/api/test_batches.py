@@ -41,7 +41,13 @@ async def test_lease_exact_size_and_batch_shape(api):
     resp = await lease(api, "r1", 3, trainer_id="t-1")
     assert resp.status_code == 200, resp.text
     batch = resp.json()
-    assert set(batch) == {"batch_id", "policy_version", "lease_expires_at", "rollouts"}
+    assert set(batch) == {
+        "batch_id",
+        "policy_version",
+        "lease_expires_at",
+        "kl_coef",
+        "rollouts",
+    }
     assert isinstance(batch["batch_id"], str)
     assert batch["batch_id"]
     assert batch["policy_version"] == 0

@@ -126,7 +126,13 @@ async def test_msgpack_with_raw_arrays_round_trips_in_json_and_msgpack(api):
     assert resp.status_code == 200, resp.text
     assert resp.headers["content-type"].startswith("application/msgpack")
     doc = msgpack.unpackb(resp.content, raw=False)
-    assert set(doc) == {"batch_id", "policy_version", "lease_expires_at", "rollouts"}
+    assert set(doc) == {
+        "batch_id",
+        "policy_version",
+        "lease_expires_at",
+        "kl_coef",
+        "rollouts",
+    }
     [m] = doc["rollouts"]
     assert isinstance(m["response_ids"], bytes)
     assert isinstance(m["prompt_ids"], bytes)

@@ -133,6 +133,7 @@ def _plain_body(batch: LeasedBatch, as_msgpack: bool) -> dict[str, Any]:
         "batch_id": batch.batch_id,
         "policy_version": batch.policy_version,
         "lease_expires_at": batch.lease_expires_at,
+        "kl_coef": batch.kl_coef,
         "rollouts": [
             {
                 "rollout_id": r.rollout_id,
@@ -197,6 +198,7 @@ def test_the_lease_answer_is_what_the_plain_encoding_gives(parts: list[Any], as_
         "b",
         3,
         "2026-01-01T00:00:00Z",
+        0.125,
         [
             (
                 r,

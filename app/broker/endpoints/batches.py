@@ -105,6 +105,7 @@ def batch_body(batch: LeasedBatch, as_msgpack: bool) -> dict[str, Any]:
         "batch_id": batch.batch_id,
         "policy_version": batch.policy_version,
         "lease_expires_at": batch.lease_expires_at,
+        "kl_coef": batch.kl_coef,
         "rollouts": [
             {
                 "rollout_id": r.rollout_id,

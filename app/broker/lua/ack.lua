@@ -1,7 +1,7 @@
 -- requires: cleanup, finish
 -- Acknowledge a live batch: every rollout gains one use, units at max_reuse or above kl_max
--- retire, and a batch mean KL above kl_flush raises the run's version floor to the batch's
--- version, flushing every buffered unit below it. The first use of a prompt attempt's group
+-- retire, and kl_flush_window batches in a row with a mean KL above kl_flush raise the run's
+-- version floor to the last one's version, flushing every buffered unit below it. The first use of a prompt attempt's group
 -- makes its prompt pass done. A repeat returns the stored answer.
 -- ARGV: wake, batch_id, kl_mean ('' = not measured), acked event payload (msgpack, without t),
 --       stats text (stored for repeats), flush_limit. The event's items [rollout_id, version,
@@ -10,7 +10,8 @@
 -- Returns ok('acked', answer) | ok('repeat', answer) (acked before: the stored answer)
 --       | err('run_missing') | err('batch_missing') | err('batch_nacked') | err('lease_expired')
 --       | err('lease_rewound', version): a rewind below the batch's version ended its lease.
--- The answer is a msgpack map {retired, flushed, stats (the stats text)}.
+-- The answer is a msgpack map {retired, flushed, stats (the stats text), kl_coef (β after this
+-- ack, as beta_text: '' when off)}.
 if not load_run() then return err('run_missing') end
 local bid = ARGV[2]
 local bk = bkey(bid)
@@ -64,8 +65,22 @@ each_unit(cmsgpack.unpack(f[2]), cmsgpack.unpack(f[3]), function(u, r, part)
 end)
 local retired = RETIRED_N
 
+-- kl_flush_window: the run hash's 'klrun' counts the acked batches in a row whose mean KL is
+-- above kl_flush; one at or below ends the streak, an unmeasured one leaves it as it is, and a
+-- flush starts it afresh (a run created before the window reads it as 1: one batch flushes).
+local over = false
+if ARGV[3] ~= '' then
+  if tonumber(ARGV[3]) > CFG.kl_flush then
+    local streak = redis.call('HINCRBY', RUN, 'klrun', 1)
+    over = streak >= (CFG.kl_flush_window or 1)
+    if over then redis.call('HDEL', RUN, 'klrun') end
+  else
+    redis.call('HDEL', RUN, 'klrun')
+  end
+end
+
 local flushed = 0
-if ARGV[3] ~= '' and tonumber(ARGV[3]) > CFG.kl_flush then
+if over then
   local V = tonumber(f[5])
   if V > R.floor then
     redis.call('HSET', RUN, 'floor', I(V))
@@ -76,8 +91,18 @@ if ARGV[3] ~= '' and tonumber(ARGV[3]) > CFG.kl_flush then
   flushed = RETIRED_N - retired
 end
 
+-- The adaptive KL penalty (SPEC): a measured batch of n samples moves β toward kl_target.
+local beta = kl_beta()
+if beta and ARGV[3] ~= '' then
+  local e = math.min(math.max(tonumber(ARGV[3]) / CFG.kl_target - 1, -0.2), 0.2)
+  beta = beta * (1 + e * tonumber(f[4]) / CFG.kl_horizon)
+  redis.call('HSET', RUN, 'beta', beta_text(beta))
+end
+
 redis.call('HINCRBY', RUN, 'leased', -tonumber(f[4]))
-local ans = cmsgpack.pack({ retired = retired, flushed = flushed, stats = ARGV[5] })
+local ans = cmsgpack.pack({
+  retired = retired, flushed = flushed, stats = ARGV[5], kl_coef = beta_text(beta),
+})
 redis.call('HSET', bk, 'st', 'a', 'ans', ans, 'end', I(NOW))
 redis.call('ZADD', ACKED, I(NOW), f[5] .. ':' .. bid)  -- a rewind below its version undoes it
 redis.call('PEXPIRE', bk, 86400000)

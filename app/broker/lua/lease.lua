@@ -10,11 +10,12 @@
 -- The packed rollouts (keys d:<rollout_id>) are read by the caller with one MGET: copying
 -- them through Lua strings would cost the script more than all its other work.
 -- Returns ok('leased', batch_id, V, expires_at, { {uses, lag, rollout_id, prompt_id}, ... },
---         token_floor)
+--         token_floor, kl_coef)
 --         (prompt_id: '' for a rollout not posted under a work lease; the caller reads that
 --         prompt's packed prompt, pb:<prompt_id>, right after the rollouts. token_floor: '' or,
 --         under stale_tokens 'mask', the oldest version a token may have and stay trained;
---         fixed with the lease, and kept with it for the ack)
+--         fixed with the lease, and kept with it for the ack. kl_coef: the adaptive KL
+--         penalty's β now, as beta_text: '' when off)
 --       | ok('short', found): too few eligible rollouts, nothing leased
 --       | err('run_missing') | err('batch_size', group_size) | err('version_future', current)
 --       | err('batch_id_taken', state): the batch_id names a batch that is no longer live.
@@ -31,7 +32,7 @@ local function reply(f)
       table.insert(rows, { r.uses, V - row[2], row[1], r.pk and pass_prompt(r.pk) or '' })
     end
   end)
-  return ok('leased', bid, f[2], f[4], rows, f[7] or '')
+  return ok('leased', bid, f[2], f[4], rows, f[7] or '', beta_text(kl_beta()))
 end
 
 local known = redis.call('HMGET', bkey(bid), 'st', 'v', 'units', 'exp', 'n', 'rows', 'mf')
@@ -156,4 +157,4 @@ local ev = {
 if ARGV[6] ~= '' then ev['trainer_id'] = ARGV[6] end
 emit('leased', ev)
 finish()
-return ok('leased', bid, I(V), I(exp), rows, mf)
+return ok('leased', bid, I(V), I(exp), rows, mf, beta_text(kl_beta()))

@@ -15,7 +15,8 @@
 -- 4. Work leases taken above W end ('returned' state): their passes go back to the queue, not
 --    as a try. Partials with a token above W are dropped when next handed out (lib/partials.lua).
 -- 5. The run is at W, with the weights given; the kl_flush floor is what it was before any flush
---    above W; the staleness budget counts from W ('adm' follows every step above).
+--    above W, and the kl_flush_window streak is 0; the staleness budget counts from W ('adm'
+--    follows every step above).
 -- ARGV: wake, version W, weights ('' = none), audit entry.
 -- Returns ok('rewound', W, retired) (`retired` as retired_counts())
 --       | ok('not_behind', current): W is not below the run's version (the caller moves forward)
@@ -30,6 +31,7 @@ local kept_floor = redis.call('ZREVRANGEBYSCORE', FLOORS, I(W), '-inf', 'LIMIT',
 redis.call('ZREMRANGEBYSCORE', FLOORS, '(' .. I(W), '+inf')
 if R.floor > W then R.floor = tonumber(kept_floor[1] or '0') end
 redis.call('HSET', RUN, 'ver', I(W), 'floor', I(R.floor))
+redis.call('HDEL', RUN, 'klrun')  -- the kl_flush_window streak starts afresh from W
 
 -- 1. Leases.
 local function holds_token_above(units)

@@ -66,6 +66,10 @@ class RunConfig(TypedDict, total=False):
     max_reuse: int
     kl_max: float
     kl_flush: float
+    kl_flush_window: int
+    kl_coef: float | None
+    kl_target: float
+    kl_horizon: int
     kl_estimator: Literal["k1", "k2", "k3"]
     clip_epsilon: float
     group_size: int
@@ -356,6 +360,7 @@ class AckResult:
     retired: int
     flushed: int
     stats: BatchStats
+    kl_coef: float | None = None  # the adaptive KL penalty's β after the ack; None when off
 
 
 LogprobsArg = Mapping[str, npt.ArrayLike] | Sequence[npt.ArrayLike]
@@ -377,6 +382,7 @@ class Batch:
     policy_version: int
     lease_expires_at: datetime
     rollouts: list[LeasedRollout]
+    kl_coef: float | None = None  # the adaptive KL penalty's β to train with; None when off
     ack_result: AckResult | None = None
     _ack: AckArgs = field(
         default_factory=lambda: AckArgs(logprobs=None, kl=None, step=None), repr=False

@@ -411,6 +411,7 @@ def parse_batch(body: Any) -> Batch:
         policy_version=int(body["policy_version"]),
         lease_expires_at=_time(body["lease_expires_at"]),
         rollouts=[parse_leased(r) for r in body["rollouts"]],
+        kl_coef=body.get("kl_coef"),
     )
 
 
@@ -427,6 +428,7 @@ def parse_ack(body: Any) -> AckResult:
             clip_fraction=s.get("clip_fraction"),
             ess_fraction=s.get("ess_fraction"),
         ),
+        kl_coef=body.get("kl_coef"),
     )
 
 

@@ -11,6 +11,22 @@ local function load_run()
   return true
 end
 
+-- The adaptive KL penalty's β, or nil when kl_coef is null (off): the run hash's 'beta', absent
+-- until an ack first moves it from kl_coef (and again after a patch changes kl_coef).
+local function kl_beta()
+  local c = CFG.kl_coef
+  if c == nil or c == cjson.null then return nil end
+  local b = redis.call('HGET', RUN, 'beta')
+  if b then return tonumber(b) end
+  return c
+end
+
+-- β as a reply or a stored answer carries it: '' when off, else 17 digits (exact for a double).
+local function beta_text(beta)
+  if beta == nil then return '' end
+  return string.format('%.17g', beta)
+end
+
 -- The version rule, in one place. Lowest version still eligible: the staleness bound, raised
 -- by the last kl_flush; retire_below() walks the indexes up to it.
 local function min_version()
