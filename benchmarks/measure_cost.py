@@ -15,10 +15,11 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
-from app.broker.config import Correction
+from app.broker.config import Correction, CorrectionLevel, CorrectionMode
 from app.broker.correction import correct
 from app.broker.stats import Measured, batch_figures
 
@@ -61,16 +62,16 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for masked in (False, True):
         items = batch(args.rollouts, args.tokens, masked)
-        pairs = [
+        pairs: list[tuple[CorrectionLevel, CorrectionMode]] = [
             ("token", "truncate"),
             ("token", "mask"),
             ("sequence", "truncate"),
             ("geometric", "mask"),
         ]
-        fns: list[Callable[[], object]] = [lambda items=items: batch_figures(items, "k3", 0.2)]
+        fns: list[Callable[[], object]] = [partial(batch_figures, items, "k3", 0.2)]
         for level, mode in pairs:
             c = Correction(level=level, mode=mode, low=0.5, high=2.0)
-            fns.append(lambda c=c, items=items: correct(items, c))  # type: ignore[misc]
+            fns.append(partial(correct, items, c))
         stats_us, *corrections = medians_us(fns, args.repeat)
         for (level, mode), us in zip(pairs, corrections, strict=True):
             print(
