@@ -9,12 +9,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from app import keys
 from app.broker import reward_store
 from app.broker.notify import Try, Waker, long_poll
 from app.broker.packing import unpack_rollouts
-from app.broker.prompt_limits import prompt_tokens
 from app.broker.replies import ErrorContext, StoreError, error_for
 from app.broker.schemas import RewardLeaseBody, ScoreBody, ScoreResult
 from app.broker.store import RedisStore
@@ -101,8 +101,9 @@ def lease_answer(got: reward_store.RewardLease) -> dict[str, Any]:
     for r, lr in zip(rollouts, got.rollouts, strict=True):
         prompt = msgpack.unpackb(lr.prompt, raw=False) if lr.prompt is not None else None
         prompt_ids = r.prompt_ids
-        if prompt_ids is None and lr.prompt is not None:
-            prompt_ids = prompt_tokens(lr.prompt)  # the registered prompt's, as a trainer's lease
+        if prompt_ids is None and prompt is not None and prompt["i"] is not None:
+            # The registered prompt's tokens, as a trainer's lease gives them.
+            prompt_ids = np.asarray(prompt["i"], dtype=np.int32)
         n = r.response_ids.size
         doc: dict[str, Any] = {
             "rollout_id": r.rollout_id,

@@ -189,6 +189,7 @@ class _BrokerCollector(Collector):
             run, state = r.state.run_id, r.state
             put("run_policy_version", state.policy_version, run)
             put("capacity_rollouts", state.config.capacity_rollouts, run)
+            put("max_staleness", state.config.max_staleness, run)
             put("rollouts_buffered", state.live - state.leased, run)
             put("rollouts_leased", state.leased, run)
             if r.ledger is not None:

@@ -81,6 +81,14 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
         "state",
     ),
     _m(
+        "max_staleness",
+        "gauge",
+        _RUN,
+        "The run's max_staleness: the largest lag, in policy versions, a sample may be handed "
+        "out with (served so that a rule can compare the run's lag with its own setting)",
+        "state",
+    ),
+    _m(
         "rollouts_buffered",
         "gauge",
         _RUN,

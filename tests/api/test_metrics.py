@@ -363,6 +363,21 @@ async def test_the_ledger_figures_equal_the_accounting(api, drain):
     assert one("sample_lag_versions_count") == acc["samples_consumed"]
 
 
+async def test_max_staleness_is_each_runs_own_setting(api):
+    """The lag alert compares a run's lag with the run's own max_staleness, so the gauge
+    follows each run's setting and a config change at the next scrape."""
+    await make_run(api, "s1", max_staleness=3)
+    await make_run(api, "s2")
+    s = await scrape(api)
+    assert value(s, "rollout_broker_max_staleness", run="s1") == 3
+    assert value(s, "rollout_broker_max_staleness", run="s2") == 1
+    resp = await api.patch("/v1/runs/s1/config", json={"max_staleness": 5})
+    assert resp.status_code == 200, resp.text
+    s = await scrape(api)
+    assert value(s, "rollout_broker_max_staleness", run="s1") == 5
+    assert value(s, "rollout_broker_max_staleness", run="s2") == 1
+
+
 async def test_the_token_figures_equal_the_accounting(api, drain):
     """Masked tokens, tokens masked stale at hand-out and the token-weighted lag: a multi-turn
     rollout spanning versions 0 and 1 (a tool token masked) handed out at version 2 under
