@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Final, Literal, get_args
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from pydantic.fields import FieldInfo
 
 from app.ids import MAX_VERSION
@@ -15,6 +15,32 @@ MAX_EPOCHS = 1000  # passes per prompt: the prompt queue's order stays exact (ap
 KlEstimator = Literal["k1", "k2", "k3"]
 Order = Literal["freshest", "fifo", "random"]
 StaleTokens = Literal["keep", "mask"]
+CorrectionLevel = Literal["token", "sequence", "geometric"]
+CorrectionMode = Literal["truncate", "mask", "none"]
+
+# The largest bound a correction takes: far below float32's largest value, where the weights it
+# computes saturate (app/broker/correction.py), so a weight at the cap is always above `high`.
+MAX_CORRECTION_BOUND = 1e30
+
+
+class Correction(BaseModel):
+    """The importance-weight rule of ``measure`` (SPEC "Correction before the update"): the
+    ratio each weight comes from (``level``), what is done with it (``mode``) and the bounds;
+    every field has the SPEC's default. ``low`` only matters to ``mask``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    level: CorrectionLevel = "token"
+    mode: CorrectionMode = "truncate"
+    low: float = Field(0.0, ge=0, le=MAX_CORRECTION_BOUND, allow_inf_nan=False)
+    high: float = Field(2.0, gt=0, le=MAX_CORRECTION_BOUND, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Correction:
+        """Bounds the wrong way round would mask every token: refused rather than obeyed."""
+        if self.low > self.high:
+            raise ValueError(f"correction low ({self.low}) is above high ({self.high})")
+        return self
 
 
 class RunConfig(BaseModel):
