@@ -41,6 +41,7 @@ NAMES = {
     "AsyncWork": "Work",
     "AsyncWorkLoop": "WorkLoop",
     "_AsyncLeaseLoop": "_LeaseLoop",
+    "_AsyncHeld": "_Held",
     "AsyncRewardWork": "RewardWork",
     "AsyncRewardLoop": "RewardLoop",
     "AsyncClient": "Client",  # httpx.AsyncClient

@@ -10,6 +10,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from datetime import datetime
 from types import TracebackType
 from typing import Any, Generic, Literal, Protocol, Self, TypeVar, Unpack
 
@@ -813,7 +814,76 @@ class AsyncLease:
             log.warning("nack of batch %s failed (%s); its lease will expire", batch.batch_id, err)
 
 
-class AsyncWork:
+class _HeldLease(Protocol):
+    @property
+    def lease_id(self) -> str: ...
+    @property
+    def expires_at(self) -> datetime: ...
+
+
+_L = TypeVar("_L", bound=_HeldLease)
+
+
+class _AsyncHeld(Generic[_L]):
+    """What a work lease and a reward lease share for the client that holds them: giving back
+    what it did not use when it is settled (on leaving an ``async with`` block, or by the loop
+    that handed it out), once. ``_HELD`` names what is held, ``_AGAIN`` what the broker does
+    with it once the lease expires, for the log line of a give-back that failed."""
+
+    _HELD = ""
+    _AGAIN = ""
+    client: AsyncBrokerClient
+    lease: _L
+    settled: bool
+    _giving_back: bool
+
+    @property
+    def lease_id(self) -> str:
+        return self.lease.lease_id
+
+    def _unused(self) -> int:
+        """How many of what the lease holds are neither used nor given back."""
+        raise NotImplementedError
+
+    async def _give_back_all(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.settle(failing=exc_type is not None)
+
+    async def settle(self, *, failing: bool = False) -> None:
+        """End the lease for this client: give back everything not used. A broker that cannot
+        be reached is logged (it goes back when the lease expires), as is any error when
+        ``failing`` (an exception is already on its way); other errors raise."""
+        if self._giving_back:
+            return
+        self._giving_back = self.settled = True
+        self.client._works.discard(self)
+        try:
+            await self._give_back_all()
+        except BrokerError as err:
+            if not (failing or isinstance(err, BrokerUnreachable | ServerError | NotFound)):
+                raise
+            log.warning(
+                "could not give back %d %s %s (%s); the broker %s once the lease expires at %s",
+                self._unused(),
+                self._HELD,
+                self.lease_id,
+                err,
+                self._AGAIN,
+                self.lease.expires_at.isoformat(),
+            )
+
+
+class AsyncWork(_AsyncHeld[WorkLease]):
     """The prompts of one work lease, as :meth:`AsyncBrokerClient.work` hands them out.
 
     Generate for each of :attr:`prompts` and post its group with :meth:`post`. Every prompt not
@@ -847,9 +917,14 @@ class AsyncWork:
         self._sent: dict[str, int] = {}  # rollouts posted per group, numbering default ids
         client._works.add(self)
 
-    @property
-    def lease_id(self) -> str:
-        return self.lease.lease_id
+    _HELD = "prompts of work lease"
+    _AGAIN = "hands them out again"
+
+    def _unused(self) -> int:
+        return len(self._unposted)
+
+    async def _give_back_all(self) -> None:
+        await self.give_back()
 
     @property
     def policy_version(self) -> int:
@@ -866,17 +941,6 @@ class AsyncWork:
 
     def __len__(self) -> int:
         return len(self.lease.prompts)
-
-    async def __aenter__(self) -> AsyncWork:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.settle(failing=exc_type is not None)
 
     async def post(self, prompt: WorkPrompt | str, rollouts: Sequence[RolloutLike]) -> IngestResult:
         """Post rollouts of ``prompt`` (a prompt of this lease, or its ``group_id``), usually
@@ -940,28 +1004,6 @@ class AsyncWork:
             del self._unposted[p.group_id]
         self.returned.extend(chosen)
         return n
-
-    async def settle(self, *, failing: bool = False) -> None:
-        """End the lease for this client: give back every prompt not posted. A broker that
-        cannot be reached is logged (the prompts go back when the lease expires), as is any
-        error when ``failing`` (an exception is already on its way); other errors raise."""
-        if self._giving_back:
-            return
-        self._giving_back = self.settled = True
-        self.client._works.discard(self)
-        try:
-            await self.give_back()
-        except BrokerError as err:
-            if not (failing or isinstance(err, BrokerUnreachable | ServerError | NotFound)):
-                raise
-            log.warning(
-                "could not give back %d prompts of work lease %s (%s); the broker hands them "
-                "out again once the lease expires at %s",
-                len(self._unposted),
-                self.lease_id,
-                err,
-                self.lease.expires_at.isoformat(),
-            )
 
     def _prompt(self, prompt: WorkPrompt | str) -> WorkPrompt:
         gid = prompt if isinstance(prompt, str) else prompt.group_id
@@ -1120,7 +1162,7 @@ class AsyncWorkLoop(_AsyncLeaseLoop["AsyncWork"]):
         return AsyncWork(self.client, self.run_id, lease, max_backpressure_s=backpressure)
 
 
-class AsyncRewardWork:
+class AsyncRewardWork(_AsyncHeld[RewardLease]):
     """The rollouts of one reward lease, as :meth:`AsyncBrokerClient.reward_work` hands them
     out.
 
@@ -1146,9 +1188,14 @@ class AsyncRewardWork:
         self._unscored = dict(self._by_id)
         client._works.add(self)
 
-    @property
-    def lease_id(self) -> str:
-        return self.lease.lease_id
+    _HELD = "rollouts of reward lease"
+    _AGAIN = "leases them again"
+
+    def _unused(self) -> int:
+        return len(self._unscored)
+
+    async def _give_back_all(self) -> None:
+        await self.give_back()
 
     @property
     def rollouts(self) -> list[RewardRollout]:
@@ -1161,17 +1208,6 @@ class AsyncRewardWork:
 
     def __len__(self) -> int:
         return len(self.lease.rollouts)
-
-    async def __aenter__(self) -> AsyncRewardWork:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.settle(failing=exc_type is not None)
 
     async def score(self, rewards: Mapping[str, float]) -> ScoreResult:
         """Send rewards by rollout_id (finite numbers) for rollouts of this lease, in one
@@ -1219,28 +1255,6 @@ class AsyncRewardWork:
             del self._unscored[r.rollout_id]
         self.returned.extend(chosen)
         return n
-
-    async def settle(self, *, failing: bool = False) -> None:
-        """End the lease for this client: give back every rollout not scored. A broker that
-        cannot be reached is logged (the rollouts go back when the lease expires), as is any
-        error when ``failing`` (an exception is already on its way); other errors raise."""
-        if self._giving_back:
-            return
-        self._giving_back = self.settled = True
-        self.client._works.discard(self)
-        try:
-            await self.give_back()
-        except BrokerError as err:
-            if not (failing or isinstance(err, BrokerUnreachable | ServerError | NotFound)):
-                raise
-            log.warning(
-                "could not give back %d rollouts of reward lease %s (%s); the broker leases "
-                "them again once the lease expires at %s",
-                len(self._unscored),
-                self.lease_id,
-                err,
-                self.lease.expires_at.isoformat(),
-            )
 
 
 class AsyncRewardLoop(_AsyncLeaseLoop["AsyncRewardWork"]):

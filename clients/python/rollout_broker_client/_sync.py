@@ -10,6 +10,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from datetime import datetime
 from types import TracebackType
 from typing import Any, Generic, Literal, Protocol, Self, TypeVar, Unpack
 
@@ -811,7 +812,76 @@ class Lease:
             log.warning("nack of batch %s failed (%s); its lease will expire", batch.batch_id, err)
 
 
-class Work:
+class _HeldLease(Protocol):
+    @property
+    def lease_id(self) -> str: ...
+    @property
+    def expires_at(self) -> datetime: ...
+
+
+_L = TypeVar("_L", bound=_HeldLease)
+
+
+class _Held(Generic[_L]):
+    """What a work lease and a reward lease share for the client that holds them: giving back
+    what it did not use when it is settled (on leaving an ``with`` block, or by the loop
+    that handed it out), once. ``_HELD`` names what is held, ``_AGAIN`` what the broker does
+    with it once the lease expires, for the log line of a give-back that failed."""
+
+    _HELD = ""
+    _AGAIN = ""
+    client: BrokerClient
+    lease: _L
+    settled: bool
+    _giving_back: bool
+
+    @property
+    def lease_id(self) -> str:
+        return self.lease.lease_id
+
+    def _unused(self) -> int:
+        """How many of what the lease holds are neither used nor given back."""
+        raise NotImplementedError
+
+    def _give_back_all(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.settle(failing=exc_type is not None)
+
+    def settle(self, *, failing: bool = False) -> None:
+        """End the lease for this client: give back everything not used. A broker that cannot
+        be reached is logged (it goes back when the lease expires), as is any error when
+        ``failing`` (an exception is already on its way); other errors raise."""
+        if self._giving_back:
+            return
+        self._giving_back = self.settled = True
+        self.client._works.discard(self)
+        try:
+            self._give_back_all()
+        except BrokerError as err:
+            if not (failing or isinstance(err, BrokerUnreachable | ServerError | NotFound)):
+                raise
+            log.warning(
+                "could not give back %d %s %s (%s); the broker %s once the lease expires at %s",
+                self._unused(),
+                self._HELD,
+                self.lease_id,
+                err,
+                self._AGAIN,
+                self.lease.expires_at.isoformat(),
+            )
+
+
+class Work(_Held[WorkLease]):
     """The prompts of one work lease, as :meth:`BrokerClient.work` hands them out.
 
     Generate for each of :attr:`prompts` and post its group with :meth:`post`. Every prompt not
@@ -845,9 +915,14 @@ class Work:
         self._sent: dict[str, int] = {}  # rollouts posted per group, numbering default ids
         client._works.add(self)
 
-    @property
-    def lease_id(self) -> str:
-        return self.lease.lease_id
+    _HELD = "prompts of work lease"
+    _AGAIN = "hands them out again"
+
+    def _unused(self) -> int:
+        return len(self._unposted)
+
+    def _give_back_all(self) -> None:
+        self.give_back()
 
     @property
     def policy_version(self) -> int:
@@ -864,17 +939,6 @@ class Work:
 
     def __len__(self) -> int:
         return len(self.lease.prompts)
-
-    def __enter__(self) -> Work:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.settle(failing=exc_type is not None)
 
     def post(self, prompt: WorkPrompt | str, rollouts: Sequence[RolloutLike]) -> IngestResult:
         """Post rollouts of ``prompt`` (a prompt of this lease, or its ``group_id``), usually
@@ -938,28 +1002,6 @@ class Work:
             del self._unposted[p.group_id]
         self.returned.extend(chosen)
         return n
-
-    def settle(self, *, failing: bool = False) -> None:
-        """End the lease for this client: give back every prompt not posted. A broker that
-        cannot be reached is logged (the prompts go back when the lease expires), as is any
-        error when ``failing`` (an exception is already on its way); other errors raise."""
-        if self._giving_back:
-            return
-        self._giving_back = self.settled = True
-        self.client._works.discard(self)
-        try:
-            self.give_back()
-        except BrokerError as err:
-            if not (failing or isinstance(err, BrokerUnreachable | ServerError | NotFound)):
-                raise
-            log.warning(
-                "could not give back %d prompts of work lease %s (%s); the broker hands them "
-                "out again once the lease expires at %s",
-                len(self._unposted),
-                self.lease_id,
-                err,
-                self.lease.expires_at.isoformat(),
-            )
 
     def _prompt(self, prompt: WorkPrompt | str) -> WorkPrompt:
         gid = prompt if isinstance(prompt, str) else prompt.group_id
@@ -1118,7 +1160,7 @@ class WorkLoop(_LeaseLoop["Work"]):
         return Work(self.client, self.run_id, lease, max_backpressure_s=backpressure)
 
 
-class RewardWork:
+class RewardWork(_Held[RewardLease]):
     """The rollouts of one reward lease, as :meth:`BrokerClient.reward_work` hands them
     out.
 
@@ -1144,9 +1186,14 @@ class RewardWork:
         self._unscored = dict(self._by_id)
         client._works.add(self)
 
-    @property
-    def lease_id(self) -> str:
-        return self.lease.lease_id
+    _HELD = "rollouts of reward lease"
+    _AGAIN = "leases them again"
+
+    def _unused(self) -> int:
+        return len(self._unscored)
+
+    def _give_back_all(self) -> None:
+        self.give_back()
 
     @property
     def rollouts(self) -> list[RewardRollout]:
@@ -1159,17 +1206,6 @@ class RewardWork:
 
     def __len__(self) -> int:
         return len(self.lease.rollouts)
-
-    def __enter__(self) -> RewardWork:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.settle(failing=exc_type is not None)
 
     def score(self, rewards: Mapping[str, float]) -> ScoreResult:
         """Send rewards by rollout_id (finite numbers) for rollouts of this lease, in one
@@ -1217,28 +1253,6 @@ class RewardWork:
             del self._unscored[r.rollout_id]
         self.returned.extend(chosen)
         return n
-
-    def settle(self, *, failing: bool = False) -> None:
-        """End the lease for this client: give back every rollout not scored. A broker that
-        cannot be reached is logged (the rollouts go back when the lease expires), as is any
-        error when ``failing`` (an exception is already on its way); other errors raise."""
-        if self._giving_back:
-            return
-        self._giving_back = self.settled = True
-        self.client._works.discard(self)
-        try:
-            self.give_back()
-        except BrokerError as err:
-            if not (failing or isinstance(err, BrokerUnreachable | ServerError | NotFound)):
-                raise
-            log.warning(
-                "could not give back %d rollouts of reward lease %s (%s); the broker leases "
-                "them again once the lease expires at %s",
-                len(self._unscored),
-                self.lease_id,
-                err,
-                self.lease.expires_at.isoformat(),
-            )
 
 
 class RewardLoop(_LeaseLoop["RewardWork"]):
