@@ -5,7 +5,7 @@ gives back. The rules are the scripts' (``reward_lease.lua``, ``score.lua``,
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -20,7 +20,6 @@ from app.broker.schemas import RewardLeaseBody, ScoreBody, ScoreResult
 from app.broker.store import RedisStore
 from app.broker.tokens import unpack_mask
 from app.broker.views import iso_ms
-from app.errors import ValidationFailed
 
 __all__ = ["Rewards"]
 
@@ -31,27 +30,27 @@ class Rewards:
     """The reward workers' part of the broker."""
 
     def __init__(
-        self, store: RedisStore, waker: Waker, *, max_wait_s: float, max_rollouts: int
+        self,
+        store: RedisStore,
+        waker: Waker,
+        *,
+        check_wait: Callable[[float], None],
+        check_count: Callable[[int], None],
     ) -> None:
+        """``check_wait`` and ``check_count`` are the broker's bounds on a long poll's wait and
+        on the rollouts one request may name (app/broker/service.py)."""
         self.store = store
         self.waker = waker
-        self.max_wait_s = max_wait_s
-        self.max_rollouts = max_rollouts
+        self.check_wait = check_wait
+        self.check_count = check_count
 
     def _error(self, err: StoreError, run_id: str, lease_id: str | None) -> Exception:
         return error_for(err, ErrorContext(run_id, lease_id=lease_id))
 
-    def _check_count(self, n: int, what: str) -> None:
-        if n > self.max_rollouts:
-            raise ValidationFailed(f"{n} {what} in one request, at most {self.max_rollouts}")
-
     async def lease(self, run_id: str, body: RewardLeaseBody) -> dict[str, Any] | None:
         """A reward lease's answer, or None when nothing awaited a reward within ``wait_s``."""
-        if body.wait_s > self.max_wait_s:
-            raise ValidationFailed(
-                f"wait_s: {body.wait_s:g} s is above the longest wait, {self.max_wait_s:g} s"
-            )
-        self._check_count(body.max_rollouts, "max_rollouts")
+        self.check_wait(body.wait_s)
+        self.check_count(body.max_rollouts)
         lid = body.lease_id or uuid.uuid4().hex
 
         async def attempt(t: Try) -> tuple[dict[str, Any] | None, int | None]:
@@ -78,7 +77,7 @@ class Rewards:
         )
 
     async def score(self, run_id: str, body: ScoreBody) -> ScoreResult:
-        self._check_count(len(body.rewards), "rewards")
+        self.check_count(len(body.rewards))
         try:
             got = await reward_store.score(self.store, run_id, body.lease_id, body.rewards)
         except StoreError as err:
@@ -87,7 +86,7 @@ class Rewards:
 
     async def give_back(self, run_id: str, lease_id: str, rollout_ids: Sequence[str] | None) -> int:
         if rollout_ids is not None:
-            self._check_count(len(rollout_ids), "rollout_ids")
+            self.check_count(len(rollout_ids))
         try:
             return await reward_store.give_back(self.store, run_id, lease_id, rollout_ids)
         except StoreError as err:

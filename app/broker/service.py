@@ -100,7 +100,7 @@ class Broker:
         self.retry_after_s = retry_after_s
         self.behaviour = BehaviourCache(behaviour_cache_bytes)
         self.rewards = Rewards(
-            store, waker, max_wait_s=max_wait_s, max_rollouts=max_rollouts_per_request
+            store, waker, check_wait=self.check_wait, check_count=self.check_count
         )
 
     @contextlib.contextmanager

@@ -291,3 +291,13 @@ async def test_a_work_leased_rollout_comes_with_its_prompt_in_json_and_msgpack(a
     assert np.frombuffer(packed["prompt_ids"], "<i4").tolist() == [7, 8, 9]
     assert np.frombuffer(packed["response_ids"], "<i4").tolist() == [1, 2]
     assert np.frombuffer(packed["loss_mask"], "u1").tolist() == [1, 0]
+
+
+async def test_a_reward_lease_obeys_the_brokers_request_bounds(api, settings):
+    await make_run(api, "r1")
+    big = settings.max_rollouts_per_request + 1
+    detail = assert_error(await reward_lease(api, "r1", big), 422, "ValidationFailed")
+    assert f"{big} rollouts in one request" in detail
+    slow = settings.max_wait_s + 1
+    detail = assert_error(await reward_lease(api, "r1", 1, wait_s=slow), 422, "ValidationFailed")
+    assert "above the longest wait" in detail
