@@ -128,6 +128,10 @@ class RunClosed(Conflict):
     pass
 
 
+class GeneratorQuarantined(Conflict):
+    pass
+
+
 class WorkLeaseOver(Conflict):
     pass
 

@@ -73,6 +73,11 @@ class RunConfig(BaseModel):
     max_attempts: int = Field(3, ge=1, le=1000)
     reward_timeout_s: float = Field(600.0, gt=0, le=7 * 86400, allow_inf_nan=False)
     max_reward_attempts: int = Field(3, ge=1, le=1000)
+    # measure's importance-weight rule (app/broker/correction.py); a patch replaces it whole.
+    correction: Correction = Field(default_factory=Correction)
+    # Per-generator quarantine (app/broker/lua/lib/generators.lua); null: off.
+    generator_kl_max: float | None = Field(None, ge=0, le=1e12, allow_inf_nan=False)
+    generator_window_tokens: int = Field(100_000, ge=1, le=1_000_000_000_000)
 
     def canonical_json(self) -> str:
         """The one text form of a config: how Redis stores it and how equality is judged."""
@@ -96,7 +101,7 @@ def _patch_field(field: FieldInfo) -> tuple[Any, FieldInfo]:
     """A RunConfig field as a patch takes it: its bounds, None when absent. For step_groups,
     null is a value too (no staleness budget): absent is told apart by exclude_unset."""
     annotation: Any = field.annotation
-    return annotation | None, FieldInfo.merge_field_infos(field, default=None)
+    return annotation | None, FieldInfo.merge_field_infos(field, default=None, default_factory=None)
 
 
 if TYPE_CHECKING:

@@ -20,6 +20,7 @@ from app.errors import (
     BatchNotFound,
     BatchSettled,
     BrokerError,
+    GeneratorQuarantined,
     InternalError,
     LeaseExpired,
     OverCapacity,
@@ -184,6 +185,11 @@ REFUSALS: dict[str, Refusal] = {
         LeaseExpired, "the lease of batch {batch_id!r} expired; its rollouts went back"
     ),
     "run_closed": Refusal(RunClosed, "run {run_id!r} is closed"),
+    "generator_quarantined": Refusal(
+        GeneratorQuarantined,
+        "generator {0!r} is quarantined in run {run_id!r}: its mean KL passed generator_kl_max; "
+        "an operator lifts it with POST /v1/runs/{run_id}/generators/{0}/release",
+    ),
     # arg: the batch's version
     "lease_rewound": Refusal(
         LeaseExpired,

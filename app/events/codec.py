@@ -16,6 +16,7 @@ from app.events.payloads import (
     Duplicate,
     Event,
     EventError,
+    GeneratorChanged,
     Leased,
     PartialsChanged,
     PassesChanged,
@@ -184,6 +185,12 @@ SCHEMA: dict[str, EventType] = {
             "reward_returned",
             RewardReturned,
             "a reward worker gave rollouts back unscored: each item reward-leased → awaiting",
+        ),
+        EventType(
+            "generator",
+            GeneratorChanged,
+            "a generator was quarantined (`quarantined` 1; its buffered rollouts retire "
+            "`quarantined`, a `retired` event follows) or released (0)",
         ),
         EventType(
             "waited",

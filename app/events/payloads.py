@@ -65,6 +65,9 @@ class AcceptedItem:
     awaiting: bool = wire(
         "flag", optional=True, default=False, note="1: posted without a reward (absent: 0)"
     )
+    generator: str | None = wire(
+        "text", optional=True, default=None, note="its `generator_id` (absent: none)"
+    )
 
 
 @_wire_class
@@ -155,6 +158,29 @@ class AckSums:
 
 
 @_wire_class
+class AckedGen:
+    """One generator's share of an acked batch: its samples, and the figures of those measured
+    (the sums of :class:`AckSums`, over its rollouts only)."""
+
+    generator_id: str = wire("text")
+    samples: int = wire("int", minimum=0)
+    tokens: int = wire("int", minimum=0, note="trained tokens of its samples")
+    kl_tokens: int = wire("int", minimum=0)
+    kl_sum: float = wire("float")
+    ratio_tokens: int = wire("int", minimum=0)
+    ratio_sum: float = wire("float")
+    clipped: int = wire("int", minimum=0)
+    zero_weight: int = wire(
+        "int",
+        minimum=0,
+        note="of `ratio_tokens`, those the run's `correction` gives weight 0",
+    )
+    kl_max: float | None = wire(
+        "float", optional=True, default=None, note="its largest rollout KL (absent: none measured)"
+    )
+
+
+@_wire_class
 class Acked:
     batch_id: str = wire("text")
     step: int | None = wire("int", optional=True, note="int, absent when not given")
@@ -168,6 +194,19 @@ class Acked:
         note="a figure that was not measured is absent; `stats` itself is absent when none was",
     )
     sums: AckSums = wire("struct", of=AckSums)
+    gens: tuple[AckedGen, ...] = wire(
+        "items",
+        of=AckedGen,
+        optional=True,
+        default=(),
+        note="per generator of its rollouts (those with a `generator_id`); absent: none",
+    )
+    kl_coef: float | None = wire(
+        "float",
+        optional=True,
+        default=None,
+        note="β after this ack (the adaptive KL penalty); absent when `kl_coef` is off",
+    )
 
 
 @_wire_class
@@ -216,6 +255,12 @@ class RewoundItem:
 
 
 @_wire_class
+class RewoundGen:
+    generator_id: str = wire("text")
+    samples: int = wire("int", minimum=0, note="its uses the rewind undid")
+
+
+@_wire_class
 class Rewound:
     """A rewind of the run's policy version: the uses of acknowledged batches it undid."""
 
@@ -228,6 +273,13 @@ class Rewound:
         "items",
         of=RewoundItem,
         note="one per use undone: a rollout of two undone batches is there twice",
+    )
+    gens: tuple[RewoundGen, ...] = wire(
+        "items",
+        of=RewoundGen,
+        optional=True,
+        default=(),
+        note="the uses undone per generator (as the undone batches' `acked` `gens` counted them)",
     )
 
 
@@ -370,6 +422,21 @@ class RewardReturned:
 
 
 @_wire_class
+class GeneratorChanged:
+    """A generator was quarantined (its mean KL over its window passed `generator_kl_max`) or
+    released by an operator."""
+
+    generator_id: str = wire("text")
+    quarantined: bool = wire("flag", note="1: quarantined; 0: released")
+    kl_mean: float | None = wire(
+        "float", optional=True, default=None, note="the window's mean KL that quarantined it"
+    )
+    window_tokens: int | None = wire(
+        "int", optional=True, minimum=0, default=None, note="the trained tokens of that window"
+    )
+
+
+@_wire_class
 class Waited:
     role: str = wire("text", note="`trainer` or `generator`")
     wait_ms: int = wire("int", minimum=0)
@@ -393,6 +460,7 @@ Payload: TypeAlias = (
     | Scored
     | RewardExpired
     | RewardReturned
+    | GeneratorChanged
     | Waited
 )
 

@@ -41,6 +41,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "max_attempts": 3,
     "reward_timeout_s": 600.0,
     "max_reward_attempts": 3,
+    "correction": {"level": "token", "mode": "truncate", "low": 0.0, "high": 2.0},
+    "generator_kl_max": None,
+    "generator_window_tokens": 100000,
 }
 
 MSGPACK = {"content-type": "application/msgpack"}

@@ -28,6 +28,7 @@ from app.errors import (
     BatchNotFound,
     BatchSettled,
     BrokerError,
+    GeneratorQuarantined,
     InternalError,
     LeaseExpired,
     OverCapacity,
@@ -88,6 +89,7 @@ EXPECTED: dict[str, tuple[type[BrokerError], int]] = {
     "reward_conflict": (RewardConflict, 2),
     "reward_lease_lost": (RewardLeaseOver, 0),
     "reward_raced": (RunBusy, 0),
+    "generator_quarantined": (GeneratorQuarantined, 1),
 }
 STATUS = {
     RunNotFound: 404,
@@ -107,6 +109,7 @@ STATUS = {
     WorkLeaseNotFound: 404,
     WorkLeaseOver: 409,
     InternalError: 500,
+    GeneratorQuarantined: 409,
 }
 CTX = ErrorContext(
     "run-1", batch_id="batch-1", size=6, version=7, retry_after_s=3, lease_id="lease-1"

@@ -59,6 +59,15 @@ UInt8Array = npt.NDArray[np.uint8]
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class Correction(TypedDict, total=False):
+    """``measure``'s importance-weight rule (SPEC "Correction before the update")."""
+
+    level: Literal["token", "sequence", "geometric"]
+    mode: Literal["truncate", "mask", "none"]
+    low: float
+    high: float
+
+
 class RunConfig(TypedDict, total=False):
     """A run's rules (SPEC's RunConfig); every key is optional and has the broker's default."""
 
@@ -82,6 +91,11 @@ class RunConfig(TypedDict, total=False):
     step_groups: int | None
     work_timeout_s: float
     max_attempts: int
+    reward_timeout_s: float
+    max_reward_attempts: int
+    correction: Correction
+    generator_kl_max: float | None
+    generator_window_tokens: int
 
 
 @dataclass(slots=True)
