@@ -55,7 +55,7 @@ def unnamed_attempts(packed: Sequence[PackedRollout]) -> list[tuple[str, int]]:
     app/broker/pass_reads.py reads them)."""
     wanted: dict[tuple[str, int], None] = {}
     for r in packed:
-        if not r.has_generator:
+        if r.generator_id is None:
             a = attempt_of_group(r.group_id)
             if a is not None:
                 wanted[a] = None
@@ -72,7 +72,7 @@ def with_lease_generators(
         return list(packed)
     out = []
     for r in packed:
-        a = None if r.has_generator else attempt_of_group(r.group_id)
+        a = None if r.generator_id is not None else attempt_of_group(r.group_id)
         gen = None if a is None else gens.get(a)
         out.append(r if gen is None else named_by(r, gen))
     return out

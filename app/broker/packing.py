@@ -38,12 +38,7 @@ class PackedRollout:
     blob: bytes
     v_new: int  # the newest version over trained tokens
     masked: int  # tokens with loss_mask 0
-    # The blob's 'gi' (None: it names none; ingest.lua gives one without its work lease's).
-    generator_id: str | None
-
-    @property
-    def has_generator(self) -> bool:
-        return self.generator_id is not None
+    generator_id: str | None  # the blob's 'gi'; None: ingest.lua gives its work lease's
 
 
 def _ids(value: list[int] | bytes | None, what: str, rid: str) -> Int32Array | None:

@@ -31,19 +31,19 @@ def packed(**extra: object):
 @pytest.mark.parametrize("pairs", [0, 9, 10, 20])  # of 6 pairs to 6, 15 (fixmap), 16, 26 (map16)
 def test_the_pair_is_added_to_maps_of_every_header(pairs):
     r = packed()
-    assert not r.has_generator
+    assert r.generator_id is None
     doc = msgpack.unpackb(r.blob)
     doc.update({f"x{i}": i for i in range(pairs)})
     r = dataclasses.replace(r, blob=msgpack.packb(doc, use_bin_type=True))
     named = named_by(r, "gen-a")
-    assert named.has_generator
+    assert named.generator_id == "gen-a"  # what ingest.lua is given beside the blob
     assert msgpack.unpackb(named.blob, raw=False) == {**doc, "gi": "gen-a"}
     (stored,) = unpack_rollouts([named.blob])
     assert stored.generator_id == "gen-a"
 
 
 def test_a_rollout_that_names_its_generator_says_so():
-    assert packed(generator_id="gen-b").has_generator
+    assert packed(generator_id="gen-b").generator_id == "gen-b"
 
 
 @pytest.mark.parametrize(
