@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from app.broker.config import Correction
-from app.broker.stats import Measured
+from app.broker.stats import Measured, segment_sums
 
 F64 = npt.NDArray[np.float64]
 F32 = npt.NDArray[np.float32]
@@ -43,6 +43,7 @@ class Corrected:
 
     weights: list[F32]  # per rollout, aligned with its response tokens (views of one array)
     sequence_weights: F32  # one per rollout; 0 for a rollout with no trained token
+    zero_weight: I64  # per rollout: its trained tokens weighing 0
     masked_fraction: float | None  # share of trained tokens weighing 0; None: none trained
     chi2: float | None  # χ² estimate over the sequence ratios; None: no rollout trained
 
@@ -84,17 +85,6 @@ def _batch(items: Sequence[Measured]) -> _Batch:
             np.multiply(part, kept, out=part)  # finite × 0 = 0: mask-0 tokens add nothing
             trained[i] = np.count_nonzero(kept)
     return _Batch(log_r, keep, lengths, trained, starts)
-
-
-def segment_sums(values: F64, starts: I64, lengths: I64) -> F64:
-    """Per-rollout sums of a concatenated array. ``np.add.reduceat`` gives an empty segment
-    the next element instead of 0 (and fails on one at the very end), so only non-empty
-    segments are reduced: each then runs exactly to the next non-empty one's start."""
-    sums = np.zeros(lengths.size, dtype=np.float64)
-    full = lengths > 0
-    if values.size:
-        sums[full] = np.add.reduceat(values, starts[full])
-    return sums
 
 
 def _ratio(log_x: F64) -> F64:
@@ -166,12 +156,16 @@ def correct(items: Sequence[Measured], correction: Correction) -> Corrected:
             np.multiply(weights, b.keep, out=weights)
     total = int(b.trained.sum())
     # Counted on the float32 weights the trainer receives: mask-0 tokens are the other zeros.
-    zero = int(np.count_nonzero(weights == 0)) - (int(b.lengths.sum()) - total)
+    if correction.level == "token":
+        zero = segment_sums(weights == 0, b.starts, b.lengths) - (b.lengths - b.trained)
+    else:
+        zero = np.where(seq_w.astype(np.float32) == 0, b.trained, 0)
     return Corrected(
         weights=[
             weights[s : s + n] for s, n in zip(b.starts.tolist(), b.lengths.tolist(), strict=True)
         ],
         sequence_weights=seq_w.astype(np.float32),
-        masked_fraction=zero / total if total else None,
+        zero_weight=zero,
+        masked_fraction=int(zero.sum()) / total if total else None,
         chi2=chi2(seq_log[b.trained > 0]),
     )

@@ -345,13 +345,23 @@ class RedisStore(PassReads):
         return got
 
     async def batch_view(
-        self, run_id: str, batch_id: str, *, rollouts: Literal["none", "meta", "blobs"]
+        self,
+        run_id: str,
+        batch_id: str,
+        *,
+        rollouts: Literal["none", "meta", "blobs"],
+        measured: bool = False,
     ) -> BatchView:
         """The batch's state and, while it is leased and unless ``rollouts`` is 'none', its
-        rollouts ('blobs': with their packed rollouts). StoreError for no such run or batch,
-        and for a batch that was nacked or expired."""
-        state, cfg, version, size, rest, *floor = await self._call(
-            "batch_view", run_id, batch_id, "none" if rollouts == "none" else "meta"
+        rollouts ('blobs': with their packed rollouts); with ``measured``, the logprobs kept by
+        :meth:`measure`. StoreError for no such run or batch, and for a batch that was nacked
+        or expired."""
+        state, cfg, version, size, rest, *tail = await self._call(
+            "batch_view",
+            run_id,
+            batch_id,
+            "none" if rollouts == "none" else "meta",
+            "1" if measured else "",
         )
         config = RunConfig.model_validate_json(cfg)
         if text(state) == "acked":
@@ -364,8 +374,17 @@ class RedisStore(PassReads):
             BatchMember(rid, int(v), int(n), blob)
             for rid, (_, v, n), blob in zip(rids, rest, blobs, strict=True)
         ]
-        token_floor = _floor(floor[0])
-        return BatchView(config, "leased", int(version), int(size), None, members, token_floor)
+        floor, ml = tail
+        return BatchView(
+            config, "leased", int(version), int(size), None, members, _floor(floor), ml or None
+        )
+
+    async def measure(self, run_id: str, batch_id: str, ml: bytes) -> float | None:
+        """Keep the measured logprobs ``ml`` with the batch's live lease; the adaptive KL
+        penalty's β to use now (None when off). StoreError for no such run or batch, for a
+        batch that was settled, and for a lease that ran out."""
+        _, beta = await self._call("measure", run_id, batch_id, ml)
+        return beta_of(beta)
 
     async def ack(
         self,
