@@ -5,6 +5,7 @@ checked and set against the generator's (:mod:`app.broker.stats` computes the fi
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import msgpack
@@ -13,6 +14,7 @@ import numpy.typing as npt
 
 from app.broker.behaviour import BatchRow
 from app.broker.config import RunConfig
+from app.broker.correction import zero_weights
 from app.broker.packing import as_logprobs, check_logprobs
 from app.broker.records import BatchMember
 from app.broker.replies import AckAnswer
@@ -75,7 +77,8 @@ def figures(
         )
         for row in rows
     ]
-    fig = batch_figures(items, config.kl_estimator, config.clip_epsilon, per_rollout=per_rollout)
+    zero = partial(zero_weights, correction=config.correction) if per_rollout else None
+    fig = batch_figures(items, config.kl_estimator, config.clip_epsilon, per_rollout=zero)
     stats = BatchStats(
         kl_mean=fig.kl_mean,
         kl_max=fig.kl_max,

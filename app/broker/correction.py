@@ -35,6 +35,10 @@ I64 = npt.NDArray[np.int64]
 WEIGHT_CAP = float(np.finfo(np.float32).max)
 # A log ratio is capped here before exp: exp(89) ≈ 4.5e38 is finite in float64 and above the cap.
 _LOG_SATURATE = 89.0
+# The largest weight that is 0 in float32 (round to nearest even: 2**-150 is a tie, to 0).
+_F32_ZERO = 2.0**-150
+# Above this log ratio a ratio is not 0 in float32: exp(-103) ≈ 1.9e-45 > 2**-150 ≈ 7.0e-46.
+_NO_UNDERFLOW = -103.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +132,24 @@ def chi2(seq_log: F64) -> float | None:
     rho = shifted * (n / shifted.sum())
     rho -= 1.0
     return float(np.dot(rho, rho) / n)
+
+
+def zero_weights(log_r: F64, starts: I64, lengths: I64, correction: Correction) -> I64:
+    """Per rollout, the trained tokens :func:`correct` weighs 0, from the log ratios of the
+    trained tokens only, concatenated (``starts`` and ``lengths`` their segments): what the
+    ack's per-generator sums need, without the weights. At token level under ``truncate`` or
+    ``none`` only a ratio that underflows float32 weighs 0, which one reduction rules out for
+    a batch near on-policy; otherwise the weights are computed as :func:`correct` does and
+    compared in float64 with the largest value float32 rounds to 0."""
+    if correction.level == "token":
+        if correction.mode != "mask" and (not log_r.size or float(log_r.min()) > _NO_UNDERFLOW):
+            return np.zeros(lengths.size, dtype=np.int64)
+        w = _apply(_ratio(log_r.copy()), correction)
+        zero: I64 = segment_sums(w <= _F32_ZERO, starts, lengths)
+        return zero
+    seq_log = segment_sums(log_r, starts, lengths)
+    seq_w = _apply(_ratio(_level_log(seq_log, lengths, correction.level)), correction)
+    return np.where(seq_w <= _F32_ZERO, lengths, 0)
 
 
 def correct(items: Sequence[Measured], correction: Correction) -> Corrected:

@@ -132,16 +132,11 @@ def measure_answer(
     return answer
 
 
-def generator_sums(
-    rows: Sequence[BatchRow],
-    fig: BatchFigures,
-    current: Mapping[str, Logprobs],
-    config: RunConfig,
-) -> tuple[AckedGen, ...]:
+def generator_sums(rows: Sequence[BatchRow], fig: BatchFigures) -> tuple[AckedGen, ...]:
     """The ``acked`` event's per-generator sums: for each generator with rollouts in the batch
     (in their order), its samples and trained tokens, and the sums of :class:`AckSums` over its
     measured rollouts, with its largest rollout KL and its trained tokens the run's correction
-    weighs 0. ``fig`` has the per-rollout sums (``per_rollout=True``). Rollouts without a
+    weighs 0. ``fig`` has the per-rollout sums (acks.figures ``per_rollout``). Rollouts without a
     generator_id are in no entry."""
     names = list(dict.fromkeys(row.generator for row in rows if row.generator is not None))
     per = fig.per
@@ -157,11 +152,6 @@ def generator_sums(
         out: list[float] = np.bincount(g, weights=np.asarray(values)[named], minlength=n).tolist()
         return out
 
-    zero = np.zeros(len(rows), dtype=np.int64)
-    idx = measured_items(rows, current)
-    if idx:
-        items = [_item(rows[i], current[rows[i].rollout_id]) for i in idx]
-        zero[idx] = correct(items, config.correction).zero_weight
     kl_max: list[float | None] = [None] * n
     for j, k in zip(gi.tolist(), fig.kl, strict=True):
         top = kl_max[j] if j >= 0 else None
@@ -175,7 +165,7 @@ def generator_sums(
         by(per.ratio_tokens),
         by(per.ratio_sum),
         by(per.clipped),
-        by(zero),
+        by(per.zero_weight),
     )
     return tuple(
         AckedGen(

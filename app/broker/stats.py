@@ -18,7 +18,7 @@ figures would be. It also bounds a ready-made ``kl`` (schemas.AckBody). Sums ove
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -109,6 +109,12 @@ class PerRollout:
     ratio_tokens: I64
     ratio_sum: F64
     clipped: I64
+    zero_weight: I64  # trained tokens the correction weighs 0 (from ``zero_weights``)
+
+
+# Per rollout, the trained tokens weighing 0, from the log ratios of the trained tokens, their
+# segments' starts and lengths (app/broker/correction.py zero_weights, the run's correction).
+ZeroWeights = Callable[[F64, I64, I64], I64]
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,19 +162,24 @@ def _trained(
 
 
 def batch_figures(
-    items: Sequence[Measured], estimator: str, clip_epsilon: float, *, per_rollout: bool = False
+    items: Sequence[Measured],
+    estimator: str,
+    clip_epsilon: float,
+    *,
+    per_rollout: ZeroWeights | None = None,
 ) -> BatchFigures:
     """The figures of one batch. Rollouts with logprobs on both sides are measured together:
     their tokens are concatenated once and per-rollout sums taken by segment, so the cost is a
     handful of numpy calls per batch rather than per rollout. With ``per_rollout`` the sums
-    are also given rollout by rollout (two more passes over the tokens)."""
+    are also given rollout by rollout (two more passes over the tokens), with the trained
+    tokens weighing 0 that it counts."""
     per: list[float | None] = [None] * len(items)
     pairs = [
         (i, it.old, it.new) if it.mask is None else _trained(i, it.old, it.new, it.mask)
         for i, it in enumerate(items)
         if it.old is not None and it.new is not None
     ]
-    each = _PerBuild(len(items)) if per_rollout else None
+    each = _PerBuild(len(items)) if per_rollout is not None else None
     kl_sum, kl_tokens = 0.0, 0
     ratio_sum, clipped, ratio_tokens, ess = 0.0, 0, 0, None
     if pairs:
@@ -197,8 +208,9 @@ def batch_figures(
         for (i, _, _), mean in zip(pairs, (k_seq / lengths).tolist(), strict=True):
             per[i] = mean
         kl_sum = float(k_seq.sum())
-        if each is not None:
+        if each is not None and per_rollout is not None:
             each.kl_sum[each.index] = k_seq
+            each.zero_weight[each.index] = per_rollout(log_r, starts, lengths)
     for i, it in enumerate(items):
         if per[i] is None and it.kl is not None:
             per[i] = it.kl
@@ -233,6 +245,7 @@ class _PerBuild:
         self.ratio_tokens = np.zeros(n, dtype=np.int64)
         self.ratio_sum = np.zeros(n, dtype=np.float64)
         self.clipped = np.zeros(n, dtype=np.int64)
+        self.zero_weight = np.zeros(n, dtype=np.int64)
 
     def pairs(self, pairs: list[Any], lengths: I64, r_minus_1_sums: F64) -> None:
         self.index = np.array([i for i, _, _ in pairs], dtype=np.int64)
@@ -242,5 +255,10 @@ class _PerBuild:
 
     def done(self) -> PerRollout:
         return PerRollout(
-            self.kl_tokens, self.kl_sum, self.ratio_tokens, self.ratio_sum, self.clipped
+            self.kl_tokens,
+            self.kl_sum,
+            self.ratio_tokens,
+            self.ratio_sum,
+            self.clipped,
+            self.zero_weight,
         )

@@ -74,7 +74,7 @@ class Training:
             current = current_logprobs(rows, body.logprobs)
         named = any(row.generator is not None for row in rows)
         fig, stats = ack_figures(rows, current, ready_kl, view.config, per_rollout=named)
-        gens = generator_sums(rows, fig, current, view.config) if named else ()
+        gens = generator_sums(rows, fig) if named else ()
         event = acked_event(batch_id, body.step, view.policy_version, rows, fig, stats, gens)
         try:
             with self._refusals(run_id, batch_id=batch_id):
