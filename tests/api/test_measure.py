@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from app import keys
+from app.broker.replies import StoreError
 from app.events import Acked, decode_payload
 from app.main import create_app
 from tests.api.support import MSGPACK, asgi_client, assert_error, events, nack, set_policy
@@ -72,13 +73,17 @@ async def _leased(api: Any, run_id: str, seed: int, n: int = 6, **config: Any) -
     return batch
 
 
-def _new(batch: dict[str, Any], seed: int, scale: float = 0.3) -> dict[str, list[float]]:
+def _new(
+    batch: dict[str, Any], seed: int, scale: float = 0.3, *, exact: bool = True
+) -> dict[str, list[float]]:
+    """The trainer's logprobs: the behaviour's shifted at random; ``exact``: float32 values."""
     rng = np.random.default_rng(seed)
     out = {}
     for r in batch["rollouts"]:
         n = len(r["response_ids"])
         old = np.asarray(r["logprobs"] if r["logprobs"] is not None else [-1.0] * n)
-        out[r["rollout_id"]] = _f32(np.minimum(old + rng.normal(0, scale, n), 0.0))
+        values = np.minimum(old + rng.normal(0, scale, n), 0.0)
+        out[r["rollout_id"]] = _f32(values) if exact else values.tolist()
     return out
 
 
@@ -177,34 +182,45 @@ def _acked(evs: list[tuple[str, dict[str, Any]]]) -> Acked:
     return dataclasses.replace(got, batch_id="")
 
 
+@pytest.mark.parametrize("with_kl", [False, True])
 @pytest.mark.parametrize("form", ["json", "float32"])
-async def test_an_ack_without_logprobs_after_a_measure_uses_the_kept_ones(api, redis, prefix, form):
+async def test_an_ack_without_logprobs_after_a_measure_uses_the_kept_ones(
+    api, redis, prefix, form, with_kl
+):
+    """The same batch on two runs: measured then acked with no logprobs, and acked with the
+    logprobs. JSON floats not exact in float32 are kept as they came; a ready-made ``kl`` in
+    the ack stands for its rollout's kept logprobs."""
     gens = ["g-a", "g-b", None]
     one = await _leased(api, "r1", seed=5, gens=gens)
     two = await _leased(api, "r2", seed=5, gens=gens)
-    new = _new(one, seed=6)
+    new = _new(one, seed=6, exact=form == "float32")
+    kl = {one["rollouts"][0]["rollout_id"]: 0.0125} if with_kl else {}
+    rest = {rid: v for rid, v in new.items() if rid not in kl}
+    path = "/v1/runs/{}/batches/{}/{}"
     if form == "json":
         resp = await _measure(api, "r1", one["batch_id"], new)
-        carried = await ack(api, "r2", two["batch_id"], logprobs=new)
+        carried = await ack(api, "r2", two["batch_id"], logprobs=rest, kl=kl)
     else:
-        path = "/v1/runs/{}/batches/{}/{}"
         resp = await api.post(
             path.format("r1", one["batch_id"], "measure"), content=_f32_body(new), headers=MSGPACK
         )
+        body = msgpack.packb(
+            {"logprobs": {r: np.asarray(v, "<f4").tobytes() for r, v in rest.items()}, "kl": kl}
+        )
         carried = await api.post(
-            path.format("r2", two["batch_id"], "ack"), content=_f32_body(new), headers=MSGPACK
+            path.format("r2", two["batch_id"], "ack"), content=body, headers=MSGPACK
         )
     assert resp.status_code == 200, resp.text
-    kept = await ack(api, "r1", one["batch_id"])
+    kept = await ack(api, "r1", one["batch_id"], **({"kl": kl} if kl else {}))
     assert kept.status_code == carried.status_code == 200, (kept.text, carried.text)
     assert kept.json()["stats"] == carried.json()["stats"]
     assert kept.json()["stats"]["kl_mean"] is not None
     a1, a2 = _acked(await events(redis, prefix, "r1")), _acked(await events(redis, prefix, "r2"))
     assert a1 == a2
     assert [g.generator_id for g in a1.gens] == ["g-a", "g-b"]
-    # The batch's hash no longer needs them once acked: nothing reads them.
-    stats = {k: resp.json()["stats"][k] for k in kept.json()["stats"]}
-    assert stats == kept.json()["stats"]
+    if not kl:  # the measure's stats are the figures of the ack that follows it
+        stats = {k: resp.json()["stats"][k] for k in kept.json()["stats"]}
+        assert stats == kept.json()["stats"]
 
 
 async def test_a_second_measure_replaces_the_first_and_an_ack_with_logprobs_uses_its_own(api):
@@ -252,7 +268,7 @@ async def test_bad_logprobs_are_422_and_leave_the_kept_ones(api):
     assert acked == {k: kept[k] for k in acked}
 
 
-async def test_measure_of_a_settled_expired_or_unknown_batch_is_refused(api, redis, prefix):
+async def test_measure_of_a_settled_expired_or_unknown_batch_is_refused(api, redis, prefix, store):
     await make_run(api, "r1", max_reuse=5)
     await post(api, "r1", *(rollout(f"x{i}") for i in range(6)))
     lp = {f"x{i}": [-0.5] * 4 for i in range(6)}
@@ -264,12 +280,19 @@ async def test_measure_of_a_settled_expired_or_unknown_batch_is_refused(api, red
     assert (await measured(acked)).status_code == 200
     assert (await ack(api, "r1", acked["batch_id"])).status_code == 200
     assert "acked" in assert_error(await measured(acked), 409, "BatchSettled")
+    # The script refuses too (a measure that read the batch just before its ack).
+    with pytest.raises(StoreError) as refused:
+        await store.measure("r1", acked["batch_id"], b"f")
+    assert (refused.value.code, refused.value.args_) == ("batch_settled", ("acked",))
     nacked = (await lease(api, "r1", 2)).json()
     assert (await measured(nacked)).status_code == 200
     assert (await nack(api, "r1", nacked["batch_id"])).status_code == 200
     bkey = keys.member_key(prefix, "r1", keys.BATCH, nacked["batch_id"])
     assert not await redis.hexists(bkey, "ml")  # freed when the batch ended
     assert "nacked" in assert_error(await measured(nacked), 409, "BatchSettled")
+    with pytest.raises(StoreError) as refused:
+        await store.measure("r1", nacked["batch_id"], b"f")
+    assert (refused.value.code, refused.value.args_) == ("batch_settled", ("nacked",))
     unknown = {"batch_id": "no-such-batch", "rollouts": []}
     assert_error(await measured(unknown), 404, "BatchNotFound")
     await api.patch("/v1/runs/r1/config", json={"lease_timeout_s": 0.2})

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import msgpack
 import numpy as np
 import pytest
 from rollout_broker_client import (
@@ -16,6 +17,7 @@ from rollout_broker_client import (
     Rollout,
     SyncASGITransport,
 )
+from rollout_broker_client._wire import Api, parse_measure
 
 from app.main import create_app
 from app.settings import Settings
@@ -95,3 +97,23 @@ def test_sync_measure_in_process(settings: Settings) -> None:
             _check(m, order)
         assert batch.ack_result is not None
         assert batch.ack_result.stats.kl_mean == pytest.approx(m.stats.kl_mean, rel=1e-12)
+
+
+def test_weights_come_in_batch_order_from_either_answer() -> None:
+    """The answer's weights are put in the batch's order, whatever order the answer has: as
+    float32 bytes (a msgpack answer, which the msgpack client asks for) or as lists."""
+    order = ["a", "b"]
+    stats = {"kl_mean": 0.1, "masked_fraction": 0.0, "chi2": 0.5}
+    for weights in (
+        {"b": np.float32([2.5]).tobytes(), "a": np.float32([1.5, 0.5]).tobytes()},
+        {"b": [2.5], "a": [1.5, 0.5]},
+    ):
+        body = {"weights": weights, "sequence_weights": {"b": 2.5, "a": 1.0}, "stats": stats}
+        m = parse_measure(body, order)
+        assert list(m.weights) == list(m.sequence_weights) == order
+        assert m.weights["a"].dtype == np.float32
+        assert m.weights["a"].tolist() == [1.5, 0.5]
+        assert m.stats.chi2 == 0.5 and m.stats.kl_max is None and m.kl_coef is None
+    call = Api("msgpack", None, None).measure("r", "b", {"a": [-1.0]}, order)
+    assert "application/msgpack" in call.headers["accept"]
+    assert msgpack.unpackb(call.content)["logprobs"]["a"] == np.float32([-1.0]).tobytes()
