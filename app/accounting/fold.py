@@ -23,6 +23,7 @@ from app.events import (
     Duplicate,
     Event,
     EventError,
+    GeneratorChanged,
     Leased,
     PartialsChanged,
     PassesChanged,
@@ -107,6 +108,8 @@ def fold_events(events: Iterable[Event]) -> Fold:
             _fold_reward_expired(fold, body)
         elif isinstance(body, Waited):
             _fold_waited(fold, body)
+        elif isinstance(body, GeneratorChanged):
+            pass  # the per-generator ledger is not kept yet
         else:
             assert_never(body)
     return fold

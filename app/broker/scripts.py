@@ -35,6 +35,7 @@ SCRIPTS = (
     "reward_lease",
     "score",
     "reward_return",
+    "release",
 )
 
 

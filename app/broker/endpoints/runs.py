@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Annotated, Literal
+from urllib.parse import unquote_to_bytes
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
@@ -16,12 +17,21 @@ from app.api import (
     render,
     request_body,
 )
+from app.broker import quarantine
 from app.broker.config import NULLABLE_CONFIG, RunConfigPatch
 from app.broker.endpoints.deps import broker_of
-from app.broker.schemas import CreateRun, PolicyOut, PolicyResult, PolicyUpdate, Run, RunList
+from app.broker.schemas import (
+    CreateRun,
+    PolicyOut,
+    PolicyResult,
+    PolicyUpdate,
+    ReleaseResult,
+    Run,
+    RunList,
+)
 from app.caller import check_run
 from app.errors import Forbidden, ValidationFailed
-from app.ids import MAX_VERSION, RUN_ID_PATTERN, RunId
+from app.ids import MAX_VERSION, RUN_ID_PATTERN, ItemId, RunId
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 
@@ -166,3 +176,24 @@ async def get_policy(
     if got is None:
         return Response(status_code=204)
     return render(got)
+
+
+@router.post(
+    "/{run_id}/generators/{generator_id:path}/release",
+    response_model=ReleaseResult,
+    responses=errors((422, "The generator id is not a valid id")),
+)
+async def release_generator(run_id: RunId, generator_id: ItemId, request: Request) -> Response:
+    """Lift a generator's quarantine (``generator_kl_max``): it may post rollouts and take work
+    again, and its KL window starts afresh. ``released`` is false when it was not quarantined."""
+    try:
+        # A generator id may hold any printable character, U+FFFD included, so a path that is
+        # not UTF-8 once percent-decoded (which decoding turns into U+FFFD) is refused here.
+        unquote_to_bytes(request.scope.get("raw_path", b"").decode("latin-1")).decode()
+    except UnicodeDecodeError:
+        raise ValidationFailed("generator_id: the path is not UTF-8 once percent-decoded") from None
+    result = await quarantine.release(
+        broker_of(request).store, run_id, generator_id, caller_of(request)
+    )
+    await move_actions(request, run_id)
+    return render(result)
