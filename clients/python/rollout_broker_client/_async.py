@@ -793,9 +793,8 @@ class AsyncLeasedBatch(Batch):
         if self._client is None:
             raise RuntimeError("this batch was not leased through a client")
         order = [r.rollout_id for r in self.rollouts]
-        return await self._client.measure(
-            self._run_id, self.batch_id, self._by_id(logprobs), order=order
-        )
+        given = self._by_id(logprobs)
+        return await self._client.measure(self._run_id, self.batch_id, given, order=order)
 
 
 class AsyncLease:

@@ -791,7 +791,8 @@ class LeasedBatch(Batch):
         if self._client is None:
             raise RuntimeError("this batch was not leased through a client")
         order = [r.rollout_id for r in self.rollouts]
-        return self._client.measure(self._run_id, self.batch_id, self._by_id(logprobs), order=order)
+        given = self._by_id(logprobs)
+        return self._client.measure(self._run_id, self.batch_id, given, order=order)
 
 
 class Lease:
