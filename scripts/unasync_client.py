@@ -37,6 +37,7 @@ HEADER = (
 NAMES = {
     "AsyncBrokerClient": "BrokerClient",
     "AsyncRolloutWriter": "RolloutWriter",
+    "AsyncLeasedBatch": "LeasedBatch",
     "AsyncLease": "Lease",
     "AsyncWork": "Work",
     "AsyncWorkLoop": "WorkLoop",
@@ -64,6 +65,7 @@ CODE = (
 PROSE_NAMES = (
     "AsyncBrokerClient",
     "AsyncRolloutWriter",
+    "AsyncLeasedBatch",
     "AsyncLease",
     "AsyncWorkLoop",
     "AsyncWork",

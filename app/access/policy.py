@@ -2,7 +2,7 @@
 and whether a caller's token lets it touch a run.
 
 Scopes: ``generate`` posts rollouts and takes and returns work; ``reward`` leases rollouts to
-score and posts their rewards; ``train`` leases, acks, nacks and
+score and posts their rewards; ``train`` leases, measures, acks, nacks and
 sets the policy version; ``operate`` creates, patches, closes and deletes runs, registers prompts
 and reads the accounting and the audit log; ``admin`` manages tokens. An ``admin`` token may do
 everything (it could mint itself any other token anyway). Any scope may read the runs it may
@@ -72,6 +72,7 @@ ROUTES: Final[dict[tuple[str, str], Rule]] = {
     ("GET", "/v1/runs/{run_id}/batch"): changing(Scope.TRAIN),  # it leases a batch
     ("POST", "/v1/runs/{run_id}/batches/{batch_id}/ack"): changing(Scope.TRAIN),
     ("POST", "/v1/runs/{run_id}/batches/{batch_id}/nack"): changing(Scope.TRAIN),
+    ("POST", "/v1/runs/{run_id}/batches/{batch_id}/measure"): changing(Scope.TRAIN),
     ("POST", "/v1/runs/{run_id}/prompts"): changing(Scope.OPERATE),
     ("GET", "/v1/runs/{run_id}/prompts"): reading(Scope.OPERATE),
     ("POST", "/v1/runs/{run_id}/work"): changing(Scope.GENERATE),

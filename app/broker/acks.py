@@ -5,6 +5,7 @@ checked and set against the generator's (:mod:`app.broker.stats` computes the fi
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import msgpack
@@ -13,6 +14,7 @@ import numpy.typing as npt
 
 from app.broker.behaviour import BatchRow
 from app.broker.config import RunConfig
+from app.broker.correction import zero_weights
 from app.broker.packing import as_logprobs, check_logprobs
 from app.broker.records import BatchMember
 from app.broker.replies import AckAnswer
@@ -20,7 +22,7 @@ from app.broker.schemas import AckResult, BatchStats
 from app.broker.stats import BatchFigures, Measured, batch_figures
 from app.broker.tokens import hand_out
 from app.errors import ValidationFailed
-from app.events import Acked, AckedItem, AckStats, AckSums, pack_payload
+from app.events import Acked, AckedGen, AckedItem, AckStats, AckSums, pack_payload
 
 
 def check_ack_ids(
@@ -49,10 +51,22 @@ def measure(
     kl: Mapping[str, float],
     config: RunConfig,
 ) -> tuple[BatchFigures, BatchStats]:
-    """The batch's off-policy figures from the trainer's logprobs (or ready-made kl values).
-    Ready-made kl values were bounded by AckBody, and stats.py caps what it computes: every
-    figure is finite, so the acked event can always be applied."""
-    current = current_logprobs(rows, logprobs)
+    """The batch's off-policy figures from the trainer's logprobs (or ready-made kl values)."""
+    return figures(rows, current_logprobs(rows, logprobs), kl, config)
+
+
+def figures(
+    rows: Sequence[BatchRow],
+    current: Mapping[str, npt.NDArray[np.floating[Any]]],
+    kl: Mapping[str, float],
+    config: RunConfig,
+    *,
+    per_rollout: bool = False,
+) -> tuple[BatchFigures, BatchStats]:
+    """The batch's off-policy figures from logprobs :func:`current_logprobs` checked (or
+    ready-made kl values); with ``per_rollout``, its sums rollout by rollout as well. Ready-made
+    kl values were bounded by AckBody, and stats.py caps what it computes: every figure is
+    finite, so the acked event can always be applied."""
     items = [
         Measured(
             row.old,
@@ -63,7 +77,8 @@ def measure(
         )
         for row in rows
     ]
-    fig = batch_figures(items, config.kl_estimator, config.clip_epsilon)
+    zero = partial(zero_weights, correction=config.correction) if per_rollout else None
+    fig = batch_figures(items, config.kl_estimator, config.clip_epsilon, per_rollout=zero)
     stats = BatchStats(
         kl_mean=fig.kl_mean,
         kl_max=fig.kl_max,
@@ -92,14 +107,15 @@ def batch_row(m: BatchMember, V: int, floor: int | None) -> BatchRow:
     given = hand_out(
         doc.get("k"), doc.get("vs"), doc.get("v", m.policy_version), m.tokens, V, floor
     )
-    return BatchRow(m.rollout_id, m.policy_version, m.tokens, old, given)
+    return BatchRow(m.rollout_id, m.policy_version, m.tokens, old, given, doc.get("gi"))
 
 
 def current_logprobs(
-    rows: Sequence[BatchRow], given: dict[str, Any]
+    rows: Sequence[BatchRow], given: dict[str, Any], call: str = "ack"
 ) -> dict[str, npt.NDArray[np.floating[Any]]]:
-    """The ack's logprobs by rollout id. They are validated in one pass over all the batch's
-    tokens; only when that fails is each rollout checked, to name the one at fault."""
+    """The logprobs of an ack (or of the ``call`` named) by rollout id. They are validated in
+    one pass over all the batch's tokens; only when that fails is each rollout checked, to
+    name the one at fault."""
     arrays: dict[str, npt.NDArray[np.floating[Any]]] = {}
     for row in rows:
         value = given.get(row.rollout_id)
@@ -108,17 +124,17 @@ def current_logprobs(
         if isinstance(value, bytes) and len(value) == 4 * row.tokens:
             arr = np.frombuffer(value, dtype="<f4")  # raw float32, one per token
         else:
-            what = f"ack logprobs of rollout {row.rollout_id!r}"
+            what = f"{call} logprobs of rollout {row.rollout_id!r}"
             arr = as_logprobs(value, what)
             if arr.size != row.tokens:
                 raise ValidationFailed(f"{what}: {arr.size} values for {row.tokens} tokens")
         arrays[row.rollout_id] = arr
     if arrays:
         try:
-            check_logprobs(np.concatenate(list(arrays.values())), "ack logprobs")
+            check_logprobs(np.concatenate(list(arrays.values())), f"{call} logprobs")
         except ValidationFailed:
             for rid, arr in arrays.items():
-                check_logprobs(arr, f"ack logprobs of rollout {rid!r}")
+                check_logprobs(arr, f"{call} logprobs of rollout {rid!r}")
             raise
     return arrays
 
@@ -140,6 +156,7 @@ def acked_event(
     rows: Sequence[BatchRow],
     fig: BatchFigures,
     stats: BatchStats,
+    gens: tuple[AckedGen, ...] = (),
 ) -> bytes:
     """The ``acked`` event's payload, without ``t``: the ack script adds it when it records it."""
     return pack_payload(
@@ -165,5 +182,6 @@ def acked_event(
                 ratio_sum=fig.ratio_sum,
                 clipped=fig.clipped,
             ),
+            gens=gens,
         ),
     )

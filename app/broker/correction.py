@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from app.broker.config import Correction
-from app.broker.stats import Measured
+from app.broker.stats import Measured, segment_sums
 
 F64 = npt.NDArray[np.float64]
 F32 = npt.NDArray[np.float32]
@@ -35,6 +35,10 @@ I64 = npt.NDArray[np.int64]
 WEIGHT_CAP = float(np.finfo(np.float32).max)
 # A log ratio is capped here before exp: exp(89) ≈ 4.5e38 is finite in float64 and above the cap.
 _LOG_SATURATE = 89.0
+# The largest weight that is 0 in float32 (round to nearest even: 2**-150 is a tie, to 0).
+_F32_ZERO = 2.0**-150
+# Above this log ratio a ratio is not 0 in float32: exp(-103) ≈ 1.9e-45 > 2**-150 ≈ 7.0e-46.
+_NO_UNDERFLOW = -103.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +47,7 @@ class Corrected:
 
     weights: list[F32]  # per rollout, aligned with its response tokens (views of one array)
     sequence_weights: F32  # one per rollout; 0 for a rollout with no trained token
+    zero_weight: I64  # per rollout: its trained tokens weighing 0
     masked_fraction: float | None  # share of trained tokens weighing 0; None: none trained
     chi2: float | None  # χ² estimate over the sequence ratios; None: no rollout trained
 
@@ -84,17 +89,6 @@ def _batch(items: Sequence[Measured]) -> _Batch:
             np.multiply(part, kept, out=part)  # finite × 0 = 0: mask-0 tokens add nothing
             trained[i] = np.count_nonzero(kept)
     return _Batch(log_r, keep, lengths, trained, starts)
-
-
-def segment_sums(values: F64, starts: I64, lengths: I64) -> F64:
-    """Per-rollout sums of a concatenated array. ``np.add.reduceat`` gives an empty segment
-    the next element instead of 0 (and fails on one at the very end), so only non-empty
-    segments are reduced: each then runs exactly to the next non-empty one's start."""
-    sums = np.zeros(lengths.size, dtype=np.float64)
-    full = lengths > 0
-    if values.size:
-        sums[full] = np.add.reduceat(values, starts[full])
-    return sums
 
 
 def _ratio(log_x: F64) -> F64:
@@ -140,6 +134,24 @@ def chi2(seq_log: F64) -> float | None:
     return float(np.dot(rho, rho) / n)
 
 
+def zero_weights(log_r: F64, starts: I64, lengths: I64, correction: Correction) -> I64:
+    """Per rollout, the trained tokens :func:`correct` weighs 0, from the log ratios of the
+    trained tokens only, concatenated (``starts`` and ``lengths`` their segments): what the
+    ack's per-generator sums need, without the weights. At token level under ``truncate`` or
+    ``none`` only a ratio that underflows float32 weighs 0, which one reduction rules out for
+    a batch near on-policy; otherwise the weights are computed as :func:`correct` does and
+    compared in float64 with the largest value float32 rounds to 0."""
+    if correction.level == "token":
+        if correction.mode != "mask" and (not log_r.size or float(log_r.min()) > _NO_UNDERFLOW):
+            return np.zeros(lengths.size, dtype=np.int64)
+        w = _apply(_ratio(log_r.copy()), correction)
+        zero: I64 = segment_sums(w <= _F32_ZERO, starts, lengths)
+        return zero
+    seq_log = segment_sums(log_r, starts, lengths)
+    seq_w = _apply(_ratio(_level_log(seq_log, lengths, correction.level)), correction)
+    return np.where(seq_w <= _F32_ZERO, lengths, 0)
+
+
 def correct(items: Sequence[Measured], correction: Correction) -> Corrected:
     """The weights, sequence weights, ``masked_fraction`` and ``chi2`` of one batch. Every
     rollout needs logprobs on both sides (``old`` and ``new``) of equal length, and its mask,
@@ -166,12 +178,16 @@ def correct(items: Sequence[Measured], correction: Correction) -> Corrected:
             np.multiply(weights, b.keep, out=weights)
     total = int(b.trained.sum())
     # Counted on the float32 weights the trainer receives: mask-0 tokens are the other zeros.
-    zero = int(np.count_nonzero(weights == 0)) - (int(b.lengths.sum()) - total)
+    if correction.level == "token":
+        zero = segment_sums(weights == 0, b.starts, b.lengths) - (b.lengths - b.trained)
+    else:
+        zero = np.where(seq_w.astype(np.float32) == 0, b.trained, 0)
     return Corrected(
         weights=[
             weights[s : s + n] for s, n in zip(b.starts.tolist(), b.lengths.tolist(), strict=True)
         ],
         sequence_weights=seq_w.astype(np.float32),
-        masked_fraction=zero / total if total else None,
+        zero_weight=zero,
+        masked_fraction=int(zero.sum()) / total if total else None,
         chi2=chi2(seq_log[b.trained > 0]),
     )

@@ -107,6 +107,7 @@ class BatchView:
     answer: AckAnswer | None  # when acked
     members: list[BatchMember]  # while leased, when asked for
     token_floor: int | None = None  # as the lease fixed it (Lease.token_floor)
+    measured: bytes | None = None  # the logprobs measure.lua kept, when asked for and any
 
 
 @dataclass(frozen=True, slots=True)

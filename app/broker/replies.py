@@ -181,6 +181,10 @@ REFUSALS: dict[str, Refusal] = {
     ),
     "batch_nacked": Refusal(BatchSettled, "batch {batch_id!r} was nacked; it cannot be acked"),
     "batch_acked": Refusal(BatchSettled, "batch {batch_id!r} was acked; it cannot be nacked"),
+    # arg: the batch's state, 'acked' or 'nacked'
+    "batch_settled": Refusal(
+        BatchSettled, "batch {batch_id!r} was already {0}; it can no longer be measured"
+    ),
     "lease_expired": Refusal(
         LeaseExpired, "the lease of batch {batch_id!r} expired; its rollouts went back"
     ),

@@ -214,6 +214,34 @@ class NackResult(BaseModel):
     returned: int
 
 
+class MeasureBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    logprobs: dict[str, Floats]
+
+
+class MeasureMsgpack(MeasureBody):
+    logprobs: dict[str, Floats | bytes]  # type: ignore[assignment]
+
+
+class MeasureStats(BatchStats):
+    masked_fraction: float | None = Field(
+        description="Share of the measured rollouts' trained tokens whose weight is 0"
+    )
+    chi2: float | None = Field(
+        description="mean(ρ²) − 1 over the measured rollouts' sequence ratios ρ, normalised to "
+        "mean 1"
+    )
+
+
+class MeasureResult(BaseModel):
+    weights: dict[str, list[float]] = Field(
+        description="Per rollout, one weight per response token (0 on tokens not trained)"
+    )
+    sequence_weights: dict[str, float]
+    stats: MeasureStats
+    kl_coef: float | None  # the adaptive KL penalty's β to use now; null when off
+
+
 __all__ = [
     "AckBody",
     "AckMsgpack",
@@ -223,6 +251,10 @@ __all__ = [
     "IngestJSON",
     "IngestMsgpack",
     "IngestResult",
+    "MeasureBody",
+    "MeasureMsgpack",
+    "MeasureResult",
+    "MeasureStats",
     "NackResult",
     "PolicyOut",
     "PolicyResult",

@@ -27,6 +27,7 @@ SCRIPTS = (
     "batch_view",
     "ack",
     "nack",
+    "measure",
     "sweep",
     "register_prompts",
     "work",

@@ -16,7 +16,6 @@ from typing import Any, TypeVar
 from rollout_broker_client.protocol import new_run_id
 
 from app import keys
-from app.broker.acks import ack_result, acked_event, batch_row, check_ack_ids, measure
 from app.broker.behaviour import BatchRow, BehaviourCache
 from app.broker.config import RunConfig, RunConfigPatch
 from app.broker.generators import unnamed_attempts, with_lease_generators
@@ -33,10 +32,7 @@ from app.broker.replies import ErrorContext, StoreError, error_for
 from app.broker.rewards import Rewards
 from app.broker.run_index import ORPHAN_GRACE_MS, RunStatus, Visible
 from app.broker.schemas import (
-    AckBody,
-    AckResult,
     IngestResult,
-    NackResult,
     PartialJSON,
     PartialMsgpack,
     PolicyOut,
@@ -49,11 +45,12 @@ from app.broker.schemas import (
     RunList,
     WorkBody,
 )
-from app.broker.store import BatchView, Lease, RedisStore, RunState
+from app.broker.store import Lease, RedisStore, RunState
 from app.broker.tokens import U8Array, hand_out
+from app.broker.training import Training
 from app.broker.views import WorkAnswer, iso_ms, run_view, work_answer
 from app.caller import Caller, action_entry
-from app.errors import BrokerError, ValidationFailed
+from app.errors import ValidationFailed
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +98,9 @@ class Broker:
         self.behaviour = BehaviourCache(behaviour_cache_bytes)
         self.rewards = Rewards(
             store, waker, check_wait=self.check_wait, check_count=self.check_count
+        )
+        self.training = Training(
+            store, self.behaviour, self._refusals, max_batch_size=max_batch_size
         )
 
     @contextlib.contextmanager
@@ -344,7 +344,7 @@ class Broker:
             given = hand_out(r.loss_mask, r.versions, r.policy_version, n, V, floor)
             # Counted under the version the lease script judged it by (its lag's), answered
             # with its lag by v_old (the SPEC's).
-            rows.append(BatchRow(r.rollout_id, V - lr.lag, n, r.logprobs, given))
+            rows.append(BatchRow(r.rollout_id, V - lr.lag, n, r.logprobs, given, r.generator_id))
             out.append((r, lr.uses, V - r.policy_version, given.mask, pid))
         self.behaviour.put(run_id, got.batch_id, rows)
         return LeasedBatch(
@@ -354,60 +354,6 @@ class Broker:
             kl_coef=got.kl_coef,
             rollouts=out,
         )
-
-    def check_ack_count(self, n: int) -> None:
-        """The most rollouts one ack may name (in its logprobs, or its kl): a batch's."""
-        if n > self.max_batch_size:
-            raise ValidationFailed(
-                f"{n} rollouts named in one ack, at most {self.max_batch_size} (the largest batch)"
-            )
-
-    async def ack(self, run_id: str, batch_id: str, body: AckBody) -> AckResult:
-        new_lp: dict[str, Any] = body.logprobs or {}
-        ready_kl = body.kl or {}
-        view, rows = await self._batch_for_ack(run_id, batch_id)
-        if view.answer is not None:  # acked before: the same answer again
-            self.behaviour.pop(run_id, batch_id)
-            return ack_result(view.answer, view.size)
-        check_ack_ids(batch_id, rows, new_lp, ready_kl)
-        fig, stats = measure(rows, new_lp, ready_kl, view.config)
-        try:
-            with self._refusals(run_id, batch_id=batch_id):
-                _, answer = await self.store.ack(
-                    run_id,
-                    batch_id,
-                    kl_mean=fig.kl_mean,
-                    event=acked_event(batch_id, body.step, view.policy_version, rows, fig, stats),
-                    stats_text=stats.model_dump_json(),
-                )
-        finally:
-            self.behaviour.pop(run_id, batch_id)
-        return ack_result(answer, view.size)
-
-    async def _batch_for_ack(self, run_id: str, batch_id: str) -> tuple[BatchView, list[BatchRow]]:
-        """The batch's state and, while it is leased, its rollouts as the ack measures them:
-        kept from this process's lease, else read back from Redis with the stored blobs."""
-        kept = self.behaviour.get(run_id, batch_id)
-        try:
-            with self._refusals(run_id, batch_id=batch_id):
-                view = await self.store.batch_view(
-                    run_id,
-                    batch_id,
-                    # The blobs hold each rollout's mask and versions: what it trained.
-                    rollouts="none" if kept is not None else "blobs",
-                )
-        except BrokerError:
-            self.behaviour.pop(run_id, batch_id)  # nacked, expired or gone: no ack will come
-            raise
-        if kept is not None:
-            return view, kept
-        return view, [batch_row(m, view.policy_version, view.token_floor) for m in view.members]
-
-    async def nack(self, run_id: str, batch_id: str) -> NackResult:
-        self.behaviour.pop(run_id, batch_id)
-        with self._refusals(run_id, batch_id=batch_id):
-            _, n = await self.store.nack(run_id, batch_id)
-        return NackResult(returned=n)
 
     # -- prompts and work leases ----------------------------------------------------------
     async def register_prompts(

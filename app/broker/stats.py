@@ -18,7 +18,7 @@ figures would be. It also bounds a ready-made ``kl`` (schemas.AckBody). Sums ove
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
 
 # The largest per-token importance ratio or KL estimate, and the largest ready-made KL.
 FIGURE_CAP = 1e40
@@ -99,6 +100,24 @@ class Measured(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
+class PerRollout:
+    """The sums of :class:`BatchFigures` rollout by rollout (0 for one not measured), for the
+    per-generator sums of the ``acked`` event."""
+
+    kl_tokens: I64
+    kl_sum: F64
+    ratio_tokens: I64
+    ratio_sum: F64
+    clipped: I64
+    zero_weight: I64  # trained tokens the correction weighs 0 (from ``zero_weights``)
+
+
+# Per rollout, the trained tokens weighing 0, from the log ratios of the trained tokens, their
+# segments' starts and lengths (app/broker/correction.py zero_weights, the run's correction).
+ZeroWeights = Callable[[F64, I64, I64], I64]
+
+
+@dataclass(frozen=True, slots=True)
 class BatchFigures:
     kl: list[float | None]  # per rollout, None = not measured
     kl_mean: float | None
@@ -112,6 +131,19 @@ class BatchFigures:
     ratio_tokens: int
     ratio_sum: float
     clipped: int
+    per: PerRollout | None = None  # asked for with per_rollout=True
+
+
+def segment_sums(values: npt.NDArray[Any], starts: I64, lengths: I64) -> npt.NDArray[Any]:
+    """Per-rollout sums of a concatenated array. ``np.add.reduceat`` gives an empty segment
+    the next element instead of 0 (and fails on one at the very end), so only non-empty
+    segments are reduced: each then runs exactly to the next non-empty one's start. Counts of
+    a boolean array come as int64."""
+    sums = np.zeros(lengths.size, dtype=values.dtype if values.dtype != np.bool_ else np.int64)
+    full = lengths > 0
+    if values.size:
+        sums[full] = np.add.reduceat(values, starts[full], dtype=sums.dtype)
+    return sums
 
 
 def ess_fraction(seq_log_w: F64) -> float:
@@ -129,16 +161,25 @@ def _trained(
     return i, old[keep], new[keep]
 
 
-def batch_figures(items: Sequence[Measured], estimator: str, clip_epsilon: float) -> BatchFigures:
+def batch_figures(
+    items: Sequence[Measured],
+    estimator: str,
+    clip_epsilon: float,
+    *,
+    per_rollout: ZeroWeights | None = None,
+) -> BatchFigures:
     """The figures of one batch. Rollouts with logprobs on both sides are measured together:
     their tokens are concatenated once and per-rollout sums taken by segment, so the cost is a
-    handful of numpy calls per batch rather than per rollout."""
+    handful of numpy calls per batch rather than per rollout. With ``per_rollout`` the sums
+    are also given rollout by rollout (two more passes over the tokens), with the trained
+    tokens weighing 0 that it counts."""
     per: list[float | None] = [None] * len(items)
     pairs = [
         (i, it.old, it.new) if it.mask is None else _trained(i, it.old, it.new, it.mask)
         for i, it in enumerate(items)
         if it.old is not None and it.new is not None
     ]
+    each = _PerBuild(len(items)) if per_rollout is not None else None
     kl_sum, kl_tokens = 0.0, 0
     ratio_sum, clipped, ratio_tokens, ess = 0.0, 0, 0, None
     if pairs:
@@ -150,26 +191,33 @@ def batch_figures(items: Sequence[Measured], estimator: str, clip_epsilon: float
         lengths = np.array([o.size for _, o, _ in pairs], dtype=np.int64)
         starts = np.zeros(len(pairs), dtype=np.int64)
         np.cumsum(lengths[:-1], out=starts[1:])
-        ess = ess_fraction(np.add.reduceat(log_r, starts))
+        ess = ess_fraction(segment_sums(log_r, starts, lengths))
         saturates = _saturates(log_r)
         # r - 1 rather than r: exact near 1, where on-policy tokens are, and it serves k3,
         # the ratio sum (n + Σ(r - 1)) and the clip test alike.
         r_minus_1 = ratio_minus_1(log_r, out=buf, saturates=saturates)
         ratio_tokens = kl_tokens = int(log_r.size)
         ratio_sum = ratio_tokens + float(r_minus_1.sum())
-        clipped = int(
-            np.count_nonzero(r_minus_1 > clip_epsilon) + np.count_nonzero(r_minus_1 < -clip_epsilon)
-        )
+        out = (r_minus_1 > clip_epsilon) | (r_minus_1 < -clip_epsilon)
+        clipped = int(np.count_nonzero(out))
+        if each is not None:
+            each.pairs(pairs, lengths, segment_sums(r_minus_1, starts, lengths))
+            each.clipped[each.index] = segment_sums(out, starts, lengths)
         k = kl_per_token(log_r, estimator, r_minus_1, out=buf, saturates=saturates)
-        k_seq = np.add.reduceat(k, starts)
+        k_seq = segment_sums(k, starts, lengths)
         for (i, _, _), mean in zip(pairs, (k_seq / lengths).tolist(), strict=True):
             per[i] = mean
         kl_sum = float(k_seq.sum())
+        if each is not None and per_rollout is not None:
+            each.kl_sum[each.index] = k_seq
+            each.zero_weight[each.index] = per_rollout(log_r, starts, lengths)
     for i, it in enumerate(items):
         if per[i] is None and it.kl is not None:
             per[i] = it.kl
             kl_sum += it.kl * it.tokens
             kl_tokens += it.tokens
+            if each is not None:
+                each.kl_sum[i], each.kl_tokens[i] = it.kl * it.tokens, it.tokens
     measured = [x for x in per if x is not None]
     return BatchFigures(
         kl=per,
@@ -183,4 +231,34 @@ def batch_figures(items: Sequence[Measured], estimator: str, clip_epsilon: float
         ratio_tokens=ratio_tokens,
         ratio_sum=ratio_sum,
         clipped=clipped,
+        per=None if each is None else each.done(),
     )
+
+
+class _PerBuild:
+    """:class:`PerRollout` as :func:`batch_figures` fills it in."""
+
+    def __init__(self, n: int) -> None:
+        self.index = np.zeros(0, dtype=np.int64)
+        self.kl_tokens = np.zeros(n, dtype=np.int64)
+        self.kl_sum = np.zeros(n, dtype=np.float64)
+        self.ratio_tokens = np.zeros(n, dtype=np.int64)
+        self.ratio_sum = np.zeros(n, dtype=np.float64)
+        self.clipped = np.zeros(n, dtype=np.int64)
+        self.zero_weight = np.zeros(n, dtype=np.int64)
+
+    def pairs(self, pairs: list[Any], lengths: I64, r_minus_1_sums: F64) -> None:
+        self.index = np.array([i for i, _, _ in pairs], dtype=np.int64)
+        self.kl_tokens[self.index] = lengths
+        self.ratio_tokens[self.index] = lengths
+        self.ratio_sum[self.index] = lengths + r_minus_1_sums
+
+    def done(self) -> PerRollout:
+        return PerRollout(
+            self.kl_tokens,
+            self.kl_sum,
+            self.ratio_tokens,
+            self.ratio_sum,
+            self.clipped,
+            self.zero_weight,
+        )

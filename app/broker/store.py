@@ -17,6 +17,7 @@ from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
 from app import keys
+from app.broker.batch_calls import SWEEP_LIMIT, BatchCalls, floor_of
 from app.broker.config import RunConfig
 from app.broker.packing import PackedRollout
 from app.broker.pass_reads import PassReads
@@ -36,9 +37,8 @@ from app.broker.records import (
     _counts,
     maintain_state,
 )
-from app.broker.replies import AckAnswer, StoreError, ack_answer, beta_of, decode, text
+from app.broker.replies import AckAnswer, StoreError, beta_of, decode, text
 from app.broker.scripts import load_scripts
-from app.caller import BROKER, action_entry
 from app.replicas import Replicas
 
 __all__ = [
@@ -62,9 +62,7 @@ __all__ = [
     "scan_limit",
 ]
 
-SWEEP_LIMIT = 1000  # units retired / leases expired per bounded call
 LEASE_SWEEP_LIMIT = 64  # the lazy clean-up a lease call does first
-ACK_FLUSH_LIMIT = 10 * SWEEP_LIMIT  # units a kl_flush retires within the ack itself
 
 # A lease call looks at no more than SCAN_PER_ROLLOUT units per rollout asked for, plus
 # SCAN_SLACK: enough to step over the units it cannot hand out (retired on the way, of a later
@@ -72,12 +70,6 @@ ACK_FLUSH_LIMIT = 10 * SWEEP_LIMIT  # units a kl_flush retires within the ack it
 # one call walk a whole buffer of them while Redis waits.
 SCAN_PER_ROLLOUT = 4
 SCAN_SLACK = 256
-
-
-def _floor(raw: Any) -> int | None:
-    """A token floor as the lease script replies it ('' : none)."""
-    t = text(raw)
-    return int(t) if t else None
 
 
 def scan_limit(size: int) -> int:
@@ -92,7 +84,7 @@ _WAKE_TRIES = 5
 _NO_WAIT = frozenset({"batch_view", "policy_view", "maintain", "wake_run"})
 
 
-class RedisStore(PassReads):
+class RedisStore(PassReads, BatchCalls):
     """Every change to a run's keys, one script call each (or a short loop of bounded calls),
     and the reads that need no script; the run indexes' part is :class:`RunIndex`'s, the prompt
     passes' reads :class:`PassReads`'. With ``replicas``, a script call that changes state is
@@ -334,7 +326,7 @@ class RedisStore(PassReads):
             prompt = prompt_of.get(pid) if pid else None
             rollouts.append(LeasedRollout(int(uses), int(lag), blob, pid or None, prompt))
         return Lease(
-            text(bid), int(version), int(expires_at), rollouts, _floor(floor), beta_of(beta)
+            text(bid), int(version), int(expires_at), rollouts, floor_of(floor), beta_of(beta)
         )
 
     async def blobs(self, run_id: str, rollout_ids: Sequence[str]) -> list[bytes | None]:
@@ -346,56 +338,6 @@ class RedisStore(PassReads):
         )
         return got
 
-    async def batch_view(
-        self, run_id: str, batch_id: str, *, rollouts: Literal["none", "meta", "blobs"]
-    ) -> BatchView:
-        """The batch's state and, while it is leased and unless ``rollouts`` is 'none', its
-        rollouts ('blobs': with their packed rollouts). StoreError for no such run or batch,
-        and for a batch that was nacked or expired."""
-        state, cfg, version, size, rest, *floor = await self._call(
-            "batch_view", run_id, batch_id, "none" if rollouts == "none" else "meta"
-        )
-        config = RunConfig.model_validate_json(cfg)
-        if text(state) == "acked":
-            return BatchView(config, "acked", int(version), int(size), ack_answer(rest), [])
-        rids = [text(rid) for rid, _, _ in rest]
-        blobs: list[bytes | None] = [None] * len(rids)
-        if rollouts == "blobs":
-            blobs = await self.blobs(run_id, rids)
-        members = [
-            BatchMember(rid, int(v), int(n), blob)
-            for rid, (_, v, n), blob in zip(rids, rest, blobs, strict=True)
-        ]
-        token_floor = _floor(floor[0])
-        return BatchView(config, "leased", int(version), int(size), None, members, token_floor)
-
-    async def ack(
-        self,
-        run_id: str,
-        batch_id: str,
-        *,
-        kl_mean: float | None,
-        event: bytes,
-        stats_text: str,
-    ) -> tuple[Literal["acked", "repeat"], AckAnswer]:
-        """('acked', answer), or ('repeat', the answer stored by the first ack); StoreError
-        for no such run or batch, and for a batch that was nacked or expired.
-
-        ``event`` is the msgpack payload of the ``acked`` event; its items carry each rollout's
-        measured KL, which the script also gates on."""
-        outcome, answer = await self._call(
-            "ack",
-            run_id,
-            batch_id,
-            "" if kl_mean is None else repr(kl_mean),
-            event,
-            stats_text,
-            ACK_FLUSH_LIMIT,
-            # The audit entry of a quarantine this ack may make (lua/lib/quarantine.lua).
-            action_entry(BROKER, "generator.quarantine", run_id, {}),
-        )
-        return ("acked" if text(outcome) == "acked" else "repeat"), ack_answer(answer)
-
     async def release_generator(
         self, run_id: str, generator_id: str, *, entry: bytes = b""
     ) -> Literal["released", "not_quarantined"]:
@@ -403,12 +345,6 @@ class RedisStore(PassReads):
         not quarantined. StoreError for no such run."""
         (outcome,) = await self._call("release", run_id, generator_id, entry)
         return "released" if text(outcome) == "released" else "not_quarantined"
-
-    async def nack(self, run_id: str, batch_id: str) -> tuple[Literal["nacked", "repeat"], int]:
-        """('nacked', rollouts returned), or ('repeat', the same count) for a batch nacked
-        before; StoreError for no such run or batch, and for one acked or expired."""
-        outcome, returned = await self._call("nack", run_id, batch_id)
-        return ("nacked" if text(outcome) == "nacked" else "repeat"), int(returned)
 
     # -- prompts --------------------------------------------------------------------------
     async def register_prompts(

@@ -130,7 +130,7 @@ async def test_health_and_the_api_description_need_no_token(app_client):
 SPEC_SCOPES = {
     "generate": {"rollouts", "work", "work_return", "read"},
     "reward": {"reward_lease", "rewards", "reward_return", "read"},
-    "train": {"lease", "ack", "nack", "policy", "read"},
+    "train": {"lease", "measure", "ack", "nack", "policy", "read"},
     "operate": {
         "create",
         "patch",
@@ -159,6 +159,7 @@ def _calls(run: str) -> dict[str, tuple[str, str, dict[str, Any] | None]]:
         "lease": ("GET", f"{base}/batch?size=1", None),
         "ack": ("POST", f"{base}/batches/b-none/ack", {"step": 1}),
         "nack": ("POST", f"{base}/batches/b-none/nack", None),
+        "measure": ("POST", f"{base}/batches/b-none/measure", {"logprobs": {}}),
         "prompts": (
             "POST",
             f"{base}/prompts",

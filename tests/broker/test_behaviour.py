@@ -89,9 +89,9 @@ async def test_an_ack_on_another_replica_measures_the_same(
     asked: list[bool] = []
     real = RedisStore.batch_view
 
-    async def spy(self: RedisStore, run_id: str, batch_id: str, *, rollouts: str):  # type: ignore[no-untyped-def]
+    async def spy(self: RedisStore, run_id: str, batch_id: str, *, rollouts: str, **kw):  # type: ignore[no-untyped-def]
         asked.append(rollouts)
-        return await real(self, run_id, batch_id, rollouts=rollouts)
+        return await real(self, run_id, batch_id, rollouts=rollouts, **kw)
 
     monkeypatch.setattr(RedisStore, "batch_view", spy)
 
@@ -103,9 +103,9 @@ async def test_an_ack_on_another_replica_measures_the_same(
     )
     assert a is not None and b is not None
     # Each answer against the SPEC's figures: new - old is -0.05 on every token.
-    same = await leaser.ack("r", a.batch_id, current(a))  # kept from its lease
+    same = await leaser.training.ack("r", a.batch_id, current(a))  # kept from its lease
     assert asked == ["none"]
-    other_answer = await other.ack("r", b.batch_id, current(b))  # read back from Redis
+    other_answer = await other.training.ack("r", b.batch_id, current(b))  # read back from Redis
     assert asked == ["none", "blobs"]
     for batch, answer in ((a, same), (b, other_answer)):
         # The ack's lists are float64; the behaviour logprobs were stored as float32.
@@ -120,7 +120,9 @@ async def test_an_ack_on_another_replica_measures_the_same(
     )
     assert c is not None
     kl = {r.rollout_id: 0.01 for r, *_ in c.rollouts}
-    assert (await other.ack("r", c.batch_id, AckBody(kl=kl))).stats.kl_mean == pytest.approx(0.01)
+    assert (
+        await other.training.ack("r", c.batch_id, AckBody(kl=kl))
+    ).stats.kl_mean == pytest.approx(0.01)
     assert asked == ["none", "blobs", "blobs"]
     leaser.behaviour.pop("r", c.batch_id)
     # The acked batch is let go; the one acked elsewhere waits for the byte budget to drop it.
@@ -136,7 +138,7 @@ async def test_nack_and_settled_acks_let_the_batch_go(brokers: tuple[Broker, Bro
         "r", size=2, policy_version=None, wait_s=0, partial=False, trainer_id=None
     )
     assert got is not None and broker.behaviour.nbytes == 2 * (128 + 8 * 4)
-    await broker.nack("r", got.batch_id)
+    await broker.training.nack("r", got.batch_id)
     assert broker.behaviour.nbytes == 0
 
 

@@ -15,6 +15,7 @@ recompute's ``mean(ρ²) − 1`` loses ~n·1e-16 to cancellation near 0).
 """
 
 import math
+from functools import partial
 
 import numpy as np
 import pytest
@@ -23,8 +24,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from app.broker.config import Correction, RunConfig
-from app.broker.correction import WEIGHT_CAP, correct
-from app.broker.stats import Measured
+from app.broker.correction import WEIGHT_CAP, correct, zero_weights
+from app.broker.stats import Measured, batch_figures
 
 LEVELS = ("token", "sequence", "geometric")
 MODES = ("truncate", "mask", "none")
@@ -246,3 +247,17 @@ def test_the_config_model_has_the_spec_default_and_refuses_bad_bounds():
         with pytest.raises(ValidationError):
             Correction.model_validate(bad)
     assert RunConfig().correction == Correction()  # the SPEC's default
+
+
+@pytest.mark.parametrize(("level", "mode"), PAIRS)
+@settings(max_examples=120, deadline=None)
+@given(batch=st.lists(rollouts(), min_size=1, max_size=8), bounds=BOUNDS)
+def test_the_acks_zero_weights_are_the_corrections(level, mode, batch, bounds):
+    """The ack counts each rollout's trained tokens weighing 0 (its per-generator sums) through
+    ``batch_figures``, from the log ratios it has, without the weights: the same counts as
+    :func:`correct`'s, underflowing and saturating ratios included."""
+    c = Correction(level=level, mode=mode, low=bounds[0], high=bounds[1])
+    with np.errstate(invalid="ignore", divide="ignore"):  # the KL of a rollout of 0 tokens
+        fig = batch_figures(batch, "k3", 0.2, per_rollout=partial(zero_weights, correction=c))
+    assert fig.per is not None
+    assert fig.per.zero_weight.tolist() == correct(batch, c).zero_weight.tolist()

@@ -65,6 +65,7 @@ EXPECTED: dict[str, tuple[type[BrokerError], int]] = {
     "batch_id_taken": (BatchSettled, 1),
     "batch_nacked": (BatchSettled, 0),
     "batch_acked": (BatchSettled, 0),
+    "batch_settled": (BatchSettled, 1),
     "lease_expired": (LeaseExpired, 0),
     "lease_rewound": (LeaseExpired, 1),
     "lease_lost": (LeaseExpired, 0),

@@ -18,8 +18,17 @@ from app.api import (
     wants_msgpack,
 )
 from app.broker.endpoints.deps import broker_of
-from app.broker.endpoints.openapi import BatchOutMsgpack
-from app.broker.schemas import AckBody, AckMsgpack, AckResult, BatchOut, NackResult
+from app.broker.endpoints.openapi import BatchOutMsgpack, MeasureResultMsgpack
+from app.broker.schemas import (
+    AckBody,
+    AckMsgpack,
+    AckResult,
+    BatchOut,
+    MeasureBody,
+    MeasureMsgpack,
+    MeasureResult,
+    NackResult,
+)
 from app.broker.service import LeasedBatch
 from app.ids import MAX_VERSION, ItemId, LeaseId, RunId
 
@@ -146,10 +155,49 @@ def batch_body(batch: LeasedBatch, as_msgpack: bool) -> dict[str, Any]:
     ),
 )
 async def ack_batch(run_id: RunId, batch_id: LeaseId, request: Request) -> Response:
-    broker = broker_of(request)
-    rule = broker.check_ack_count
+    training = broker_of(request).training
+    rule = training.check_count
     ack = await read_model(request, AckBody, AckMsgpack, counts={"logprobs": rule, "kl": rule})
-    return render(await broker.ack(run_id, batch_id, ack))
+    return render(await training.ack(run_id, batch_id, ack))
+
+
+@router.post(
+    "/{run_id}/batches/{batch_id}/measure",
+    response_model=MeasureResult,
+    responses={
+        200: msgpack_answer(MeasureResultMsgpack),
+        **errors(
+            404,
+            (409, "The batch was acked or nacked, or its lease expired"),
+            (
+                422,
+                "The body is malformed, names a rollout the batch does not hold, leaves one "
+                "of its rollouts out, or gives logprobs not one per token",
+            ),
+        ),
+    },
+    openapi_extra=request_body(
+        MeasureBody, description=RAW_ARRAYS.format("each rollout's logprobs")
+    ),
+)
+async def measure_batch(run_id: RunId, batch_id: LeaseId, request: Request) -> Response:
+    training = broker_of(request).training
+
+    def rule(n: int) -> None:
+        training.check_count(n, "measure")
+
+    body = await read_model(request, MeasureBody, MeasureMsgpack, counts={"logprobs": rule})
+    got = await training.measure(run_id, batch_id, body.logprobs)
+    as_msgpack = wants_msgpack(request)
+    arr = _raw if as_msgpack else _same
+    ids = got.rollout_ids
+    answer = {
+        "weights": {rid: arr(w) for rid, w in zip(ids, got.weights, strict=True)},
+        "sequence_weights": dict(zip(ids, got.sequence_weights, strict=True)),
+        "stats": got.stats,
+        "kl_coef": got.kl_coef,
+    }
+    return render(answer, as_msgpack=as_msgpack)
 
 
 @router.post(
@@ -158,4 +206,4 @@ async def ack_batch(run_id: RunId, batch_id: LeaseId, request: Request) -> Respo
     responses=errors(404, (409, "The batch was acked, or its lease expired")),
 )
 async def nack_batch(run_id: RunId, batch_id: LeaseId, request: Request) -> Response:
-    return render(await broker_of(request).nack(run_id, batch_id))
+    return render(await broker_of(request).training.nack(run_id, batch_id))

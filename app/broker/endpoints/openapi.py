@@ -19,6 +19,8 @@ from app.broker.schemas import (
     BatchOut,
     IngestJSON,
     LeasedRolloutOut,
+    MeasureBody,
+    MeasureResult,
     PartialJSON,
     PromptJSON,
     PromptsBody,
@@ -60,6 +62,11 @@ def field_keywords(s: Settings) -> dict[tuple[type[BaseModel], str], Keywords]:
             "additionalProperties": {"type": "array", "maxItems": tokens, "items": LOGPROB},
             "description": "The current policy's logprobs of each rollout of the batch, one "
             "per response token, by rollout id",
+        },
+        (MeasureBody, "logprobs"): {
+            "additionalProperties": {"type": "array", "maxItems": tokens, "items": LOGPROB},
+            "description": "The trainer's logprobs of every rollout of the batch, one per "
+            "response token, by rollout id, from its forward pass before the update",
         },
         (PromptsBody, "prompts"): {
             "maxItems": s.max_prompts_per_request,
@@ -137,6 +144,14 @@ class BatchOutMsgpack(BatchOut):
     """A leased batch as a msgpack answer."""
 
     rollouts: list[LeasedRolloutMsgpack]  # type: ignore[assignment]
+
+
+class MeasureResultMsgpack(MeasureResult):
+    """A measure's answer as a msgpack answer: each rollout's weights are float32 bytes."""
+
+    weights: dict[str, bytes] = Field(  # type: ignore[assignment]
+        description="Per rollout, one float32 (little-endian) weight per response token"
+    )
 
 
 class RewardRolloutMsgpack(RewardRolloutOut):

@@ -34,6 +34,8 @@ from rollout_broker_client._models import (
     AuditPage,
     Batch,
     IngestResult,
+    LogprobsArg,
+    Measurement,
     NewToken,
     Partial,
     PolicyResult,
@@ -531,6 +533,20 @@ class AsyncBrokerClient:
         policy's on the same tokens, by rollout_id; a repeated ack returns the same answer."""
         return await self.send(self.api.ack(run_id, batch_id, logprobs=logprobs, kl=kl, step=step))
 
+    async def measure(
+        self,
+        run_id: str,
+        batch_id: str,
+        logprobs: Mapping[str, npt.ArrayLike],
+        *,
+        order: Sequence[str] | None = None,
+    ) -> Measurement:
+        """Measure a leased batch before the update: ``logprobs`` are the trainer's on every
+        rollout's tokens, by rollout_id, from its forward pass before the update. The answer
+        has the correction's weights (in ``order``, the batch's rollout ids, if given); the
+        broker keeps the logprobs, so the batch's ack may then carry none."""
+        return await self.send(self.api.measure(run_id, batch_id, logprobs, order))
+
     async def nack(self, run_id: str, batch_id: str) -> int:
         """Give a batch back unused; returns how many rollouts went back."""
         return await self.send(self.api.nack(run_id, batch_id))
@@ -762,6 +778,25 @@ def _refused_whole(err: BrokerError) -> bool:
     return isinstance(err, BrokerHTTPError) and 400 <= err.status < 500 and err.status != 429
 
 
+@dataclasses.dataclass(slots=True)
+class AsyncLeasedBatch(Batch):
+    """A batch leased through :class:`AsyncLease`, which can also be measured."""
+
+    _client: AsyncBrokerClient | None = dataclasses.field(default=None, repr=False)
+    _run_id: str = dataclasses.field(default="", repr=False)
+
+    async def measure(self, logprobs: LogprobsArg) -> Measurement:
+        """The correction of this batch from the trainer's logprobs before the update (a
+        mapping by rollout_id, or a sequence in batch order, one array per rollout); the
+        broker keeps them, so the ack on leaving may carry none (:meth:`ack_with` not called,
+        or called without logprobs). Weights come back in batch order."""
+        if self._client is None:
+            raise RuntimeError("this batch was not leased through a client")
+        order = [r.rollout_id for r in self.rollouts]
+        given = self._by_id(logprobs)
+        return await self._client.measure(self._run_id, self.batch_id, given, order=order)
+
+
 class AsyncLease:
     """``async with client.lease(run_id, size) as batch:`` leases a batch (``batch`` is None when
     nothing qualified within ``wait_s``; leaving the block then does nothing).
@@ -794,10 +829,13 @@ class AsyncLease:
             partial=partial,
             trainer_id=trainer_id,
         )
-        self.batch: Batch | None = None
+        self.batch: AsyncLeasedBatch | None = None
 
-    async def __aenter__(self) -> Batch | None:
-        self.batch = await self.client.send(self._call)
+    async def __aenter__(self) -> AsyncLeasedBatch | None:
+        got = await self.client.send(self._call)
+        if got is not None:
+            fields = {f.name: getattr(got, f.name) for f in dataclasses.fields(Batch)}
+            self.batch = AsyncLeasedBatch(**fields, _client=self.client, _run_id=self.run_id)
         return self.batch
 
     async def __aexit__(

@@ -28,6 +28,8 @@ __all__ = [
     "LagStats",
     "LeasedRollout",
     "LiveCounts",
+    "MeasureStats",
+    "Measurement",
     "NewToken",
     "PartialCounts",
     "PolicyResult",
@@ -375,6 +377,31 @@ class AckResult:
     flushed: int
     stats: BatchStats
     kl_coef: float | None = None  # the adaptive KL penalty's β after the ack; None when off
+
+
+@dataclass(frozen=True, slots=True)
+class MeasureStats:
+    """The ack's figures of a batch measured before the update, with the correction's."""
+
+    kl_mean: float | None
+    kl_max: float | None
+    is_ratio_mean: float | None
+    clip_fraction: float | None
+    ess_fraction: float | None
+    masked_fraction: float | None  # share of trained tokens whose weight is 0
+    chi2: float | None  # the χ² divergence estimate over the sequence ratios
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """A batch's correction (``measure``): per rollout, in batch order, a float32 weight per
+    response token (0 on tokens not trained) and one sequence weight; the statistics; and the
+    adaptive KL penalty's β to train with (None when off)."""
+
+    weights: dict[str, npt.NDArray[np.float32]]
+    sequence_weights: dict[str, float]
+    stats: MeasureStats
+    kl_coef: float | None = None
 
 
 LogprobsArg = Mapping[str, npt.ArrayLike] | Sequence[npt.ArrayLike]

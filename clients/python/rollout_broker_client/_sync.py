@@ -34,6 +34,8 @@ from rollout_broker_client._models import (
     AuditPage,
     Batch,
     IngestResult,
+    LogprobsArg,
+    Measurement,
     NewToken,
     Partial,
     PolicyResult,
@@ -529,6 +531,20 @@ class BrokerClient:
         policy's on the same tokens, by rollout_id; a repeated ack returns the same answer."""
         return self.send(self.api.ack(run_id, batch_id, logprobs=logprobs, kl=kl, step=step))
 
+    def measure(
+        self,
+        run_id: str,
+        batch_id: str,
+        logprobs: Mapping[str, npt.ArrayLike],
+        *,
+        order: Sequence[str] | None = None,
+    ) -> Measurement:
+        """Measure a leased batch before the update: ``logprobs`` are the trainer's on every
+        rollout's tokens, by rollout_id, from its forward pass before the update. The answer
+        has the correction's weights (in ``order``, the batch's rollout ids, if given); the
+        broker keeps the logprobs, so the batch's ack may then carry none."""
+        return self.send(self.api.measure(run_id, batch_id, logprobs, order))
+
     def nack(self, run_id: str, batch_id: str) -> int:
         """Give a batch back unused; returns how many rollouts went back."""
         return self.send(self.api.nack(run_id, batch_id))
@@ -760,6 +776,25 @@ def _refused_whole(err: BrokerError) -> bool:
     return isinstance(err, BrokerHTTPError) and 400 <= err.status < 500 and err.status != 429
 
 
+@dataclasses.dataclass(slots=True)
+class LeasedBatch(Batch):
+    """A batch leased through :class:`Lease`, which can also be measured."""
+
+    _client: BrokerClient | None = dataclasses.field(default=None, repr=False)
+    _run_id: str = dataclasses.field(default="", repr=False)
+
+    def measure(self, logprobs: LogprobsArg) -> Measurement:
+        """The correction of this batch from the trainer's logprobs before the update (a
+        mapping by rollout_id, or a sequence in batch order, one array per rollout); the
+        broker keeps them, so the ack on leaving may carry none (:meth:`ack_with` not called,
+        or called without logprobs). Weights come back in batch order."""
+        if self._client is None:
+            raise RuntimeError("this batch was not leased through a client")
+        order = [r.rollout_id for r in self.rollouts]
+        given = self._by_id(logprobs)
+        return self._client.measure(self._run_id, self.batch_id, given, order=order)
+
+
 class Lease:
     """``with client.lease(run_id, size) as batch:`` leases a batch (``batch`` is None when
     nothing qualified within ``wait_s``; leaving the block then does nothing).
@@ -792,10 +827,13 @@ class Lease:
             partial=partial,
             trainer_id=trainer_id,
         )
-        self.batch: Batch | None = None
+        self.batch: LeasedBatch | None = None
 
-    def __enter__(self) -> Batch | None:
-        self.batch = self.client.send(self._call)
+    def __enter__(self) -> LeasedBatch | None:
+        got = self.client.send(self._call)
+        if got is not None:
+            fields = {f.name: getattr(got, f.name) for f in dataclasses.fields(Batch)}
+            self.batch = LeasedBatch(**fields, _client=self.client, _run_id=self.run_id)
         return self.batch
 
     def __exit__(

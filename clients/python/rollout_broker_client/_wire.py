@@ -44,6 +44,8 @@ from rollout_broker_client._models import (
     KlStats,
     LagStats,
     LeasedRollout,
+    Measurement,
+    MeasureStats,
     NewToken,
     Partial,
     PolicyResult,
@@ -430,6 +432,30 @@ def parse_ack(body: Any) -> AckResult:
         ),
         kl_coef=body.get("kl_coef"),
     )
+
+
+def parse_measure(body: Any, order: Sequence[str] | None) -> Measurement:
+    """A measure's answer; its weights as float32 arrays, in ``order`` (the batch's) if given.
+    A msgpack answer carries them as float32 bytes, a JSON one as lists."""
+    raw = body["weights"]
+    ids = list(order) if order is not None else list(raw)
+    s = body["stats"]
+    return Measurement(
+        weights={
+            rid: np.frombuffer(raw[rid], dtype="<f4")
+            if isinstance(raw[rid], bytes)
+            else np.asarray(raw[rid], dtype=np.float32)
+            for rid in ids
+        },
+        sequence_weights={rid: float(body["sequence_weights"][rid]) for rid in ids},
+        stats=MeasureStats(
+            **{k: s.get(k) for k in (*BATCH_FIGURES, "masked_fraction", "chi2")},
+        ),
+        kl_coef=body.get("kl_coef"),
+    )
+
+
+BATCH_FIGURES = ("kl_mean", "kl_max", "is_ratio_mean", "clip_fraction", "ess_fraction")
 
 
 def parse_work(body: Any) -> WorkLease:
@@ -981,6 +1007,30 @@ class Api:
         content, headers = self._body(doc, self.fmt)
         path = f"{_p(run_id)}/batches/{quote(batch_id, safe='')}/ack"
         return Call("POST", path, lambda r, b: parse_ack(b), None, content, headers)
+
+    def measure(
+        self,
+        run_id: str,
+        batch_id: str,
+        logprobs: Mapping[str, npt.ArrayLike],
+        order: Sequence[str] | None,
+    ) -> Call[Measurement]:
+        binary = self.fmt == "msgpack"
+        doc = {
+            "logprobs": {
+                rid: (
+                    np.asarray(v, dtype="<f4").tobytes()
+                    if binary
+                    else np.asarray(v, dtype=np.float64).tolist()
+                )
+                for rid, v in logprobs.items()
+            }
+        }
+        content, headers = self._body(doc, self.fmt)
+        if binary:
+            headers = {**headers, "accept": f"{MSGPACK}, {JSON};q=0.5"}
+        path = f"{_p(run_id)}/batches/{quote(batch_id, safe='')}/measure"
+        return Call("POST", path, lambda r, b: parse_measure(b, order), None, content, headers)
 
     def nack(self, run_id: str, batch_id: str) -> Call[int]:
         path = f"{_p(run_id)}/batches/{quote(batch_id, safe='')}/nack"

@@ -34,6 +34,7 @@ local function return_batch(bid, f, state, event)
   each_unit(cmsgpack.unpack(f[2]), rows, settle)
   redis.call('HINCRBY', RUN, 'leased', -tonumber(f[4]))
   redis.call('HSET', bkey(bid), 'st', state, 'end', I(NOW))
+  redis.call('HDEL', bkey(bid), 'ml')  -- measured logprobs (measure.lua): no ack will read them
   redis.call('PEXPIRE', bkey(bid), 86400000)
 end
 
