@@ -34,6 +34,7 @@ from app.events.payloads import (
     Accepted,
     AcceptedItem,
     Acked,
+    AckedGen,
     AckedItem,
     AckStats,
     AckSums,
