@@ -14,7 +14,15 @@ import orjson
 
 from app.errors import Forbidden
 
-__all__ = ["ActionLog", "Caller", "action_entry", "action_fields", "check_run", "run_matches"]
+__all__ = [
+    "BROKER",
+    "ActionLog",
+    "Caller",
+    "action_entry",
+    "action_fields",
+    "check_run",
+    "run_matches",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +40,10 @@ class Caller:
     @property
     def every_run(self) -> bool:
         return self.runs is None
+
+
+BROKER = Caller(token_id="broker", name="broker", scopes=frozenset())
+"""Who the audit log names for what the broker does on its own (a generator's quarantine)."""
 
 
 def run_matches(patterns: Iterable[str], run_id: str) -> bool:

@@ -74,6 +74,13 @@ AWAITING_QUEUE = "aq"  # zset: awaiting units in no live reward lease, by arriva
 AWAITING_VERSIONS = "av"  # zset: every awaiting unit by its version, for eviction and rewind
 REWARD_LEASES = "rleases"  # zset: live reward leases by expiry ms
 REWARD_WAITING = "rwaiting"  # string with a TTL: a reward worker is long-polling the run
+# hash: every live unit (buffered, leased or filling) whose rollouts name generators -> their
+# generator ids, space-separated (lua/lib/generators.lua): whom a quarantine retires
+UNIT_GENERATORS = "ug"
+GENERATORS_QUARANTINED = "gq"  # hash: every quarantined generator -> ms it was quarantined at
+# hash: generator -> its KL window, '<tokens> <kl_sum> ...' per acked batch, oldest first, only as
+# much as its last generator_window_tokens trained tokens need (lua/lib/quarantine.lua)
+GENERATOR_WINDOWS = "gw"
 # stream: the run's operator actions (audit log entries), each written by the script that makes
 # the change, in the same call; app/access/audit.py moves them into Postgres. A delete keeps it
 # until the run leaves RUNS.
@@ -161,6 +168,9 @@ LUA_KEYS: dict[str, str] = {
     "AV": AWAITING_VERSIONS,
     "RLEASES": REWARD_LEASES,
     "RWAITING": REWARD_WAITING,
+    "UG": UNIT_GENERATORS,
+    "GQ": GENERATORS_QUARANTINED,
+    "GW": GENERATOR_WINDOWS,
 }
 LUA_FAMILIES: dict[str, str] = {
     "qvkey": VERSION_QUEUE,

@@ -27,7 +27,8 @@ another port or subdomain); ``same-origin`` and ``none`` (the user's own navigat
 async def guard(request: Request) -> None:
     """Let the request through, with ``request.state.caller`` set, or refuse it (401/403)."""
     route = request.scope.get("route")
-    path: str = route.path if route is not None else request.url.path
+    # The template without its converters ('{generator_id:path}' reads '{generator_id}').
+    path: str = route.path_format if route is not None else request.url.path
     rule = rule_of(request.method, path)
     if rule is None:
         raise Forbidden(f"{request.method} {path} is not in the access table")

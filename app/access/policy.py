@@ -65,6 +65,7 @@ ROUTES: Final[dict[tuple[str, str], Rule]] = {
     ("DELETE", "/v1/runs/{run_id}"): changing(Scope.OPERATE),
     ("PATCH", "/v1/runs/{run_id}/config"): changing(Scope.OPERATE),
     ("POST", "/v1/runs/{run_id}/close"): changing(Scope.OPERATE),
+    ("POST", "/v1/runs/{run_id}/generators/{generator_id}/release"): changing(Scope.OPERATE),
     ("POST", "/v1/runs/{run_id}/policy"): changing(Scope.TRAIN),
     ("GET", "/v1/runs/{run_id}/policy"): reading(READ),
     ("POST", "/v1/runs/{run_id}/rollouts"): changing(Scope.GENERATE),

@@ -45,7 +45,7 @@ def named_by(r: PackedRollout, generator_id: str) -> PackedRollout:
         raise ValueError(f"rollout {r.rollout_id!r}: its packed form is not a msgpack map")
     pair = msgpack.packb("gi") + msgpack.packb(generator_id)
     return dataclasses.replace(
-        r, blob=b"".join((head, memoryview(blob)[rest:], pair)), has_generator=True
+        r, blob=b"".join((head, memoryview(blob)[rest:], pair)), generator_id=generator_id
     )
 
 

@@ -38,7 +38,12 @@ class PackedRollout:
     blob: bytes
     v_new: int  # the newest version over trained tokens
     masked: int  # tokens with loss_mask 0
-    has_generator: bool  # the blob has 'gi'; ingest.lua gives one without its work lease's
+    # The blob's 'gi' (None: it names none; ingest.lua gives one without its work lease's).
+    generator_id: str | None
+
+    @property
+    def has_generator(self) -> bool:
+        return self.generator_id is not None
 
 
 def _ids(value: list[int] | bytes | None, what: str, rid: str) -> Int32Array | None:
@@ -288,7 +293,7 @@ def _packed(
     blob = msgpack.packb(doc, use_bin_type=True)
     reward_text = "" if reward is None else repr(float(reward))
     return PackedRollout(
-        rid, group_id, policy_version, tokens, reward_text, blob, v_new, masked, "gi" in doc
+        rid, group_id, policy_version, tokens, reward_text, blob, v_new, masked, generator_id
     )
 
 

@@ -160,6 +160,13 @@ class PolicyResult(BaseModel):
     evicted: int
 
 
+class ReleaseResult(BaseModel):
+    """A generator's quarantine lifted (``released``), or it was not quarantined."""
+
+    generator_id: str
+    released: bool
+
+
 class PolicyOut(BaseModel):
     """A run's policy version as its followers read it."""
 

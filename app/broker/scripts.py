@@ -34,6 +34,7 @@ SCRIPTS = (
     "reward_lease",
     "score",
     "reward_return",
+    "release",
 )
 
 

@@ -38,6 +38,7 @@ from app.broker.records import (
 )
 from app.broker.replies import AckAnswer, StoreError, ack_answer, beta_of, decode, text
 from app.broker.scripts import load_scripts
+from app.caller import BROKER, action_entry
 from app.replicas import Replicas
 
 __all__ = [
@@ -278,6 +279,7 @@ class RedisStore(PassReads):
                 # bytes argument its hiredis packer (redis-py 8.2) copies into one buffer with
                 # the rest, a second copy of a request's rollouts while the call lasts.
                 memoryview(r.blob),
+                r.generator_id or "",
             ]
         accepted, duplicates, rejected = await self._call("ingest", run_id, *args)
         return IngestOutcome(
@@ -389,8 +391,18 @@ class RedisStore(PassReads):
             event,
             stats_text,
             ACK_FLUSH_LIMIT,
+            # The audit entry of a quarantine this ack may make (lua/lib/quarantine.lua).
+            action_entry(BROKER, "generator.quarantine", run_id, {}),
         )
         return ("acked" if text(outcome) == "acked" else "repeat"), ack_answer(answer)
+
+    async def release_generator(
+        self, run_id: str, generator_id: str, *, entry: bytes = b""
+    ) -> Literal["released", "not_quarantined"]:
+        """Lift the generator's quarantine; 'not_quarantined' (and no audit entry) when it was
+        not quarantined. StoreError for no such run."""
+        (outcome,) = await self._call("release", run_id, generator_id, entry)
+        return "released" if text(outcome) == "released" else "not_quarantined"
 
     async def nack(self, run_id: str, batch_id: str) -> tuple[Literal["nacked", "repeat"], int]:
         """('nacked', rollouts returned), or ('repeat', the same count) for a batch nacked

@@ -382,11 +382,11 @@ def _write_map(obj: Any) -> dict[str, Any]:
         value = getattr(obj, f.attr)
         if value is None:
             continue  # a Lua table holds no nil
+        if f.wire.optional and value == () and f.default == ():
+            continue  # an optional list left empty: the scripts leave it out
         written = _write(f, value)
         if f.wire.kind == "struct" and not written:
             continue  # an empty Lua table is packed as an array: leave the map out
-        if f.wire.kind == "items" and f.wire.optional and not written:
-            continue  # an optional list with nothing in it: the scripts leave it out
         out[f.key] = written
     return out
 

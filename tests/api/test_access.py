@@ -143,6 +143,7 @@ SPEC_SCOPES = {
         "prompt_list",
         "dead_letters",
         "audit",
+        "release",
         "read",
     },
 }
@@ -176,6 +177,7 @@ def _calls(run: str) -> dict[str, tuple[str, str, dict[str, Any] | None]]:
         "prompt_list": ("GET", f"{base}/prompts", None),
         "dead_letters": ("GET", f"{base}/accounting/dead-letters", None),
         "audit": ("GET", f"/v1/audit?run_id={run}", None),
+        "release": ("POST", f"{base}/generators/gen-a/release", None),
         "close": ("POST", f"{base}/close", None),
     }
 

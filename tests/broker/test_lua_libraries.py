@@ -46,7 +46,7 @@ def definitions(code: str) -> dict[str, int]:
     patterns = (
         r"\blocal\s+function\s+(\w+)",
         r"\blocal\s+(\w+(?:\s*,\s*\w+)*)",
-        r"\bfunction\s*\w*\s*\(([^)]*)\)",
+        r"\bfunction\s*[\w.]*\s*\(([^)]*)\)",
         r"\bfor\s+(\w+(?:\s*,\s*\w+)*)\s+in\b",
         r"\bfor\s+(\w+)\s*=",
     )

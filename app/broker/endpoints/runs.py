@@ -16,12 +16,21 @@ from app.api import (
     render,
     request_body,
 )
+from app.broker import quarantine
 from app.broker.config import NULLABLE_CONFIG, RunConfigPatch
 from app.broker.endpoints.deps import broker_of
-from app.broker.schemas import CreateRun, PolicyOut, PolicyResult, PolicyUpdate, Run, RunList
+from app.broker.schemas import (
+    CreateRun,
+    PolicyOut,
+    PolicyResult,
+    PolicyUpdate,
+    ReleaseResult,
+    Run,
+    RunList,
+)
 from app.caller import check_run
 from app.errors import Forbidden, ValidationFailed
-from app.ids import MAX_VERSION, RUN_ID_PATTERN, RunId
+from app.ids import MAX_VERSION, RUN_ID_PATTERN, ItemId, RunId
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 
@@ -166,3 +175,18 @@ async def get_policy(
     if got is None:
         return Response(status_code=204)
     return render(got)
+
+
+@router.post(
+    "/{run_id}/generators/{generator_id:path}/release",
+    response_model=ReleaseResult,
+    responses=errors((422, "The generator id is not a valid id")),
+)
+async def release_generator(run_id: RunId, generator_id: ItemId, request: Request) -> Response:
+    """Lift a generator's quarantine (``generator_kl_max``): it may post rollouts and take work
+    again, and its KL window starts afresh. ``released`` is false when it was not quarantined."""
+    result = await quarantine.release(
+        broker_of(request).store, run_id, generator_id, caller_of(request)
+    )
+    await move_actions(request, run_id)
+    return render(result)

@@ -1,12 +1,15 @@
--- requires: cleanup, finish
+-- requires: cleanup, finish, quarantine
 -- Acknowledge a live batch: every rollout gains one use, units at max_reuse or above kl_max
 -- retire, and kl_flush_window batches in a row with a mean KL above kl_flush raise the run's
 -- version floor to the last one's version, flushing every buffered unit below it. The first use of a prompt attempt's group
 -- makes its prompt pass done. A repeat returns the stored answer.
--- ARGV: wake, batch_id, kl_mean ('' = not measured), acked event payload (msgpack, without t),
---       stats text (stored for repeats), flush_limit. The event's items [rollout_id, version,
---       tokens, kl?] are also where each rollout's measured KL comes from, so the KL gate and the
---       accounting read one record.
+-- ARGV: wake, batch_id, kl_mean ('' = not measured), acked event payload (msgpack, without t
+--       and kl_coef: added here), stats text (stored for repeats), flush_limit, the audit entry
+--       of a quarantine ('' = none; lib/quarantine.lua fills in its detail). The event's items
+--       [rollout_id, version, tokens, kl?] are also where each rollout's measured KL comes from,
+--       so the KL gate and the accounting read one record; its gens are what each generator's
+--       KL window (lib/quarantine.lua) adds, judged before the units are: a generator this ack
+--       quarantines has its units of this batch retire ('quarantined') rather than go back.
 -- Returns ok('acked', answer) | ok('repeat', answer) (acked before: the stored answer)
 --       | err('run_missing') | err('batch_missing') | err('batch_nacked') | err('lease_expired')
 --       | err('lease_rewound', version): a rewind below the batch's version ended its lease.
@@ -27,10 +30,26 @@ if tonumber(f[6]) <= NOW then
   return err('lease_expired')
 end
 
+-- The adaptive KL penalty (SPEC): a measured batch of n samples moves β toward kl_target.
+local beta = kl_beta()
+if beta and ARGV[3] ~= '' then
+  local e = math.min(math.max(tonumber(ARGV[3]) / CFG.kl_target - 1, -0.2), 0.2)
+  beta = beta * (1 + e * tonumber(f[4]) / CFG.kl_horizon)
+end
+
 -- Before the first write: either may fail.
-local acked, event = cmsgpack.unpack(ARGV[4]), timed(ARGV[4])
+local acked = cmsgpack.unpack(ARGV[4])
+local event = timed(ARGV[4], beta and { 'kl_coef', beta } or nil)
 redis.call('ZREM', LEASES, bid)
 emit_timed('acked', event)
+if beta and ARGV[3] ~= '' then redis.call('HSET', RUN, 'beta', beta_text(beta)) end
+local gens = acked.gens or {}
+GEN.judge(gens, ARGV[7])
+if #gens > 0 then  -- the uses of each generator a rewind below V would undo
+  local counts = {}
+  for _, g in ipairs(gens) do table.insert(counts, { g[1], g[2] }) end
+  redis.call('HSET', bk, 'gs', cmsgpack.pack(counts))
+end
 
 local kl = {}
 for _, item in ipairs(acked.items or {}) do
@@ -55,7 +74,7 @@ each_unit(cmsgpack.unpack(f[2]), cmsgpack.unpack(f[3]), function(u, r, part)
   end
   r.kl = worst
   -- As settle() does for a nack or an expiry, with this use and this KL counted.
-  local reason = permanent_reason(r.uses, r.v, worst)
+  local reason = permanent_reason(r.uses, r.v, worst) or GEN.reason(u)
   if reason then
     retire_unit(u, reason, r, false, part)
   else
@@ -91,19 +110,12 @@ if over then
   flushed = RETIRED_N - retired
 end
 
--- The adaptive KL penalty (SPEC): a measured batch of n samples moves β toward kl_target.
-local beta = kl_beta()
-if beta and ARGV[3] ~= '' then
-  local e = math.min(math.max(tonumber(ARGV[3]) / CFG.kl_target - 1, -0.2), 0.2)
-  beta = beta * (1 + e * tonumber(f[4]) / CFG.kl_horizon)
-  redis.call('HSET', RUN, 'beta', beta_text(beta))
-end
-
 redis.call('HINCRBY', RUN, 'leased', -tonumber(f[4]))
 local ans = cmsgpack.pack({
   retired = retired, flushed = flushed, stats = ARGV[5], kl_coef = beta_text(beta),
 })
 redis.call('HSET', bk, 'st', 'a', 'ans', ans, 'end', I(NOW))
+redis.call('HDEL', bk, 'ml')  -- logprobs a measure kept for this ack
 redis.call('ZADD', ACKED, I(NOW), f[5] .. ':' .. bid)  -- a rewind below its version undoes it
 redis.call('PEXPIRE', bk, 86400000)
 finish()

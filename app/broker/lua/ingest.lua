@@ -1,8 +1,10 @@
 -- requires: units, finish
 -- Store a request's rollouts: all-or-nothing validation first (Redis does not roll a script
 -- back), then the writes, the accounting events and one wake-up for long-polling trainers.
--- ARGV: wake, n, then n records of 8: rollout_id, group_id ('' = none), policy_version (v_old),
---       v_new, tokens, masked tokens, reward (exact decimal text; '' = it awaits one), blob.
+-- ARGV: wake, n, then n records of 9: rollout_id, group_id ('' = none), policy_version (v_old),
+--       v_new, tokens, masked tokens, reward (exact decimal text; '' = it awaits one), blob,
+--       generator_id ('' = none). A request with a rollout of a quarantined generator is
+--       refused whole (lib/generators.lua).
 -- A unit that completes with a rollout awaiting its reward awaits (lib/units.lua) instead of
 -- being ready: no trainer gets it before its last member is scored (score.lua). A rollout is judged
 --       'stale' by its governing version (lib/run.lua), 'future_version' by its v_new, and is
@@ -16,12 +18,25 @@
 -- 'stale_attempt'. A rollout of an attempt whose pass keeps a partial under its rollout_id
 -- completes that partial (the caller checked the prefix, app/broker/partials.py).
 -- Returns ok(accepted, duplicates, { {rollout_id, reason}, ... }) | err('run_missing')
+--       | err('generator_quarantined', generator_id)
 --       | err('group_missing', rollout_id) | err('group_done', group_id)
 --       | err('group_overflow', group_id, would_have, group_size)
 --       | err('over_capacity', live, capacity_rollouts).
 if not load_run() then return err('run_missing') end
 local n = tonumber(ARGV[2])
 local gs = CFG.group_size
+if GEN.quarantine_on() then
+  local gens, named = {}, {}
+  for i = 1, n do
+    local g = ARGV[2 + (i - 1) * 9 + 9]
+    if g ~= '' and not named[g] then
+      named[g] = true
+      table.insert(gens, g)
+    end
+  end
+  local q = GEN.quarantined_of(gens)
+  if q then return err('generator_quarantined', q) end
+end
 
 -- Phase 1: decide every rollout's fate and check the whole request, writing nothing.
 local fate = {}      -- i -> 'ok' | 'dup' | reason
@@ -51,7 +66,7 @@ end
 
 -- Which ids were received before: one SMISMEMBER for the request.
 local ids = {}
-for i = 1, n do ids[i] = ARGV[2 + (i - 1) * 8 + 1] end
+for i = 1, n do ids[i] = ARGV[2 + (i - 1) * 9 + 1] end
 local known = {}
 for i = 1, n, 1000 do
   local part = redis.call('SMISMEMBER', SEEN, unpack(ids, i, math.min(i + 999, n)))
@@ -64,7 +79,7 @@ local lost, lost_order = {}, {}
 if R.st ~= 'closed' then
   local first = {}
   for i = 1, n do
-    local o = 2 + (i - 1) * 8
+    local o = 2 + (i - 1) * 9
     local rid, gid = ARGV[o + 1], ARGV[o + 2]
     local work = not known[i] and not first[rid] and gid ~= '' and attempt_of(gid)
     first[rid] = true
@@ -80,7 +95,7 @@ if R.st ~= 'closed' then
 end
 
 for i = 1, n do
-  local o = 2 + (i - 1) * 8
+  local o = 2 + (i - 1) * 9
   local rid, gid = ARGV[o + 1], ARGV[o + 2]
   local v_new = tonumber(ARGV[o + 4])
   local v = governing_version(tonumber(ARGV[o + 3]), v_new)
@@ -143,9 +158,10 @@ local function next_seq()
   return seq
 end
 for i = 1, n do
-  local o = 2 + (i - 1) * 8
-  local rid, gid, ntok, masked, rw, blob =
-    ARGV[o + 1], ARGV[o + 2], ARGV[o + 5], tonumber(ARGV[o + 6]), ARGV[o + 7], ARGV[o + 8]
+  local o = 2 + (i - 1) * 9
+  local rid, gid, ntok, masked, rw, blob, gen =
+    ARGV[o + 1], ARGV[o + 2], ARGV[o + 5], tonumber(ARGV[o + 6]), ARGV[o + 7], ARGV[o + 8],
+    ARGV[o + 9]
   local v_new = tonumber(ARGV[o + 4])
   local v, tokens = governing_version(tonumber(ARGV[o + 3]), v_new), tonumber(ntok)
   local vs = I(v)
@@ -161,6 +177,7 @@ for i = 1, n do
     table.insert(blobs, blob)
     local u = unit[i]
     local awaits = rw == ''
+    if gen ~= '' then GEN.note(u, gen) end
     if awaits then note_awaiting(rid, v, u) end
     if string.sub(u, 1, 2) == 'r:' then  -- a single rollout: a new complete unit
       admit(1)
@@ -168,7 +185,7 @@ for i = 1, n do
       set_unit(u, { v = v, seq = us, uses = 0, k = 1, n = tokens })
       note_cross(u, v, v_new)
       if awaits then await_unit(u, v, us, 1, '', '') else make_ready(u, v, us) end
-      table.insert(acc_items, accepted_item(rid, rid, v, tokens, 1, masked, awaits))
+      table.insert(acc_items, accepted_item(rid, rid, v, tokens, 1, masked, awaits, gen))
     else
       local uk = ukey(u)
       local work = attempt_of(gid)
@@ -214,7 +231,7 @@ for i = 1, n do
           note_reward(uk, rw, f[4], f[5])
         end
       end
-      table.insert(acc_items, accepted_item(rid, gid, v, tokens, new_unit, masked, awaits))
+      table.insert(acc_items, accepted_item(rid, gid, v, tokens, new_unit, masked, awaits, gen))
       if have == need then  -- complete: from its own hash to a record in US
         if need > 1 then
           redis.call('ZREM', OPEN, u)
@@ -258,6 +275,7 @@ each_chunk(seen, 1000, function(...) redis.call('SADD', SEEN, ...) end)
 -- Written before finish() deletes the blobs of any group this request completed and retired.
 each_chunk(blobs, 200, function(...) redis.call('MSET', ...) end)
 
+GEN.write()
 if #acc_items > 0 then emit('accepted', { items = acc_items }) end
 if #dup_ids > 0 then emit('duplicate', { n = #dup_ids, ids = dup_ids }) end
 if #rej_items > 0 then emit('rejected', { items = rej_items }) end

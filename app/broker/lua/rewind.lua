@@ -60,14 +60,19 @@ end
 
 -- 2. Acknowledged batches above W.
 local undo, order, items, undone = {}, {}, {}, {}
+local gen_uses, gen_order = {}, {}  -- the uses undone per generator (the batches' 'gs')
 for _, m in ipairs(redis.call('ZRANGE', ACKED, 0, -1)) do
   local bv, bid = string.match(m, '^(%d+):(.*)$')
   bv = tonumber(bv)
   if bv > W then
     redis.call('ZREM', ACKED, m)
-    local f = redis.call('HMGET', bkey(bid), 'st', 'units', 'rows')
+    local f = redis.call('HMGET', bkey(bid), 'st', 'units', 'rows', 'gs')
     if f[1] == 'a' then
       table.insert(undone, bid)
+      for _, g in ipairs(f[4] and cmsgpack.unpack(f[4]) or {}) do
+        if not gen_uses[g[1]] then table.insert(gen_order, g[1]) end
+        gen_uses[g[1]] = (gen_uses[g[1]] or 0) + g[2]
+      end
       redis.call('HSET', bkey(bid), 'rw', I(NOW))
       each_unit(cmsgpack.unpack(f[2]), cmsgpack.unpack(f[3]), function(u, r, part)
         local x = undo[u]
@@ -171,7 +176,12 @@ end
 move_version(W, ARGV[3])  -- its followers learn of it at once
 run_snapshot('policy')
 audit(ARGV[4])
-emit('rewound', { from_version = from, to_version = W, batches = undone, items = items })
+local gens = {}
+for _, g in ipairs(gen_order) do table.insert(gens, { g, gen_uses[g] }) end
+emit('rewound', {
+  from_version = from, to_version = W, batches = undone, items = items,
+  gens = #gens > 0 and gens or nil,
+})
 WORK_WOKE = true  -- the budget and the queue changed
 finish()
 return ok('rewound', I(W), retired_counts())

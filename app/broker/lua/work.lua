@@ -12,9 +12,12 @@
 -- comes with its partial rollouts (lib/partials.lua), packed.
 -- Returns ok('leased', lease_id, V, expires_at, { {pass_key, attempt, {partial, ...}}, ... })
 --       | ok('short', left): nothing handed out; `left` is the budget left ('' = no budget)
---       | err('run_missing') | err('run_closed')
+--       | err('run_missing') | err('run_closed') | err('generator_quarantined', generator_id)
 --       | err('work_lease_over', state): the lease_id names a lease that was returned or expired.
 if not load_run() then return err('run_missing') end
+if ARGV[4] ~= '' and GEN.quarantined_of({ ARGV[4] }) then
+  return err('generator_quarantined', ARGV[4])
+end
 local lid = ARGV[2]
 local wk = wkey(lid)
 

@@ -13,22 +13,27 @@ local function emit(e, d)
 end
 
 -- The payload of an event the caller packed (a msgpack map without 't'), with 't' added by
--- rewriting the map's header and appending the pair: no unpacking and packing again. Raises an
--- error for anything but a map, so call it before the first write.
-local function timed(payload)
-  local b, head = string.byte(payload, 1), nil
-  local rest = 2
-  if b >= 0x80 and b < 0x8f then
-    head = string.char(b + 1)  -- fixmap
-  elseif b == 0x8f then
-    head = '\222\0\16'  -- 15 pairs and 't': map16
+-- rewriting the map's header and appending the pair, and the pairs of `more` ({key, value, ...},
+-- optional) after it: no unpacking and packing again. Raises an error for anything but a map,
+-- so call it before the first write.
+local function timed(payload, more)
+  more = more or {}
+  local b, n, rest = string.byte(payload, 1), nil, 2
+  if b >= 0x80 and b <= 0x8f then
+    n = b - 0x80  -- fixmap
   elseif b == 0xde then
-    local n = string.byte(payload, 2) * 256 + string.byte(payload, 3) + 1
-    head, rest = '\222' .. string.char(math.floor(n / 256), n % 256), 4
+    n, rest = string.byte(payload, 2) * 256 + string.byte(payload, 3), 4  -- map16
   else
     return error('event payload is not a msgpack map')
   end
-  return head .. string.sub(payload, rest) .. cmsgpack.pack('t') .. cmsgpack.pack(NOW)
+  n = n + 1 + #more / 2
+  local head
+  if n <= 15 then head = string.char(0x80 + n) else
+    head = '\222' .. string.char(math.floor(n / 256), n % 256)
+  end
+  local parts = { head, string.sub(payload, rest), cmsgpack.pack('t'), cmsgpack.pack(NOW) }
+  for _, x in ipairs(more) do table.insert(parts, cmsgpack.pack(x)) end
+  return table.concat(parts)
 end
 
 local function emit_timed(e, d) redis.call('XADD', EV, '*', 'e', e, 'd', d) end

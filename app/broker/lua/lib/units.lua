@@ -1,4 +1,4 @@
--- requires: passes
+-- requires: passes, generators
 -- Units: what is buffered, handed out and retired whole. A single rollout is its own unit,
 -- 'r:<rollout_id>'; a group is 'g:<group_id>'. A group lists its members in arrival order
 -- (mkey), each entry '<version> <tokens> <rollout_id>'.
@@ -173,8 +173,10 @@ local function zero_variance(k, lo, hi)
     and tonumber(lo) == tonumber(hi)
 end
 
--- An 'accepted' event's item: `masked` is left out when 0 unless the awaiting flag follows.
-local function accepted_item(rid, uid, v, tokens, new_unit, masked, awaits)
+-- An 'accepted' event's item: `masked` is left out when 0 unless the awaiting flag or the
+-- generator (`gen`, '' = none) follows.
+local function accepted_item(rid, uid, v, tokens, new_unit, masked, awaits, gen)
+  if gen ~= '' then return { rid, uid, v, tokens, new_unit, masked, awaits and 1 or 0, gen } end
   if awaits then return { rid, uid, v, tokens, new_unit, masked, 1 } end
   return { rid, uid, v, tokens, new_unit, masked > 0 and masked or nil }
 end
@@ -229,6 +231,7 @@ local function retire_rollouts(u, reason, rows, uses, pk, att)
     table.insert(RETIRED_ORDER, reason)
   end
   local unscored = unscored_of(u, rows)
+  GEN.forget(u)
   for i, row in ipairs(rows) do
     local item = { row[1], row[2], row[3], uses }
     if unscored and unscored[i] then item[5] = unscored[i] end
@@ -273,7 +276,7 @@ end
 -- A unit back from a nack or an expiry, whose record is `r`: retire it or make it ready again
 -- (ack.lua does the same with the use and KL the ack adds).
 local function settle(u, r, rows)
-  local reason = permanent_reason(r.uses, r.v, r.kl)
+  local reason = permanent_reason(r.uses, r.v, r.kl) or GEN.reason(u)
   if reason then
     retire_unit(u, reason, r, false, rows)
   else
@@ -296,6 +299,7 @@ local function write_units()
     each_chunk(US_DEL, 1000, function(...) redis.call('ZREM', XV, ...) end)
   end
   each_chunk(DELS, 1000, function(...) redis.call('DEL', ...) end)
+  GEN.drop()
   if LIVE_DELTA ~= 0 then redis.call('HINCRBY', RUN, 'live', LIVE_DELTA) end
 end
 
