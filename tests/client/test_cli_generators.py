@@ -8,6 +8,7 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
+import httpx
 import pytest
 from rich.console import Console
 from rollout_broker_client import BrokerClient, GeneratorAccounting, IsRatioStats, KlStats
@@ -100,11 +101,38 @@ def test_the_command_reads_the_generators_of_a_live_broker(live_server: LiveServ
         broker.create_run(run)
         broker.wait_for_accounting(run, timeout_s=20)
         assert broker.accounting_generators(run) == []
+        body = {
+            "rollouts": [
+                {
+                    "rollout_id": f"r{i}",
+                    "policy_version": 0,
+                    "prompt_ids": [1],
+                    "response_ids": [2, 3, 4],
+                    "logprobs": [-1.0] * 3,
+                    "reward": 1.0,
+                    "generator_id": "node-7",
+                }
+                for i in range(3)
+            ]
+        }
+        resp = httpx.post(f"{live_server.url}/v1/runs/{run}/rollouts", json=body)
+        assert resp.status_code in (200, 202), resp.text
+        broker.wait_for_accounting(run, timeout_s=20)
+        [node] = broker.accounting_generators(run)
+    assert (node.generator_id, node.rollouts, node.tokens, node.quarantined) == (
+        "node-7",
+        3,
+        9,
+        False,
+    )
     code, out, err = invoke(live_server, "accounting", run, "--generators", "--json")
     assert code == 0, err
-    assert json.loads(out) == []
+    [row] = json.loads(out)
+    assert (row["generator_id"], row["rollouts"], row["samples_consumed"]) == ("node-7", 3, 0)
     code, out, err = invoke(live_server, "accounting", run, "--generators")
     assert code == 0, err
-    assert "Accounting by generator" in out and "KL mean" in out
+    assert "Accounting by generator" in out
+    [line] = [x.split() for x in out.splitlines() if x.startswith("node-7")]
+    assert line[:3] == ["node-7", "3", "0"]
     code, out, err = invoke(live_server, "accounting", "no-such-run", "--generators")
     assert code == 1 and "RunNotFound" in err
