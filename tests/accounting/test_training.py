@@ -86,7 +86,7 @@ def _close(got: Any, want: Any) -> bool:
 
 
 def _assert_version(got: dict[str, Any], want: dict[str, Any], version: int) -> None:
-    assert list(got) == ["policy_version", *FIELDS, "kl_coef"]  # β: tests/accounting/test_generator_accounting.py
+    assert list(got) == ["policy_version", *FIELDS, "kl_coef"]  # β: test_generator_accounting
     assert got["policy_version"] == version
     for name in FIELDS:
         assert _close(got[name], want[name]), (version, name, got[name], want[name])
