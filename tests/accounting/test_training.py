@@ -196,6 +196,7 @@ async def test_figures_per_trainer_version(
         "kl_max": None,
         "is_ratio_mean": None,
         "clip_fraction": None,
+        "kl_coef": None,  # the run has no adaptive KL penalty
     }
 
     # Summed over the trainer's versions: the run's figures.
