@@ -122,7 +122,8 @@ SCHEMA: dict[str, EventType] = {
             Retired,
             "buffered → gone. Reasons: `stale`, `max_reuse`, `kl`, `kl_flush`, "
             "`incomplete_group`, `zero_variance`, `run_closed`, `rewound` (a token sampled "
-            "above the version a rewind went back to), `reward_timeout`. `uses == 0` means the "
+            "above the version a rewind went back to), `reward_timeout`, `quarantined` (a "
+            "rollout of a quarantined generator, or of its group). `uses == 0` means the "
             "tokens were wasted; `unscored` says where a rollout still awaiting its reward was",
         ),
         EventType(

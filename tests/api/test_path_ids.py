@@ -28,6 +28,7 @@ GOOD = {
     "batch_id": "b" * 16,
     "lease_id": "l" * 16,
     "token_id": "0" * 16,
+    "generator_id": "gen-1",
 }
 BAD = {
     "NUL": "a\x00b",
@@ -54,7 +55,7 @@ def path_routes(app: FastAPI) -> Iterator[tuple[str, str, list[str]]]:
             continue
         for method in sorted(route.methods or ()):
             if method != "HEAD":
-                yield method, route.path, [p.name for p in dependant.path_params]
+                yield method, route.path_format, [p.name for p in dependant.path_params]
 
 
 def test_every_path_id_is_one_the_test_knows() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Annotated, Literal
+from urllib.parse import unquote_to_bytes
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
@@ -185,6 +186,12 @@ async def get_policy(
 async def release_generator(run_id: RunId, generator_id: ItemId, request: Request) -> Response:
     """Lift a generator's quarantine (``generator_kl_max``): it may post rollouts and take work
     again, and its KL window starts afresh. ``released`` is false when it was not quarantined."""
+    try:
+        # A generator id may hold any printable character, U+FFFD included, so a path that is
+        # not UTF-8 once percent-decoded (which decoding turns into U+FFFD) is refused here.
+        unquote_to_bytes(request.scope.get("raw_path", b"").decode("latin-1")).decode()
+    except UnicodeDecodeError:
+        raise ValidationFailed("generator_id: the path is not UTF-8 once percent-decoded") from None
     result = await quarantine.release(
         broker_of(request).store, run_id, generator_id, caller_of(request)
     )

@@ -17,6 +17,7 @@ by the body's ``error`` field, carrying the body's ``detail``:
         ├── Conflict (409)
         │   ├── RunConflict          same run_id, different config
         │   ├── RunClosed            work asked of a closed run
+        │   ├── GeneratorQuarantined posts or work of a quarantined generator (its KL drifted)
         │   ├── VersionConflict      policy version moving backwards
         │   ├── LeaseExpired         ack after the lease ran out
         │   ├── BatchSettled         nack of an acked batch, or the reverse
@@ -57,6 +58,7 @@ __all__ = [
     "BrokerUnreachable",
     "Conflict",
     "Forbidden",
+    "GeneratorQuarantined",
     "InternalError",
     "LeaseExpired",
     "NotFound",
@@ -171,6 +173,11 @@ class RunClosed(Conflict):
     pass
 
 
+class GeneratorQuarantined(Conflict):
+    """The generator's measured KL drifted past the run's ``generator_kl_max``: its rollouts and
+    work requests are refused until an operator releases it; not retried."""
+
+
 class WorkLeaseOver(Conflict):
     """The work lease was returned or expired: its prompts went back; lease with a new id."""
 
@@ -242,6 +249,7 @@ _BY_NAME: dict[str, type[BrokerHTTPError]] = {
         Conflict,
         RunConflict,
         RunClosed,
+        GeneratorQuarantined,
         WorkLeaseOver,
         RewardLeaseOver,
         RewardConflict,

@@ -254,6 +254,11 @@ class BrokerClient:
         run is open or has not settled (its leases still out, its events not yet applied)."""
         self.send(self.api.delete_run(run_id))
 
+    def release_generator(self, run_id: str, generator_id: str) -> bool:
+        """Lift a generator's quarantine (``generator_kl_max``): it may post and take work
+        again. False when it was not quarantined (scope ``operate``)."""
+        return self.send(self.api.release_generator(run_id, generator_id))
+
     def set_policy(
         self, run_id: str, version: int, *, weights: str | None = None, rewind: bool = False
     ) -> PolicyResult:

@@ -773,6 +773,10 @@ class Api:
     def delete_run(self, run_id: str) -> Call[None]:
         return Call("DELETE", _p(run_id), lambda r, b: None)
 
+    def release_generator(self, run_id: str, generator_id: str) -> Call[bool]:
+        path = _p(run_id) + "/generators/" + quote(generator_id, safe="") + "/release"
+        return Call("POST", path, lambda r, b: bool(b["released"]))
+
     def set_policy(
         self, run_id: str, version: int, weights: str | None = None, rewind: bool = False
     ) -> Call[PolicyResult]:

@@ -29,6 +29,7 @@ def mount(app: typer.Typer, *, name: str, version: str) -> None:
     app.add_typer(commands.runs_cli, name="runs")
     app.add_typer(commands.policy_cli, name="policy")
     app.add_typer(commands.batches_cli, name="batches")
+    app.add_typer(commands.generators_cli, name="generators")
     app.add_typer(commands.tokens_cli, name="tokens")
     for command in (commands.accounting, commands.prompts, commands.audit, watch.watch):
         app.command()(command)

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 runs_cli = typer.Typer(help="List, create, show, configure and close runs.", no_args_is_help=True)
 policy_cli = typer.Typer(help="Policy versions of a run.", no_args_is_help=True)
+generators_cli = typer.Typer(help="Generators of a run: lift a quarantine.", no_args_is_help=True)
 batches_cli = typer.Typer(help="Leased batches of a run.", no_args_is_help=True)
 tokens_cli = typer.Typer(
     help="Create, list and revoke the access tokens of a broker with auth on (scope admin).",
@@ -154,6 +155,21 @@ def runs_delete(
     with connect(url, token) as broker:
         broker.delete_run(run_id)
     console().print(f"run {run_id} deleted")
+
+
+@generators_cli.command("release")
+def generators_release(
+    run_id: RunArg,
+    generator_id: Annotated[str, typer.Argument(help="Generator id")],
+    url: Url = None,
+    token: Token = None,
+) -> None:
+    """Lift a generator's quarantine (its mean KL passed the run's generator_kl_max): it may post
+    rollouts and take work again."""
+    with connect(url, token) as broker:
+        released = broker.release_generator(run_id, generator_id)
+    what = "released" if released else "was not quarantined"
+    console().print(f"generator {generator_id} of run {run_id} {what}")
 
 
 # -- policy ----------------------------------------------------------------------------------------
