@@ -177,6 +177,14 @@ class Settings(BaseSettings):
         description="Open runs with a `run` label in GET /metrics (the newest first); the "
         "others are left out and counted in rollout_broker_metrics_runs_omitted",
     )
+    metrics_generators: int = Field(
+        default=16,
+        ge=0,
+        le=10_000,
+        description="Generators per run with a `generator` label of their own in GET /metrics "
+        "(those with the most rollouts, and every quarantined one); the others are summed "
+        'under generator="other"',
+    )
 
     # The accounting drain (``BROKER_DRAIN_*``); see docs/accounting.md.
     drain_batch_size: int = Field(

@@ -83,6 +83,7 @@ ROUTES: Final[dict[tuple[str, str], Rule]] = {
     ("GET", "/v1/runs/{run_id}/accounting"): reading(Scope.OPERATE),
     ("GET", "/v1/runs/{run_id}/accounting/versions"): reading(Scope.OPERATE),
     ("GET", "/v1/runs/{run_id}/accounting/training"): reading(Scope.OPERATE),
+    ("GET", "/v1/runs/{run_id}/accounting/generators"): reading(Scope.OPERATE),
     ("GET", "/v1/runs/{run_id}/batches"): reading(Scope.OPERATE),
     ("GET", "/v1/runs/{run_id}/accounting/dead-letters"): reading(Scope.OPERATE),
     ("POST", "/v1/tokens"): changing(Scope.ADMIN),

@@ -14,14 +14,17 @@ __all__ = [
     "BATCH_VALUE_FIELDS",
     "MAX_COLUMNS",
     "MIN_COLUMNS",
+    "NEWEST_GROUPS",
     "REWARD_LATENCY_BOUNDS_MS",
     "BatchPatch",
     "Fold",
+    "GeneratorDelta",
     "ReasonDelta",
     "RunSnapshot",
     "RunTotalsDelta",
     "TotalsDelta",
     "TrainingDelta",
+    "tell",
 ]
 
 
@@ -86,6 +89,10 @@ class RunTotalsDelta(TotalsDelta):
     partials_dropped: int = 0
     partial_tokens_resumed: int = 0
     partial_tokens_dropped: int = 0
+    # β after the newest ack (its stream id): None when that ack had none (the penalty off).
+    kl_coef: float | None = None
+    kl_coef_ms: int | None = None
+    kl_coef_seq: int | None = None
 
 
 @dataclass
@@ -102,6 +109,32 @@ class TrainingDelta:
     ratio_tokens: int = 0
     ratio_sum: float = 0.0
     ratio_clipped: int = 0
+    # β after the newest ack at this version (its stream id), as the run's.
+    kl_coef: float | None = None
+    kl_coef_ms: int | None = None
+    kl_coef_seq: int | None = None
+
+
+@dataclass
+class GeneratorDelta:
+    """What one generator's rollouts add: received (``accepted`` items naming it), their uses
+    (``acked`` ``gens``, less the uses a rewind undid) and the sums of their measured tokens;
+    and whether it is quarantined, as told by the newest ``generator`` event."""
+
+    rollouts: int = 0
+    tokens: int = 0
+    samples_consumed: int = 0
+    kl_tokens: int = 0
+    kl_sum: float = 0.0
+    kl_max: float | None = None
+    ratio_tokens: int = 0
+    ratio_sum: float = 0.0
+    clipped: int = 0
+    zero_weight: int = 0  # of ratio_tokens, those the run's correction weighs 0
+    last_seen_ms: int | None = None  # time of its newest accepted rollout
+    quarantined: bool = False
+    quarantined_ms: int | None = None  # stream id of the event that told it; None: none did
+    quarantined_seq: int | None = None
 
 
 REWARD_LATENCY_BOUNDS_MS = (100, 500, 1_000, 2_000, 5_000, 10_000, 30_000, 60_000, 120_000,
@@ -110,8 +143,25 @@ REWARD_LATENCY_BOUNDS_MS = (100, 500, 1_000, 2_000, 5_000, 10_000, 30_000, 60_00
 keeps the scores per bucket (not cumulative), and the last bucket (+Inf) is every score."""
 
 # Columns merged with GREATEST / LEAST instead of addition.
-MAX_COLUMNS = frozenset({"lag_max", "kl_max", "last_event_ms"})
+MAX_COLUMNS = frozenset({"lag_max", "kl_max", "last_event_ms", "last_seen_ms"})
 MIN_COLUMNS = frozenset({"first_event_ms"})
+# Values told by an event, each with the stream id (ms, seq) of the event that told it: the
+# newest wins, whatever order the events are applied in; a delta whose id is None told nothing.
+NEWEST_GROUPS = {
+    "kl_coef": ("kl_coef_ms", "kl_coef_seq"),
+    "quarantined": ("quarantined_ms", "quarantined_seq"),
+}
+
+
+def tell(delta: object, name: str, stream_id: StreamId, value: object) -> None:
+    """Set ``name`` of ``delta`` to ``value`` unless a newer event already told it."""
+    ms, seq = NEWEST_GROUPS[name]
+    known_ms, known_seq = getattr(delta, ms), getattr(delta, seq)
+    if known_ms is not None and (known_ms, known_seq) > (stream_id.ms, stream_id.seq):
+        return
+    setattr(delta, name, value)
+    setattr(delta, ms, stream_id.ms)
+    setattr(delta, seq, stream_id.seq)
 
 
 @dataclass
@@ -214,6 +264,7 @@ class Fold:
     passes: dict[tuple[str, int], PassState] = field(default_factory=dict)  # (prompt_id, pass)
     # Scores per bucket of the reward latency: the bucket's bound (ms) -> scores in it
     reward_latency: dict[int, int] = field(default_factory=dict)
+    generators: dict[str, GeneratorDelta] = field(default_factory=dict)  # by generator_id
 
     def version(self, policy_version: int) -> TotalsDelta:
         delta = self.versions.get(policy_version)
@@ -225,6 +276,12 @@ class Fold:
         delta = self.trainings.get(policy_version)
         if delta is None:
             delta = self.trainings[policy_version] = TrainingDelta()
+        return delta
+
+    def generator(self, generator_id: str) -> GeneratorDelta:
+        delta = self.generators.get(generator_id)
+        if delta is None:
+            delta = self.generators[generator_id] = GeneratorDelta()
         return delta
 
     def reason(self, policy_version: int, kind: str, reason: str) -> ReasonDelta:

@@ -1,5 +1,5 @@
 """Operator endpoints of the accounting: totals, per-version rows (of the rollouts and of the
-trainer), batch ledger, prompt ledger, dead letters."""
+trainer), per-generator rows, batch ledger, prompt ledger, dead letters."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from app.accounting.schemas import (
     BatchPage,
     DeadLetterPage,
+    GeneratorsAccounting,
     PromptPage,
     RunAccounting,
     TrainingAccounting,
@@ -57,6 +58,15 @@ async def get_training_accounting(
     """KL, importance ratio and clip fraction per policy version of the trainer: the acknowledged
     batches grouped by the version V of their lease, not by the rollouts' versions."""
     return await accounting.training_accounting(session, run_id)
+
+
+@router.get("/accounting/generators", response_model=GeneratorsAccounting)
+async def get_generator_accounting(
+    run_id: RunId, session: Session, accounting: Accounting
+) -> GeneratorsAccounting:
+    """Per generator of the run's rollouts: what it generated, the uses of its rollouts, the
+    mismatch measured on them, and whether it is quarantined."""
+    return await accounting.generator_accounting(session, run_id)
 
 
 @router.get("/batches", response_model=BatchPage, responses=_CURSOR_400)

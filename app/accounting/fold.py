@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import assert_never
 
-from app.accounting.deltas import BatchPatch, Fold, RunSnapshot, TotalsDelta
+from app.accounting.deltas import BatchPatch, Fold, RunSnapshot, TotalsDelta, tell
 from app.accounting.passes import MAX_PASSES, PassState, pass_state
 from app.events import (
     Accepted,
@@ -77,7 +77,7 @@ def fold_events(events: Iterable[Event]) -> Fold:
         if isinstance(body, RunChanged):
             _fold_run(fold, event, body)
         elif isinstance(body, Accepted):
-            _fold_accepted(fold, body)
+            _fold_accepted(fold, event, body)
         elif isinstance(body, Duplicate):
             run.duplicates += body.n
         elif isinstance(body, Rejected):
@@ -109,7 +109,10 @@ def fold_events(events: Iterable[Event]) -> Fold:
         elif isinstance(body, Waited):
             _fold_waited(fold, body)
         elif isinstance(body, GeneratorChanged):
-            pass  # the per-generator ledger is not kept yet
+            # Quarantined or released: the newest event wins, whatever the order applied.
+            tell(
+                fold.generator(body.generator_id), "quarantined", event.stream_id, body.quarantined
+            )
         else:
             assert_never(body)
     return fold
@@ -129,7 +132,7 @@ def _fold_run(fold: Fold, event: Event, body: RunChanged) -> None:
     )
 
 
-def _fold_accepted(fold: Fold, body: Accepted) -> None:
+def _fold_accepted(fold: Fold, event: Event, body: Accepted) -> None:
     for item in body.items:
         for totals in (fold.run, fold.version(item.policy_version)):
             totals.rollouts_received += 1
@@ -137,6 +140,15 @@ def _fold_accepted(fold: Fold, body: Accepted) -> None:
             totals.tokens_generated += item.tokens
             totals.tokens_masked += item.masked
             totals.rewards_awaiting += int(item.awaiting)
+        if item.generator is not None:
+            generator = fold.generator(item.generator)
+            generator.rollouts += 1
+            generator.tokens += item.tokens
+            generator.last_seen_ms = _max_ms(generator.last_seen_ms, event.t_ms)
+
+
+def _max_ms(a: int | None, b: int) -> int:
+    return b if a is None else max(a, b)
 
 
 def _fold_rejected(fold: Fold, body: Rejected) -> None:
@@ -216,6 +228,10 @@ def _fold_acked(fold: Fold, event: Event, body: Acked) -> None:
     training.ratio_tokens += body.sums.ratio_tokens
     training.ratio_sum += body.sums.ratio_sum
     training.ratio_clipped += body.sums.clipped
+    # β after this ack (None: the penalty is off), per run and per V: the newest ack's wins.
+    tell(run, "kl_coef", event.stream_id, body.kl_coef)
+    tell(training, "kl_coef", event.stream_id, body.kl_coef)
+    _fold_acked_gens(fold, body)
     fold.batch(
         BatchPatch(
             first_event=event.stream_id,
@@ -231,6 +247,19 @@ def _fold_acked(fold: Fold, event: Event, body: Acked) -> None:
         ),
         body.batch_id,
     )
+
+
+def _fold_acked_gens(fold: Fold, body: Acked) -> None:
+    for gen in body.gens:
+        generator = fold.generator(gen.generator_id)
+        generator.samples_consumed += gen.samples
+        generator.kl_tokens += gen.kl_tokens
+        generator.kl_sum += gen.kl_sum
+        generator.kl_max = _max(generator.kl_max, gen.kl_max)
+        generator.ratio_tokens += gen.ratio_tokens
+        generator.ratio_sum += gen.ratio_sum
+        generator.clipped += gen.clipped
+        generator.zero_weight += gen.zero_weight
 
 
 def _fold_returned(fold: Fold, event: Event, body: Returned) -> None:
@@ -314,6 +343,9 @@ def _fold_rewound(fold: Fold, event: Event, body: Rewound) -> None:
     for item in body.items:
         fold.run.samples_rewound += 1
         fold.version(item.policy_version).samples_rewound += 1
+    # Per generator the uses undone come off its samples_consumed (unlike the run's).
+    for gen in body.gens:
+        fold.generator(gen.generator_id).samples_consumed -= gen.samples
     for batch_id in body.batches:
         # Only its time: the outcome stays what the batch's own events say ("leased" never
         # replaces a terminal one), whichever is folded first.

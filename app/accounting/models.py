@@ -7,6 +7,7 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     Double,
@@ -23,6 +24,7 @@ from app.db import Base
 
 __all__ = [
     "Batch",
+    "GeneratorTotals",
     "LagCount",
     "ProcessedEvent",
     "PromptPass",
@@ -137,6 +139,11 @@ class RunTotals(_Totals, Base):
     partials_dropped: Mapped[int] = _count()
     partial_tokens_resumed: Mapped[int] = _count()
     partial_tokens_dropped: Mapped[int] = _count()
+    # β after the newest ack and that ack's stream id: an older ack never overwrites it;
+    # null β with an id: the newest ack carried none (the penalty off).
+    kl_coef: Mapped[float | None] = mapped_column(Double)
+    kl_coef_ms: Mapped[int | None] = mapped_column(BigInteger)
+    kl_coef_seq: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class VersionTotals(_Totals, Base):
@@ -165,6 +172,36 @@ class TrainingTotals(Base):
     ratio_tokens: Mapped[int] = _count()
     ratio_sum: Mapped[float] = _sum()
     ratio_clipped: Mapped[int] = _count()
+    # β after the newest ack at this version and that ack's stream id: an older ack never
+    # overwrites it; null β with an id: the newest ack carried none (the penalty off).
+    kl_coef: Mapped[float | None] = mapped_column(Double)
+    kl_coef_ms: Mapped[int | None] = mapped_column(BigInteger)
+    kl_coef_seq: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class GeneratorTotals(Base):
+    """One row per (run, generator_id): its rollouts received, their uses and the sums of
+    their measured tokens, and whether it is quarantined (as the newest ``generator`` event
+    told, with that event's stream id)."""
+
+    __tablename__ = "generator_totals"
+
+    run_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    generator_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    rollouts: Mapped[int] = _count()
+    tokens: Mapped[int] = _count()
+    samples_consumed: Mapped[int] = _count()
+    kl_tokens: Mapped[int] = _count()
+    kl_sum: Mapped[float] = _sum()
+    kl_max: Mapped[float | None] = mapped_column(Double)
+    ratio_tokens: Mapped[int] = _count()
+    ratio_sum: Mapped[float] = _sum()
+    clipped: Mapped[int] = _count()
+    zero_weight: Mapped[int] = _count()
+    last_seen_ms: Mapped[int | None] = mapped_column(BigInteger)
+    quarantined: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
+    quarantined_ms: Mapped[int | None] = mapped_column(BigInteger)
+    quarantined_seq: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class ReasonTotals(Base):

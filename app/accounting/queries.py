@@ -26,6 +26,7 @@ from app.accounting.ledger import (
     zero_totals,
 )
 from app.accounting.models import (
+    GeneratorTotals,
     LagCount,
     ReasonTotals,
     RewardLatencyCount,
@@ -37,6 +38,8 @@ from app.accounting.models import (
 from app.accounting.repository import ms_to_datetime
 from app.accounting.schemas import (
     BatchCounts,
+    GeneratorAccounting,
+    GeneratorsAccounting,
     IsRatioStats,
     KlStats,
     LagStats,
@@ -57,6 +60,8 @@ __all__ = [
     "CheckedAccounting",
     "checked_accounting",
     "checked_accounting_of",
+    "generator_accounting",
+    "generator_answer",
     "require_run",
     "run_accounting",
     "training_accounting",
@@ -137,6 +142,30 @@ async def _reward_latency_of(
     return result
 
 
+async def _generators_of(
+    session: AsyncSession, run_ids: Sequence[str]
+) -> dict[str, list[GeneratorTotals]]:
+    rows = await session.scalars(
+        select(GeneratorTotals)
+        .where(GeneratorTotals.run_id.in_(run_ids))
+        .order_by(GeneratorTotals.run_id, GeneratorTotals.generator_id)
+    )
+    result: dict[str, list[GeneratorTotals]] = defaultdict(list)
+    for row in rows.all():
+        result[row.run_id].append(row)
+    return result
+
+
+async def _kl_coefs(session: AsyncSession, run_id: str) -> dict[int, float | None]:
+    """β after the newest ack at each version of the trainer."""
+    rows = await session.execute(
+        select(TrainingTotals.policy_version, TrainingTotals.kl_coef).where(
+            TrainingTotals.run_id == run_id
+        )
+    )
+    return {version: kl_coef for version, kl_coef in rows.all()}
+
+
 def _sum_by_reason(per_version: dict[int, dict[str, dict[str, int]]], kind: str) -> dict[str, int]:
     total: dict[str, int] = defaultdict(int)
     for kinds in per_version.values():
@@ -200,6 +229,7 @@ class CheckedAccounting:
     # The reward-latency histogram: bucket bound (ms) -> scores in it, not cumulative; the
     # scores beyond the last bound are in totals.rewards_scored only.
     reward_latency: dict[int, int]
+    generators: Sequence[GeneratorTotals] = ()  # its generators' rows, by generator_id
 
 
 async def run_accounting(session: AsyncSession, stream: EventStream, run_id: str) -> RunAccounting:
@@ -215,7 +245,8 @@ async def checked_accounting(
         await require_run(session, stream, run_id)
     latency = (await _reward_latency_of(session, [run_id])).get(run_id, {})
     reasons, lags = await _reasons(session, run_id), await _lags(session, run_id)
-    return _checked(run_id, settled, reasons, lags, latency)
+    generators = (await _generators_of(session, [run_id])).get(run_id, [])
+    return _checked(run_id, settled, reasons, lags, latency, generators)
 
 
 async def checked_accounting_of(
@@ -229,6 +260,7 @@ async def checked_accounting_of(
     reasons = await _reasons_of(session, ready)
     lags = await _lags_of(session, ready)
     latency = await _reward_latency_of(session, ready)
+    generators = await _generators_of(session, ready)
     out: dict[str, CheckedAccounting] = {}
     for run_id in ready:
         try:
@@ -242,6 +274,7 @@ async def checked_accounting_of(
             reasons.get(run_id, {}),
             lags.get(run_id, {}),
             latency.get(run_id, {}),
+            generators.get(run_id, []),
         )
     session.expunge_all()  # the totals rows answered stay loaded through the rollback
     await session.rollback()  # ends the snapshot: each run read again starts its own
@@ -255,7 +288,12 @@ async def checked_accounting_of(
 
 
 def _checked(
-    run_id: str, settled: Settled, reasons: Reasons, lags: Lags, latency: dict[int, int]
+    run_id: str,
+    settled: Settled,
+    reasons: Reasons,
+    lags: Lags,
+    latency: dict[int, int],
+    generators: Sequence[GeneratorTotals],
 ) -> CheckedAccounting:
     totals = settled.totals or zero_totals()
     histogram: dict[int, int] = defaultdict(int)
@@ -280,6 +318,7 @@ def _checked(
             mean=_ratio(totals.ratio_sum, totals.ratio_tokens),
             clip_fraction=_ratio(totals.ratio_clipped, totals.ratio_tokens),
         ),
+        kl_coef=totals.kl_coef,
         prompts=PromptCounts(
             registered=totals.prompts_registered,
             queued=totals.prompts_queued,
@@ -305,7 +344,9 @@ def _checked(
         dead_letters=settled.snapshot.dead_letters,
         live=live_counts(settled.snapshot),
     )
-    return CheckedAccounting(accounting, check_of(run_id, settled), totals, latency)
+    return CheckedAccounting(
+        accounting, check_of(run_id, settled), totals, latency, tuple(generators)
+    )
 
 
 async def version_accounting(
@@ -323,6 +364,7 @@ async def version_accounting(
     )
     reasons = await _reasons(session, run_id)
     lags = await _lags(session, run_id)
+    kl_coefs = await _kl_coefs(session, run_id)
     versions = [
         VersionAccounting(
             policy_version=row.policy_version,
@@ -332,6 +374,7 @@ async def version_accounting(
                 dict(reasons.get(row.policy_version, {}).get("retired", {})),
                 lags.get(row.policy_version, {}),
             ),
+            kl_coef=kl_coefs.get(row.policy_version),
         )
         for row in rows.all()
     ]
@@ -366,8 +409,44 @@ async def training_accounting(
                 kl_max=row.kl_max,
                 is_ratio_mean=_ratio(row.ratio_sum, row.ratio_tokens),
                 clip_fraction=_ratio(row.ratio_clipped, row.ratio_tokens),
+                kl_coef=row.kl_coef,
             )
             for row in rows.all()
         ],
+        pending_events=pending,
+    )
+
+
+def generator_answer(row: GeneratorTotals) -> GeneratorAccounting:
+    """A generator's figures from its row: means over its measured tokens, null with none."""
+    return GeneratorAccounting(
+        generator_id=row.generator_id,
+        rollouts=row.rollouts,
+        tokens=row.tokens,
+        samples_consumed=row.samples_consumed,
+        kl=KlStats(mean=_ratio(row.kl_sum, row.kl_tokens), max=row.kl_max),
+        is_ratio=IsRatioStats(
+            mean=_ratio(row.ratio_sum, row.ratio_tokens),
+            clip_fraction=_ratio(row.clipped, row.ratio_tokens),
+        ),
+        masked_fraction=_ratio(row.zero_weight, row.ratio_tokens),
+        last_seen=ms_to_datetime(row.last_seen_ms),
+        quarantined=row.quarantined,
+    )
+
+
+async def generator_accounting(
+    session: AsyncSession, stream: EventStream, run_id: str
+) -> GeneratorsAccounting:
+    """Per generator of the run's rollouts, by generator_id."""
+    pending = await stream.pending_events(run_id)  # first, as in run_accounting
+    await one_snapshot(session)
+    totals = await session.get(RunTotals, run_id)
+    if totals is None:
+        await require_run(session, stream, run_id)
+    rows = (await _generators_of(session, [run_id])).get(run_id, [])
+    return GeneratorsAccounting(
+        generators=[generator_answer(row) for row in rows],
+        as_of=ms_to_datetime(totals.last_event_ms if totals is not None else None),
         pending_events=pending,
     )

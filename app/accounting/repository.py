@@ -19,13 +19,16 @@ from app.accounting.deltas import (
     BATCH_VALUE_FIELDS,
     MAX_COLUMNS,
     MIN_COLUMNS,
+    NEWEST_GROUPS,
     Fold,
+    GeneratorDelta,
     TotalsDelta,
     TrainingDelta,
 )
 from app.accounting.fold import fold_events
 from app.accounting.models import (
     Batch,
+    GeneratorTotals,
     LagCount,
     ProcessedEvent,
     PromptPass,
@@ -108,13 +111,30 @@ async def apply_events(session: AsyncSession, run_id: str, events: Sequence[Even
     return ApplyResult(applied=len(unique), already=len(events) - len(unique))
 
 
+# Each column of a NEWEST_GROUPS group -> the (ms, seq) columns of the event that told it.
+_TOLD_BY = {name: told_by for value, told_by in NEWEST_GROUPS.items() for name in (value, *told_by)}
+
+
+def _newer(table: Table, excluded: Any, told_by: tuple[str, str]) -> ColumnElement[bool]:
+    """The incoming row was told by a newer event than the stored one (or the stored one by
+    none); an incoming row told by none is never newer."""
+    ms, seq = told_by
+    newer: ColumnElement[bool] = excluded[ms].is_not(None) & (
+        table.c[ms].is_(None)
+        | (tuple_(table.c[ms], table.c[seq]) < tuple_(excluded[ms], excluded[seq]))
+    )
+    return newer
+
+
 def _merge_set(
     table: Table, excluded: Any, columns: Iterable[str]
 ) -> dict[str, ColumnElement[Any]]:
     merged: dict[str, ColumnElement[Any]] = {}
     for name in columns:
         current, incoming = table.c[name], excluded[name]
-        if name in MAX_COLUMNS:
+        if name in _TOLD_BY:
+            merged[name] = case((_newer(table, excluded, _TOLD_BY[name]), incoming), else_=current)
+        elif name in MAX_COLUMNS:
             # GREATEST/LEAST ignore NULLs in Postgres.
             merged[name] = func.greatest(current, incoming)
         elif name in MIN_COLUMNS:
@@ -142,7 +162,9 @@ def _table(model: type[Base]) -> Table:
     return cast(Table, model.__table__)
 
 
-def _totals_row(delta: TotalsDelta | TrainingDelta | PassCounts) -> dict[str, Any]:
+def _totals_row(
+    delta: TotalsDelta | TrainingDelta | PassCounts | GeneratorDelta,
+) -> dict[str, Any]:
     return {f.name: getattr(delta, f.name) for f in fields(delta)}
 
 
@@ -174,6 +196,15 @@ async def apply_fold(session: AsyncSession, run_id: str, fold: Fold) -> None:
         [
             {"run_id": run_id, "policy_version": v, **_totals_row(fold.trainings[v])}
             for v in sorted(fold.trainings)
+        ],
+    )
+    await _upsert_add(
+        session,
+        _table(GeneratorTotals),
+        ["run_id", "generator_id"],
+        [
+            {"run_id": run_id, "generator_id": g, **_totals_row(fold.generators[g])}
+            for g in sorted(fold.generators)
         ],
     )
     await _upsert_add(

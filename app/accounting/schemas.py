@@ -12,6 +12,8 @@ __all__ = [
     "BatchRecord",
     "DeadLetter",
     "DeadLetterPage",
+    "GeneratorAccounting",
+    "GeneratorsAccounting",
     "IsRatioStats",
     "KlStats",
     "LagStats",
@@ -158,6 +160,10 @@ class RunAccounting(BaseModel):
     lag: LagStats
     kl: KlStats
     is_ratio: IsRatioStats
+    kl_coef: float | None = Field(
+        description="β of the adaptive KL penalty after the newest ack; null when the "
+        "penalty is off, or before any ack"
+    )
     prompts: PromptCounts
     partials: PartialCounts
     rewards: RewardCounts
@@ -198,6 +204,34 @@ class VersionAccounting(BaseModel):
     lag: LagStats
     kl: KlStats
     rewards: RewardCounts
+    kl_coef: float | None = Field(
+        description="β of the adaptive KL penalty after the newest ack of a batch leased at "
+        "this version; null when none, or when that ack had none (the penalty off)"
+    )
+
+
+class GeneratorAccounting(BaseModel):
+    """One generator's rollouts, their uses and the mismatch measured on them."""
+
+    generator_id: str
+    rollouts: int = Field(description="Rollouts accepted from it")
+    tokens: int = Field(description="Their tokens (trained and masked)")
+    samples_consumed: int = Field(
+        description="Uses of its rollouts in acknowledged batches, less those a rewind undid"
+    )
+    kl: KlStats = Field(description="Over its measured tokens; null when none was measured")
+    is_ratio: IsRatioStats = Field(description="Over its measured tokens; null when none")
+    masked_fraction: float | None = Field(
+        description="Share of its measured tokens the run's correction weighed 0; null when none"
+    )
+    last_seen: datetime | None = Field(description="Time of its newest accepted rollout")
+    quarantined: bool
+
+
+class GeneratorsAccounting(BaseModel):
+    generators: list[GeneratorAccounting] = Field(description="Ascending generator_id")
+    as_of: datetime | None = Field(description="Time of the newest drained event")
+    pending_events: int = Field(description="Stream entries not yet drained into Postgres")
 
 
 class VersionsAccounting(BaseModel):
@@ -221,6 +255,9 @@ class TrainingVersion(BaseModel):
     )
     clip_fraction: float | None = Field(
         description="Share of measured tokens outside [1-eps, 1+eps]; null when none measured"
+    )
+    kl_coef: float | None = Field(
+        description="β after the newest ack at this version; null when that ack had none"
     )
 
 

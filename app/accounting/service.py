@@ -40,6 +40,12 @@ class AccountingService:
         """Per policy version of the trainer (the V of the acknowledged batches' leases)."""
         return await queries.training_accounting(session, self.stream, run_id)
 
+    async def generator_accounting(
+        self, session: AsyncSession, run_id: str
+    ) -> schemas.GeneratorsAccounting:
+        """Per generator of the run's rollouts."""
+        return await queries.generator_accounting(session, self.stream, run_id)
+
     async def batches(
         self, session: AsyncSession, run_id: str, *, limit: int, cursor: str | None
     ) -> schemas.BatchPage:

@@ -14,7 +14,9 @@ Two kinds of figures, rendered together in the Prometheus text format:
   ``GET /v1/runs/{run_id}/accounting`` answers). They are the same from every process. Only
   open runs carry a ``run`` label, and at most ``BROKER_METRICS_MAX_RUNS`` of them (the newest,
   in the order of ``GET /v1/runs?status=open``); the others are left out and counted in
-  ``rollout_broker_metrics_runs_omitted``.
+  ``rollout_broker_metrics_runs_omitted``. Per run, the ``BROKER_METRICS_GENERATORS``
+  generators with the most rollouts, and every quarantined one, carry a ``generator`` label;
+  the others are summed under ``generator="other"`` (app/metrics/generators.py).
 
 The collectors of prometheus_client are synchronous, so the scrape reads the stores first, in
 the async handler, and then renders a registry built for that one response.
@@ -75,6 +77,7 @@ async def metrics(request: Request) -> Response:
         getattr(request.app.state, "db_sessionmaker", None),
         caller_of(request),
         settings.metrics_max_runs,
+        settings.metrics_generators,
     )
     body = render_metrics(request.app.state.metrics.registry, figures)
     return Response(body, media_type=CONTENT_TYPE)

@@ -32,6 +32,7 @@ from app.metrics.catalogue import (
     SPECS,
     MetricSpec,
 )
+from app.metrics.generators import GeneratorFigures, label_generators
 
 # -- the broker's figures ------------------------------------------------------------------
 
@@ -51,6 +52,8 @@ class LedgerFigures:
     drain_delay_s: float
     mismatch: bool
     reward_latency: dict[int, int]  # bucket bound (ms) -> scores in it (not cumulative)
+    # (generator label, figures): the labelled generators, then "other" (app/metrics/generators)
+    generators: tuple[tuple[str, GeneratorFigures], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,9 +79,11 @@ async def collect_broker(
     sessionmaker: async_sessionmaker[AsyncSession] | None,
     caller: Caller,
     max_runs: int,
+    max_generators: int = 16,
 ) -> BrokerFigures:
     """The figures of the open runs ``caller`` may touch, the first ``max_runs`` of them with a
-    ``run`` label. An unreachable Redis or Postgres gives ``up=False`` instead of an error, so
+    ``run`` label, each with up to ``max_generators`` generator labels (and every quarantined
+    generator's). An unreachable Redis or Postgres gives ``up=False`` instead of an error, so
     the process's own request metrics are still served."""
     try:
         page = await store.list_runs("open", limit=1 << 30)
@@ -86,7 +91,9 @@ async def collect_broker(
         shown = states[:max_runs]
         runs: list[RunFigures] = [RunFigures(s, None) for s in shown]
         if sessionmaker is not None:
-            ledgers = await _ledgers(stream, sessionmaker, [s.run_id for s in shown])
+            ledgers = await _ledgers(
+                stream, sessionmaker, [s.run_id for s in shown], max_generators
+            )
             # A run deleted since it was listed has no ledger read: left out.
             runs = [RunFigures(s, ledgers[s.run_id]) for s in shown if s.run_id in ledgers]
     except Exception as exc:
@@ -103,7 +110,10 @@ async def collect_broker(
 
 
 async def _ledgers(
-    stream: EventStream, sessionmaker: async_sessionmaker[AsyncSession], run_ids: list[str]
+    stream: EventStream,
+    sessionmaker: async_sessionmaker[AsyncSession],
+    run_ids: list[str],
+    max_generators: int,
 ) -> dict[str, LedgerFigures]:
     """The ledger figures of ``run_ids``, read ``_RUNS_PER_READ`` runs at a time
     (:func:`app.accounting.queries.checked_accounting_of`), ``_CONCURRENT_READS`` reads at once."""
@@ -132,6 +142,7 @@ async def _ledgers(
                 drain_delay_s=max(0, now_ms - oldest.ms) / 1000 if oldest is not None else 0.0,
                 mismatch=checked.check.mismatch,
                 reward_latency=checked.reward_latency,
+                generators=label_generators(checked.generators, max_generators),
             )
     return out
 
@@ -254,6 +265,17 @@ class _BrokerCollector(Collector):
         put("accounting_drain_delay_seconds", ledger.drain_delay_s, run)
         put("accounting_dead_letters", acc.dead_letters, run)
         put("ledger_mismatch", 1 if ledger.mismatch else 0, run)
+        for generator, g in ledger.generators:
+            put("generator_rollouts", g.rollouts, run, generator)
+            put("generator_samples_consumed", g.samples_consumed, run, generator)
+            for name, figure in (
+                ("generator_kl_mean", g.kl_mean),
+                ("generator_importance_ratio_clip_fraction", g.clip_fraction),
+                ("generator_masked_fraction", g.masked_fraction),
+            ):
+                if figure is not None:
+                    put(name, figure, run, generator)
+            put("generator_quarantined", 1 if g.quarantined else 0, run, generator)
 
 
 def render_metrics(request_registry: CollectorRegistry, figures: BrokerFigures) -> bytes:

@@ -45,6 +45,7 @@ def _m(
 
 
 _RUN = ("run",)
+_GENERATOR = ("run", "generator")
 _LEDGER = "from the accounting ledger"
 
 CATALOGUE: Final[tuple[MetricSpec, ...]] = (
@@ -201,6 +202,45 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
         "gauge",
         _RUN,
         "Share of those tokens whose importance ratio was outside [1-eps, 1+eps]",
+    ),
+    _m(
+        "generator_rollouts",
+        "gauge",
+        _GENERATOR,
+        "Rollouts accepted from the generator; the generators beyond BROKER_METRICS_GENERATORS "
+        'summed under generator="other" (a gauge: a generator may move in or out of it)',
+    ),
+    _m(
+        "generator_samples_consumed",
+        "gauge",
+        _GENERATOR,
+        "Uses of the generator's rollouts in acknowledged batches, less those a rewind undid",
+    ),
+    _m(
+        "generator_kl_mean",
+        "gauge",
+        _GENERATOR,
+        "Token-weighted mean KL measured on the generator's acknowledged samples",
+    ),
+    _m(
+        "generator_importance_ratio_clip_fraction",
+        "gauge",
+        _GENERATOR,
+        "Share of the generator's measured tokens whose importance ratio was outside "
+        "[1-eps, 1+eps]",
+    ),
+    _m(
+        "generator_masked_fraction",
+        "gauge",
+        _GENERATOR,
+        "Share of the generator's measured tokens the run's correction weighed 0",
+    ),
+    _m(
+        "generator_quarantined",
+        "gauge",
+        _GENERATOR,
+        "1 while the generator is quarantined (its mean KL over its window passed "
+        "generator_kl_max), else 0; a quarantined generator always has a label of its own",
     ),
     _m(
         "prompt_passes",

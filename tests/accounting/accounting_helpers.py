@@ -29,10 +29,12 @@ from app.events import (
     Accepted,
     AcceptedItem,
     Acked,
+    AckedGen,
     AckedItem,
     AckStats,
     AckSums,
     Duplicate,
+    GeneratorChanged,
     Leased,
     LeasedItem,
     PartialItem,
@@ -54,6 +56,7 @@ from app.events import (
     RewardLeased,
     RewardReturned,
     Rewound,
+    RewoundGen,
     RewoundItem,
     RunChanged,
     Scored,
@@ -167,10 +170,26 @@ class SimRollout:
     reward_expiries: int = 0
     reward_wait_ms: int = 0
     ingest_ms: int = 0
+    generator: str | None = None  # its generator_id, when posted with one
 
     def unscored_place(self) -> int:
         """Its ``unscored`` in a ``retired`` item."""
         return {"awaiting": 1, "leased": 2}.get(self.reward or "", 0)
+
+
+@dataclass
+class SimGen:
+    """What a generator's samples measured (the sums its `acked` `gens` carried), and whether
+    it is quarantined now."""
+
+    kl_tokens: int = 0
+    kl_sum: float = 0.0
+    kl_max: float | None = None
+    ratio_tokens: int = 0
+    ratio_sum: float = 0.0
+    clipped: int = 0
+    zero_weight: int = 0
+    quarantined: bool = False
 
 
 @dataclass
@@ -238,6 +257,14 @@ class RunSim:
     reward_rng: random.Random = field(init=False)
     reward_leases: list[str] = field(default_factory=list)  # reward leases still live
     work_versions: dict[str, int] = field(default_factory=dict)  # work lease -> the run's V
+    # Generators: rollouts name one of `generators` (or none), and their acks carry `gens`;
+    # now and then one is quarantined or released. `beta`: the adaptive KL penalty's β (None:
+    # off), moved by each ack, and the β after the newest ack at each version of the trainer.
+    generators: int = 0
+    beta: float | None = None
+    betas: dict[int, float | None] = field(default_factory=dict)
+    gen_rng: random.Random = field(init=False)
+    gens: dict[str, SimGen] = field(default_factory=lambda: defaultdict(SimGen))
     _n: int = 0
     _work_n: int = 0
     _reward_n: int = 0
@@ -247,6 +274,7 @@ class RunSim:
         self.work_rng = random.Random(self.seed + 1_000_003)
         self.partial_rng = random.Random(self.seed + 2_000_003)
         self.reward_rng = random.Random(self.seed + 3_000_003)
+        self.gen_rng = random.Random(self.seed + 4_000_003)
 
     # --- emitting ---------------------------------------------------------------------
 
@@ -297,9 +325,14 @@ class RunSim:
                 rid = self._id("r")
                 tokens = self.rng.randint(1, 300)
                 unit_id = unit or rid
-                self.rollouts[rid] = SimRollout(rid, unit_id, version, tokens)
-                items.append(AcceptedItem(rid, unit_id, version, tokens, k == 0))
+                generator = self._generator_of()
+                self.rollouts[rid] = SimRollout(rid, unit_id, version, tokens, generator=generator)
+                items.append(
+                    AcceptedItem(rid, unit_id, version, tokens, k == 0, 0, False, generator)
+                )
         self._emit("accepted", Accepted(tuple(items)))
+        for item in items:
+            self.rollouts[item.rollout_id].ingest_ms = self.t
         if self.rollouts and self.rng.random() < 0.7:
             known = sorted(k for k, r in self.rollouts.items() if not r.posted_unscored)
             ids = self.rng.sample(known, k=min(3, len(known)))
@@ -390,6 +423,10 @@ class RunSim:
         self.ratio_sum += ratio_sum
         self.clipped += clipped
         kl_mean = kl_sum / kl_tokens if kl_tokens else None
+        gens = self._acked_gens(rollouts, measured)
+        if self.beta is not None:
+            self.beta *= 1 + self.gen_rng.uniform(-0.2, 0.2)
+        self.betas[batch.version] = self.beta
         self._emit(
             "acked",
             Acked(
@@ -411,6 +448,8 @@ class RunSim:
                     ratio_sum=ratio_sum,
                     clipped=clipped,
                 ),
+                gens=gens,
+                kl_coef=self.beta,
             ),
         )
         self.retire([r for r in rollouts if r.uses >= self.max_reuse], "max_reuse")
@@ -432,6 +471,62 @@ class RunSim:
                 "kl_flush",
             )
 
+    def _generator_of(self) -> str | None:
+        if not self.generators:
+            return None
+        n = self.gen_rng.randint(0, self.generators)  # one in generators + 1 names none
+        return f"gen-{n}" if n < self.generators else None
+
+    def _acked_gens(self, rollouts: Sequence[SimRollout], measured: bool) -> tuple[AckedGen, ...]:
+        """The `gens` of an ack: per generator of its samples, their figures (ratios drawn
+        here, per rollout; the KL is each rollout's own)."""
+        rng = self.gen_rng
+        shares: dict[str, list[SimRollout]] = defaultdict(list)
+        for r in rollouts:
+            if r.generator is not None:
+                shares[r.generator].append(r)
+        gens = []
+        for generator, mine in sorted(shares.items()):
+            g = self.gens[generator]
+            kl_tokens = sum(r.tokens for r in mine if r.kl is not None)
+            kl_sum = sum(r.kl * r.tokens for r in mine if r.kl is not None)
+            kl_max = max((r.kl for r in mine if r.kl is not None), default=None)
+            ratio_tokens = sum(r.tokens for r in mine) if measured else 0
+            ratio_sum = ratio_tokens * rng.uniform(0.8, 1.2)
+            clipped = rng.randint(0, ratio_tokens)
+            zero_weight = rng.randint(0, clipped)
+            g.kl_tokens += kl_tokens
+            g.kl_sum += kl_sum
+            if kl_max is not None:
+                g.kl_max = kl_max if g.kl_max is None else max(g.kl_max, kl_max)
+            g.ratio_tokens += ratio_tokens
+            g.ratio_sum += ratio_sum
+            g.clipped += clipped
+            g.zero_weight += zero_weight
+            gens.append(
+                AckedGen(
+                    generator, len(mine), sum(r.tokens for r in mine), kl_tokens, kl_sum,
+                    ratio_tokens, ratio_sum, clipped, zero_weight, kl_max,
+                )
+            )  # fmt: skip
+        return tuple(gens)
+
+    def quarantine(self, generator: str, quarantined: bool = True) -> None:
+        """The generator is quarantined (its buffered rollouts retire `quarantined`) or
+        released."""
+        rng = self.gen_rng
+        self.gens[generator].quarantined = quarantined
+        body = GeneratorChanged(
+            generator,
+            quarantined,
+            rng.uniform(0.1, 1.0) if quarantined else None,
+            rng.randint(1, 10_000) if quarantined else None,
+        )
+        self._emit("generator", body, rng)
+        if quarantined:
+            mine = [r for r in self.rollouts.values() if r.generator == generator]
+            self.retire(mine, "quarantined", rng)
+
     def nack(self, batch_id: str) -> None:
         self._settle(batch_id, "nacked")
 
@@ -449,7 +544,9 @@ class RunSim:
             ),
         )
 
-    def retire(self, rollouts: Sequence[SimRollout], reason: str) -> None:
+    def retire(
+        self, rollouts: Sequence[SimRollout], reason: str, rng: random.Random | None = None
+    ) -> None:
         rollouts = [r for r in rollouts if r.state == "buffered"]
         if not rollouts:
             return
@@ -466,7 +563,7 @@ class RunSim:
                 ),
             ),
             # Only rollouts posted unscored: an event the rollout workload would not have.
-            self.reward_rng if all(r.posted_unscored for r in rollouts) else None,
+            rng or (self.reward_rng if all(r.posted_unscored for r in rollouts) else None),
         )
 
     def set_policy(self, version: int) -> None:
@@ -493,6 +590,7 @@ class RunSim:
             if b.outcome == "acked" and b.version > to and not b.rewound
         ]
         items: list[RewoundItem] = []
+        gens: Counter[str] = Counter()
         for b in undone:
             b.rewound = True
             for r in (self.rollouts[rid] for rid in b.rollout_ids):
@@ -500,8 +598,16 @@ class RunSim:
                     r.uses -= 1
                     r.rewound += 1
                     items.append(RewoundItem(r.rollout_id, r.version, r.tokens, b.version))
+                    if r.generator is not None:
+                        gens[r.generator] += 1
         before, self.policy = self.policy, to
-        body = Rewound(before, to, tuple(b.batch_id for b in undone), tuple(items))
+        body = Rewound(
+            before,
+            to,
+            tuple(b.batch_id for b in undone),
+            tuple(items),
+            tuple(RewoundGen(g, n) for g, n in sorted(gens.items())),
+        )
         self._emit("rewound", body)
         self.retire([r for r in self.rollouts.values() if r.version > to], "rewound")
         self._rewind_passes(to)
@@ -853,6 +959,8 @@ class RunSim:
                 self.set_policy(self.policy + (self.max_staleness + 1 if step % 21 == 20 else 1))
             if self.rewinds and step % 13 == 12 and self.policy > 0:
                 self.rewind(self.policy - self.rng.randint(1, min(self.policy, 3)))
+            if self.generators and step % 9 == 8:
+                self._quarantine_or_release()
             if step % 11 == 10:
                 buffered = [
                     r
@@ -872,7 +980,38 @@ class RunSim:
             self.register(2)
             self.take_work(3)  # and a live work lease
 
+    def _quarantine_or_release(self) -> None:
+        generator = f"gen-{self.gen_rng.randrange(self.generators)}"
+        self.quarantine(generator, not self.gens[generator].quarantined)
+
     # --- what the accounting must say -------------------------------------------------
+
+    def expected_generators(self) -> dict[str, dict[str, Any]]:
+        """`GET .../accounting/generators` from the rollouts' own states (last_seen in ms)."""
+        mine: dict[str, list[SimRollout]] = defaultdict(list)
+        for r in self.rollouts.values():
+            if r.generator is not None:
+                mine[r.generator].append(r)
+        out = {}
+        for generator in sorted(set(mine) | set(self.gens)):
+            rs, g = mine.get(generator, []), self.gens[generator]
+            out[generator] = {
+                "rollouts": len(rs),
+                "tokens": sum(r.tokens for r in rs),
+                "samples_consumed": sum(r.trained - r.rewound for r in rs),
+                "kl": {
+                    "mean": g.kl_sum / g.kl_tokens if g.kl_tokens else None,
+                    "max": g.kl_max,
+                },
+                "is_ratio": {
+                    "mean": g.ratio_sum / g.ratio_tokens if g.ratio_tokens else None,
+                    "clip_fraction": g.clipped / g.ratio_tokens if g.ratio_tokens else None,
+                },
+                "masked_fraction": g.zero_weight / g.ratio_tokens if g.ratio_tokens else None,
+                "last_seen": max((r.ingest_ms for r in rs), default=None),
+                "quarantined": g.quarantined,
+            }
+        return out
 
     def expected(self) -> dict[str, Any]:
         states = Counter(p.state for p in self.passes.values())

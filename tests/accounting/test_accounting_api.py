@@ -66,6 +66,7 @@ async def test_run_known_only_to_redis_reads_as_zeros(
         "lag": {"mean": None, "max": None, "histogram": {}, "token_mean": None},
         "kl": {"mean": None, "max": None},
         "is_ratio": {"mean": None, "clip_fraction": None},
+        "kl_coef": None,
         "prompts": {
             "registered": 0,
             "queued": 0,
@@ -125,7 +126,8 @@ async def test_endpoints_after_drain(
         "rollouts_received", "groups_received", "duplicates", "rejected", "tokens_generated",
         "tokens_masked", "tokens_masked_stale", "buffered", "leased", "samples_consumed",
         "samples_rewound", "tokens_consumed", "reuse_factor", "retired",
-        "wasted_tokens", "batches", "lag", "kl", "is_ratio", "prompts", "partials", "rewards",
+        "wasted_tokens", "batches", "lag", "kl", "is_ratio", "kl_coef", "prompts", "partials",
+        "rewards",
         "wait", "as_of", "pending_events", "dead_letters", "live",
     ]  # fmt: skip
 

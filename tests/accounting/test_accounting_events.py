@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from app.accounting import repository
 from app.accounting.models import (
     Batch,
+    GeneratorTotals,
     LagCount,
     PromptPass,
     ReasonTotals,
@@ -64,7 +65,7 @@ def test_docs_show_the_schema_table() -> None:
 @pytest.mark.parametrize("lua", [True, False])
 def test_encoder_and_decoder_agree_on_every_type(lua: bool) -> None:
     # A seed whose workload has them all.
-    sim = RunSim("run-1", seed=12, group_size=2, lua=lua, rewinds=True)
+    sim = RunSim("run-1", seed=12, group_size=2, lua=lua, rewinds=True, generators=3, beta=0.1)
     sim.workload(25, close=True)
     assert {t for t, _ in sim.events} == EVENT_TYPES
     for i, (event_type, payload) in enumerate(sim.events):
@@ -209,6 +210,7 @@ async def _rows(sm: async_sessionmaker[AsyncSession], run_id: str) -> dict[str, 
             LagCount,
             Batch,
             PromptPass,
+            GeneratorTotals,
         ):
             rows = (await s.scalars(select(model).where(model.run_id == run_id))).all()
             out[model.__tablename__] = sorted(
@@ -234,7 +236,7 @@ async def test_batches_applied_in_any_order_give_the_same_tables(
 
     def events_of(run_id: str) -> list[Any]:
         # Same seed: the same workload.
-        sim = RunSim(run_id, seed=9, group_size=2, rewinds=True)
+        sim = RunSim(run_id, seed=9, group_size=2, rewinds=True, generators=3, beta=0.1)
         sim.workload(30)
         return [
             decode_entry(run_id, f"{1000 + i}-0", entry(t, p))
@@ -253,5 +255,6 @@ async def test_batches_applied_in_any_order_give_the_same_tables(
 
     a, b = await _rows(sessionmaker, in_order), await _rows(sessionmaker, shuffled)
     assert a["runs"] and a["batches"] and a["reason_totals"] and a["prompt_passes"]
+    assert a["generator_totals"]
     assert any(e.type == "rewound" and e.body.batches for e in events)
     assert a == b

@@ -38,6 +38,7 @@ TABLES = {
     "prompt_passes",
     "training_totals",
     "reward_latency_counts",
+    "generator_totals",
 }
 
 

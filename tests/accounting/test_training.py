@@ -86,7 +86,7 @@ def _close(got: Any, want: Any) -> bool:
 
 
 def _assert_version(got: dict[str, Any], want: dict[str, Any], version: int) -> None:
-    assert list(got) == ["policy_version", *FIELDS]
+    assert list(got) == ["policy_version", *FIELDS, "kl_coef"]  # β: test_generator_accounting
     assert got["policy_version"] == version
     for name in FIELDS:
         assert _close(got[name], want[name]), (version, name, got[name], want[name])
@@ -196,6 +196,7 @@ async def test_figures_per_trainer_version(
         "kl_max": None,
         "is_ratio_mean": None,
         "clip_fraction": None,
+        "kl_coef": None,  # the run has no adaptive KL penalty
     }
 
     # Summed over the trainer's versions: the run's figures.

@@ -186,6 +186,7 @@ def test_accounting_training_table_and_json(live_server: LiveServer, trained_run
             "kl_max": 0.0,
             "is_ratio_mean": 1.0,
             "clip_fraction": 0.0,
+            "kl_coef": None,
         }
     ]
 
@@ -199,6 +200,8 @@ def test_accounting_training_table_and_json(live_server: LiveServer, trained_run
     code, out, err = invoke(live_server, "accounting", trained_run, "--versions", "--training")
     assert code == 2 and out == ""
     assert "--versions" in err and "--training" in err and "cannot be used together" in err
+    code, out, err = invoke(live_server, "accounting", trained_run, "--training", "--generators")
+    assert code == 2 and out == "" and "cannot be used together" in err
 
 
 @pytest.mark.slow

@@ -165,6 +165,7 @@ async def expected_figures(http: httpx.AsyncClient, selected: str) -> dict[str, 
         for v in body["versions"]:
             for name, value in v.items():
                 want[f"training.{v['policy_version']}.{name}"] = value
+    want |= generator_figures(await http.get(base + "/accounting/generators"))
     for r in runs:
         k = f"runs.{r['run_id']}."
         want[k + "status"] = r["status"]
@@ -172,6 +173,20 @@ async def expected_figures(http: httpx.AsyncClient, selected: str) -> dict[str, 
         head = (await http.get(f"/v1/runs/{quote(r['run_id'], safe='')}/accounting")).json()
         for name in ("rollouts_received", "samples_consumed", "reuse_factor"):
             want[k + name] = head[name]
+    return want
+
+
+def generator_figures(resp: httpx.Response) -> dict[str, Any]:
+    """The figures of ``/accounting/generators`` as the page marks them (a flag as its JSON
+    text), or n/a from a broker that does not serve it."""
+    if resp.status_code == 404:
+        return {"generators": "n/a"}
+    assert resp.status_code == 200, resp.text
+    want: dict[str, Any] = {}
+    for g in resp.json()["generators"]:
+        for name, value in flatten(g):
+            shown = ("true" if value else "false") if isinstance(value, bool) else value
+            want[f"generators.{g['generator_id']}.{name}"] = shown
     return want
 
 

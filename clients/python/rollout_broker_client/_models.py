@@ -22,6 +22,7 @@ __all__ = [
     "Batch",
     "BatchCounts",
     "BatchStats",
+    "GeneratorAccounting",
     "IngestResult",
     "IsRatioStats",
     "KlStats",
@@ -625,6 +626,7 @@ class Accounting:
     live: LiveCounts | None = None
     partials: PartialCounts | None = None
     rewards: RewardCounts | None = None
+    kl_coef: float | None = None  # β of the adaptive KL penalty after the newest ack
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -715,6 +717,7 @@ class VersionAccounting:
     tokens_masked: int = 0
     tokens_masked_stale: int = 0
     samples_rewound: int = 0
+    kl_coef: float | None = None  # β after the newest ack of a batch leased at this version
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
@@ -732,6 +735,25 @@ class TrainingVersion:
     kl_max: float | None
     is_ratio_mean: float | None
     clip_fraction: float | None
+    kl_coef: float | None = None  # β after the newest ack at this version
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratorAccounting:
+    """One generator's rollouts, their uses (less those a rewind undid) and the mismatch
+    measured on them; the means, ``clip_fraction`` and ``masked_fraction`` are None when none
+    of its tokens was measured."""
+
+    generator_id: str
+    rollouts: int
+    tokens: int
+    samples_consumed: int
+    kl: KlStats
+    is_ratio: IsRatioStats
+    masked_fraction: float | None
+    last_seen: datetime | None
+    quarantined: bool
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 

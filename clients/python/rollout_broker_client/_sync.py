@@ -33,6 +33,7 @@ from rollout_broker_client._models import (
     AuditEntry,
     AuditPage,
     Batch,
+    GeneratorAccounting,
     IngestResult,
     LogprobsArg,
     Measurement,
@@ -577,6 +578,12 @@ class BrokerClient:
         """Per policy version of the trainer: the acknowledged batches grouped by the version V
         of their lease, with their KL, importance ratio and clip fraction."""
         return self.send(self.api.accounting_training(run_id))
+
+    def accounting_generators(self, run_id: str) -> list[GeneratorAccounting]:
+        """Per generator of the run's rollouts: what it generated, the uses of its rollouts,
+        the KL, importance ratio, clip and masked fractions measured on them, and whether it is
+        quarantined."""
+        return self.send(self.api.accounting_generators(run_id))
 
     def batches(self, run_id: str) -> list[dict[str, Any]]:
         """The batch ledger of a run, every page."""

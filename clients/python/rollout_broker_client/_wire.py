@@ -38,6 +38,7 @@ from rollout_broker_client._models import (
     BatchCounts,
     BatchStats,
     Float32Array,
+    GeneratorAccounting,
     IngestResult,
     Int32Array,
     IsRatioStats,
@@ -604,6 +605,7 @@ def parse_accounting(body: Any) -> Accounting:
         ),
         pending_events=None if pending is None else int(pending),
         as_of=_opt_time(body.get("as_of")),
+        kl_coef=body.get("kl_coef"),
         raw=dict(body),
     )
 
@@ -629,6 +631,7 @@ def parse_versions(body: Any) -> list[VersionAccounting]:
             wasted_tokens=int(v.get("wasted_tokens", 0)),
             lag=_lag(v.get("lag")),
             kl=_kl(v.get("kl")),
+            kl_coef=v.get("kl_coef"),
             raw=dict(v),
         )
         for v in rows
@@ -647,10 +650,33 @@ def parse_training(body: Any) -> list[TrainingVersion]:
             kl_max=v.get("kl_max"),
             is_ratio_mean=v.get("is_ratio_mean"),
             clip_fraction=v.get("clip_fraction"),
+            kl_coef=v.get("kl_coef"),
             raw=dict(v),
         )
         for v in rows
     ]
+
+
+def parse_generators(body: Any) -> list[GeneratorAccounting]:
+    rows = body.get("generators", []) if isinstance(body, Mapping) else body
+    out = []
+    for g in rows:
+        ir = g.get("is_ratio") or {}
+        out.append(
+            GeneratorAccounting(
+                generator_id=str(g["generator_id"]),
+                rollouts=int(g["rollouts"]),
+                tokens=int(g.get("tokens", 0)),
+                samples_consumed=int(g["samples_consumed"]),
+                kl=_kl(g.get("kl")),
+                is_ratio=IsRatioStats(mean=ir.get("mean"), clip_fraction=ir.get("clip_fraction")),
+                masked_fraction=g.get("masked_fraction"),
+                last_seen=_opt_time(g.get("last_seen")),
+                quarantined=bool(g.get("quarantined", False)),
+                raw=dict(g),
+            )
+        )
+    return out
 
 
 def _scopes(value: Any) -> list[Scope]:
@@ -1045,6 +1071,9 @@ class Api:
 
     def accounting_training(self, run_id: str) -> Call[list[TrainingVersion]]:
         return Call("GET", _p(run_id) + "/accounting/training", lambda r, b: parse_training(b))
+
+    def accounting_generators(self, run_id: str) -> Call[list[GeneratorAccounting]]:
+        return Call("GET", _p(run_id) + "/accounting/generators", lambda r, b: parse_generators(b))
 
     def batches_page(self, run_id: str, cursor: str | None) -> Call[dict[str, Any]]:
         params = {"cursor": cursor} if cursor else None

@@ -28,6 +28,7 @@ from rollout_broker_client.cli.common import (
 from rollout_broker_client.cli.views import (
     accounting_table,
     audit_table,
+    generators_table,
     prompts_table,
     run_detail,
     run_table,
@@ -264,13 +265,25 @@ def accounting(
             help="Per policy version of the trainer: batches, samples, tokens, KL, IS ratio, clip",
         ),
     ] = False,
+    generators: Annotated[
+        bool,
+        typer.Option(
+            "--generators",
+            help="Per generator: rollouts, samples, KL, IS ratio, clip and masked fractions, "
+            "last seen, quarantined",
+        ),
+    ] = False,
 ) -> None:
     """A run's sample/rollout accounting (from Postgres; may trail by a second or two)."""
-    if versions and training:
+    if versions + training + generators > 1:
         raise typer.BadParameter(
-            "they cannot be used together: give one", param_hint="'--versions' / '--training'"
+            "they cannot be used together: give one",
+            param_hint="'--versions' / '--training' / '--generators'",
         )
     with connect(url, token) as broker:
+        if generators:
+            show(broker.accounting_generators(run_id), as_json, generators_table)
+            return
         if versions:
             rows = broker.accounting_versions(run_id)
             show(rows, as_json, versions_table)

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
         AccessToken,
         Accounting,
         AuditEntry,
+        GeneratorAccounting,
         PartialCounts,
         PromptCounts,
         PromptState,
@@ -373,6 +374,41 @@ def training_table(rows: list[TrainingVersion]) -> RenderableType:
             fmt(v.kl_max, 3),
             fmt(v.is_ratio_mean, 4),
             fmt(v.clip_fraction, 3),
+        )
+    return table
+
+
+def generators_table(rows: list[GeneratorAccounting]) -> RenderableType:
+    """One line per generator, narrow enough for 80 columns."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(
+        title="Accounting by generator",
+        caption="samples: uses of its rollouts, less those a rewind undid; clip, masked: "
+        "shares of its measured tokens; seen: its newest rollout (UTC); Q: quarantined",
+        box=box.SIMPLE_HEAD,
+        # The box's own blank separates the columns: no padding, so that 80 columns hold it.
+        padding=0,
+        show_edge=False,
+    )
+    cols = ("generator", "rollouts", "samples", "KL mean", "KL max", "IS mean", "clip", "masked")
+    for col in cols:
+        table.add_column(col, justify="left" if col == "generator" else "right")
+    table.add_column("seen", justify="right")
+    table.add_column("Q", justify="center")
+    for g in rows:
+        table.add_row(
+            g.generator_id,
+            fmt(g.rollouts),
+            fmt(g.samples_consumed),
+            fmt(g.kl.mean, 3),
+            fmt(g.kl.max, 3),
+            fmt(g.is_ratio.mean, 4),
+            fmt(g.is_ratio.clip_fraction, 3),
+            fmt(g.masked_fraction, 3),
+            g.last_seen.strftime("%H:%M:%S") if g.last_seen else "–",
+            "Q" if g.quarantined else "",
         )
     return table
 
