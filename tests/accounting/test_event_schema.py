@@ -20,6 +20,7 @@ from app.events import (
     Acked,
     Duplicate,
     Event,
+    GeneratorChanged,
     Leased,
     PartialsChanged,
     PassesChanged,
@@ -56,6 +57,7 @@ RETIRE_REASONS = {
     "run_closed",
     "rewound",
     "reward_timeout",
+    "quarantined",
 }
 
 
@@ -94,6 +96,8 @@ class Script:
         self.scores: dict[str, float] = {}  # rollout_id -> its reward, posted later
         self.scored_leased: set[str] = set()  # of them, those scored while in a reward lease
         self.rewards_back: dict[str, str] = {}  # lease_id -> reward_returned | reward_expired
+        self.generator_of: dict[str, str] = {}  # rollout_id -> generator_id, when it named one
+        self.quarantines: list[tuple[str, bool]] = []  # (generator_id, quarantined), in order
 
     async def send(self, *rollouts: dict[str, Any]) -> dict[str, Any]:
         resp = await post(self.client, self.run_id, *rollouts)
@@ -103,6 +107,8 @@ class Script:
             self.rollouts.setdefault(r["rollout_id"], (r["policy_version"], len(r["response_ids"])))
             if r.get("reward") is None:
                 self.unscored.add(r["rollout_id"])
+            if r.get("generator_id") is not None:
+                self.generator_of.setdefault(r["rollout_id"], r["generator_id"])
         for rej in body["rejected"]:
             self.rejected[rej["rollout_id"]] = rej["reason"]
         return body
@@ -166,6 +172,31 @@ class Script:
     async def reward_expire(self, lease_id: str) -> None:
         await expire_reward_lease(self.client, self.run_id, lease_id)
         self.rewards_back[lease_id] = "reward_expired"
+
+    async def release(self, generator_id: str) -> None:
+        url = f"/v1/runs/{self.run_id}/generators/{generator_id}/release"
+        resp = await self.client.post(url)
+        assert resp.status_code == 200 and resp.json()["released"], resp.text
+        self.quarantines.append((generator_id, False))
+
+    def generator(self, rid: str) -> str | None:
+        """The generator a rollout names, or by default its work lease's (SPEC "Rollouts")."""
+        if rid in self.generator_of:
+            return self.generator_of[rid]
+        group = rid.rsplit("-", 1)[0]
+        for lease_id, reply in self.work.items():
+            if any(p["group_id"] == group for p in reply["prompts"]):
+                return self.generators[lease_id]
+        return None
+
+    def per_generator(self, rids: list[str]) -> list[tuple[str, int]]:
+        """(generator_id, rollouts) of ``rids`` that name one, sorted."""
+        counts: dict[str, int] = {}
+        for rid in rids:
+            gen = self.generator(rid)
+            if gen is not None:
+                counts[gen] = counts.get(gen, 0) + 1
+        return sorted(counts.items())
 
     async def close(self) -> None:
         resp = await self.client.post(f"/v1/runs/{self.run_id}/close")
@@ -356,6 +387,34 @@ async def reward_run(client: httpx.AsyncClient, run_id: str) -> Script:
     return s
 
 
+async def quarantine_run(client: httpx.AsyncClient, run_id: str) -> Script:
+    """Two generators; one's logprobs are far from the trainer's: the ack that fills its window
+    quarantines it (what it had buffered retires `quarantined`), a release lifts it, and a
+    rewind undoes the batch's uses per generator."""
+    s = Script(client, run_id)
+    await make_run(client, run_id, generator_kl_max=0.01, generator_window_tokens=6, max_reuse=2)
+    await s.policy(1)
+
+    def named(rid: str, gen: str) -> dict[str, Any]:
+        return {**rollout(rid, 0, tokens=3), "generator_id": gen}
+
+    await s.send(named("bad0", "bad"), named("bad1", "bad"), named("ok0", "ok"))
+    batch = await s.take(3)
+    await s.send(named("bad2", "bad"))  # buffered when the quarantine comes
+    # log_r = -0.5 on the bad generator's tokens: k3 ≈ 0.107, far above 0.01.
+    logprobs = {
+        r["rollout_id"]: [
+            x - (0.5 if r["rollout_id"].startswith("bad") else 0.0) for x in r["logprobs"]
+        ]
+        for r in batch["rollouts"]
+    }
+    assert (await s.give(batch, logprobs=logprobs)).status_code == 200
+    s.quarantines.append(("bad", True))
+    await s.release("bad")
+    await s.rewind(0)
+    return s
+
+
 async def stream_entries(redis: Redis, prefix: str, run_id: str) -> list[tuple[bytes, Any]]:
     return list(await redis.xrange(events_key(prefix, run_id)))
 
@@ -394,6 +453,7 @@ def check_meaning(s: Script, events: list[Event]) -> None:
                 assert a.unit_id == unit
                 assert a.new_unit == (unit not in seen_units)
                 assert a.awaiting == (a.rollout_id in s.unscored)
+                assert a.generator == s.generator(a.rollout_id)
                 seen_units.add(unit)
         elif isinstance(body, Duplicate):
             assert body.n == len(body.ids) > 0
@@ -431,6 +491,8 @@ def check_meaning(s: Script, events: list[Event]) -> None:
                 else:
                     assert i.kl is None
             assert body.sums.kl_tokens == sum(i.tokens for i in body.items if i.kl is not None)
+            rids = [i.rollout_id for i in body.items]
+            assert sorted((g.generator_id, g.samples) for g in body.gens) == s.per_generator(rids)
             # The reply's stats are stored apart from the event (and reach JSON exactly).
             assert dataclasses.asdict(body.stats) == s.answers[body.batch_id]["stats"]
         elif isinstance(body, Returned):
@@ -501,6 +563,12 @@ def check_meaning(s: Script, events: list[Event]) -> None:
             assert sorted((i.rollout_id, i.batch_version) for i in body.items) == uses
             for i in body.items:
                 assert (i.policy_version, i.tokens) == s.rollouts[i.rollout_id]
+            undone_rids = [i.rollout_id for i in body.items]
+            got = sorted((g.generator_id, g.samples) for g in body.gens)
+            assert got == s.per_generator(undone_rids)
+        elif isinstance(body, GeneratorChanged):
+            assert (body.generator_id, body.quarantined) in s.quarantines
+            assert (body.kl_mean is not None) == body.quarantined
         else:
             assert isinstance(body, Retired)
             for r in body.items:
@@ -520,6 +588,7 @@ async def test_every_event_the_scripts_write_follows_the_schema(
         await prompt_run(api, redis, prefix, "schema-prompts"),
         await rewind_run(api, "schema-rewind"),
         await reward_run(api, "schema-rewards"),
+        await quarantine_run(api, "schema-quarantine"),
     ]
     types: set[str] = set()
     reasons: set[str] = set()
