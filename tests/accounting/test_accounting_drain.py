@@ -86,8 +86,24 @@ async def test_invariants_after_mixed_workload(
     sessionmaker: async_sessionmaker[AsyncSession],
 ) -> None:
     sims = [
-        RunSim("solo-" + prefix, seed=1, group_size=1, max_reuse=3, lua=True, rewinds=True),
-        RunSim("grpo-" + prefix, seed=2, group_size=4, max_reuse=2, lua=False, rewinds=True),
+        RunSim(
+            "solo-" + prefix,
+            seed=1,
+            group_size=1,
+            max_reuse=3,
+            lua=True,
+            rewinds=True,
+            generators=3,
+        ),
+        RunSim(
+            "grpo-" + prefix,
+            seed=2,
+            group_size=4,
+            max_reuse=2,
+            lua=False,
+            rewinds=True,
+            generators=2,
+        ),
     ]
     for n, sim in enumerate(sims):
         sim.workload(60)

@@ -214,7 +214,7 @@ async def test_broker_changes_answered_before_a_restart_are_all_accounted(
             )
             assert batch is not None
             current = {r.rollout_id: [-0.5, -0.6, -0.8] for r, *_ in batch.rollouts}
-            answer = await broker.ack(run_id, batch.batch_id, AckBody(logprobs=current))
+            answer = await broker.training.ack(run_id, batch.batch_id, AckBody(logprobs=current))
             consumed += answer.consumed
             batches += 1
             if restart is not None:
