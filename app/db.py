@@ -5,6 +5,7 @@ and session factories, and the Alembic schema helpers. The accounting and access
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +56,24 @@ class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 
+def _json_int(text: str) -> int | float:
+    """A JSON integer as read back from a JSONB column: JSONB keeps a number as a numeric and
+    writes 1e30 out as 1 followed by 30 zeros, so a large double stored in one (a correction's
+    bound, a KL in an audit entry) comes back an integer; past 64 bits it is read as the double
+    it was, which every JSON encoder can write again."""
+    value = int(text)
+    return value if -(2**63) <= value < 2**63 else float(value)
+
+
+def _json_loads(text: str) -> Any:
+    return json.loads(text, parse_int=_json_int)
+
+
 def create_engine(database_url: str, **kwargs: Any) -> AsyncEngine:
-    """An asyncpg engine; ``pool_pre_ping`` so a restarted Postgres costs a retry, not errors."""
+    """An asyncpg engine; ``pool_pre_ping`` so a restarted Postgres costs a retry, not errors;
+    JSON columns read back with :func:`_json_int`."""
     kwargs.setdefault("pool_pre_ping", True)
+    kwargs.setdefault("json_deserializer", _json_loads)
     return create_async_engine(database_url, **kwargs)
 
 

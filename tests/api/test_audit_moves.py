@@ -98,3 +98,17 @@ async def test_a_failed_move_leaves_the_entry_for_the_loop_and_the_action_stands
     ]
     assert await redis.zscore(keys.runs_key(prefix), "r") is None
     assert not await redis.exists(keys.outbox_key(prefix, "r"))
+
+
+async def test_large_numbers_in_an_entry_read_back_as_they_were_written(served: Served) -> None:
+    """JSONB writes 1e30 out as an integer of 31 digits: the log must still answer it (as the
+    double it was), not fail to encode an integer past 64 bits."""
+    http = served.http
+    assert (await http.post("/v1/runs", json={"run_id": "big"})).status_code == 201
+    patch = {"correction": {"high": 1e30, "low": 1e-30}, "generator_window_tokens": 10**12}
+    assert (await http.patch("/v1/runs/big/config", json=patch)).status_code == 200
+    resp = await http.get("/v1/audit?run_id=big")
+    assert resp.status_code == 200, resp.text
+    (entry,) = [e for e in resp.json()["entries"] if e["action"] == "run.config"]
+    assert entry["detail"]["patch"]["correction"] == {"high": 1e30, "low": 1e-30}
+    assert entry["detail"]["patch"]["generator_window_tokens"] == 10**12  # still an integer
