@@ -26,7 +26,8 @@ MAX_CORRECTION_BOUND = 1e30
 class Correction(BaseModel):
     """The importance-weight rule of ``measure`` (SPEC "Correction before the update"): the
     ratio each weight comes from (``level``), what is done with it (``mode``) and the bounds;
-    every field has the SPEC's default. ``low`` only matters to ``mask``."""
+    every field has the SPEC's default. ``low`` only matters to ``mask``, and may not be above
+    ``high``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 

@@ -148,6 +148,13 @@ LIMITS = (
     ),
     Limit(
         REFUSED,
+        r"(POST /v1/runs|PATCH /v1/runs/\{run_id\}/config)$",
+        422,
+        r"correction low \(.*\) is above high",
+        "a correction's low may not be above its high (a rule between two fields)",
+    ),
+    Limit(
+        REFUSED,
         r"POST /v1/runs/\{run_id\}/prompts",
         422,
         r"prompt passes in one request|data is \d+ bytes as JSON",
