@@ -23,6 +23,7 @@ PATH_VALUES = {
     "batch_id": "b-1",
     "lease_id": "wl-00000000",
     "token_id": "0123456789abcdef",
+    "generator_id": "gen-1",
 }
 
 
