@@ -84,6 +84,20 @@ async def require_run(session: AsyncSession, stream: EventStream, run_id: str) -
     raise RunNotFound(f"run {run_id!r} does not exist")
 
 
+async def _start_read(
+    session: AsyncSession, stream: EventStream, run_id: str
+) -> tuple[int, RunTotals | None]:
+    """The start of every per-part read of a run's accounting: its pending events (first, as in
+    run_accounting), one snapshot for the rest of the read, and its totals (None before its
+    first drained event); RunNotFound for a run neither the ledger nor Redis knows."""
+    pending = await stream.pending_events(run_id)
+    await one_snapshot(session)
+    totals = await session.get(RunTotals, run_id)
+    if totals is None:
+        await require_run(session, stream, run_id)
+    return pending, totals
+
+
 Reasons = dict[int, dict[str, dict[str, int]]]  # policy_version -> kind -> reason -> rollouts
 Lags = dict[int, dict[int, int]]  # policy_version -> lag -> samples
 
@@ -352,11 +366,7 @@ def _checked(
 async def version_accounting(
     session: AsyncSession, stream: EventStream, run_id: str
 ) -> VersionsAccounting:
-    pending = await stream.pending_events(run_id)  # first, as in run_accounting
-    await one_snapshot(session)
-    totals = await session.get(RunTotals, run_id)
-    if totals is None:
-        await require_run(session, stream, run_id)
+    pending, totals = await _start_read(session, stream, run_id)
     rows = await session.scalars(
         select(VersionTotals)
         .where(VersionTotals.run_id == run_id)
@@ -389,10 +399,7 @@ async def training_accounting(
     session: AsyncSession, stream: EventStream, run_id: str
 ) -> TrainingAccounting:
     """Per policy version of the trainer (the V of the acknowledged batches' leases)."""
-    pending = await stream.pending_events(run_id)  # first, as in run_accounting
-    await one_snapshot(session)
-    if await session.get(RunTotals, run_id) is None:
-        await require_run(session, stream, run_id)
+    pending, _ = await _start_read(session, stream, run_id)
     rows = await session.scalars(
         select(TrainingTotals)
         .where(TrainingTotals.run_id == run_id)
@@ -439,11 +446,7 @@ async def generator_accounting(
     session: AsyncSession, stream: EventStream, run_id: str
 ) -> GeneratorsAccounting:
     """Per generator of the run's rollouts, by generator_id."""
-    pending = await stream.pending_events(run_id)  # first, as in run_accounting
-    await one_snapshot(session)
-    totals = await session.get(RunTotals, run_id)
-    if totals is None:
-        await require_run(session, stream, run_id)
+    pending, totals = await _start_read(session, stream, run_id)
     rows = (await _generators_of(session, [run_id])).get(run_id, [])
     return GeneratorsAccounting(
         generators=[generator_answer(row) for row in rows],
