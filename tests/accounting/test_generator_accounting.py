@@ -36,6 +36,10 @@ from app.events import (
     encode_payload,
 )
 
+# The fold and the ledger's reads are the subject here; Redis serves only the reads' pending
+# counts, the same on a cluster (the drain's own tests run on both).
+pytestmark = pytest.mark.one_node
+
 T0 = 1_750_000_000_000
 
 
