@@ -13,7 +13,7 @@ from app.ids import MAX_VERSION
 MAX_EPOCHS = 1000  # passes per prompt: the prompt queue's order stays exact (app/broker/lua)
 
 KlEstimator = Literal["k1", "k2", "k3"]
-Order = Literal["freshest", "fifo", "random"]
+Order = Literal["auto", "freshest", "fifo", "random"]
 StaleTokens = Literal["keep", "mask"]
 CorrectionLevel = Literal["token", "sequence", "geometric"]
 CorrectionMode = Literal["truncate", "mask", "none"]
@@ -63,7 +63,9 @@ class RunConfig(BaseModel):
     group_size: int = Field(1, ge=1, le=4096)
     group_timeout_s: float = Field(600.0, gt=0, le=30 * 86400, allow_inf_nan=False)
     drop_zero_variance_groups: bool = False
-    order: Order = "freshest"
+    # 'auto' is 'fifo' while step_groups is set (the budget's promise needs oldest first), else
+    # 'freshest': resolved at each lease (lua/lease.lua), so it follows a patch of step_groups.
+    order: Order = "auto"
     # A rollout sampled across versions is judged by v_old ('keep'), or by v_new with its
     # tokens too stale at hand-out given with loss_mask 0 ('mask'): app/broker/tokens.py.
     stale_tokens: StaleTokens = "keep"

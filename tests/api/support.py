@@ -32,7 +32,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "group_size": 1,
     "group_timeout_s": 600.0,
     "drop_zero_variance_groups": False,
-    "order": "freshest",
+    "order": "auto",
     "stale_tokens": "keep",
     "capacity_rollouts": 100000,
     "lease_timeout_s": 300.0,

@@ -36,15 +36,19 @@ class Event:
     what: dict[str, Any] = field(compare=False, default_factory=dict)
 
 
-async def simulate(api: httpx.AsyncClient, run: str, *, work_leases: bool) -> dict[str, Any]:
-    """Run STEPS trainer steps; returns what was generated and what retired or was rejected."""
+async def simulate(
+    api: httpx.AsyncClient, run: str, *, work_leases: bool, order: str | None = None
+) -> dict[str, Any]:
+    """Run STEPS trainer steps; returns what was generated and what retired or was rejected.
+    ``order`` None leaves the run's default."""
+    config: dict[str, Any] = {"order": order} if order is not None else {}
     await make_run(
         api,
         run,
         group_size=GROUP,
         max_staleness=1,
-        order="fifo",
         step_groups=B if work_leases else None,
+        **config,
     )
     prompts = [f"p{i}" for i in range(400)]
     resp = await api.post(
@@ -134,3 +138,12 @@ async def test_no_rollout_generated_under_a_work_lease_goes_stale(api):
     # ... while under the budget nothing does, and less is generated for the same training.
     assert budgeted["stale"] == 0, budgeted
     assert budgeted["generated"] < free["generated"]
+
+
+async def test_under_the_budget_the_freshest_order_breaks_the_promise(api):
+    """Why the default order is oldest-first under a budget: taking the newest version first
+    leaves the budget's older groups to go stale (the default-order test above holds only
+    because `auto` is `fifo` while step_groups is set)."""
+    freshest = await simulate(api, "freshest", work_leases=True, order="freshest")
+    assert freshest["steps"] == STEPS
+    assert freshest["stale"] > 0, freshest

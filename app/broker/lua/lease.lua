@@ -91,7 +91,12 @@ local function walk(key)
   end
 end
 
+-- 'auto' (SPEC): oldest first under a staleness budget, which keeps its promise only so.
 local order = CFG.order
+if order == 'auto' then
+  local budget = CFG.step_groups ~= nil and CFG.step_groups ~= cjson.null
+  order = budget and 'fifo' or 'freshest'
+end
 if order == 'fifo' then
   walk(Q)
 elseif order == 'random' then

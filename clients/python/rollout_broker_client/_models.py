@@ -87,7 +87,7 @@ class RunConfig(TypedDict, total=False):
     group_size: int
     group_timeout_s: float
     drop_zero_variance_groups: bool
-    order: Literal["freshest", "fifo", "random"]
+    order: Literal["auto", "freshest", "fifo", "random"]
     stale_tokens: Literal["keep", "mask"]
     capacity_rollouts: int
     lease_timeout_s: float
