@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from app.broker.acks import figures
+from app.broker.acks import check_ack_ids, figures
 from app.broker.behaviour import BatchRow
 from app.broker.config import RunConfig
 from app.broker.correction import correct
@@ -45,14 +45,9 @@ class MeasureAnswer:
 
 
 def check_all_named(batch_id: str, rows: Sequence[BatchRow], logprobs: Mapping[str, Any]) -> None:
-    """A measure names every rollout of its batch, and no other."""
-    known = {row.rollout_id for row in rows}
-    unknown = logprobs.keys() - known
-    if unknown:
-        raise ValidationFailed(
-            f"batch {batch_id!r} has no rollout {sorted(unknown)[0]!r} "
-            f"({len(unknown)} unknown rollout ids)"
-        )
+    """A measure names every rollout of its batch, and no other (the ack's rule on the ids it
+    names, and then every one)."""
+    check_ack_ids(batch_id, rows, logprobs, {})
     missing = [row.rollout_id for row in rows if row.rollout_id not in logprobs]
     if missing:
         raise ValidationFailed(
