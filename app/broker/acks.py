@@ -107,7 +107,9 @@ def batch_row(m: BatchMember, V: int, floor: int | None) -> BatchRow:
     given = hand_out(
         doc.get("k"), doc.get("vs"), doc.get("v", m.policy_version), m.tokens, V, floor
     )
-    return BatchRow(m.rollout_id, m.policy_version, m.tokens, old, given, doc.get("gi"))
+    return BatchRow(
+        m.rollout_id, m.policy_version, m.tokens, old, given, doc.get("gi"), doc.get("w")
+    )
 
 
 def current_logprobs(
@@ -141,11 +143,18 @@ def current_logprobs(
 
 def _acked_item(row: BatchRow, V: int, kl: float | None) -> AckedItem:
     """A sample of the ``acked`` event: its trained tokens, and the masked stale ones and their
-    token lag when its tokens are not all at its own version's lag (else left out)."""
+    token lag when its tokens are not all at its own version's lag (else left out), and its
+    reward."""
     g = row.given
     plain = g.lag_sum == g.trained * (V - row.policy_version)
     return AckedItem(
-        row.rollout_id, row.policy_version, g.trained, kl, g.stale, None if plain else g.lag_sum
+        row.rollout_id,
+        row.policy_version,
+        g.trained,
+        kl,
+        g.stale,
+        None if plain else g.lag_sum,
+        row.reward,
     )
 
 

@@ -33,6 +33,7 @@ class BatchRow(NamedTuple):
     old: npt.NDArray[np.float32] | None  # behaviour logprobs, None if ingested without
     given: HandOut  # its mask, trained tokens and token lag as the lease handed it out
     generator: str | None = None  # its generator_id, None if it has none
+    reward: float | None = None  # its reward (a leased rollout always has one)
 
 
 class BehaviourCache:

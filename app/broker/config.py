@@ -44,6 +44,42 @@ class Correction(BaseModel):
         return self
 
 
+class PoolWeights(BaseModel):
+    """How often work leases draw from each difficulty pool, per prompt queued in it; 0 skips
+    the pool (its prompts finish their pass as ``skipped``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    easy: float = Field(1.0, ge=0, le=1e12, allow_inf_nan=False)
+    normal: float = Field(1.0, ge=0, le=1e12, allow_inf_nan=False)
+    hard: float = Field(1.0, ge=0, le=1e12, allow_inf_nan=False)
+
+
+class Difficulty(BaseModel):
+    """Prompt pools by past reward (SPEC "Difficulty"): a prompt whose last completed group's
+    mean reward is above ``easy_above`` is easy, below ``hard_below`` hard, else (or with no
+    such group yet) normal. A patch replaces it whole."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    easy_above: float = Field(ge=-1e12, le=1e12, allow_inf_nan=False)
+    hard_below: float = Field(ge=-1e12, le=1e12, allow_inf_nan=False)
+    weights: PoolWeights = Field(default_factory=PoolWeights)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Difficulty:
+        """Thresholds the wrong way round would put a prompt in two pools; weights that are all
+        0 would skip every prompt: both refused."""
+        if self.hard_below > self.easy_above:
+            raise ValueError(
+                f"difficulty hard_below ({self.hard_below}) is above easy_above ({self.easy_above})"
+            )
+        w = self.weights
+        if w.easy == w.normal == w.hard == 0:
+            raise ValueError("difficulty weights are all 0: every prompt would be skipped")
+        return self
+
+
 class RunConfig(BaseModel):
     """Rules of one run; every field has the SPEC's default."""
 
@@ -81,6 +117,8 @@ class RunConfig(BaseModel):
     # Per-generator quarantine (app/broker/lua/lib/generators.lua); null: off.
     generator_kl_max: float | None = Field(None, ge=0, le=1e12, allow_inf_nan=False)
     generator_window_tokens: int = Field(100_000, ge=1, le=1_000_000_000_000)
+    # Prompt pools by past reward (app/broker/lua/lib/pools.lua); null: queue order.
+    difficulty: Difficulty | None = None
 
     def canonical_json(self) -> str:
         """The one text form of a config: how Redis stores it and how equality is judged."""

@@ -344,7 +344,9 @@ class Broker:
             given = hand_out(r.loss_mask, r.versions, r.policy_version, n, V, floor)
             # Counted under the version the lease script judged it by (its lag's), answered
             # with its lag by v_old (the SPEC's).
-            rows.append(BatchRow(r.rollout_id, V - lr.lag, n, r.logprobs, given, r.generator_id))
+            rows.append(
+                BatchRow(r.rollout_id, V - lr.lag, n, r.logprobs, given, r.generator_id, r.reward)
+            )
             out.append((r, lr.uses, V - r.policy_version, given.mask, pid))
         self.behaviour.put(run_id, got.batch_id, rows)
         return LeasedBatch(

@@ -21,6 +21,7 @@ from app.events.payloads import (
     PartialsChanged,
     PassesChanged,
     Payload,
+    PromptScored,
     Registered,
     Rejected,
     Retired,
@@ -192,6 +193,13 @@ SCHEMA: dict[str, EventType] = {
             GeneratorChanged,
             "a generator was quarantined (`quarantined` 1; its buffered rollouts retire "
             "`quarantined`, a `retired` event follows) or released (0)",
+        ),
+        EventType(
+            "prompt_scored",
+            PromptScored,
+            "the group of a prompt pass's attempt is complete with every reward in (at the "
+            "post that completed it, or at its last score): the prompt's newest mean reward, "
+            "which sorts it into a `difficulty` pool",
         ),
         EventType(
             "waited",

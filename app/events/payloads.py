@@ -73,6 +73,16 @@ class AcceptedItem:
 @_wire_class
 class Accepted:
     items: tuple[AcceptedItem, ...] = wire("items", of=AcceptedItem)
+    rewarded: int | None = wire(
+        "int",
+        optional=True,
+        minimum=1,
+        default=None,
+        note="of the items, those posted with a reward (absent: none)",
+    )
+    reward_sum: float | None = wire(
+        "float", optional=True, default=None, note="Σ of their rewards (absent: none)"
+    )
 
 
 @_wire_class
@@ -136,6 +146,9 @@ class AckedItem:
         minimum=0,
         default=None,
         note="Σ over trained tokens of their own lag (absent: every token at `policy_version`)",
+    )
+    reward: float | None = wire(
+        "float", optional=True, default=None, note="the rollout's reward (absent: not told)"
     )
 
 
@@ -318,7 +331,7 @@ class PassItem:
     prompt_id: str = wire("text")
     pass_: int = wire("int", key="pass", minimum=1)
     attempt: int = wire("int", minimum=1, note="the attempt this state belongs to")
-    state: str = wire("text", note="`queued`, `in_flight`, `done`, `failed`")
+    state: str = wire("text", note="`queued`, `in_flight`, `done`, `failed`, `skipped`")
     tries: int = wire("int", minimum=0, note="attempts that retired unused or expired")
 
 
@@ -331,10 +344,26 @@ class PassesChanged:
         "reason is in `retired`), `acked` (first use), `rewound` (a rewind undid the batches "
         "that completed it: `in_flight` at a later attempt while its group is buffered, else "
         "`queued`; or it ended the pass's work lease, taken above `W`: `queued`; neither is a "
-        "try)",
+        "try), `skipped` (queued in a pool of weight 0: `skipped`, its pass over without "
+        "generation)",
     )
     lease_id: str | None = wire("text", optional=True, note="the work lease, when one")
     items: tuple[PassItem, ...] = wire("items", of=PassItem)
+
+
+@_wire_class
+class PromptScoredItem:
+    prompt_id: str = wire("text")
+    mean: float = wire("float", note="the mean reward of the group")
+    rollouts: int = wire("int", minimum=1, note="the group's size")
+
+
+@_wire_class
+class PromptScored:
+    """Groups of prompt passes' attempts complete with every reward in: each prompt's newest
+    mean reward, by which its difficulty pool is judged."""
+
+    items: tuple[PromptScoredItem, ...] = wire("items", of=PromptScoredItem)
 
 
 @_wire_class
@@ -461,6 +490,7 @@ Payload: TypeAlias = (
     | RewardExpired
     | RewardReturned
     | GeneratorChanged
+    | PromptScored
     | Waited
 )
 

@@ -44,6 +44,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "correction": {"level": "token", "mode": "truncate", "low": 0.0, "high": 2.0},
     "generator_kl_max": None,
     "generator_window_tokens": 100000,
+    "difficulty": None,
 }
 
 MSGPACK = {"content-type": "application/msgpack"}

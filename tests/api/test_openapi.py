@@ -295,15 +295,15 @@ async def test_a_config_patch_takes_null_only_where_the_description_does(api):
     doc = strict_json(await api.get("/openapi.json"))
     patch = doc["components"]["schemas"]["RunConfigPatch"]["properties"]
     nullable = {name for name, prop in patch.items() if "anyOf" in prop}
-    assert nullable == {"generator_kl_max", "kl_coef", "step_groups"}
+    assert nullable == {"difficulty", "generator_kl_max", "kl_coef", "step_groups"}
     assert (await api.post("/v1/runs", json={"run_id": "r"})).status_code == 201
     ok = await api.patch("/v1/runs/r/config", json={"step_groups": None, "max_reuse": 2})
     assert ok.status_code == 200, ok.text
     refused = await api.patch("/v1/runs/r/config", json={"max_reuse": None})
     assert refused.status_code == 422
     assert (
-        refused.json()["detail"]
-        == "max_reuse: may not be null (only generator_kl_max, kl_coef, step_groups may)"
+        refused.json()["detail"] == "max_reuse: may not be null "
+        "(only difficulty, generator_kl_max, kl_coef, step_groups may)"
     )
 
 

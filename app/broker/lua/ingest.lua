@@ -151,6 +151,7 @@ end
 -- Phase 2: write. Ids, blobs and new single units are written a few commands for the request.
 redis.call('HINCRBY', RUN, 'live', accepted)
 local acc_items, rej_items, dup_ids, out = {}, {}, {}, {}
+local rewarded, reward_sum = 0, 0  -- of the accepted: those posted with a reward, and Σ
 local seen, blobs = {}, {}
 local seq = nil  -- the run's arrival counter, read once and written back once
 local function next_seq()
@@ -177,6 +178,7 @@ for i = 1, n do
     table.insert(blobs, blob)
     local u = unit[i]
     local awaits = rw == ''
+    if not awaits then rewarded, reward_sum = rewarded + 1, reward_sum + tonumber(rw) end
     if gen ~= '' then GEN.note(u, gen) end
     if awaits then note_awaiting(rid, v, u) end
     if string.sub(u, 1, 2) == 'r:' then  -- a single rollout: a new complete unit
@@ -276,7 +278,11 @@ each_chunk(seen, 1000, function(...) redis.call('SADD', SEEN, ...) end)
 each_chunk(blobs, 200, function(...) redis.call('MSET', ...) end)
 
 GEN.write()
-if #acc_items > 0 then emit('accepted', { items = acc_items }) end
+if #acc_items > 0 then
+  local ev = { items = acc_items }
+  if rewarded > 0 then ev.rewarded, ev.reward_sum = rewarded, reward_sum end
+  emit('accepted', ev)
+end
 if #dup_ids > 0 then emit('duplicate', { n = #dup_ids, ids = dup_ids }) end
 if #rej_items > 0 then emit('rejected', { items = rej_items }) end
 finish()

@@ -71,6 +71,22 @@ class Correction(TypedDict, total=False):
     high: float
 
 
+class PoolWeights(TypedDict, total=False):
+    """How often work leases draw from each difficulty pool, per prompt queued in it."""
+
+    easy: float
+    normal: float
+    hard: float
+
+
+class Difficulty(TypedDict, total=False):
+    """Prompt pools by the mean reward of each prompt's last completed group."""
+
+    easy_above: float
+    hard_below: float
+    weights: PoolWeights
+
+
 class RunConfig(TypedDict, total=False):
     """A run's rules (SPEC's RunConfig); every key is optional and has the broker's default."""
 
@@ -99,6 +115,7 @@ class RunConfig(TypedDict, total=False):
     correction: Correction
     generator_kl_max: float | None
     generator_window_tokens: int
+    difficulty: Difficulty | None
 
 
 @dataclass(slots=True)
