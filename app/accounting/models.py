@@ -26,7 +26,9 @@ __all__ = [
     "Batch",
     "GeneratorTotals",
     "LagCount",
+    "LengthCount",
     "ProcessedEvent",
+    "PromptMean",
     "PromptPass",
     "ReasonTotals",
     "RewardLatencyCount",
@@ -144,6 +146,14 @@ class RunTotals(_Totals, Base):
     kl_coef: Mapped[float | None] = mapped_column(Double)
     kl_coef_ms: Mapped[int | None] = mapped_column(BigInteger)
     kl_coef_seq: Mapped[int | None] = mapped_column(BigInteger)
+    # The bias figures (SPEC "Accounting"): rewards of the rollouts received (posted with one,
+    # or scored later) and of the samples consumed, counted and summed; their lengths are in
+    # length_counts. Prompt passes skipped (a pool of weight 0): a final state of the ledger.
+    reward_generated_n: Mapped[int] = _count()
+    reward_generated_sum: Mapped[float] = _sum()
+    reward_trained_n: Mapped[int] = _count()
+    reward_trained_sum: Mapped[float] = _sum()
+    prompts_skipped: Mapped[int] = _count()
 
 
 class VersionTotals(_Totals, Base):
@@ -241,6 +251,36 @@ class RewardLatencyCount(Base):
     run_id: Mapped[str] = mapped_column(Text, primary_key=True)
     bound_ms: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     scores: Mapped[int] = _count()
+
+
+class LengthCount(Base):
+    """The length histograms of the bias figures: per (run, side, bucket) the rollouts received
+    (``generated``) or samples consumed (``trained``) whose trained-token length is in the
+    bucket (app.accounting.bias: log-spaced, four a doubling)."""
+
+    __tablename__ = "length_counts"
+    __table_args__ = (CheckConstraint("side IN ('generated', 'trained')", name="side"),)
+
+    run_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    side: Mapped[str] = mapped_column(Text, primary_key=True)
+    bucket: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    rollouts: Mapped[int] = _count()
+
+
+class PromptMean(Base):
+    """Each prompt's reward history: the mean reward of its newest completed group (by the
+    stream id of the ``prompt_scored`` event that told it: an older one never overwrites it)
+    and how many groups were told. Its difficulty pool is judged from the mean and the run's
+    thresholds when read."""
+
+    __tablename__ = "prompt_means"
+
+    run_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    prompt_id: Mapped[str] = mapped_column(Text(collation="C"), primary_key=True)
+    mean: Mapped[float] = mapped_column(Double, nullable=False)
+    groups: Mapped[int] = _count()
+    event_ms: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    event_seq: Mapped[int] = mapped_column(BigInteger, nullable=False)
 
 
 class Batch(Base):

@@ -39,6 +39,8 @@ TABLES = {
     "training_totals",
     "reward_latency_counts",
     "generator_totals",
+    "length_counts",
+    "prompt_means",
 }
 
 
