@@ -30,6 +30,7 @@ from app.accounting.models import (
     Batch,
     GeneratorTotals,
     LagCount,
+    LengthCount,
     ProcessedEvent,
     PromptPass,
     ReasonTotals,
@@ -241,6 +242,15 @@ async def apply_fold(session: AsyncSession, run_id: str, fold: Fold) -> None:
         [
             {"run_id": run_id, "bound_ms": bound, "scores": scores}
             for bound, scores in sorted(fold.reward_latency.items())
+        ],
+    )
+    await _upsert_add(
+        session,
+        _table(LengthCount),
+        ["run_id", "side", "bucket"],
+        [
+            {"run_id": run_id, "side": side, "bucket": bucket, "rollouts": rollouts}
+            for (side, bucket), rollouts in sorted(fold.lengths.items())
         ],
     )
     await _upsert_batches(session, run_id, fold)
