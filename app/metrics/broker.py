@@ -246,6 +246,16 @@ class _BrokerCollector(Collector):
         ):
             if figure is not None:  # not measured yet: no sample rather than a made-up 0
                 put(name, figure, run)
+        bias = acc.bias
+        if bias.length.ks is not None:  # either side empty: no sample rather than a made-up 0
+            put("bias_length_ks", bias.length.ks, run)
+        for side in ("generated", "trained"):
+            for name, figure in (
+                ("bias_length_mean", getattr(bias.length, f"{side}_mean")),
+                ("bias_reward_mean", getattr(bias.reward, f"{side}_mean")),
+            ):
+                if figure is not None:
+                    put(name, figure, run, side)
         for state in ("queued", "in_flight", "done", "failed"):
             put("prompt_passes", getattr(acc.prompts, state), run, state)
         put("prompt_passes_registered_total", acc.prompts.registered, run)

@@ -15,6 +15,7 @@ import pytest
 
 from app.accounting.bias import EDGES, bucket_of
 from tests.api.support import set_policy
+from tests.api.test_metrics import scrape, value
 from tests.helpers import ack, lease, make_run, post
 from workers.drain import DrainContext, drain_once
 
@@ -87,6 +88,13 @@ async def bias_of(api: httpx.AsyncClient, drain: DrainContext, run: str) -> dict
     acc = (await api.get(f"/v1/runs/{run}/accounting")).json()
     assert acc["pending_events"] == 0 and acc["dead_letters"] == 0
     bias: dict[str, Any] = acc["bias"]
+    # GET /metrics tells the same figures.
+    samples = await scrape(api)
+    assert value(samples, "rollout_broker_bias_length_ks", run=run) == bias["length"]["ks"]
+    for side in ("generated", "trained"):
+        for figure in ("length", "reward"):
+            got = value(samples, f"rollout_broker_bias_{figure}_mean", run=run, side=side)
+            assert got == pytest.approx(bias[figure][f"{side}_mean"], rel=1e-15), (figure, side)
     return bias
 
 
@@ -106,6 +114,24 @@ def assert_bias(
     edges = {int(b): n for b, n in zip(*np.unique(bucket_of(generated), return_counts=True))}
     assert length["histogram"]["generated"] == {str(EDGES[b]): int(n) for b, n in edges.items()}
     assert sum(length["histogram"]["trained"].values()) == len(trained)
+
+
+async def test_nothing_to_average_gives_nulls(api, drain):
+    """Rollouts received (one awaiting its reward) and none consumed: the trained side's means
+    and the distance are null, and /metrics has no sample for them."""
+    run = "bias-none"
+    await make_run(api, run)
+    await posted(api, run, doc("a", 9, None))
+    bias = await bias_of(api, drain, run)
+    assert bias == {
+        "length": {
+            "generated_mean": 9.0,
+            "trained_mean": None,
+            "ks": None,
+            "histogram": {"generated": {str(EDGES[bucket_of([9])[0]]): 1}, "trained": {}},
+        },
+        "reward": {"generated_mean": None, "trained_mean": None},
+    }
 
 
 async def test_identical_distributions_give_0(api, drain):
