@@ -8,9 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "BatchCounts",
-    "BiasStats",
     "BatchPage",
     "BatchRecord",
+    "BiasStats",
     "DeadLetter",
     "DeadLetterPage",
     "GeneratorAccounting",

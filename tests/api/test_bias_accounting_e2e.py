@@ -111,7 +111,9 @@ def assert_bias(
     assert length["ks"] == pytest.approx(ks_of_samples(generated, trained), abs=1e-12)
     assert reward["generated_mean"] == pytest.approx(np.mean(rewards_generated), abs=1e-12)
     assert reward["trained_mean"] == pytest.approx(np.mean(rewards_trained), abs=1e-12)
-    edges = {int(b): n for b, n in zip(*np.unique(bucket_of(generated), return_counts=True))}
+    edges = {
+        int(b): n for b, n in zip(*np.unique(bucket_of(generated), return_counts=True), strict=True)
+    }
     assert length["histogram"]["generated"] == {str(EDGES[b]): int(n) for b, n in edges.items()}
     assert sum(length["histogram"]["trained"].values()) == len(trained)
 
@@ -201,7 +203,9 @@ async def test_a_known_shift_gives_the_ks_distance_of_the_bucketed_samples(api, 
     reward means of a numpy recompute."""
     run = "bias-shift"
     await stale_masked_run(api, run)
-    plain = [(f"p{i}", n, w) for i, (n, w) in enumerate([(8, 0.1), (16, 0.2), (33, 0.3), (100, 0.4)])]
+    plain = [
+        (f"p{i}", n, w) for i, (n, w) in enumerate([(8, 0.1), (16, 0.2), (33, 0.3), (100, 0.4)])
+    ]
     stale = [(f"s{i}", 64, w) for i, w in enumerate([1.5, 2.5])]
     await posted(
         api,
@@ -211,9 +215,9 @@ async def test_a_known_shift_gives_the_ks_distance_of_the_bucketed_samples(api, 
     )
     handed = await lease_and_ack(api, run, 6)
     await posted(api, run, doc("late-0", 2000, 9.0, version=2), doc("late-1", 3, None, version=2))
-    assert (
-        await api.post(f"/v1/runs/{run}/rewards", json={"rewards": {"late-1": -4.0}})
-    ).json()["scored"] == 1
+    assert (await api.post(f"/v1/runs/{run}/rewards", json={"rewards": {"late-1": -4.0}})).json()[
+        "scored"
+    ] == 1
     generated = [n for _, n, _ in plain] + [64, 64, 2000, 3]
     trained = [trained_length(r) for r in handed]
     assert sorted(trained) == sorted([8, 16, 33, 100, 4, 4])

@@ -82,10 +82,11 @@ def test_a_live_brokers_bias_figures_reach_the_client_and_the_command(
     run = rid()
     with BrokerClient(live_server.url) as broker:
         broker.create_run(run)
-        broker.post_rollouts(
-            run, [Rollout(f"r{i}", 0, list(range(1, n + 1)), reward=w) for i, (n, w) in
-                  enumerate([(4, 1.0), (40, 0.0), (400, 0.5)])]  # fmt: skip
-        )
+        sizes = [(4, 1.0), (40, 0.0), (400, 0.5)]
+        rollouts = [
+            Rollout(f"r{i}", 0, list(range(1, n + 1)), reward=w) for i, (n, w) in enumerate(sizes)
+        ]
+        broker.post_rollouts(run, rollouts)
         batch = broker.lease_batch(run, 2)
         assert batch is not None and len(batch.rollouts) == 2
         broker.ack(run, batch.batch_id)
