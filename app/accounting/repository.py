@@ -226,6 +226,12 @@ async def apply_fold(session: AsyncSession, run_id: str, fold: Fold) -> None:
             for (version, kind, reason), delta in sorted(fold.reasons.items())
         ],
     )
+    await _upsert_histograms(session, run_id, fold)
+    await _upsert_batches(session, run_id, fold)
+
+
+async def _upsert_histograms(session: AsyncSession, run_id: str, fold: Fold) -> None:
+    """The histograms' rows: lags, reward latencies and the bias figures' lengths."""
     await _upsert_add(
         session,
         _table(LagCount),
@@ -253,7 +259,6 @@ async def apply_fold(session: AsyncSession, run_id: str, fold: Fold) -> None:
             for (side, bucket), rollouts in sorted(fold.lengths.items())
         ],
     )
-    await _upsert_batches(session, run_id, fold)
 
 
 async def _upsert_run(session: AsyncSession, run_id: str, fold: Fold) -> None:
