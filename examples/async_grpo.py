@@ -368,9 +368,10 @@ def run_config(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         "lease_timeout_s": 30.0,
     }
     if mode == "work":
-        # The budget's promise holds for a trainer that takes the oldest groups first
-        # (docs/design.md); free-running keeps the default, freshest first, its best setting.
-        config |= {"step_groups": args.groups_per_step, "order": "fifo", "work_timeout_s": 30.0}
+        # The default order (auto) takes the oldest groups first while step_groups is set, as
+        # the budget's promise needs (docs/design.md), and freshest first without it, free
+        # running's best setting.
+        config |= {"step_groups": args.groups_per_step, "work_timeout_s": 30.0}
     return config
 
 
