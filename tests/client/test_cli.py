@@ -237,10 +237,10 @@ def test_prompts_lists_passes_and_their_states(live_server: LiveServer, work_run
     code, out, err = invoke(live_server, "prompts", work_run, "--json")
     assert code == 0, err
     assert json.loads(out) == [
-        {"prompt_id": "a", "pass": 1, "attempt": 1, "state": "done", "tries": 0},
-        {"prompt_id": "b", "pass": 1, "attempt": 1, "state": "in_flight", "tries": 0},
-        {"prompt_id": "c", "pass": 1, "attempt": 2, "state": "queued", "tries": 0},
-        {"prompt_id": "d", "pass": 1, "attempt": 1, "state": "queued", "tries": 0},
+        {"prompt_id": "a", "pass": 1, "attempt": 1, "state": "done", "tries": 0, "mean": None},
+        {"prompt_id": "b", "pass": 1, "attempt": 1, "state": "in_flight", "tries": 0, "mean": None},
+        {"prompt_id": "c", "pass": 1, "attempt": 2, "state": "queued", "tries": 0, "mean": None},
+        {"prompt_id": "d", "pass": 1, "attempt": 1, "state": "queued", "tries": 0, "mean": None},
     ]
 
     code, out, _ = invoke(live_server, "prompts", work_run, "--state", "queued")
