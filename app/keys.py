@@ -81,6 +81,14 @@ GENERATORS_QUARANTINED = "gq"  # hash: every quarantined generator -> ms it was 
 # hash: generator -> its KL window, '<tokens> <kl_sum> ...' per acked batch, oldest first, only as
 # much as its last generator_window_tokens trained tokens need (lua/lib/quarantine.lua)
 GENERATOR_WINDOWS = "gw"
+# hash: every prompt whose attempt's group completed with every reward in -> the mean reward of
+# its newest such group (lua/lib/pools.lua): the prompt's difficulty pool is judged from it
+PROMPT_MEANS = "pmean"
+# zsets, kept only while the run has `difficulty`: the queued passes of PROMPT_QUEUE (same scores)
+# in the easy, normal and hard pools (lua/lib/pools.lua)
+POOL_EASY = "pqe"
+POOL_NORMAL = "pqn"
+POOL_HARD = "pqh"
 # stream: the run's operator actions (audit log entries), each written by the script that makes
 # the change, in the same call; app/access/audit.py moves them into Postgres. A delete keeps it
 # until the run leaves RUNS.
@@ -96,7 +104,7 @@ GUARD = "guard"
 SYNC = "sync"
 
 # Families: the suffix is followed by an id (a version, unit, rollout or batch id).
-VERSION_QUEUE = "qv:"  # zset per version: its ready units by arrival seq
+VERSION_QUEUE = "qv:"  # zset per version: its ready units by uses · 2^38 + arrival seq
 UNIT = "u:"  # hash per group still filling: need, have, v, seq, rmin/rmax, pk/att
 MEMBERS = "m:"  # list per group unit: '<version> <tokens> <rollout_id>' in arrival order
 BLOB = "d:"  # string per rollout: the packed rollout (read with MGET outside the scripts)
@@ -171,6 +179,10 @@ LUA_KEYS: dict[str, str] = {
     "UG": UNIT_GENERATORS,
     "GQ": GENERATORS_QUARANTINED,
     "GW": GENERATOR_WINDOWS,
+    "PMEAN": PROMPT_MEANS,
+    "PQE": POOL_EASY,
+    "PQN": POOL_NORMAL,
+    "PQH": POOL_HARD,
 }
 LUA_FAMILIES: dict[str, str] = {
     "qvkey": VERSION_QUEUE,

@@ -3,8 +3,9 @@ against generators that take work leases under the staleness budget.
 
 The task: ``PROBLEMS`` problems, each with a hidden target sequence whose length is drawn per
 problem (4 to 64 tokens, most of them short) from a vocabulary of ``VOCAB``; a response is as
-long as its problem's target and earns one point per target token it reproduces, so a long
-problem is worth more than a short one. The policy is a table of logits
+long as its problem's target and its reward is the share of the target's tokens it reproduces
+(the expected reward printed counts them: a long problem is worth more than a short one). The
+policy is a table of logits
 ``theta[problem, position, token]`` with a softmax per position (numpy only). Sampling a
 group costs ``--token-ms`` of (simulated) generation time per token of the response, so long
 responses take longer to come back, as they do on a real inference server.
@@ -23,6 +24,10 @@ The same prompts, the same trainer and the same number of trainer steps run twic
   ``(version + max_staleness + 1) * step_groups`` groups are admitted, and the generator posts
   the prompt's group with the ``group_id`` of the lease. Generators wait instead of generating
   rollouts nobody will train on.
+* **difficulty pools** (``--mode pools``, or ``--mode all`` for the three): work leases as
+  above, with the run's ``difficulty`` sorting each problem by the mean reward of its last
+  group: the problems it has learned (above ``--easy-above``) are skipped, those it fails
+  (below ``--hard-below``) drawn twice as often as the rest.
 
 The trainer leases batches of ``--groups-per-step`` whole groups, computes the clipped GRPO
 objective with group-normalised advantages and per-token importance ratios against the
@@ -30,10 +35,12 @@ behaviour logprobs, spends ``--step-ms`` on the step (a stand-in for the backwar
 with the new policy's logprobs and publishes the new version: ``POST /policy`` first, then the
 weights file, so a generator never tags a rollout with a version the broker has not announced.
 
-At the end it prints the two runs' accounting side by side: rollouts generated, samples that
-reached a gradient, rollouts retired stale, wasted tokens, the mean length of the responses
-generated against those trained on (free-running trains on shorter responses than it
-generates), how long generators and trainers waited, and the expected reward every few steps.
+At the end it prints the runs' accounting side by side: rollouts generated, samples that
+reached a gradient, rollouts retired stale, wasted tokens, the broker's bias figures (the mean
+length and reward of the responses generated against those trained on, and the
+Kolmogorov–Smirnov distance between the two length distributions: free-running trains on
+shorter responses than it generates), how long generators and trainers waited, the prompt
+passes done and skipped, and the expected reward every few steps.
 
 Run it against a broker with ``--url``, or with none to have it start ``rollout-broker serve``
 itself (against ``BROKER_REDIS_URL`` / ``BROKER_DATABASE_URL`` when set, else embedded Redis and
@@ -99,7 +106,8 @@ IntArray = npt.NDArray[np.int64]
 PROBLEMS, VOCAB = 16, 8
 MIN_LENGTH, MAX_LENGTH = 4, 64
 GROUP = 8  # responses per prompt (K)
-MODES = {"free": "free-running", "work": "work leases"}
+MODES = {"free": "free-running", "work": "work leases", "pools": "difficulty pools"}
+BOTH = ("free", "work")  # --mode both
 
 
 @dataclass(frozen=True)
@@ -231,7 +239,7 @@ class Sampler:
                 prompt_ids=np.array([problem]),
                 response_ids=tokens[k],
                 logprobs=token_logprobs(theta, problem, tokens[k]),
-                reward=float((tokens[k] == target).sum()),
+                reward=float((tokens[k] == target).mean()),
                 finish_reason="stop",
             )
             for k in range(GROUP)
@@ -367,10 +375,18 @@ def run_config(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         "clip_epsilon": args.clip,
         "lease_timeout_s": 30.0,
     }
-    if mode == "work":
-        # The budget's promise holds for a trainer that takes the oldest groups first
-        # (docs/design.md); free-running keeps the default, freshest first, its best setting.
-        config |= {"step_groups": args.groups_per_step, "order": "fifo", "work_timeout_s": 30.0}
+    if mode in ("work", "pools"):
+        # The default order (auto) takes the oldest groups first while step_groups is set, as
+        # the budget's promise needs (docs/design.md), and freshest first without it, free
+        # running's best setting.
+        config |= {"step_groups": args.groups_per_step, "work_timeout_s": 30.0}
+    if mode == "pools":
+        weights = {"easy": 0.0, "normal": 1.0, "hard": 2.0}
+        config["difficulty"] = {
+            "easy_above": args.easy_above,
+            "hard_below": args.hard_below,
+            "weights": weights,
+        }
     return config
 
 
@@ -395,7 +411,7 @@ def train(
     ):
         ops.create_run(run_id, config)
         print(f"\n{MODES[mode]}: run {run_id}: {json.dumps(config)}")
-        if mode == "work":
+        if mode != "free":
             # The same prompt list, every problem once a pass, for more passes than needed.
             epochs = math.ceil(3 * args.steps * args.groups_per_step / PROBLEMS) + 1
             ops.register_prompts(
@@ -522,6 +538,9 @@ def figures(s: dict[str, Any]) -> dict[str, Any]:
     received = acc.get("rollouts_received", 0)
     samples = acc.get("samples_consumed", 0)
     wait = acc.get("wait") or {}
+    prompts = (acc.get("prompts") or {}) if s["mode"] != "free" else {}
+    bias = acc.get("bias") or {}
+    length, reward = bias.get("length") or {}, bias.get("reward") or {}
     return {
         "steps": s["versions"],
         "seconds": s["seconds"],
@@ -531,12 +550,16 @@ def figures(s: dict[str, Any]) -> dict[str, Any]:
         "closed": gone.pop("run_closed", 0),
         "other": gone,
         "wasted_tokens": acc.get("wasted_tokens", 0),
-        "len_generated": acc.get("tokens_generated", 0) / received if received else None,
-        "len_trained": acc.get("tokens_consumed", 0) / samples if samples else None,
+        "len_generated": length.get("generated_mean"),
+        "len_trained": length.get("trained_mean"),
         "lag": (acc.get("lag") or {}).get("mean"),
         "generator_wait": wait.get("generator_s"),
         "trainer_wait": wait.get("trainer_s"),
-        "prompts_done": (acc.get("prompts") or {}).get("done") if s["mode"] == "work" else None,
+        "prompts_done": prompts.get("done"),
+        "prompts_skipped": prompts.get("skipped"),
+        "ks": length.get("ks"),
+        "reward_generated": reward.get("generated_mean"),
+        "reward_trained": reward.get("trained_mean"),
     }
 
 
@@ -565,10 +588,14 @@ def compare(summaries: dict[str, dict[str, Any]], log_every: int) -> None:
     row("wasted tokens (never trained on)", "wasted_tokens")
     row("mean length generated", "len_generated", ".1f")
     row("mean length trained on", "len_trained", ".1f")
+    row("length KS distance, generated/trained", "ks", ".3f")
+    row("mean reward generated", "reward_generated", ".3f")
+    row("mean reward trained on", "reward_trained", ".3f")
     row("mean lag trained on", "lag", ".2f")
     row("generator wait (s, all generators)", "generator_wait", ".1f")
     row("trainer wait (s)", "trainer_wait", ".1f")
     row("prompt passes done", "prompts_done")
+    row("of them skipped (pool of weight 0)", "prompts_skipped")
     row("E[reward] at the end", "final_reward", ".2f", summaries)
     row("target tokens hit, long half", "final_long", ".1%", summaries)
     row("target tokens hit, short half", "final_short", ".1%", summaries)
@@ -655,8 +682,8 @@ def role_tokens(url: str, admin_token: str, prefix: str) -> Iterator[Roles]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default=os.environ.get("BROKER_URL"), help="broker to use")
-    ap.add_argument("--mode", choices=["both", *MODES], default="both")
-    ap.add_argument("--run-prefix", help="run ids are <prefix>-free and <prefix>-work")
+    ap.add_argument("--mode", choices=["both", "all", *MODES], default="both")
+    ap.add_argument("--run-prefix", help="run ids are <prefix>-<mode>")
     ap.add_argument("--generators", type=int, default=4)
     ap.add_argument("--steps", type=int, default=60, help="trainer steps (policy versions)")
     ap.add_argument("--groups-per-step", type=int, default=4, help="groups per batch")
@@ -667,6 +694,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=4.0)
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--max-staleness", type=int, default=2)
+    ap.add_argument("--easy-above", type=float, default=0.9, help="pools: learned above this")
+    ap.add_argument("--hard-below", type=float, default=0.4, help="pools: failed below this")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=5)
     ap.add_argument("--json-out", type=Path, help="write a JSON summary here")
@@ -688,7 +717,8 @@ def main(argv: list[str] | None = None) -> int:
             admin_token = secrets.token_urlsafe(32)
             url = stack.enter_context(own_broker(admin_token))
             roles = stack.enter_context(role_tokens(url, admin_token, prefix))
-        for mode in MODES if args.mode == "both" else [args.mode]:
+        modes = {"both": BOTH, "all": tuple(MODES)}.get(args.mode, (args.mode,))
+        for mode in modes:
             summaries[mode] = train(args, url, mode, prefix, roles)
     compare(summaries, args.log_every)
     if args.json_out is not None:

@@ -366,9 +366,11 @@ class RedisStore(PassReads, BatchCalls):
         generator_id: str | None,
         wait_ms: int = 0,
         waited_ms: int = 0,
+        seed: int | None = None,
     ) -> WorkLease | None:
         """A work lease, or None when nothing could be handed out; then, with ``wait_ms``,
-        prompts or budget coming free in the run announce it for that long."""
+        prompts or budget coming free in the run announce it for that long. ``seed`` seeds the
+        draws from difficulty pools (random when None)."""
         outcome, *body = await self._call(
             "work",
             run_id,
@@ -378,6 +380,7 @@ class RedisStore(PassReads, BatchCalls):
             LEASE_SWEEP_LIMIT,
             wait_ms,
             waited_ms,
+            secrets.randbits(31) if seed is None else seed,
         )
         if text(outcome) == "short":
             return None

@@ -386,8 +386,8 @@ class PartialsChanged:
         "text",
         optional=True,
         note="`dropped`: `stale` / `kl_flush` (too stale when handed out), `unused` (its group "
-        "completed without it), `failed` (its pass failed), `rewound` (a token sampled above "
-        "the run's version when handed out, after a rewind)",
+        "completed without it), `failed` (its pass failed), `skipped` (its pass was skipped), "
+        "`rewound` (a token sampled above the run's version when handed out, after a rewind)",
     )
     lease_id: str | None = wire("text", optional=True, note="the work lease, when one")
     items: tuple[PartialItem, ...] = wire("items", of=PartialItem)

@@ -24,6 +24,7 @@ from app.events import (
     Leased,
     PartialsChanged,
     PassesChanged,
+    PromptScored,
     Registered,
     Rejected,
     Retired,
@@ -98,6 +99,9 @@ class Script:
         self.rewards_back: dict[str, str] = {}  # lease_id -> reward_returned | reward_expired
         self.generator_of: dict[str, str] = {}  # rollout_id -> generator_id, when it named one
         self.quarantines: list[tuple[str, bool]] = []  # (generator_id, quarantined), in order
+        self.posted_rewards: dict[str, float] = {}  # rollout_id -> the reward it was posted with
+        self.prompt_means: list[list[Any]] = []  # the prompt_scored items expected, in order
+        self.skipped: list[tuple[str, int]] = []  # (prompt_id, pass) expected skipped
 
     async def send(self, *rollouts: dict[str, Any]) -> dict[str, Any]:
         resp = await post(self.client, self.run_id, *rollouts)
@@ -107,6 +111,8 @@ class Script:
             self.rollouts.setdefault(r["rollout_id"], (r["policy_version"], len(r["response_ids"])))
             if r.get("reward") is None:
                 self.unscored.add(r["rollout_id"])
+            else:
+                self.posted_rewards.setdefault(r["rollout_id"], r["reward"])
             if r.get("generator_id") is not None:
                 self.generator_of.setdefault(r["rollout_id"], r["generator_id"])
         for rej in body["rejected"]:
@@ -339,6 +345,7 @@ async def prompt_run(client: httpx.AsyncClient, redis: Redis, prefix: str, run_i
     assert first is not None
     a, b = first["prompts"]
     await s.send(*group(a["group_id"], 0))
+    s.prompt_means.append(["a", 0.5, 2])
     trained = await s.take(2)
     assert (await s.give(trained)).status_code == 200  # a#1 done
     # b#1 back, with a partial rollout: handed out with b#1 again, brought back by the expiry
@@ -360,6 +367,35 @@ async def prompt_run(client: httpx.AsyncClient, redis: Redis, prefix: str, run_i
     assert await s.take_work(5, wait_s=0.01) is None  # the budget is spent: waited
     resp = await lease(client, run_id, 2, wait_s=0.01)  # nothing ready: the trainer waited
     assert resp.status_code == 204
+    return s
+
+
+async def pool_run(client: httpx.AsyncClient, run_id: str) -> Script:
+    """Difficulty pools: a prompt whose group was all correct is easy, and the easy pool has
+    weight 0: its next pass is skipped; another prompt's group is scored late, at its last
+    score."""
+    s = Script(client, run_id)
+    weights = {"easy": 0, "normal": 1, "hard": 1}
+    await make_run(
+        client,
+        run_id,
+        group_size=2,
+        difficulty={"easy_above": 0.9, "hard_below": 0.1, "weights": weights},
+    )
+    await s.register("e", "l", epochs=2)
+    first = await s.take_work(2)
+    assert first is not None
+    e, late = first["prompts"]
+    await s.send(*group(e["group_id"], 0, rewards=(1.0, 1.0)))
+    s.prompt_means.append(["e", 1.0, 2])
+    ids = [f"{late['group_id']}-{i}" for i in range(2)]
+    await s.send(*(rollout(rid, 0, group=late["group_id"], reward=None) for rid in ids))
+    await s.score({ids[0]: 0.25, ids[1]: 0.0})
+    s.prompt_means.append(["l", 0.125, 2])
+    s.skipped.append(("e", 2))
+    second = await s.take_work(2)
+    assert second is not None and [p["prompt_id"] for p in second["prompts"]] == ["l"]
+    assert (await s.give(await s.take(4))).status_code == 200
     return s
 
 
@@ -447,6 +483,10 @@ def check_meaning(s: Script, events: list[Event]) -> None:
             assert body.run_id == s.run_id
             assert body.config["max_reuse"] in (1, 2)
         elif isinstance(body, Accepted):
+            posted = [s.posted_rewards[a.rollout_id] for a in body.items if not a.awaiting]
+            assert (body.rewarded, body.reward_sum) == (
+                (len(posted), sum(posted)) if posted else (None, None)
+            )
             for a in body.items:
                 assert (a.policy_version, a.tokens) == s.rollouts[a.rollout_id]
                 unit = a.rollout_id.rsplit("-", 1)[0] if "-" in a.rollout_id else a.rollout_id
@@ -483,6 +523,7 @@ def check_meaning(s: Script, events: list[Event]) -> None:
             ]
             for i in body.items:
                 assert (i.policy_version, i.tokens) == s.rollouts[i.rollout_id]
+                assert i.reward == s.posted_rewards.get(i.rollout_id, s.scores.get(i.rollout_id))
                 ready = given.get("kl") or {}
                 if i.rollout_id in ready:
                     assert i.kl == ready[i.rollout_id]
@@ -513,11 +554,20 @@ def check_meaning(s: Script, events: list[Event]) -> None:
                 (p["prompt_id"], p["pass"], p["attempt"]) for p in reply["prompts"]
             ]
         elif isinstance(body, PassesChanged):
-            assert body.cause in {"returned", "expired", "rejected", "retired", "acked"}
-            assert (body.lease_id is None) == (body.cause in {"retired", "acked"})
+            causes = {"returned", "expired", "rejected", "retired", "acked", "skipped"}
+            assert body.cause in causes
+            assert (body.lease_id is None) == (body.cause in {"retired", "acked", "skipped"})
             for item in body.items:
                 assert 1 <= item.pass_ <= s.registered[item.prompt_id]
-                assert item.state in {"queued", "done", "failed"}
+                if body.cause == "skipped":
+                    assert (item.prompt_id, item.pass_) in s.skipped
+                    assert item.state == "skipped"
+                else:
+                    assert item.state in {"queued", "done", "failed"}
+        elif isinstance(body, PromptScored):
+            assert [[i.prompt_id, i.mean, i.rollouts] for i in body.items] == [
+                s.prompt_means.pop(0) for _ in body.items
+            ]
         elif isinstance(body, PartialsChanged):
             assert body.change in {"returned", "resumed", "dropped"}
             assert (body.reason is not None) == (body.change == "dropped")
@@ -588,21 +638,26 @@ async def test_every_event_the_scripts_write_follows_the_schema(
         await prompt_run(api, redis, prefix, "schema-prompts"),
         await rewind_run(api, "schema-rewind"),
         await reward_run(api, "schema-rewards"),
+        await pool_run(api, "schema-pools"),
         await quarantine_run(api, "schema-quarantine"),
     ]
     types: set[str] = set()
     reasons: set[str] = set()
     places: set[int] = set()  # the `unscored` of retired items
+    causes: set[str] = set()  # of passes events
     for s in scripts:
         entries = await stream_entries(redis, prefix, s.run_id)
         assert entries
         events = [check_round_trip(s.run_id, eid, fields) for eid, fields in entries]
         check_meaning(s, events)
+        assert s.prompt_means == []  # every group mean expected was told, in order
         types |= {e.type for e in events}
+        causes |= {e.body.cause for e in events if isinstance(e.body, PassesChanged)}
         reasons |= {e.body.reason for e in events if isinstance(e.body, Retired)}
         places |= {i.unscored for e in events if isinstance(e.body, Retired) for i in e.body.items}
         reasons |= {i.reason for e in events if isinstance(e.body, Rejected) for i in e.body.items}
     assert types == EVENT_TYPES
+    assert "skipped" in causes
     assert places == {0, 1, 2}
     assert "stale_attempt" in reasons
     assert reasons >= RETIRE_REASONS | {"future_version"}

@@ -206,10 +206,25 @@ async def test_order_freshest_one_by_one(api):
     assert await _drain_one_by_one(api) == ["d", "f", "b", "e", "a", "c"]
 
 
-async def test_order_fifo_is_arrival(api):
+async def test_order_fifo_is_lowest_version_then_arrival(api):
     await _mixed_versions(api, "fifo")
-    assert sorted(ids((await lease(api, "r1", 2)).json())) == ["a", "b"]
-    assert await _drain_one_by_one(api) == ["c", "d", "e", "f"]
+    assert sorted(ids((await lease(api, "r1", 2)).json())) == ["a", "c"]
+    assert await _drain_one_by_one(api) == ["b", "e", "d", "f"]
+
+
+@pytest.mark.parametrize("order", ["fifo", "freshest"])
+async def test_order_among_equal_versions_is_fewer_uses_then_arrival(api, order):
+    """A rollout back from a use goes behind those of its version with fewer uses, whatever
+    its arrival; one back from a nack (no use) keeps its place."""
+    await make_run(api, "r1", max_reuse=3, order=order)
+    await post(api, "r1", rollout("a"), rollout("b"), rollout("c"))
+    first = (await lease(api, "r1", 1)).json()
+    assert ids(first) == ["a"]
+    assert (await ack(api, "r1", first["batch_id"])).status_code == 200
+    second = (await lease(api, "r1", 1)).json()
+    assert ids(second) == ["b"]
+    assert (await nack(api, "r1", second["batch_id"])).json() == {"returned": 1}
+    assert await _drain_one_by_one(api) == ["b", "c", "a"]
 
 
 async def test_order_by_patch_applies_at_once(api):

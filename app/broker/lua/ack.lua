@@ -79,7 +79,7 @@ each_unit(cmsgpack.unpack(f[2]), cmsgpack.unpack(f[3]), function(u, r, part)
     retire_unit(u, reason, r, false, part)
   else
     set_unit(u, r)
-    make_ready(u, r.v, r.seq)
+    make_ready(u, r.v, r.seq, r.uses)
   end
 end)
 local retired = RETIRED_N

@@ -50,7 +50,8 @@ if redis.call('EXISTS', PSEEN) == 1 then return ok('more') end
 -- Whole collections: UNLINK frees a large one off the main thread. The indexes of units and
 -- leases are empty in a settled run; they go too, in case.
 redis.call('UNLINK', SEEN, GDONE, PQ, EV, Q, VS, OPEN, OV, LEASES, US, WLEASES, WAITING, WWAITING,
-  ACKED, XV, FLOORS, PWAITING, AW, AUN, AQ, AV, RLEASES, RWAITING, UG, GQ, GW)
+  ACKED, XV, FLOORS, PWAITING, AW, AUN, AQ, AV, RLEASES, RWAITING, UG, GQ, GW, PMEAN, PQE, PQN,
+  PQH)
 local keep = redis.call('HMGET', RUN, 'id', 'created')
 redis.call('DEL', RUN)
 redis.call('HSET', RUN, 'id', keep[1] or '', 'st', 'deleted', 'created', keep[2] or '0',

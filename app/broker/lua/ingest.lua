@@ -233,6 +233,8 @@ for i = 1, n do
           note_reward(uk, rw, f[4], f[5])
         end
       end
+      -- A prompt attempt's group sums its rewards: its mean sorts the prompt into a pool.
+      if work and not awaits then redis.call('HINCRBYFLOAT', uk, 'rs', rw) end
       table.insert(acc_items, accepted_item(rid, gid, v, tokens, new_unit, masked, awaits, gen))
       if have == need then  -- complete: from its own hash to a record in US
         if need > 1 then
@@ -245,8 +247,9 @@ for i = 1, n do
           if lid then work_settled(lid) end
           drop_partials(work[1], 'unused', lid)  -- partials its generator did not continue
         end
-        local rr = redis.call('HMGET', uk, 'rmin', 'rmax', 'aw')
+        local rr = redis.call('HMGET', uk, 'rmin', 'rmax', 'aw', 'rs')
         local unscored = tonumber(rr[3] or '0')
+        if work and unscored == 0 then POOL.scored(work[1], rr[4], need) end
         if unscored == 0 and zero_variance(need, rr[1], rr[2]) then
           retire_open(u, 'zero_variance')
         else
@@ -257,7 +260,7 @@ for i = 1, n do
           })
           note_cross(u, uv, uvn)
           if unscored > 0 then
-            await_unit(u, uv, useq, unscored, rr[1] or '', rr[2] or '')
+            await_unit(u, uv, useq, unscored, rr[1] or '', rr[2] or '', work and (rr[4] or '0'))
           else
             make_ready(u, uv, useq)
           end

@@ -97,8 +97,11 @@ if order == 'auto' then
   local budget = CFG.step_groups ~= nil and CFG.step_groups ~= cjson.null
   order = budget and 'fifo' or 'freshest'
 end
-if order == 'fifo' then
-  walk(Q)
+if order == 'fifo' then -- lowest version first, fewer uses then arrival within a version
+  for _, v in ipairs(redis.call('ZRANGEBYSCORE', VS, '-inf', I(V))) do
+    walk(qvkey(v))
+    if full() then break end
+  end
 elseif order == 'random' then
   local sample = redis.call('ZRANDMEMBER', Q, math.min(scan_limit, 2 * N + 32))
   -- ZRANDMEMBER picks a random subset but returns a small set whole, and often a subset, in
@@ -110,7 +113,7 @@ elseif order == 'random' then
     sample[i], sample[j] = sample[j], sample[i]
   end
   consider_all(sample)
-else -- freshest: highest version first, oldest arrival within a version
+else -- freshest: highest version first, fewer uses then arrival within a version
   local versions = redis.call('ZREVRANGEBYSCORE', VS, I(V), '-inf')
   for _, v in ipairs(versions) do
     walk(qvkey(v))

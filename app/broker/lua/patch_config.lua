@@ -1,7 +1,8 @@
--- requires: run, audit
+-- requires: run, audit, pools
 -- Replace a run's config if it is still the one the caller merged into (optimistic check). A
 -- change of kl_flush or kl_flush_window ends the kl_flush_window streak (ack.lua); a change of
--- kl_coef sets the adaptive KL penalty's β to it.
+-- kl_coef sets the adaptive KL penalty's β to it. A change of difficulty's thresholds (or
+-- turning it on or off) sorts the queued passes into pools again (lib/pools.lua).
 -- ARGV: wake, expected_config_json, new_config_json, audit entry (written only when the config
 -- changes: lib/audit.lua).
 -- Returns ok('replaced') | ok('changed') (another patch came first: merge again)
@@ -18,6 +19,10 @@ if ARGV[3] ~= current then
     redis.call('HDEL', RUN, 'klrun')
   end
   if was.kl_coef ~= now.kl_coef then redis.call('HDEL', RUN, 'beta') end  -- β starts from it
+  if POOL.thresholds(was.difficulty) ~= POOL.thresholds(now.difficulty) then
+    CFG = now
+    POOL.rebuild()
+  end
   run_snapshot('config')
   audit(ARGV[4])
   if redis.call('EXISTS', WWAITING) == 1 then

@@ -17,7 +17,7 @@ for i = 1, n do
     for pass = 1, epochs do
       local pk = pid .. '#' .. I(pass)
       redis.call('HSET', ppkey(pk), 'st', 'q', 'att', 1, 'tries', 0, 'seq', seq)
-      redis.call('ZADD', PQ, pass_score(pk, seq), pk)
+      POOL.enqueue(pk, pass_score(pk, seq))
     end
     table.insert(items, { pid, epochs })
   end

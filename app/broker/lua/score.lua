@@ -72,11 +72,13 @@ for i = 1, n do
     if s then
       s.n = s.n - 1
       s.lo, s.hi = widen(s.lo, s.hi, text)
+      if s.rs then s.rs = string.format('%.17g', tonumber(s.rs) + tonumber(text)) end
       if s.l then reward_lease_less(s.l, -1) end
     else
       local uk = ukey(u)
-      local f = redis.call('HMGET', uk, 'rmin', 'rmax')
+      local f = redis.call('HMGET', uk, 'rmin', 'rmax', 'pk')
       note_reward(uk, text, f[1], f[2])
+      if f[3] then redis.call('HINCRBYFLOAT', uk, 'rs', text) end
       redis.call('HINCRBY', uk, 'aw', -1)
     end
   end
@@ -88,13 +90,14 @@ for _, u in ipairs(order) do
     set_reward_state(u, s)
   elseif s then
     local r = parse_unit(redis.call('HGET', US, u))
+    if r.pk and s.rs then POOL.scored(r.pk, s.rs, r.k) end
     redis.call('HDEL', AUN, u)
     redis.call('ZREM', AQ, u)
     redis.call('ZREM', AV, u)
     if zero_variance(r.k, s.lo, s.hi) then
       retire_unit(u, 'zero_variance', r, false)
     else
-      make_ready(u, r.v, r.seq)
+      make_ready(u, r.v, r.seq, r.uses)
     end
   end
 end

@@ -5,7 +5,10 @@
 -- ARGV: wake, lease_id, max_prompts, generator_id ('' = none), sweep_limit, wait_ms (how long
 --       the caller will wait for a wake-up if this call hands out nothing; 0: it will not),
 --       waited_ms (how long the request has waited so far; recorded with the lease, or in a
---       'waited' event when this is its last try and it hands out nothing).
+--       'waited' event when this is its last try and it hands out nothing), seed (of the draws
+--       from difficulty pools: lib/pools.lua).
+-- Under `difficulty`, up to sweep_limit queued passes of pools of weight 0 are skipped first
+-- (their pass is over, state 'skipped'), then the passes are drawn from the other pools.
 -- A lease_id that names a live or complete lease returns that lease again (a retried request),
 -- with the prompts it still holds.
 -- The packed prompts (keys pb:<prompt_id>) are read by the caller with one MGET. Each pass
@@ -54,7 +57,13 @@ local k = tonumber(ARGV[3])
 local left = admission_left()
 if left then k = math.min(k, left) end
 local picked = {}
-if k > 0 then picked = redis.call('ZRANGE', PQ, 0, k - 1) end
+if POOL.on() then
+  for _, pk in ipairs(POOL.zero_weight(tonumber(ARGV[5]))) do skip_pass(pk) end
+  math.randomseed(tonumber(ARGV[8]))
+  if k > 0 then picked = POOL.draw(k) end
+elseif k > 0 then
+  picked = redis.call('ZRANGE', PQ, 0, k - 1)
+end
 
 local waited = tonumber(ARGV[7])
 if #picked == 0 then

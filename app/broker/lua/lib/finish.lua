@@ -7,5 +7,6 @@ local function finish()
   emit_retired()
   emit_passes()
   emit_partials()
+  POOL.emit()
   wake_waiting()
 end

@@ -1,9 +1,11 @@
--- requires: admission, pass_keys, partials
+-- requires: admission, pass_keys, partials, pools
 -- Prompt passes and work leases. A pass '<prompt_id>#<pass>' is queued ('q'), handed out in a
 -- work lease ('w'), its group complete and buffered or leased ('b'), done ('d') or failed ('f').
 -- Its attempt 'att' names the group a generator posts: '<prompt_id>#<pass>.<att>'. What passes
 -- went through is written as 'passes' events by finish() (emit_passes).
-local PASS_STATE = { q = 'queued', w = 'in_flight', b = 'in_flight', d = 'done', f = 'failed' }
+local PASS_STATE = {
+  q = 'queued', w = 'in_flight', b = 'in_flight', d = 'done', f = 'failed', s = 'skipped',
+}
 local WORK_STATE = { l = 'live', c = 'complete', r = 'returned', e = 'expired' }
 local PASS_EVENTS = {}  -- { {cause, lease_id or false, items}, ... } in order, for finish()
 
@@ -65,10 +67,18 @@ local function requeue(pk, f, cause, lease_id, counts)
     att = att + 1
     redis.call('HSET', ppkey(pk), 'st', 'q', 'att', att, 'tries', tries)
     redis.call('HDEL', ppkey(pk), 'lease')
-    redis.call('ZADD', PQ, pass_score(pk, tonumber(f[5])), pk)
+    POOL.enqueue(pk, pass_score(pk, tonumber(f[5])))
     WORK_WOKE = true  -- a prompt came free
     note_pass(cause, lease_id, pk, att, 'q', tries)
   end
+end
+
+-- A queued pass (taken out of the queue) is over without generation: its pool has weight 0.
+local function skip_pass(pk)
+  local f = pass_fields(pk)
+  redis.call('HSET', ppkey(pk), 'st', 's')
+  note_pass('skipped', nil, pk, tonumber(f[2]), 's', tonumber(f[3]))
+  drop_partials(pk, 'skipped', nil)
 end
 
 -- The group of a prompt attempt retired (see retire_rollouts() in units.lua). Unused, it sends

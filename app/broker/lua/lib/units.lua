@@ -77,9 +77,11 @@ local function unready_many(units)
   end
 end
 
--- A complete unit becomes ready (in the indexes at the next flush_units).
-local function make_ready(u, v, seq)
-  table.insert(READY, { u, v, seq })
+-- A complete unit becomes ready (in the indexes at the next flush_units), after `uses` uses
+-- (nil: none). Its version's index orders fewer uses first, then arrival (SPEC `order`): its
+-- score is uses · 2^38 + seq, exact as a double for max_reuse ≤ 10,000 and 2^38 units a run.
+local function make_ready(u, v, seq, uses)
+  table.insert(READY, { u, v, seq, (uses or 0) * 274877906944 + seq })
   WOKE = true
 end
 
@@ -103,7 +105,7 @@ local function flush_units()
     table.insert(q, x[3]) table.insert(q, x[1])
     local l = by_v[x[2]]
     if not l then l = {} by_v[x[2]] = l end
-    table.insert(l, x[3]) table.insert(l, x[1])
+    table.insert(l, I(x[4])) table.insert(l, x[1])
   end
   each_chunk(q, 1000, function(...) redis.call('ZADD', Q, ...) end)
   for v, l in pairs(by_v) do
@@ -143,9 +145,10 @@ end
 
 local function set_reward_state(u, s) redis.call('HSET', AUN, u, cjson.encode(s)) end
 
--- A complete unit that waits for `n` scores (`lo`, `hi`: the rewards it has, '' none).
-local function await_unit(u, v, seq, n, lo, hi)
-  set_reward_state(u, { n = n, lo = lo, hi = hi, x = 0 })
+-- A complete unit that waits for `n` scores (`lo`, `hi`: the rewards it has, '' none; `rs`:
+-- their sum as text, for a prompt attempt's group, else nil).
+local function await_unit(u, v, seq, n, lo, hi, rs)
+  set_reward_state(u, { n = n, lo = lo, hi = hi, x = 0, rs = rs })
   redis.call('ZADD', AQ, I(seq), u)
   redis.call('ZADD', AV, I(v), u)
   REWARD_WOKE = true
@@ -280,7 +283,7 @@ local function settle(u, r, rows)
   if reason then
     retire_unit(u, reason, r, false, rows)
   else
-    make_ready(u, r.v, r.seq)
+    make_ready(u, r.v, r.seq, r.uses)
   end
 end
 
