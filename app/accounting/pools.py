@@ -7,7 +7,7 @@ prompts between pools at once, without rewriting a row. A prompt no group told a
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ __all__ = [
     "pool_condition",
     "pool_of",
     "queued_pools",
+    "queued_pools_of",
     "run_thresholds",
     "thresholds_of",
 ]
@@ -91,9 +92,24 @@ async def run_thresholds(session: AsyncSession, run_id: str) -> Thresholds | Non
 async def queued_pools(session: AsyncSession, run_id: str) -> PoolCounts | None:
     """The run's queued passes per pool (their sum is its queued passes); None when the run
     has no ``difficulty``. Read in the caller's snapshot, beside the totals."""
-    thresholds = await run_thresholds(session, run_id)
-    if thresholds is None:
-        return None
+    return (await queued_pools_of(session, [run_id]))[run_id]
+
+
+async def queued_pools_of(
+    session: AsyncSession, run_ids: Sequence[str]
+) -> dict[str, PoolCounts | None]:
+    """:func:`queued_pools` of several runs: one read of their configs, then one count for
+    each run with ``difficulty``."""
+    configs = await session.execute(select(Run.run_id, Run.config).where(Run.run_id.in_(run_ids)))
+    out: dict[str, PoolCounts | None] = dict.fromkeys(run_ids)
+    for run_id, config in sorted(configs.all()):
+        thresholds = thresholds_of(config)
+        if thresholds is not None:
+            out[run_id] = await _count_queued(session, run_id, thresholds)
+    return out
+
+
+async def _count_queued(session: AsyncSession, run_id: str, thresholds: Thresholds) -> PoolCounts:
     mean = PromptMean.mean
     pool = case(
         (mean > thresholds.easy_above, "easy"),

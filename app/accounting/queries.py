@@ -35,7 +35,7 @@ from app.accounting.models import (
     TrainingTotals,
     VersionTotals,
 )
-from app.accounting.pools import queued_pools
+from app.accounting.pools import queued_pools, queued_pools_of
 from app.accounting.repository import ms_to_datetime
 from app.accounting.schemas import (
     BatchCounts,
@@ -278,6 +278,7 @@ async def checked_accounting_of(
     lags = await _lags_of(session, ready)
     latency = await _reward_latency_of(session, ready)
     generators = await _generators_of(session, ready)
+    pools = await queued_pools_of(session, ready)
     out: dict[str, CheckedAccounting] = {}
     for run_id in ready:
         try:
@@ -292,7 +293,7 @@ async def checked_accounting_of(
             lags.get(run_id, {}),
             latency.get(run_id, {}),
             generators.get(run_id, []),
-            await queued_pools(session, run_id),
+            pools[run_id],
         )
     session.expunge_all()  # the totals rows answered stay loaded through the rollback
     await session.rollback()  # ends the snapshot: each run read again starts its own
