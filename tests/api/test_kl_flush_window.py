@@ -27,12 +27,12 @@ async def _old_and_fresh(api: httpx.AsyncClient, **config: Any) -> None:
     await post(api, "r1", rollout("fresh", 1))
 
 
-async def _train(api: httpx.AsyncClient, kl: float | None) -> int:
-    """Lease the fresh rollout (freshest first) and ack it with this KL (None: nothing
-    measured); the ack's `flushed`."""
+async def _train(api: httpx.AsyncClient, kl: float | None, rid: str = "fresh") -> int:
+    """Lease the fresh rollout (freshest first), or the one named, and ack it with this KL
+    (None: nothing measured); the ack's `flushed`."""
     b = (await lease(api, "r1", 1)).json()
-    assert ids(b) == ["fresh"]
-    body = {} if kl is None else {"kl": {"fresh": kl}}
+    assert ids(b) == [rid]
+    body = {} if kl is None else {"kl": {rid: kl}}
     resp = await ack(api, "r1", b["batch_id"], **body)
     assert resp.status_code == 200, resp.text
     flushed: int = resp.json()["flushed"]
@@ -78,11 +78,12 @@ async def test_after_a_flush_the_next_needs_a_whole_window(api, redis, prefix):
     assert await _flushes(api, [ABOVE, ABOVE]) == [0, 1]
     await set_policy(api, "r1", 2)
     await post(api, "r1", rollout("old-2", 1))  # at the floor: kept
-    await set_policy(api, "r1", 3)  # the fresh one is still freshest at hand-out
-    assert await _train(api, ABOVE) == 0
-    # Acked at version 3: everything buffered of version 1 goes, the fresh one made ready by
-    # this very ack too.
-    assert await _train(api, ABOVE) == 2
+    await set_policy(api, "r1", 3)
+    # old-2 goes first at hand-out: of version 1, as the fresh one, with fewer uses.
+    assert await _train(api, ABOVE, "old-2") == 0
+    # Acked at version 3: everything buffered of version 1 goes, the one made ready by this
+    # very ack too.
+    assert await _train(api, ABOVE, "old-2") == 2
     assert await retired(redis, prefix, "r1") == {"kl_flush": ["fresh", "old", "old-2"]}
 
 

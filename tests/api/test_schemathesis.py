@@ -155,6 +155,13 @@ LIMITS = (
     ),
     Limit(
         REFUSED,
+        r"(POST /v1/runs|PATCH /v1/runs/\{run_id\}/config)$",
+        422,
+        r"difficulty hard_below \(.*\) is above easy_above|difficulty weights are all 0",
+        "difficulty's thresholds are ordered and its weights not all 0 (rules between fields)",
+    ),
+    Limit(
+        REFUSED,
         r"POST /v1/runs/\{run_id\}/prompts",
         422,
         r"prompt passes in one request|data is \d+ bytes as JSON",
