@@ -35,6 +35,7 @@ from app.accounting.models import (
     TrainingTotals,
     VersionTotals,
 )
+from app.accounting.pools import queued_pools, queued_pools_of
 from app.accounting.repository import ms_to_datetime
 from app.accounting.schemas import (
     BatchCounts,
@@ -44,6 +45,7 @@ from app.accounting.schemas import (
     KlStats,
     LagStats,
     PartialCounts,
+    PoolCounts,
     PromptCounts,
     RewardCounts,
     RunAccounting,
@@ -260,7 +262,8 @@ async def checked_accounting(
     latency = (await _reward_latency_of(session, [run_id])).get(run_id, {})
     reasons, lags = await _reasons(session, run_id), await _lags(session, run_id)
     generators = (await _generators_of(session, [run_id])).get(run_id, [])
-    return _checked(run_id, settled, reasons, lags, latency, generators)
+    pools = await queued_pools(session, run_id)
+    return _checked(run_id, settled, reasons, lags, latency, generators, pools)
 
 
 async def checked_accounting_of(
@@ -275,6 +278,7 @@ async def checked_accounting_of(
     lags = await _lags_of(session, ready)
     latency = await _reward_latency_of(session, ready)
     generators = await _generators_of(session, ready)
+    pools = await queued_pools_of(session, ready)
     out: dict[str, CheckedAccounting] = {}
     for run_id in ready:
         try:
@@ -289,6 +293,7 @@ async def checked_accounting_of(
             lags.get(run_id, {}),
             latency.get(run_id, {}),
             generators.get(run_id, []),
+            pools[run_id],
         )
     session.expunge_all()  # the totals rows answered stay loaded through the rollback
     await session.rollback()  # ends the snapshot: each run read again starts its own
@@ -308,6 +313,7 @@ def _checked(
     lags: Lags,
     latency: dict[int, int],
     generators: Sequence[GeneratorTotals],
+    pools: PoolCounts | None,
 ) -> CheckedAccounting:
     totals = settled.totals or zero_totals()
     histogram: dict[int, int] = defaultdict(int)
@@ -337,9 +343,12 @@ def _checked(
             registered=totals.prompts_registered,
             queued=totals.prompts_queued,
             in_flight=totals.prompts_in_flight,
-            done=totals.prompts_done,
+            # Skipped passes are over too: in done, so that the passes still add up.
+            done=totals.prompts_done + totals.prompts_skipped,
             failed=totals.prompts_failed,
             retried=totals.prompts_retried,
+            skipped=totals.prompts_skipped,
+            pools=pools,
         ),
         partials=PartialCounts(
             returned=totals.partials_returned,

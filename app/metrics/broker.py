@@ -246,8 +246,19 @@ class _BrokerCollector(Collector):
         ):
             if figure is not None:  # not measured yet: no sample rather than a made-up 0
                 put(name, figure, run)
-        for state in ("queued", "in_flight", "done", "failed"):
-            put("prompt_passes", getattr(acc.prompts, state), run, state)
+        # By state, each pass once: the answer's done counts the skipped passes too.
+        prompts = acc.prompts
+        for state, n in (
+            ("queued", prompts.queued),
+            ("in_flight", prompts.in_flight),
+            ("done", prompts.done - prompts.skipped),
+            ("failed", prompts.failed),
+            ("skipped", prompts.skipped),
+        ):
+            put("prompt_passes", n, run, state)
+        if prompts.pools is not None:
+            for pool, n in prompts.pools.model_dump().items():
+                put("prompt_pool_passes", n, run, pool)
         put("prompt_passes_registered_total", acc.prompts.registered, run)
         put("prompt_retries_total", acc.prompts.retried, run)
         p = acc.partials
