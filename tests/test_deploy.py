@@ -38,7 +38,8 @@ TARGET_LABELS = frozenset({"job", "instance"})
 
 LABEL_VALUES: Mapping[str, frozenset[str]] = {
     "outcome": frozenset({"leased", "acked", "nacked", "expired"}),
-    "state": frozenset({"queued", "in_flight", "done", "failed"}),
+    "state": frozenset({"queued", "in_flight", "done", "failed", "skipped"}),
+    "pool": frozenset({"easy", "normal", "hard"}),
     "status_class": frozenset({"1xx", "2xx", "3xx", "4xx", "5xx", "other"}),
 }
 """The values of the enumerated labels (app/metrics/catalogue.py): a matcher on any other value

@@ -20,6 +20,7 @@ __all__ = [
     "BatchPatch",
     "Fold",
     "GeneratorDelta",
+    "PromptMeanDelta",
     "ReasonDelta",
     "RunSnapshot",
     "RunTotalsDelta",
@@ -158,6 +159,7 @@ MIN_COLUMNS = frozenset({"first_event_ms"})
 NEWEST_GROUPS = {
     "kl_coef": ("kl_coef_ms", "kl_coef_seq"),
     "quarantined": ("quarantined_ms", "quarantined_seq"),
+    "mean": ("event_ms", "event_seq"),
 }
 
 
@@ -170,6 +172,17 @@ def tell(delta: object, name: str, stream_id: StreamId, value: object) -> None:
     setattr(delta, name, value)
     setattr(delta, ms, stream_id.ms)
     setattr(delta, seq, stream_id.seq)
+
+
+@dataclass
+class PromptMeanDelta:
+    """What ``prompt_scored`` events say of one prompt: the mean reward of its newest group
+    (told by the newest event, whatever the order applied) and how many groups were told."""
+
+    mean: float | None = None
+    groups: int = 0
+    event_ms: int | None = None
+    event_seq: int | None = None
 
 
 @dataclass
@@ -276,6 +289,7 @@ class Fold:
     # The length histograms of the bias figures: (side, bucket of app.accounting.bias) ->
     # rollouts received ("generated") or samples consumed ("trained") of that trained length
     lengths: dict[tuple[str, int], int] = field(default_factory=dict)
+    means: dict[str, PromptMeanDelta] = field(default_factory=dict)  # by prompt_id
 
     def version(self, policy_version: int) -> TotalsDelta:
         delta = self.versions.get(policy_version)
@@ -293,6 +307,12 @@ class Fold:
         delta = self.generators.get(generator_id)
         if delta is None:
             delta = self.generators[generator_id] = GeneratorDelta()
+        return delta
+
+    def prompt_mean(self, prompt_id: str) -> PromptMeanDelta:
+        delta = self.means.get(prompt_id)
+        if delta is None:
+            delta = self.means[prompt_id] = PromptMeanDelta()
         return delta
 
     def reason(self, policy_version: int, kind: str, reason: str) -> ReasonDelta:

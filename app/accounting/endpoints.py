@@ -85,7 +85,11 @@ async def list_batches(
     "/prompts",
     response_model=PromptPage,
     responses=errors(
-        (422, "A parameter is malformed, or the cursor is not one this listing handed out")
+        (
+            422,
+            "A parameter is malformed, the cursor is not one this listing handed out, or a "
+            "pool is asked of a run without difficulty pools",
+        )
     ),
 )
 async def list_prompts(
@@ -93,15 +97,25 @@ async def list_prompts(
     session: Session,
     accounting: Accounting,
     state: Annotated[
-        Literal["queued", "in_flight", "done", "failed"] | None,
+        Literal["queued", "in_flight", "done", "failed", "skipped"] | None,
         Query(description="Only the passes in this state; all when absent"),
+    ] = None,
+    pool: Annotated[
+        Literal["easy", "normal", "hard"] | None,
+        Query(
+            description="Only the passes of prompts in this difficulty pool, judged from their "
+            "newest group mean and the run's current thresholds (a run with difficulty only); "
+            "all when absent"
+        ),
     ] = None,
     limit: Limit = 100,
     cursor: str | None = None,
 ) -> PromptPage:
-    """The prompt ledger: each prompt pass in its newest state, in (prompt_id, pass) order;
-    follow ``next_cursor`` for more."""
-    return await accounting.prompts(session, run_id, state=state, limit=limit, cursor=cursor)
+    """The prompt ledger: each prompt pass in its newest state, with its prompt's newest group
+    mean, in (prompt_id, pass) order; follow ``next_cursor`` for more."""
+    return await accounting.prompts(
+        session, run_id, state=state, limit=limit, cursor=cursor, pool=pool
+    )
 
 
 @router.get("/accounting/dead-letters", response_model=DeadLetterPage, responses=_CURSOR_400)

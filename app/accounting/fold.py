@@ -27,6 +27,7 @@ from app.events import (
     Leased,
     PartialsChanged,
     PassesChanged,
+    PromptScored,
     Registered,
     Rejected,
     Retired,
@@ -109,6 +110,8 @@ def fold_events(events: Iterable[Event]) -> Fold:
             _fold_reward_expired(fold, body)
         elif isinstance(body, Waited):
             _fold_waited(fold, body)
+        elif isinstance(body, PromptScored):
+            _fold_prompt_scored(fold, event, body)
         elif isinstance(body, GeneratorChanged):
             # Quarantined or released: the newest event wins, whatever the order applied.
             tell(
@@ -387,6 +390,14 @@ def _fold_passes(fold: Fold, event: Event, body: PassesChanged) -> None:
     for item in body.items:
         state = pass_state(item.state, item.attempt, item.tries, event.t_ms)
         fold.prompt_pass(item.prompt_id, item.pass_, state)
+
+
+def _fold_prompt_scored(fold: Fold, event: Event, body: PromptScored) -> None:
+    # Each item is one group of the prompt: the newest event's mean wins, the groups add up.
+    for item in body.items:
+        mean = fold.prompt_mean(item.prompt_id)
+        tell(mean, "mean", event.stream_id, item.mean)
+        mean.groups += 1
 
 
 def _fold_partials(fold: Fold, body: PartialsChanged) -> None:

@@ -9,10 +9,11 @@ import binascii
 import json
 from datetime import UTC, datetime
 
-from sqlalchemy import select, tuple_
+from sqlalchemy import and_, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.accounting.models import PASS_STATES, Batch, PromptPass
+from app.accounting.models import PASS_STATES, Batch, PromptMean, PromptPass
+from app.accounting.pools import POOLS, pool_condition, run_thresholds
 from app.accounting.queries import require_run
 from app.accounting.schemas import (
     BatchPage,
@@ -103,20 +104,39 @@ async def list_prompts(
     state: str | None,
     limit: int,
     cursor: str | None,
+    pool: str | None = None,
 ) -> PromptPage:
-    """The prompt ledger in (prompt_id, pass) order, of one state or all, ``limit`` passes
-    after ``cursor``."""
+    """The prompt ledger in (prompt_id, pass) order, of one state or all, of one difficulty
+    pool or all, ``limit`` passes after ``cursor``; each with its prompt's newest group mean."""
     if state is not None and state not in PASS_STATES:
         raise ValidationFailed(f"state must be one of {', '.join(PASS_STATES)}, not {state!r}")
+    if pool is not None and pool not in POOLS:
+        raise ValidationFailed(f"pool must be one of {', '.join(POOLS)}, not {pool!r}")
     after = _decode_prompt_cursor(cursor) if cursor is not None else None
     await require_run(session, stream, run_id)
-    query = select(PromptPass).where(PromptPass.run_id == run_id)
+    query = (
+        select(PromptPass, PromptMean.mean)
+        .outerjoin(
+            PromptMean,
+            and_(
+                PromptMean.run_id == PromptPass.run_id, PromptMean.prompt_id == PromptPass.prompt_id
+            ),
+        )
+        .where(PromptPass.run_id == run_id)
+    )
+    if pool is not None:
+        thresholds = await run_thresholds(session, run_id)
+        if thresholds is None:
+            raise ValidationFailed(
+                f"pool needs a run with difficulty pools: run {run_id!r} has no difficulty"
+            )
+        query = query.where(pool_condition(pool, thresholds))
     if state is not None:
         query = query.where(PromptPass.state == state)
     if after is not None:
         query = query.where(tuple_(PromptPass.prompt_id, PromptPass.pass_) > tuple_(*after))
     query = query.order_by(PromptPass.prompt_id, PromptPass.pass_).limit(limit + 1)
-    rows = list((await session.scalars(query)).all())
+    rows = list((await session.execute(query)).all())
     more = len(rows) > limit
     rows = rows[:limit]
     return PromptPage(
@@ -127,10 +147,13 @@ async def list_prompts(
                 attempt=row.attempt,
                 state=row.state,
                 tries=row.tries,
+                mean=mean,
             )
-            for row in rows
+            for row, mean in rows
         ],
-        next_cursor=_encode_prompt_cursor(rows[-1].prompt_id, rows[-1].pass_) if more else None,
+        next_cursor=_encode_prompt_cursor(rows[-1][0].prompt_id, rows[-1][0].pass_)
+        if more
+        else None,
     )
 
 

@@ -37,6 +37,7 @@ from app.accounting.models import (
     TrainingTotals,
     VersionTotals,
 )
+from app.accounting.pools import queued_pools, queued_pools_of
 from app.accounting.repository import ms_to_datetime
 from app.accounting.schemas import (
     BatchCounts,
@@ -46,6 +47,7 @@ from app.accounting.schemas import (
     KlStats,
     LagStats,
     PartialCounts,
+    PoolCounts,
     PromptCounts,
     RewardCounts,
     RunAccounting,
@@ -276,7 +278,8 @@ async def checked_accounting(
     reasons, lags = await _reasons(session, run_id), await _lags(session, run_id)
     generators = (await _generators_of(session, [run_id])).get(run_id, [])
     lengths = (await _lengths_of(session, [run_id])).get(run_id, {})
-    return _checked(run_id, settled, reasons, lags, latency, generators, lengths)
+    pools = await queued_pools(session, run_id)
+    return _checked(run_id, settled, reasons, lags, latency, generators, pools, lengths)
 
 
 async def checked_accounting_of(
@@ -291,6 +294,7 @@ async def checked_accounting_of(
     lags = await _lags_of(session, ready)
     latency = await _reward_latency_of(session, ready)
     generators = await _generators_of(session, ready)
+    pools = await queued_pools_of(session, ready)
     lengths = await _lengths_of(session, ready)
     out: dict[str, CheckedAccounting] = {}
     for run_id in ready:
@@ -306,6 +310,7 @@ async def checked_accounting_of(
             lags.get(run_id, {}),
             latency.get(run_id, {}),
             generators.get(run_id, []),
+            pools[run_id],
             lengths.get(run_id, {}),
         )
     session.expunge_all()  # the totals rows answered stay loaded through the rollback
@@ -326,6 +331,7 @@ def _checked(
     lags: Lags,
     latency: dict[int, int],
     generators: Sequence[GeneratorTotals],
+    pools: PoolCounts | None,
     lengths: Lengths,
 ) -> CheckedAccounting:
     totals = settled.totals or zero_totals()
@@ -356,9 +362,12 @@ def _checked(
             registered=totals.prompts_registered,
             queued=totals.prompts_queued,
             in_flight=totals.prompts_in_flight,
-            done=totals.prompts_done,
+            # Skipped passes are over too: in done, so that the passes still add up.
+            done=totals.prompts_done + totals.prompts_skipped,
             failed=totals.prompts_failed,
             retried=totals.prompts_retried,
+            skipped=totals.prompts_skipped,
+            pools=pools,
         ),
         partials=PartialCounts(
             returned=totals.partials_returned,

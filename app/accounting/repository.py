@@ -6,7 +6,7 @@ ids and the totals they produced commit together or not at all.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
@@ -22,6 +22,7 @@ from app.accounting.deltas import (
     NEWEST_GROUPS,
     Fold,
     GeneratorDelta,
+    PromptMeanDelta,
     TotalsDelta,
     TrainingDelta,
 )
@@ -32,6 +33,7 @@ from app.accounting.models import (
     LagCount,
     LengthCount,
     ProcessedEvent,
+    PromptMean,
     PromptPass,
     ReasonTotals,
     RewardLatencyCount,
@@ -164,7 +166,7 @@ def _table(model: type[Base]) -> Table:
 
 
 def _totals_row(
-    delta: TotalsDelta | TrainingDelta | PassCounts | GeneratorDelta,
+    delta: TotalsDelta | TrainingDelta | PassCounts | GeneratorDelta | PromptMeanDelta,
 ) -> dict[str, Any]:
     return {f.name: getattr(delta, f.name) for f in fields(delta)}
 
@@ -181,33 +183,16 @@ async def apply_fold(session: AsyncSession, run_id: str, fold: Fold) -> None:
         ["run_id"],
         [{"run_id": run_id, **_totals_row(fold.run), **_totals_row(counts)}],
     )
-    await _upsert_add(
-        session,
-        _table(VersionTotals),
-        ["run_id", "policy_version"],
-        [
-            {"run_id": run_id, "policy_version": v, **_totals_row(fold.versions[v])}
-            for v in sorted(fold.versions)
-        ],
+    # Rows keyed by the run and one more column, each with its delta's fields.
+    keyed: tuple[tuple[type[Base], str, Mapping[Any, Any]], ...] = (
+        (VersionTotals, "policy_version", fold.versions),
+        (TrainingTotals, "policy_version", fold.trainings),
+        (GeneratorTotals, "generator_id", fold.generators),
+        (PromptMean, "prompt_id", fold.means),
     )
-    await _upsert_add(
-        session,
-        _table(TrainingTotals),
-        ["run_id", "policy_version"],
-        [
-            {"run_id": run_id, "policy_version": v, **_totals_row(fold.trainings[v])}
-            for v in sorted(fold.trainings)
-        ],
-    )
-    await _upsert_add(
-        session,
-        _table(GeneratorTotals),
-        ["run_id", "generator_id"],
-        [
-            {"run_id": run_id, "generator_id": g, **_totals_row(fold.generators[g])}
-            for g in sorted(fold.generators)
-        ],
-    )
+    for model, key, deltas in keyed:
+        rows = [{"run_id": run_id, key: k, **_totals_row(deltas[k])} for k in sorted(deltas)]
+        await _upsert_add(session, _table(model), ["run_id", key], rows)
     await _upsert_add(
         session,
         _table(ReasonTotals),

@@ -22,6 +22,7 @@ __all__ = [
     "LengthHistograms",
     "LiveCounts",
     "LiveRewardCounts",
+    "PoolCounts",
     "PromptCounts",
     "PromptPage",
     "PromptPassRecord",
@@ -65,17 +66,39 @@ class IsRatioStats(BaseModel):
     clip_fraction: float | None = Field(description="Share of tokens outside [1-eps, 1+eps]")
 
 
+class PoolCounts(BaseModel):
+    """Queued prompt passes per difficulty pool (SPEC "Difficulty"), each prompt judged from its
+    newest group mean and the run's current thresholds; their sum is ``queued``."""
+
+    easy: int = Field(description="Queued passes of prompts whose newest mean is above easy_above")
+    normal: int = Field(
+        description="Queued passes of prompts between the thresholds, or with no mean yet"
+    )
+    hard: int = Field(description="Queued passes of prompts whose newest mean is below hard_below")
+
+
 class PromptCounts(BaseModel):
     """Prompt passes of a run that takes its work from the broker (a prompt queued for
     ``epochs`` passes counts ``epochs`` times); once drained, ``registered == queued +
-    in_flight + done + failed``."""
+    in_flight + done + failed`` (``done`` counts the ``skipped`` passes too)."""
 
     registered: int = Field(description="Passes of the registered prompts")
     queued: int = Field(description="Passes waiting to be handed out (again)")
     in_flight: int = Field(description="Passes in a generator's work lease")
-    done: int = Field(description="Passes whose group reached a gradient or retired zero_variance")
+    done: int = Field(
+        description="Passes whose group reached a gradient or retired zero_variance, and the "
+        "skipped ones (so that registered == queued + in_flight + done + failed)"
+    )
     failed: int = Field(description="Passes that ran out of attempts")
     retried: int = Field(description="Attempts after the first, summed over the passes")
+    skipped: int = Field(
+        description="Of done, the passes skipped without generation: queued in a difficulty "
+        "pool of weight 0",
+    )
+    pools: PoolCounts | None = Field(
+        description="Queued passes per difficulty pool (easy + normal + hard == queued); null "
+        "when the run has no difficulty",
+    )
 
 
 class PartialCounts(BaseModel):
@@ -373,10 +396,14 @@ class PromptPassRecord(BaseModel):
     prompt_id: str
     pass_: int = Field(alias="pass", description="1 .. the prompt's epochs")
     attempt: int = Field(description="1 for the first hand-out; one more each time it came back")
-    state: str = Field(description="queued, in_flight, done or failed")
+    state: str = Field(description="queued, in_flight, done, failed or skipped")
     tries: int = Field(
         description="Attempts whose group retired unused, whose lease expired or that a stale "
         "rollout ended"
+    )
+    mean: float | None = Field(
+        description="The mean reward of the prompt's newest complete group (what its difficulty "
+        "pool is judged by); null before one",
     )
 
 

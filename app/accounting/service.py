@@ -60,10 +60,12 @@ class AccountingService:
         state: str | None,
         limit: int,
         cursor: str | None,
+        pool: str | None = None,
     ) -> schemas.PromptPage:
-        """The prompt ledger in (prompt_id, pass) order, of one state or all."""
+        """The prompt ledger in (prompt_id, pass) order, of one state or all, of one
+        difficulty pool or all."""
         return await listings.list_prompts(
-            session, self.stream, run_id, state=state, limit=limit, cursor=cursor
+            session, self.stream, run_id, state=state, limit=limit, cursor=cursor, pool=pool
         )
 
     async def dead_letters(

@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting import queries
 from app.accounting.deltas import REWARD_LATENCY_BOUNDS_MS
-from app.accounting.schemas import RunAccounting
+from app.accounting.schemas import BiasStats, RunAccounting
 from app.accounting.stream import EventStream
 from app.broker.store import RedisStore, RunState
 from app.caller import Caller
@@ -246,18 +246,20 @@ class _BrokerCollector(Collector):
         ):
             if figure is not None:  # not measured yet: no sample rather than a made-up 0
                 put(name, figure, run)
-        bias = acc.bias
-        if bias.length.ks is not None:  # either side empty: no sample rather than a made-up 0
-            put("bias_length_ks", bias.length.ks, run)
-        for side in ("generated", "trained"):
-            for name, figure in (
-                ("bias_length_mean", getattr(bias.length, f"{side}_mean")),
-                ("bias_reward_mean", getattr(bias.reward, f"{side}_mean")),
-            ):
-                if figure is not None:
-                    put(name, figure, run, side)
-        for state in ("queued", "in_flight", "done", "failed"):
-            put("prompt_passes", getattr(acc.prompts, state), run, state)
+        _put_bias(put, run, acc.bias)
+        # By state, each pass once: the answer's done counts the skipped passes too.
+        prompts = acc.prompts
+        for state, n in (
+            ("queued", prompts.queued),
+            ("in_flight", prompts.in_flight),
+            ("done", prompts.done - prompts.skipped),
+            ("failed", prompts.failed),
+            ("skipped", prompts.skipped),
+        ):
+            put("prompt_passes", n, run, state)
+        if prompts.pools is not None:
+            for pool, n in prompts.pools.model_dump().items():
+                put("prompt_pool_passes", n, run, pool)
         put("prompt_passes_registered_total", acc.prompts.registered, run)
         put("prompt_retries_total", acc.prompts.retried, run)
         p = acc.partials
@@ -286,6 +288,19 @@ class _BrokerCollector(Collector):
                 if figure is not None:
                     put(name, figure, run, generator)
             put("generator_quarantined", 1 if g.quarantined else 0, run, generator)
+
+
+def _put_bias(put: Any, run: str, bias: BiasStats) -> None:
+    """The bias figures: none with nothing to average, rather than a made-up 0."""
+    if bias.length.ks is not None:  # either side empty
+        put("bias_length_ks", bias.length.ks, run)
+    for side in ("generated", "trained"):
+        for name, figure in (
+            ("bias_length_mean", getattr(bias.length, f"{side}_mean")),
+            ("bias_reward_mean", getattr(bias.reward, f"{side}_mean")),
+        ):
+            if figure is not None:
+                put(name, figure, run, side)
 
 
 def render_metrics(request_registry: CollectorRegistry, figures: BrokerFigures) -> bytes:

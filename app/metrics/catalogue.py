@@ -268,8 +268,16 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
         "prompt_passes",
         "gauge",
         ("run", "state"),
-        "Prompt passes by state: queued, in_flight (in a generator's work lease), done, "
-        f"failed, {_LEDGER}",
+        "Prompt passes by state: queued, in_flight (in a generator's work lease), done (not "
+        "counting the skipped ones), failed, skipped (in a difficulty pool of weight 0), "
+        f"{_LEDGER}",
+    ),
+    _m(
+        "prompt_pool_passes",
+        "gauge",
+        ("run", "pool"),
+        "Queued prompt passes by difficulty pool: easy, normal, hard (judged from each prompt's "
+        f"newest group mean and the run's thresholds; runs with difficulty only), {_LEDGER}",
     ),
     _m(
         "prompt_passes_registered_total",

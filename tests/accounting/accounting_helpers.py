@@ -42,6 +42,8 @@ from app.events import (
     PassesChanged,
     PassItem,
     Payload,
+    PromptScored,
+    PromptScoredItem,
     Registered,
     RegisteredItem,
     Rejected,
@@ -265,6 +267,10 @@ class RunSim:
     betas: dict[int, float | None] = field(default_factory=dict)
     gen_rng: random.Random = field(init=False)
     gens: dict[str, SimGen] = field(default_factory=lambda: defaultdict(SimGen))
+    # Difficulty pools: now and then a prompt's group completes with a mean reward
+    # (`prompt_scored`); per prompt the newest mean and the groups told.
+    score_rng: random.Random = field(init=False)
+    means: dict[str, tuple[float, int]] = field(default_factory=dict)
     _n: int = 0
     _work_n: int = 0
     _reward_n: int = 0
@@ -275,6 +281,7 @@ class RunSim:
         self.partial_rng = random.Random(self.seed + 2_000_003)
         self.reward_rng = random.Random(self.seed + 3_000_003)
         self.gen_rng = random.Random(self.seed + 4_000_003)
+        self.score_rng = random.Random(self.seed + 5_000_003)
 
     # --- emitting ---------------------------------------------------------------------
 
@@ -961,6 +968,8 @@ class RunSim:
                 self.rewind(self.policy - self.rng.randint(1, min(self.policy, 3)))
             if self.generators and step % 9 == 8:
                 self._quarantine_or_release()
+            if step % 5 == 4:
+                self.score_prompts()
             if step % 11 == 10:
                 buffered = [
                     r
@@ -979,6 +988,19 @@ class RunSim:
             self.lease_rewards(2)  # and a live reward lease, and rollouts awaiting one
             self.register(2)
             self.take_work(3)  # and a live work lease
+
+    def score_prompts(self) -> None:
+        """Groups of some done passes complete with every reward in: a `prompt_scored` event
+        (none when no pass is done)."""
+        rng = self.score_rng
+        done = sorted({p for (p, _), s in self.passes.items() if s.state == "done"})
+        if not done:
+            return
+        told = rng.sample(done, min(len(done), rng.randint(1, 3)))
+        items = tuple(PromptScoredItem(p, round(rng.uniform(0, 1), 4), 2) for p in told)
+        for item in items:
+            self.means[item.prompt_id] = (item.mean, self.means.get(item.prompt_id, (0, 0))[1] + 1)
+        self._emit("prompt_scored", PromptScored(items), rng)
 
     def _quarantine_or_release(self) -> None:
         generator = f"gen-{self.gen_rng.randrange(self.generators)}"
@@ -1024,6 +1046,8 @@ class RunSim:
                 "done": states["done"],
                 "failed": states["failed"],
                 "retried": sum(p.attempt - 1 for p in self.passes.values()),
+                "skipped": 0,
+                "pools": None,
             },
             "partials": {
                 k: self.partial_counts[k]
@@ -1039,7 +1063,14 @@ class RunSim:
     def expected_passes(self, state: str | None = None) -> list[dict[str, Any]]:
         """The prompt listing, in (prompt_id, pass) order."""
         return [
-            {"prompt_id": p, "pass": n, "attempt": s.attempt, "state": s.state, "tries": s.tries}
+            {
+                "prompt_id": p,
+                "pass": n,
+                "attempt": s.attempt,
+                "state": s.state,
+                "tries": s.tries,
+                "mean": self.means[p][0] if p in self.means else None,
+            }
             for (p, n), s in sorted(self.passes.items())
             if state is None or s.state == state
         ]

@@ -74,6 +74,8 @@ async def test_run_known_only_to_redis_reads_as_zeros(
             "done": 0,
             "failed": 0,
             "retried": 0,
+            "skipped": 0,
+            "pools": None,
         },
         "partials": {
             "returned": 0,

@@ -21,7 +21,14 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting import repository
-from app.accounting.models import Batch, ProcessedEvent, PromptPass, RunTotals, VersionTotals
+from app.accounting.models import (
+    Batch,
+    ProcessedEvent,
+    PromptMean,
+    PromptPass,
+    RunTotals,
+    VersionTotals,
+)
 from app.events import EVENT_TYPES, StreamId, decode_entry
 from app.keys import CONSUMER_GROUP, dead_key, events_key
 from workers.drain import DrainContext, drain_once
@@ -156,6 +163,11 @@ async def test_invariants_after_mixed_workload(
                 break
         assert listed == sim.expected_passes()
         assert len(listed) == prompts["registered"]
+        # Each prompt's newest group mean and the groups told (`prompt_scored`).
+        async with sessionmaker() as s:
+            rows = await s.scalars(select(PromptMean).where(PromptMean.run_id == sim.run_id))
+            assert {r.prompt_id: (r.mean, r.groups) for r in rows.all()} == sim.means
+        assert any(groups > 1 for _, groups in sim.means.values())
 
         ledger: list[dict[str, Any]] = []
         cursor = None

@@ -262,7 +262,9 @@ def families_of(text: str) -> dict[str, Any]:
 
 
 async def test_every_metric_of_the_catalogue_is_exposed_as_declared(api, drain):
-    await make_run(api, "c1", max_reuse=1)
+    # With difficulty pools: the per-pool family is only of such runs.
+    pools = {"easy_above": 0.5, "hard_below": 0.1}
+    await make_run(api, "c1", max_reuse=1, difficulty=pools)
     resp = await api.post("/v1/runs/c1/prompts", json={"prompts": [{"prompt_id": "p1"}]})
     assert resp.status_code == 202, resp.text
     assert (await api.post("/v1/runs/c1/work", json={"max_prompts": 1})).status_code == 200
@@ -341,8 +343,9 @@ async def test_the_ledger_figures_equal_the_accounting(api, drain):
     assert one("importance_ratio_mean") == pytest.approx(acc["is_ratio"]["mean"])
     assert one("importance_ratio_clip_fraction") == pytest.approx(acc["is_ratio"]["clip_fraction"])
     assert by("prompt_passes", "state") == {
-        k: acc["prompts"][k] for k in ("queued", "in_flight", "done", "failed")
+        k: acc["prompts"][k] for k in ("queued", "in_flight", "done", "failed", "skipped")
     }
+    assert acc["prompts"]["pools"] is None and by("prompt_pool_passes", "pool") == {}
     assert one("prompt_passes", state="in_flight") == 2
     assert one("prompt_passes_registered_total") == acc["prompts"]["registered"] == 3
     assert one("prompt_retries_total") == acc["prompts"]["retried"]

@@ -215,7 +215,8 @@ def test_watch_refreshes(live_server: LiveServer, trained_run: str) -> None:
 @pytest.fixture
 def work_run(live_server: LiveServer) -> str:
     """A run of 4 prompts whose generator leased 3, posted the groups of a and b and broke out
-    (c went back, at attempt 2; d was never handed out), and whose trainer used a's group."""
+    (c went back, at attempt 2; d was never handed out), and whose trainer used a's group; a and
+    b have a group mean (0.5), c and d none."""
     run = rid()
     with BrokerClient(live_server.url) as broker:
         broker.create_run(run, {"group_size": 2, "max_reuse": 1})
@@ -237,10 +238,10 @@ def test_prompts_lists_passes_and_their_states(live_server: LiveServer, work_run
     code, out, err = invoke(live_server, "prompts", work_run, "--json")
     assert code == 0, err
     assert json.loads(out) == [
-        {"prompt_id": "a", "pass": 1, "attempt": 1, "state": "done", "tries": 0},
-        {"prompt_id": "b", "pass": 1, "attempt": 1, "state": "in_flight", "tries": 0},
-        {"prompt_id": "c", "pass": 1, "attempt": 2, "state": "queued", "tries": 0},
-        {"prompt_id": "d", "pass": 1, "attempt": 1, "state": "queued", "tries": 0},
+        {"prompt_id": "a", "pass": 1, "attempt": 1, "state": "done", "tries": 0, "mean": 0.5},
+        {"prompt_id": "b", "pass": 1, "attempt": 1, "state": "in_flight", "tries": 0, "mean": 0.5},
+        {"prompt_id": "c", "pass": 1, "attempt": 2, "state": "queued", "tries": 0, "mean": None},
+        {"prompt_id": "d", "pass": 1, "attempt": 1, "state": "queued", "tries": 0, "mean": None},
     ]
 
     code, out, _ = invoke(live_server, "prompts", work_run, "--state", "queued")
@@ -252,7 +253,11 @@ def test_prompts_lists_passes_and_their_states(live_server: LiveServer, work_run
         for line in out.splitlines()
         if line.strip().startswith(("a ", "b ", "c ", "d "))
     ]
-    assert rows == [["c", "1", "2", "queued", "0"], ["d", "1", "1", "queued", "0"]]
+    assert rows == [["c", "1", "2", "queued", "0", "–"], ["d", "1", "1", "queued", "0", "–"]]
+
+    # A pool is asked of the broker, which has none for a run without difficulty.
+    code, _, err = invoke(live_server, "prompts", work_run, "--pool", "easy")
+    assert code == 1 and "has no difficulty" in err, err
 
     code, out, _ = invoke(live_server, "prompts", work_run, "--limit", "1")
     assert code == 0 and "1 shown; more with --limit" in out

@@ -24,7 +24,7 @@ from rollout_broker_client import (
     WorkLeaseOver,
     WorkPrompt,
 )
-from rollout_broker_client._wire import Api, parse_accounting, parse_work
+from rollout_broker_client._wire import Api, parse_accounting, parse_prompt_state, parse_work
 
 from app.main import create_app
 from app.settings import Settings
@@ -416,3 +416,20 @@ def test_accounting_prompts_and_waits() -> None:
     assert (acc.prompts.registered, acc.prompts.in_flight, acc.prompts.retried) == (10, 2, 5)
     assert acc.prompts.unaccounted == 0
     assert (acc.wait.generator_s, acc.wait.trainer_s) == (1.5, 0.25)
+
+
+def test_accounting_skipped_and_pools_and_the_prompts_by_pool() -> None:
+    base = {"rollouts_received": 0, "buffered": 0, "leased": 0, "samples_consumed": 0}
+    counts = {"registered": 10, "queued": 3, "in_flight": 2, "done": 4, "failed": 1, "retried": 0}
+    old = parse_accounting(base | {"prompts": counts})
+    assert (old.prompts.skipped, old.prompts.pools) == (0, None)
+    pools = {"easy": 1, "normal": 2, "hard": 0}
+    acc = parse_accounting(base | {"prompts": counts | {"skipped": 2, "pools": pools}})
+    assert (acc.prompts.skipped, acc.prompts.pools) == (2, pools)
+    assert acc.prompts.unaccounted == 0  # done counts the skipped passes
+    doc = {"prompt_id": "p", "pass": 1, "attempt": 1, "state": "skipped", "tries": 0}
+    assert parse_prompt_state(doc).mean is None
+    assert parse_prompt_state(doc | {"mean": 0.25}).mean == 0.25
+    call = Api().prompts_page("r", "queued", None, 10, "hard")
+    assert call.params == {"limit": "10", "state": "queued", "pool": "hard"}
+    assert Api().prompts_page("r", None, None, 10).params == {"limit": "10"}

@@ -313,8 +313,16 @@ async def test_page_shows_the_accounting_of_a_live_broker_and_follows_it(
         await post(http, done, group("w0", 0) + group("w1", 0))
         await ack(http, done, await lease(http, done, 2), SHIFT)
         assert (await http.post(f"/v1/runs/{done}/close")).status_code == 200  # run_closed
+        # With difficulty pools: the page shows the queued passes per pool.
+        pools = {"easy_above": 0.8, "hard_below": 0.2}
         await create_run(
-            http, main, group_size=2, max_reuse=2, max_staleness=1, stale_tokens="mask"
+            http,
+            main,
+            group_size=2,
+            max_reuse=2,
+            max_staleness=1,
+            stale_tokens="mask",
+            difficulty=pools,
         )
         await drive(http, main)
         await settled(http, done)

@@ -35,6 +35,7 @@ __all__ = [
     "PartialCounts",
     "PolicyResult",
     "PolicyVersion",
+    "PoolName",
     "Prompt",
     "PromptCounts",
     "PromptState",
@@ -289,7 +290,8 @@ class ScoreResult:
     retired: list[str] = field(default_factory=list)
 
 
-PromptStateName = Literal["queued", "in_flight", "done", "failed"]
+PromptStateName = Literal["queued", "in_flight", "done", "failed", "skipped"]
+PoolName = Literal["easy", "normal", "hard"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,6 +303,7 @@ class PromptState:
     attempt: int
     state: PromptStateName
     tries: int
+    mean: float | None = None  # the prompt's newest group mean reward; None before one
 
 
 @dataclass(frozen=True, slots=True)
@@ -531,9 +534,12 @@ class PromptCounts:
     registered: int = 0
     queued: int = 0
     in_flight: int = 0
-    done: int = 0
+    done: int = 0  # the skipped passes too
     failed: int = 0
     retried: int = 0
+    skipped: int = 0  # of done: skipped without generation (a difficulty pool of weight 0)
+    # Queued passes per difficulty pool ({"easy", "normal", "hard"}); None without difficulty.
+    pools: dict[str, int] | None = None
 
     @property
     def unaccounted(self) -> int:

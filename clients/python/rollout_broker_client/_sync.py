@@ -41,6 +41,7 @@ from rollout_broker_client._models import (
     Partial,
     PolicyResult,
     PolicyVersion,
+    PoolName,
     PromptState,
     PromptStateName,
     RegisterResult,
@@ -400,14 +401,20 @@ class BrokerClient:
         )
 
     def prompt_states(
-        self, run_id: str, state: PromptStateName | None = None, *, page_size: int = 1000
+        self,
+        run_id: str,
+        state: PromptStateName | None = None,
+        *,
+        page_size: int = 1000,
+        pool: PoolName | None = None,
     ) -> Iterator[PromptState]:
-        """Every prompt pass of a run in its newest state (or those in ``state``), in
-        (prompt_id, pass) order, fetched a page at a time. Read from the accounting, which may
-        trail the live state by a second or two."""
+        """Every prompt pass of a run in its newest state (or those in ``state``, of prompts in
+        difficulty ``pool``), in (prompt_id, pass) order, fetched a page at a time. Read from
+        the accounting, which may trail the live state by a second or two."""
         cursor: str | None = None
         while True:
-            docs, cursor = self.send(self.api.prompts_page(run_id, state, cursor, page_size))
+            call = self.api.prompts_page(run_id, state, cursor, page_size, pool)
+            docs, cursor = self.send(call)
             for doc in docs:
                 yield parse_prompt_state(doc)
             if not cursor:

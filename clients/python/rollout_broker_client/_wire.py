@@ -536,6 +536,7 @@ def parse_prompt_state(doc: Any) -> PromptState:
         attempt=int(doc["attempt"]),
         state=doc["state"],
         tries=int(doc.get("tries", 0)),
+        mean=None if doc.get("mean") is None else float(doc["mean"]),
     )
 
 
@@ -569,6 +570,8 @@ def _prompt_counts(value: Any) -> PromptCounts:
     return PromptCounts(
         **{k: int(v.get(k, 0)) for k in ("registered", "queued", "in_flight", "done", "failed")},
         retried=int(v.get("retried", 0)),
+        skipped=int(v.get("skipped", 0)),
+        pools=None if v.get("pools") is None else _counts(v["pools"]),
     )
 
 
@@ -918,12 +921,19 @@ class Api:
         return Call("POST", path, lambda r, b: int(b["returned"]), None, content, headers)
 
     def prompts_page(
-        self, run_id: str, state: str | None, cursor: str | None, limit: int
+        self,
+        run_id: str,
+        state: str | None,
+        cursor: str | None,
+        limit: int,
+        pool: str | None = None,
     ) -> Call[tuple[list[Any], str | None]]:
         """One page of prompt states, as documents: the caller parses them one by one."""
         params = {"limit": str(int(limit))}
         if state is not None:
             params["state"] = state
+        if pool is not None:
+            params["pool"] = pool
         if cursor:
             params["cursor"] = cursor
         return Call("GET", _p(run_id) + "/prompts", lambda r, b: _page(b), params)

@@ -307,13 +307,18 @@ def accounting(
 
 
 # The states of a prompt pass (the client's PromptStateName), spelled here for typer to read.
-PassState = Literal["queued", "in_flight", "done", "failed"]
+PassState = Literal["queued", "in_flight", "done", "failed", "skipped"]
+Pool = Literal["easy", "normal", "hard"]
 
 
 def prompts(
     run_id: RunArg,
     state: Annotated[
         PassState | None, typer.Option("--state", "-s", help="Only passes in this state")
+    ] = None,
+    pool: Annotated[
+        Pool | None,
+        typer.Option("--pool", help="Only passes of prompts in this difficulty pool"),
     ] = None,
     limit: Annotated[
         int, typer.Option(help="Show at most this many passes (0: all of them)", min=0)
@@ -327,14 +332,14 @@ def prompts(
     with connect(url, token) as broker:
         counts = None if as_json else broker.accounting(run_id).prompts
         page_size = min(limit + 1, 1000) if limit else 1000
-        found = broker.prompt_states(run_id, state, page_size=page_size)
+        found = broker.prompt_states(run_id, state, page_size=page_size, pool=pool)
         rows = list(itertools.islice(found, limit + 1 if limit else None))
     more = bool(limit) and len(rows) > limit
     rows = rows[:limit] if limit else rows
     if as_json:
         docs = [
             {"prompt_id": r.prompt_id, "pass": r.pass_, "attempt": r.attempt, "state": r.state,
-             "tries": r.tries}
+             "tries": r.tries, "mean": r.mean}
             for r in rows
         ]  # fmt: skip
         typer.echo(json.dumps(docs, indent=2))

@@ -85,10 +85,17 @@ def reward_wait_note(acc: Accounting) -> str:
 
 
 def prompt_line(p: PromptCounts) -> str:
+    skipped = f", of them skipped {p.skipped:,}" if p.skipped else ""
+    pools = f"; queued by pool: {pool_line(p.pools)}" if p.pools is not None else ""
     return (
-        f"queued {p.queued:,}, in flight {p.in_flight:,}, done {p.done:,}, failed {p.failed:,}"
-        f" (retried {p.retried:,})"
+        f"queued {p.queued:,}, in flight {p.in_flight:,}, done {p.done:,}{skipped}, "
+        f"failed {p.failed:,} (retried {p.retried:,}){pools}"
     )
+
+
+def pool_line(pools: dict[str, int]) -> str:
+    """Queued passes per difficulty pool, easy to hard."""
+    return ", ".join(f"{name} {pools.get(name, 0):,}" for name in ("easy", "normal", "hard"))
 
 
 def share(part: int, whole: int) -> str:
@@ -192,9 +199,13 @@ def _prompt_rows(table: Table, p: PromptCounts) -> None:
     table.add_row("registered", fmt(p.registered), "")
     table.add_row("queued", fmt(p.queued), "waiting for a generator")
     table.add_row("in flight", fmt(p.in_flight), "in work leases, or groups not yet used")
-    table.add_row("done", fmt(p.done), "reached a gradient (or retired zero_variance)")
+    table.add_row("done", fmt(p.done), "reached a gradient (or retired zero_variance), or skipped")
+    if p.skipped:
+        table.add_row("  of them skipped", fmt(p.skipped), "in a difficulty pool of weight 0")
     table.add_row("failed", fmt(p.failed), "ran out of attempts")
     table.add_row("retried", fmt(p.retried), "attempts after the first")
+    if p.pools is not None:
+        table.add_row("queued by pool", pool_line(p.pools), "by each prompt's newest mean reward")
     check = "✓" if p.unaccounted == 0 else f"✗ off by {p.unaccounted:,}"
     table.add_row(
         "queued + in flight + done + failed",
@@ -480,10 +491,11 @@ def prompts_table(
         box=box.SIMPLE_HEAD,
         title_justify="left",
     )
-    for col in ("prompt_id", "pass", "attempt", "state", "tries"):
+    for col in ("prompt_id", "pass", "attempt", "state", "tries", "mean"):
         table.add_column(col, justify="left" if col in ("prompt_id", "state") else "right")
     for r in rows:
-        table.add_row(r.prompt_id, str(r.pass_), str(r.attempt), r.state, str(r.tries))
+        mean = "–" if r.mean is None else f"{r.mean:.4g}"
+        table.add_row(r.prompt_id, str(r.pass_), str(r.attempt), r.state, str(r.tries), mean)
     if counts is None:
         return table
     return Group(f"{counts.registered:,} passes registered: {prompt_line(counts)}", table)
