@@ -1,12 +1,13 @@
 """The length bias of what a run trains on (SPEC "Accounting": ``bias.length.ks``), as the ledger
-will keep it: each trained-token length counted in a log-spaced histogram, one for the rollouts
+keeps it: each trained-token length counted in a log-spaced histogram, one for the rollouts
 received and one for the samples consumed, and the Kolmogorov–Smirnov distance between the two
 distributions read from the histograms' cumulative counts.
 
-Bucket 0 holds length 0 (a rollout whose tokens are all posted with loss_mask 0 trains none);
-every other holds the lengths ``[2^(i/4), 2^((i+1)/4))`` rounded up to whole tokens: four buckets
-per doubling up to the largest rollout the broker accepts (2^24 tokens), :data:`BUCKETS` in all,
-so lengths within a bucket differ by at most 19 %. The distance between two histograms is that of
+Bucket 0 holds length 0, no token trained: ingest refuses a rollout posted with every token
+masked, but an event that tells such a length still folds rather than dead-letters. Every other
+holds the lengths ``[2^(i/4), 2^((i+1)/4))`` rounded up to whole tokens: four buckets per
+doubling up to the largest rollout the broker accepts (2^24 tokens), :data:`BUCKETS` in all, so
+lengths within a bucket differ by at most 19 %. The distance between two histograms is that of
 their bucketed samples exactly (the largest gap between the two cumulative distributions, taken
 at bucket edges, is where the gap between bucketed samples is largest).
 

@@ -7,6 +7,7 @@ not report them."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 from playwright.async_api import Browser, Route
@@ -28,7 +29,7 @@ from tests.ui.test_ui import (
     watch,
 )
 
-BIAS = {
+BIAS: dict[str, Any] = {
     "length": {
         "generated_mean": 123.4567,
         "trained_mean": 45.6789,
@@ -42,13 +43,13 @@ BIAS = {
 }
 
 
-def shown_bias() -> dict[str, object]:
+def shown_bias() -> dict[str, Any]:
     length, reward = BIAS["length"], BIAS["reward"]
-    want: dict[str, object] = {
+    want: dict[str, Any] = {
         f"bias.length.{k}": length[k] for k in ("generated_mean", "trained_mean", "ks")
     }
-    want |= {f"bias.reward.{k}": v for k, v in reward.items()}  # type: ignore[union-attr]
-    for side, counts in length["histogram"].items():  # type: ignore[union-attr]
+    want |= {f"bias.reward.{k}": v for k, v in reward.items()}
+    for side, counts in length["histogram"].items():
         want |= {f"bias.length.histogram.{side}.{first}": n for first, n in counts.items()}
     return want
 
