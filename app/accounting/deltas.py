@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from app.accounting.bias import bucket_of_one
 from app.accounting.passes import PassState
-from app.events import StreamId
+from app.events import EventError, StreamId
 
 __all__ = [
     "BATCH_VALUE_FIELDS",
@@ -94,6 +95,13 @@ class RunTotalsDelta(TotalsDelta):
     kl_coef: float | None = None
     kl_coef_ms: int | None = None
     kl_coef_seq: int | None = None
+    # The reward side of the bias figures: rewards of the rollouts received (posted with one,
+    # or scored later) and of the samples consumed (acked items that tell theirs), counted and
+    # summed.
+    reward_generated_n: int = 0
+    reward_generated_sum: float = 0.0
+    reward_trained_n: int = 0
+    reward_trained_sum: float = 0.0
 
 
 @dataclass
@@ -278,6 +286,9 @@ class Fold:
     # Scores per bucket of the reward latency: the bucket's bound (ms) -> scores in it
     reward_latency: dict[int, int] = field(default_factory=dict)
     generators: dict[str, GeneratorDelta] = field(default_factory=dict)  # by generator_id
+    # The length histograms of the bias figures: (side, bucket of app.accounting.bias) ->
+    # rollouts received ("generated") or samples consumed ("trained") of that trained length
+    lengths: dict[tuple[str, int], int] = field(default_factory=dict)
     means: dict[str, PromptMeanDelta] = field(default_factory=dict)  # by prompt_id
 
     def version(self, policy_version: int) -> TotalsDelta:
@@ -324,6 +335,14 @@ class Fold:
         bound = next((b for b in REWARD_LATENCY_BOUNDS_MS if wait_ms <= b), None)
         if bound is not None:
             self.reward_latency[bound] = self.reward_latency.get(bound, 0) + 1
+
+    def observe_length(self, side: str, trained: int) -> None:
+        """One rollout received or sample consumed of ``trained`` trained tokens."""
+        try:
+            key = (side, bucket_of_one(trained))
+        except ValueError as exc:
+            raise EventError(f"{side} length {trained}: {exc}") from None
+        self.lengths[key] = self.lengths.get(key, 0) + 1
 
     def prompt_pass(self, prompt_id: str, pass_: int, state: PassState) -> None:
         key = (prompt_id, pass_)

@@ -46,6 +46,7 @@ from app.events import (
 __all__ = ["fold_events"]
 
 REJECTED = "rejected"
+GENERATED, TRAINED = "generated", "trained"  # the sides of the length histograms
 RETIRED = "retired"
 # A retired item's `unscored`: it awaited a reward lease, or was in a live one.
 UNSCORED_AWAITING = 1
@@ -136,7 +137,12 @@ def _fold_run(fold: Fold, event: Event, body: RunChanged) -> None:
 
 
 def _fold_accepted(fold: Fold, event: Event, body: Accepted) -> None:
+    if body.rewarded is not None:
+        fold.run.reward_generated_n += body.rewarded
+        fold.run.reward_generated_sum += body.reward_sum or 0.0
     for item in body.items:
+        # Its trained length: the tokens not posted with loss_mask 0 (0 when all were).
+        fold.observe_length(GENERATED, item.tokens - item.masked)
         for totals in (fold.run, fold.version(item.policy_version)):
             totals.rollouts_received += 1
             totals.groups_received += int(item.new_unit)
@@ -205,6 +211,10 @@ def _fold_acked(fold: Fold, event: Event, body: Acked) -> None:
             totals.lag_max = lag if totals.lag_max is None else max(totals.lag_max, lag)
         key = (item.policy_version, lag)
         fold.lags[key] = fold.lags.get(key, 0) + 1
+        fold.observe_length(TRAINED, item.tokens)
+        if item.reward is not None:
+            run.reward_trained_n += 1
+            run.reward_trained_sum += item.reward
         if item.kl is not None:
             # Per version the KL is token-weighted from the per-rollout values; per run the
             # exact per-token sums of the event are used instead (below).
@@ -330,6 +340,9 @@ def _fold_scored(fold: Fold, body: Scored) -> None:
                 totals.rewards_awaiting -= 1
         fold.run.reward_wait_ms += item.wait_ms
         fold.observe_reward_latency(item.wait_ms)
+        # A reward that came after the rollout: received all the same.
+        fold.run.reward_generated_n += 1
+        fold.run.reward_generated_sum += item.reward
 
 
 def _fold_reward_expired(fold: Fold, body: RewardExpired) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from app.accounting.bias import bias_stats
 from app.accounting.ledger import (
     LedgerCheck,
     Settled,
@@ -28,6 +29,7 @@ from app.accounting.ledger import (
 from app.accounting.models import (
     GeneratorTotals,
     LagCount,
+    LengthCount,
     ReasonTotals,
     RewardLatencyCount,
     Run,
@@ -102,6 +104,7 @@ async def _start_read(
 
 Reasons = dict[int, dict[str, dict[str, int]]]  # policy_version -> kind -> reason -> rollouts
 Lags = dict[int, dict[int, int]]  # policy_version -> lag -> samples
+Lengths = dict[str, dict[int, int]]  # side -> bucket -> rollouts
 
 
 async def _reasons(session: AsyncSession, run_id: str) -> Reasons:
@@ -155,6 +158,18 @@ async def _reward_latency_of(
     result: dict[str, dict[int, int]] = defaultdict(dict)
     for run_id, bound, scores in rows.all():
         result[run_id][bound] = scores
+    return result
+
+
+async def _lengths_of(session: AsyncSession, run_ids: Sequence[str]) -> dict[str, Lengths]:
+    rows = await session.execute(
+        select(LengthCount.run_id, LengthCount.side, LengthCount.bucket, LengthCount.rollouts)
+        .where(LengthCount.run_id.in_(run_ids))
+        .order_by(LengthCount.run_id, LengthCount.side, LengthCount.bucket)
+    )
+    result: dict[str, Lengths] = defaultdict(lambda: defaultdict(dict))
+    for run_id, side, bucket, rollouts in rows.all():
+        result[run_id][side][bucket] = rollouts
     return result
 
 
@@ -262,8 +277,9 @@ async def checked_accounting(
     latency = (await _reward_latency_of(session, [run_id])).get(run_id, {})
     reasons, lags = await _reasons(session, run_id), await _lags(session, run_id)
     generators = (await _generators_of(session, [run_id])).get(run_id, [])
+    lengths = (await _lengths_of(session, [run_id])).get(run_id, {})
     pools = await queued_pools(session, run_id)
-    return _checked(run_id, settled, reasons, lags, latency, generators, pools)
+    return _checked(run_id, settled, reasons, lags, latency, generators, pools, lengths)
 
 
 async def checked_accounting_of(
@@ -279,6 +295,7 @@ async def checked_accounting_of(
     latency = await _reward_latency_of(session, ready)
     generators = await _generators_of(session, ready)
     pools = await queued_pools_of(session, ready)
+    lengths = await _lengths_of(session, ready)
     out: dict[str, CheckedAccounting] = {}
     for run_id in ready:
         try:
@@ -294,6 +311,7 @@ async def checked_accounting_of(
             latency.get(run_id, {}),
             generators.get(run_id, []),
             pools[run_id],
+            lengths.get(run_id, {}),
         )
     session.expunge_all()  # the totals rows answered stay loaded through the rollback
     await session.rollback()  # ends the snapshot: each run read again starts its own
@@ -314,6 +332,7 @@ def _checked(
     latency: dict[int, int],
     generators: Sequence[GeneratorTotals],
     pools: PoolCounts | None,
+    lengths: Lengths,
 ) -> CheckedAccounting:
     totals = settled.totals or zero_totals()
     histogram: dict[int, int] = defaultdict(int)
@@ -362,6 +381,7 @@ def _checked(
             trainer_s=totals.trainer_wait_ms / 1000,
             reward_s=totals.reward_wait_ms / 1000,
         ),
+        bias=bias_stats(totals, lengths),
         as_of=ms_to_datetime(totals.last_event_ms),
         pending_events=settled.pending,
         dead_letters=settled.snapshot.dead_letters,

@@ -31,6 +31,7 @@ from app.accounting.models import (
     Batch,
     GeneratorTotals,
     LagCount,
+    LengthCount,
     ProcessedEvent,
     PromptMean,
     PromptPass,
@@ -210,6 +211,12 @@ async def apply_fold(session: AsyncSession, run_id: str, fold: Fold) -> None:
             for (version, kind, reason), delta in sorted(fold.reasons.items())
         ],
     )
+    await _upsert_histograms(session, run_id, fold)
+    await _upsert_batches(session, run_id, fold)
+
+
+async def _upsert_histograms(session: AsyncSession, run_id: str, fold: Fold) -> None:
+    """The histograms' rows: lags, reward latencies and the bias figures' lengths."""
     await _upsert_add(
         session,
         _table(LagCount),
@@ -228,7 +235,15 @@ async def apply_fold(session: AsyncSession, run_id: str, fold: Fold) -> None:
             for bound, scores in sorted(fold.reward_latency.items())
         ],
     )
-    await _upsert_batches(session, run_id, fold)
+    await _upsert_add(
+        session,
+        _table(LengthCount),
+        ["run_id", "side", "bucket"],
+        [
+            {"run_id": run_id, "side": side, "bucket": bucket, "rollouts": rollouts}
+            for (side, bucket), rollouts in sorted(fold.lengths.items())
+        ],
+    )
 
 
 async def _upsert_run(session: AsyncSession, run_id: str, fold: Fold) -> None:

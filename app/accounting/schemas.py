@@ -10,6 +10,7 @@ __all__ = [
     "BatchCounts",
     "BatchPage",
     "BatchRecord",
+    "BiasStats",
     "DeadLetter",
     "DeadLetterPage",
     "GeneratorAccounting",
@@ -17,12 +18,15 @@ __all__ = [
     "IsRatioStats",
     "KlStats",
     "LagStats",
+    "LengthBias",
+    "LengthHistograms",
     "LiveCounts",
     "LiveRewardCounts",
     "PoolCounts",
     "PromptCounts",
     "PromptPage",
     "PromptPassRecord",
+    "RewardBias",
     "RewardCounts",
     "RunAccounting",
     "TrainingAccounting",
@@ -134,6 +138,51 @@ class RewardCounts(BaseModel):
     )
 
 
+class LengthHistograms(BaseModel):
+    """The two length distributions, log-spaced (app/accounting/bias.py: a bucket for 0, then
+    four a doubling): each bucket, named by its first trained length, -> rollouts in it; empty
+    buckets are left out."""
+
+    generated: dict[int, int] = Field(description="first length of a bucket -> rollouts received")
+    trained: dict[int, int] = Field(description="first length of a bucket -> samples consumed")
+
+
+class LengthBias(BaseModel):
+    """Trained-token lengths (tokens not posted with loss_mask 0) of the rollouts received
+    against those of the samples consumed (a rollout used twice counts twice)."""
+
+    generated_mean: float | None = Field(
+        description="Mean trained length of the rollouts received; null when none was"
+    )
+    trained_mean: float | None = Field(
+        description="Mean trained length of the samples consumed; null when none was"
+    )
+    ks: float | None = Field(
+        description="Kolmogorov-Smirnov distance between the two length distributions, read from "
+        "their histograms (that of the bucketed lengths): 0 the same, 1 disjoint; null when "
+        "either side is empty"
+    )
+    histogram: LengthHistograms
+
+
+class RewardBias(BaseModel):
+    generated_mean: float | None = Field(
+        description="Mean reward of the rollouts received, posted with it or scored later; null "
+        "when none has one"
+    )
+    trained_mean: float | None = Field(
+        description="Mean reward of the samples consumed (each use counts), over those whose "
+        "reward was known when handed out; null when none"
+    )
+
+
+class BiasStats(BaseModel):
+    """Whether a run trains on a biased share of what it generates (SPEC "Accounting")."""
+
+    length: LengthBias
+    reward: RewardBias
+
+
 class LiveRewardCounts(BaseModel):
     awaiting: int = Field(description="Unscored rollouts in no live reward lease")
     leased: int = Field(description="Unscored rollouts in live reward leases")
@@ -191,6 +240,7 @@ class RunAccounting(BaseModel):
     partials: PartialCounts
     rewards: RewardCounts
     wait: WaitStats
+    bias: BiasStats
     as_of: datetime | None = Field(description="Time of the newest drained event")
     pending_events: int = Field(description="Stream entries not yet drained into Postgres")
     dead_letters: int = Field(

@@ -29,6 +29,11 @@ Versions = Annotated[
 ]
 
 
+# The largest reward magnitude taken: the ledger sums rewards in doubles (the accounting's
+# `bias.reward`), and sums of bounded rewards stay finite where two of 1e308 would not.
+MAX_REWARD = 1e12
+Reward = Annotated[float, Field(ge=-MAX_REWARD, le=MAX_REWARD, allow_inf_nan=False)]
+
 MAX_METADATA_DEPTH = 16
 
 
@@ -70,7 +75,7 @@ class RolloutJSON(BaseModel):
     loss_mask: Mask | None = None
     versions: Versions | None = None
     # null or absent: the rollout awaits its reward (SPEC "Rewards")
-    reward: float | None = Field(None, allow_inf_nan=False)
+    reward: Reward | None = None
     generator_id: ItemId | None = None
     finish_reason: FinishReason | None = None
     metadata: dict[str, Any] | None = None
@@ -448,8 +453,8 @@ def _finite(rewards: dict[str, float]) -> dict[str, float]:
 
 class ScoreBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    rewards: dict[ItemId, float] = Field(
-        max_length=65536, description="rollout_id -> its reward (finite)"
+    rewards: dict[ItemId, Reward] = Field(
+        max_length=65536, description="rollout_id -> its reward (finite, |reward| ≤ 1e12)"
     )
     lease_id: LeaseId | None = Field(None, description="The reward lease the rollouts are of")
 

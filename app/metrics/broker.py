@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting import queries
 from app.accounting.deltas import REWARD_LATENCY_BOUNDS_MS
-from app.accounting.schemas import RunAccounting
+from app.accounting.schemas import BiasStats, RunAccounting
 from app.accounting.stream import EventStream
 from app.broker.store import RedisStore, RunState
 from app.caller import Caller
@@ -246,6 +246,7 @@ class _BrokerCollector(Collector):
         ):
             if figure is not None:  # not measured yet: no sample rather than a made-up 0
                 put(name, figure, run)
+        _put_bias(put, run, acc.bias)
         # By state, each pass once: the answer's done counts the skipped passes too.
         prompts = acc.prompts
         for state, n in (
@@ -287,6 +288,19 @@ class _BrokerCollector(Collector):
                 if figure is not None:
                     put(name, figure, run, generator)
             put("generator_quarantined", 1 if g.quarantined else 0, run, generator)
+
+
+def _put_bias(put: Any, run: str, bias: BiasStats) -> None:
+    """The bias figures: none with nothing to average, rather than a made-up 0."""
+    if bias.length.ks is not None:  # either side empty
+        put("bias_length_ks", bias.length.ks, run)
+    for side in ("generated", "trained"):
+        for name, figure in (
+            ("bias_length_mean", getattr(bias.length, f"{side}_mean")),
+            ("bias_reward_mean", getattr(bias.reward, f"{side}_mean")),
+        ):
+            if figure is not None:
+                put(name, figure, run, side)
 
 
 def render_metrics(request_registry: CollectorRegistry, figures: BrokerFigures) -> bytes:

@@ -243,6 +243,28 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
         "generator_kl_max), else 0; a quarantined generator always has a label of its own",
     ),
     _m(
+        "bias_length_ks",
+        "gauge",
+        _RUN,
+        "Kolmogorov-Smirnov distance between the trained-token lengths of the rollouts received "
+        "and those of the samples consumed (0 the same distribution, 1 disjoint), read from "
+        f"log-spaced histograms, {_LEDGER}",
+    ),
+    _m(
+        "bias_length_mean",
+        "gauge",
+        ("run", "side"),
+        "Mean trained-token length of the rollouts received (side=generated) and of the "
+        f"samples consumed (side=trained), {_LEDGER}",
+    ),
+    _m(
+        "bias_reward_mean",
+        "gauge",
+        ("run", "side"),
+        "Mean reward of the rollouts received, posted with it or scored later (side=generated), "
+        f"and of the samples consumed (side=trained), {_LEDGER}",
+    ),
+    _m(
         "prompt_passes",
         "gauge",
         ("run", "state"),

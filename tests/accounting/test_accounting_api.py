@@ -86,6 +86,15 @@ async def test_run_known_only_to_redis_reads_as_zeros(
         },
         "rewards": {"awaiting": 0, "leased": 0, "scored": 0, "timed_out": 0},
         "wait": {"generator_s": 0.0, "trainer_s": 0.0, "reward_s": 0.0},
+        "bias": {
+            "length": {
+                "generated_mean": None,
+                "trained_mean": None,
+                "ks": None,
+                "histogram": {"generated": {}, "trained": {}},
+            },
+            "reward": {"generated_mean": None, "trained_mean": None},
+        },
         "as_of": None,
         # No consumer group yet: every entry of the stream is pending.
         "pending_events": len(sim.events),
@@ -130,7 +139,7 @@ async def test_endpoints_after_drain(
         "samples_rewound", "tokens_consumed", "reuse_factor", "retired",
         "wasted_tokens", "batches", "lag", "kl", "is_ratio", "kl_coef", "prompts", "partials",
         "rewards",
-        "wait", "as_of", "pending_events", "dead_letters", "live",
+        "wait", "bias", "as_of", "pending_events", "dead_letters", "live",
     ]  # fmt: skip
 
     # pending_events: delivered-but-unacknowledged plus never-delivered entries.

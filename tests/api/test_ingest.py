@@ -285,6 +285,9 @@ MALFORMED_JSON = [
     ),
     ("logprobs_below_float32", _bad(response_ids=[1], logprobs=[-1e300]), "logprobs"),
     ("reward_overflow", _raw("{" + _BASE + ', "reward": 1e400}'), "reward"),
+    # Beyond ±1e12: the ledger's sums of rewards must stay finite (two of 1e308 would not).
+    ("reward_beyond_bound", _raw("{" + _BASE + ', "reward": 1.000001e12}'), "reward"),
+    ("reward_huge", _raw("{" + _BASE + ', "reward": -1e308}'), "reward"),
     (
         "logprobs_overflow",
         _raw("{" + _BASE + ', "reward": 1, "logprobs": [-1e400, -1]}'),
@@ -361,6 +364,8 @@ MALFORMED_MSGPACK = [
         "logprobs",
     ),
     ("reward_nan", _mp_bad(reward=float("nan")), "reward"),
+    ("reward_beyond_bound", _mp_bad(reward=-1.000001e12), "reward"),
+    ("reward_huge", _mp_bad(reward=1e308), "reward"),
     ("logprobs_list_nan", _mp_bad(logprobs=[-1.0, float("nan"), -1.0, -1.0]), "finite"),
     ("reward_bytes", _mp_bad(reward=b"\x00\x00\x80\x3f"), "reward"),
     ("unknown_field", _mp_bad(extra=1), "extra"),

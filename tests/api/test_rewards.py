@@ -94,12 +94,14 @@ async def test_scores_are_idempotent_and_a_different_value_is_refused(api, redis
         '{"rewards": {"nope": 1.0}}',
         '{"rewards": {"a": NaN}}',
         '{"rewards": {"a": Infinity}}',
+        '{"rewards": {"a": 1e308}}',
+        '{"rewards": {"a": -1.000001e12}}',
         '{"rewards": {"a": "1"}}',
         '{"rewards": {"a": true}}',
         '{"rewards": {"a": 1.0}, "extra": 1}',
         '{"rewards": [1.0]}',
     ],
-    ids=["unknown", "nan", "inf", "text", "bool", "extra", "list"],
+    ids=["unknown", "nan", "inf", "huge", "beyond_bound", "text", "bool", "extra", "list"],
 )
 async def test_bad_rewards_change_nothing(api, redis, prefix, body):
     await make_run(api, "r1")
@@ -111,6 +113,23 @@ async def test_bad_rewards_change_nothing(api, redis, prefix, body):
     assert_error(resp, 422, "ValidationFailed")
     assert await redis.hgetall(run_key(prefix, "r1", AWAITING)) == before
     assert (await lease(api, "r1", 1)).status_code == 204
+
+
+async def test_rewards_up_to_the_bound_are_taken_and_the_bound_is_documented(api):
+    """|reward| ≤ 1e12 (the ledger sums them in doubles): the bound itself is a reward, posted
+    with the rollout or later; /openapi.json tells it for both."""
+    await make_run(api, "r1")
+    resp = await post(api, "r1", rollout("a", reward=-1e12), rollout("b", reward=None))
+    assert resp.json()["accepted"] == 2
+    assert (await score(api, "r1", {"b": 1e12})).json()["scored"] == 1
+    got = await lease(api, "r1", 2)
+    assert sorted(r["reward"] for r in got.json()["rollouts"]) == [-1e12, 1e12]
+    schemas = (await api.get("/openapi.json")).json()["components"]["schemas"]
+    bound = {"minimum": -1e12, "maximum": 1e12}
+    rollout_reward = schemas["RolloutJSON"]["properties"]["reward"]["anyOf"][0]
+    assert bound.items() <= rollout_reward.items()
+    (score_reward,) = schemas["ScoreBody"]["properties"]["rewards"]["patternProperties"].values()
+    assert bound.items() <= score_reward.items()
 
 
 async def test_a_rollout_of_another_lease_is_refused(api):

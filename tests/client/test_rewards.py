@@ -230,6 +230,7 @@ async def test_scores_are_checked_before_sending(
         (math.nan, ValueError),
         (math.inf, ValueError),
         (-math.inf, ValueError),
+        (1.5e12, ValueError),  # beyond the broker's bound
         ("1.0", TypeError),
         (True, TypeError),
         (None, TypeError),

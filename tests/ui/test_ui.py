@@ -131,6 +131,8 @@ async def expected_figures(http: httpx.AsyncClient, selected: str) -> dict[str, 
         want["rewards.mean_wait_s"] = waited / scored if scored and waited is not None else None
     else:
         want["rewards"] = "n/a"
+    if "bias" not in acc:  # a broker that does not report the bias figures
+        want["bias"] = "n/a"
     want |= {
         "run.run_id": run["run_id"],
         "run.status": run["status"],

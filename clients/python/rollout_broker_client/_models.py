@@ -599,6 +599,60 @@ def partial_counts(value: Mapping[str, Any]) -> PartialCounts:
 
 
 @dataclass(frozen=True, slots=True)
+class LengthBias:
+    """Trained-token lengths of the rollouts received (``generated``) against those of the
+    samples consumed (``trained``): their means, the Kolmogorov-Smirnov distance between the two
+    distributions (0 the same, 1 disjoint) and the two log-spaced histograms (each bucket's
+    first length -> rollouts in it). A figure with nothing to read is None."""
+
+    generated_mean: float | None = None
+    trained_mean: float | None = None
+    ks: float | None = None
+    generated: dict[int, int] = field(default_factory=dict)
+    trained: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RewardBias:
+    """Mean reward of the rollouts received (posted with it or scored later) and of the
+    samples consumed; None with none to average."""
+
+    generated_mean: float | None = None
+    trained_mean: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BiasStats:
+    """Whether a run trains on a biased share of what it generates (SPEC "Accounting")."""
+
+    length: LengthBias = field(default_factory=LengthBias)
+    reward: RewardBias = field(default_factory=RewardBias)
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def bias_stats(value: Mapping[str, Any]) -> BiasStats:
+    """The ``bias`` object of an accounting answer (a figure it lacks reads None)."""
+    length, reward = value.get("length") or {}, value.get("reward") or {}
+    hist = length.get("histogram") or {}
+    return BiasStats(
+        length=LengthBias(
+            generated_mean=_opt_float(length.get("generated_mean")),
+            trained_mean=_opt_float(length.get("trained_mean")),
+            ks=_opt_float(length.get("ks")),
+            generated={int(k): int(n) for k, n in (hist.get("generated") or {}).items()},
+            trained={int(k): int(n) for k, n in (hist.get("trained") or {}).items()},
+        ),
+        reward=RewardBias(
+            generated_mean=_opt_float(reward.get("generated_mean")),
+            trained_mean=_opt_float(reward.get("trained_mean")),
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class LiveCounts:
     """The broker's own counts of a run's rollouts, from its live state rather than the ledger;
     ``rewards_awaiting`` and ``rewards_leased`` are 0 from a server that does not report them."""
@@ -619,8 +673,8 @@ class Accounting:
     a server that does not report them, and so is ``samples_rewound`` (of ``samples_consumed``,
     the uses a rewind of the policy version gave back to their rollouts). ``dead_letters``
     (events the ledger could not apply), ``live`` (the broker's own buffered and leased counts),
-    ``partials`` and ``rewards`` are None from a server that does not report them; when not
-    given they are read from ``raw``. ``raw`` is the server's body as it came."""
+    ``partials``, ``rewards`` and ``bias`` are None from a server that does not report them;
+    when not given they are read from ``raw``. ``raw`` is the server's body as it came."""
 
     rollouts_received: int
     groups_received: int
@@ -650,6 +704,7 @@ class Accounting:
     partials: PartialCounts | None = None
     rewards: RewardCounts | None = None
     kl_coef: float | None = None  # β of the adaptive KL penalty after the newest ack
+    bias: BiasStats | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -671,6 +726,9 @@ class Accounting:
         rewards = self.raw.get("rewards")
         if self.rewards is None and isinstance(rewards, Mapping):
             object.__setattr__(self, "rewards", reward_counts(rewards))
+        bias = self.raw.get("bias")
+        if self.bias is None and isinstance(bias, Mapping):
+            object.__setattr__(self, "bias", bias_stats(bias))
 
     @property
     def mean_reward_wait_s(self) -> float | None:

@@ -508,6 +508,9 @@ def parse_score(body: Any) -> ScoreResult:
     )
 
 
+MAX_REWARD = 1e12  # the broker's bound on a reward's magnitude
+
+
 def reward_values(rewards: Mapping[str, Any]) -> dict[str, float]:
     """Rewards by rollout_id as finite floats; anything else is refused before it is sent, so a
     bad score never costs a round trip or half a request."""
@@ -520,6 +523,8 @@ def reward_values(rewards: Mapping[str, Any]) -> dict[str, float]:
         v = float(value)
         if not math.isfinite(v):
             raise ValueError(f"reward of {rid!r} must be finite, not {v}")
+        if abs(v) > MAX_REWARD:
+            raise ValueError(f"reward of {rid!r} must be within ±{MAX_REWARD:g}, not {v}")
         out[rid] = v
     return out
 

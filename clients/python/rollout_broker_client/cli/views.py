@@ -15,6 +15,7 @@ if TYPE_CHECKING:
         AccessToken,
         Accounting,
         AuditEntry,
+        BiasStats,
         GeneratorAccounting,
         PartialCounts,
         PromptCounts,
@@ -47,6 +48,24 @@ def histogram(hist: dict[int, int], width: int = 16) -> str:
         n = hist[lag]
         bar = "█" * max(1 if n else 0, round(width * n / top))
         lines.append(f"lag {lag:>2} {bar} {n:,}")
+    return "\n".join(lines)
+
+
+def length_histograms(generated: dict[int, int], trained: dict[int, int], width: int = 12) -> str:
+    """The two length distributions side by side, one line per bucket either has (named by its
+    first length), each side's share of its own total as a bar and a percentage."""
+    if not generated and not trained:
+        return "–"
+    g_total, t_total = sum(generated.values()) or 1, sum(trained.values()) or 1
+
+    def side(n: int, total: int) -> str:
+        bar = "█" * max(1 if n else 0, round(width * n / total))
+        return f"{bar:<{width}} {100 * n / total:5.1f}%"
+
+    lines = [f"{'from':>8}  {'received':<{width + 7}}  trained"]
+    for first in sorted(set(generated) | set(trained)):
+        g, t = generated.get(first, 0), trained.get(first, 0)
+        lines.append(f"{first:>8}  {side(g, g_total)}  {side(t, t_total)}")
     return "\n".join(lines)
 
 
@@ -223,6 +242,34 @@ def _reward_rows(table: Table, r: RewardCounts) -> None:
     )
 
 
+def _bias_rows(table: Table, b: BiasStats) -> None:
+    """What is trained against what is generated: lengths (trained tokens) and rewards."""
+    _section(table, "bias")
+    length, reward = b.length, b.reward
+    table.add_row(
+        "length KS",
+        fmt(length.ks, 3),
+        "distance between the length distributions received and trained (0 same, 1 disjoint)",
+    )
+    table.add_row(
+        "length received",
+        f"mean {fmt(length.generated_mean, 4)}",
+        "trained tokens of the rollouts received",
+    )
+    table.add_row(
+        "length trained",
+        f"mean {fmt(length.trained_mean, 4)}",
+        "trained tokens of the samples consumed (each use counts)",
+    )
+    table.add_row("length histograms", "", length_histograms(length.generated, length.trained))
+    table.add_row(
+        "reward",
+        f"mean {fmt(reward.generated_mean, 4)}",
+        f"received (posted or scored later); trained mean {fmt(reward.trained_mean, 4)}",
+        end_section=True,
+    )
+
+
 def accounting_table(
     acc: Accounting, run: Run | None = None, *, deleted: str | None = None
 ) -> RenderableType:
@@ -324,7 +371,10 @@ def accounting_table(
         "IS ratio",
         f"mean {fmt(acc.is_ratio.mean, 4)}",
         f"clip fraction {fmt(acc.is_ratio.clip_fraction, 3)}",
+        end_section=acc.bias is not None,
     )
+    if acc.bias is not None:  # shown whenever the broker reports it
+        _bias_rows(table, acc.bias)
     if acc.pending_events:
         table.caption = f"{acc.pending_events} events not yet in the accounting"
     return table
