@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.asyncio import Redis
 
+from app.broker.schemas import MAX_REWARD
 from app.broker.stats import FIGURE_CAP, LOG_FIGURE_CAP
 from app.broker.store import RedisStore
 from app.events import (
@@ -233,7 +234,8 @@ LOGPROBS = st.sampled_from(
     [0.0, -0.0, F32_TINY, -0.5, -LOG_FIGURE_CAP, -710.0, -1000.0, -3e38, F32_MIN]
 )
 READY_KL = st.sampled_from([0.0, -0.0, 5e-324, 0.05, 1e12, 1e39, FIGURE_CAP])
-REWARDS = st.sampled_from([0.0, -0.0, 5e-324, 1.0, -1.7976931348623157e308, 1.7976931348623157e308])
+# The extremes the API accepts (app/broker/schemas.py MAX_REWARD): their sums stay finite.
+REWARDS = st.sampled_from([0.0, -0.0, 5e-324, 1.0, -MAX_REWARD, MAX_REWARD])
 ITEM_IDS = st.from_regex(ITEM_ID_PATTERN, fullmatch=True)
 
 
