@@ -571,10 +571,10 @@ def compare(summaries: dict[str, dict[str, Any]], log_every: int) -> None:
     def row(label: str, key: str, fmt: str = ",", of: dict[str, dict[str, Any]] = f) -> None:
         cells = [of[m].get(key) for m in modes]
         text = ["-" if c is None else format(c, fmt) for c in cells]
-        print(f"{label:<36}" + "".join(f"{t:>14}" for t in text))
+        print(f"{label:<38}" + "".join(f"{t:>18}" for t in text))
 
     print()
-    print(" " * 36 + "".join(f"{MODES[m]:>14}" for m in modes))
+    print(" " * 38 + "".join(f"{MODES[m]:>18}" for m in modes))
     row("trainer steps", "steps")
     row("wall time of the steps (s)", "seconds", ".1f")
     row("rollouts generated", "received")
@@ -603,7 +603,7 @@ def compare(summaries: dict[str, dict[str, Any]], log_every: int) -> None:
     print(f"\nE[reward] every {log_every} steps, from {first:.2f}:")
     for m in modes:
         series = " ".join(f"{r:.2f}" for _, r in summaries[m]["history"][1:])
-        print(f"  {MODES[m]:<13} {series}")
+        print(f"  {MODES[m]:<17} {series}")
 
 
 # -- a broker of its own ---------------------------------------------------------------------
@@ -694,8 +694,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=4.0)
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--max-staleness", type=int, default=2)
-    ap.add_argument("--easy-above", type=float, default=0.9, help="pools: learned above this")
-    ap.add_argument("--hard-below", type=float, default=0.4, help="pools: failed below this")
+    ap.add_argument("--easy-above", type=float, default=0.6, help="pools: learned above this")
+    ap.add_argument("--hard-below", type=float, default=0.2, help="pools: failed below this")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=5)
     ap.add_argument("--json-out", type=Path, help="write a JSON summary here")
