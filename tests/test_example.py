@@ -131,7 +131,7 @@ def test_accounting_adds_up(run: dict[str, Any]) -> None:
 
 def test_the_comparison_is_printed(run: dict[str, Any]) -> None:
     free, work = accounting(run, "free"), accounting(run, "work")
-    lines = {line[:36].strip(): line[36:].split() for line in run["stdout"].splitlines()}
+    lines = {line[:38].strip(): line[38:].split() for line in run["stdout"].splitlines()}
     assert lines["rollouts generated"] == [
         f"{free['rollouts_received']:,}",
         f"{work['rollouts_received']:,}",
@@ -141,6 +141,23 @@ def test_the_comparison_is_printed(run: dict[str, Any]) -> None:
         f"{mean_trained(free):.1f}",
         f"{mean_trained(work):.1f}",
     ]
+    assert lines["length KS distance, generated/trained"] == [
+        f"{free['bias']['length']['ks']:.3f}",
+        f"{work['bias']['length']['ks']:.3f}",
+    ]
+
+
+def test_the_bias_figures_show_what_free_running_leaves_out(run: dict[str, Any]) -> None:
+    """The broker's bias figures: the means are the totals' own, and the length distribution
+    trained on is further from the one generated when free-running than under work leases,
+    which train on what they generate."""
+    free, work = accounting(run, "free"), accounting(run, "work")
+    for acc in (free, work):
+        length = acc["bias"]["length"]
+        assert length["trained_mean"] == pytest.approx(mean_trained(acc))
+        assert sum(length["histogram"]["trained"].values()) == acc["samples_consumed"]
+    assert free["bias"]["length"]["ks"] > work["bias"]["length"]["ks"], run["stdout"]
+    assert work["bias"]["length"]["ks"] < 0.1, run["stdout"]
 
 
 def test_each_role_acts_with_its_own_token(run: dict[str, Any]) -> None:
