@@ -112,65 +112,46 @@ async def _reasons(session: AsyncSession, run_id: str) -> Reasons:
 
 
 async def _reasons_of(session: AsyncSession, run_ids: Sequence[str]) -> dict[str, Reasons]:
-    rows = await session.execute(
-        select(
-            ReasonTotals.run_id,
-            ReasonTotals.policy_version,
-            ReasonTotals.kind,
-            ReasonTotals.reason,
-            ReasonTotals.rollouts,
-        )
-        .where(ReasonTotals.run_id.in_(run_ids))
-        .order_by(
-            ReasonTotals.run_id, ReasonTotals.policy_version, ReasonTotals.kind, ReasonTotals.reason
-        )
-    )
-    result: dict[str, Reasons] = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
-    for run_id, version, kind, reason, rollouts in rows.all():
-        result[run_id][version][kind][reason] = rollouts
-    return result
+    columns = ("policy_version", "kind", "reason", "rollouts")
+    return await _counts_of(session, run_ids, ReasonTotals, *columns)
 
 
 async def _lags(session: AsyncSession, run_id: str) -> Lags:
     return (await _lags_of(session, [run_id])).get(run_id, {})
 
 
-async def _lags_of(session: AsyncSession, run_ids: Sequence[str]) -> dict[str, Lags]:
+async def _counts_of(
+    session: AsyncSession, run_ids: Sequence[str], table: Any, *columns: str
+) -> dict[str, Any]:
+    """A histogram table's rows of several runs, nested by run and then by each of ``columns``
+    but the last, which is the count: ``{run_id: {key: ... {last key: count}}}``."""
+    *keys, count = (getattr(table, c) for c in columns)
     rows = await session.execute(
-        select(LagCount.run_id, LagCount.policy_version, LagCount.lag, LagCount.samples)
-        .where(LagCount.run_id.in_(run_ids))
-        .order_by(LagCount.run_id, LagCount.policy_version, LagCount.lag)
+        select(table.run_id, *keys, count)
+        .where(table.run_id.in_(run_ids))
+        .order_by(table.run_id, *keys)
     )
-    result: dict[str, Lags] = defaultdict(lambda: defaultdict(dict))
-    for run_id, version, lag, samples in rows.all():
-        result[run_id][version][lag] = samples
+    result: dict[str, Any] = {}
+    for run_id, *path, n in rows.all():
+        at = result.setdefault(run_id, {})
+        for key in path[:-1]:
+            at = at.setdefault(key, {})
+        at[path[-1]] = n
     return result
+
+
+async def _lags_of(session: AsyncSession, run_ids: Sequence[str]) -> dict[str, Lags]:
+    return await _counts_of(session, run_ids, LagCount, "policy_version", "lag", "samples")
 
 
 async def _reward_latency_of(
     session: AsyncSession, run_ids: Sequence[str]
 ) -> dict[str, dict[int, int]]:
-    rows = await session.execute(
-        select(RewardLatencyCount.run_id, RewardLatencyCount.bound_ms, RewardLatencyCount.scores)
-        .where(RewardLatencyCount.run_id.in_(run_ids))
-        .order_by(RewardLatencyCount.run_id, RewardLatencyCount.bound_ms)
-    )
-    result: dict[str, dict[int, int]] = defaultdict(dict)
-    for run_id, bound, scores in rows.all():
-        result[run_id][bound] = scores
-    return result
+    return await _counts_of(session, run_ids, RewardLatencyCount, "bound_ms", "scores")
 
 
 async def _lengths_of(session: AsyncSession, run_ids: Sequence[str]) -> dict[str, Lengths]:
-    rows = await session.execute(
-        select(LengthCount.run_id, LengthCount.side, LengthCount.bucket, LengthCount.rollouts)
-        .where(LengthCount.run_id.in_(run_ids))
-        .order_by(LengthCount.run_id, LengthCount.side, LengthCount.bucket)
-    )
-    result: dict[str, Lengths] = defaultdict(lambda: defaultdict(dict))
-    for run_id, side, bucket, rollouts in rows.all():
-        result[run_id][side][bucket] = rollouts
-    return result
+    return await _counts_of(session, run_ids, LengthCount, "side", "bucket", "rollouts")
 
 
 async def _generators_of(
