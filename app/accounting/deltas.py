@@ -5,7 +5,9 @@ newest snapshot and the prompt passes' states (:class:`Fold`). Every delta is co
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from app.accounting.bias import bucket_of_one
 from app.accounting.passes import PassState
@@ -271,6 +273,18 @@ class RunSnapshot:
     created_at_ms: int
 
 
+K = TypeVar("K", bound=Hashable)
+D = TypeVar("D")
+
+
+def _entry(table: dict[K, D], key: K, make: Callable[[], D]) -> D:
+    """``table[key]``, made by ``make`` the first time it is asked for."""
+    found = table.get(key)
+    if found is None:
+        found = table[key] = make()
+    return found
+
+
 @dataclass
 class Fold:
     """All deltas of one batch of one run's events."""
@@ -292,35 +306,19 @@ class Fold:
     means: dict[str, PromptMeanDelta] = field(default_factory=dict)  # by prompt_id
 
     def version(self, policy_version: int) -> TotalsDelta:
-        delta = self.versions.get(policy_version)
-        if delta is None:
-            delta = self.versions[policy_version] = TotalsDelta()
-        return delta
+        return _entry(self.versions, policy_version, TotalsDelta)
 
     def training(self, policy_version: int) -> TrainingDelta:
-        delta = self.trainings.get(policy_version)
-        if delta is None:
-            delta = self.trainings[policy_version] = TrainingDelta()
-        return delta
+        return _entry(self.trainings, policy_version, TrainingDelta)
 
     def generator(self, generator_id: str) -> GeneratorDelta:
-        delta = self.generators.get(generator_id)
-        if delta is None:
-            delta = self.generators[generator_id] = GeneratorDelta()
-        return delta
+        return _entry(self.generators, generator_id, GeneratorDelta)
 
     def prompt_mean(self, prompt_id: str) -> PromptMeanDelta:
-        delta = self.means.get(prompt_id)
-        if delta is None:
-            delta = self.means[prompt_id] = PromptMeanDelta()
-        return delta
+        return _entry(self.means, prompt_id, PromptMeanDelta)
 
     def reason(self, policy_version: int, kind: str, reason: str) -> ReasonDelta:
-        key = (policy_version, kind, reason)
-        delta = self.reasons.get(key)
-        if delta is None:
-            delta = self.reasons[key] = ReasonDelta()
-        return delta
+        return _entry(self.reasons, (policy_version, kind, reason), ReasonDelta)
 
     def batch(self, patch: BatchPatch, batch_id: str) -> None:
         known = self.batches.get(batch_id)
