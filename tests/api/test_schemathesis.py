@@ -162,6 +162,13 @@ LIMITS = (
     ),
     Limit(
         REFUSED,
+        r"GET /v1/runs/\{run_id\}/prompts$",
+        422,
+        r"pool needs a run with difficulty pools",
+        "a prompt listing by pool needs a run with difficulty (the run's state)",
+    ),
+    Limit(
+        REFUSED,
         r"POST /v1/runs/\{run_id\}/prompts",
         422,
         r"prompt passes in one request|data is \d+ bytes as JSON",
