@@ -46,9 +46,7 @@ class ConsumerLease:
     repeat: bool  # a retried call: the batch leased before under this batch_id
 
 
-def consumer_config(
-    kind: str, source: str, max_lag: int | None, retention_rollouts: int
-) -> str:
+def consumer_config(kind: str, source: str, max_lag: int | None, retention_rollouts: int) -> str:
     """The config as the scripts store and compare it: canonical JSON."""
     cfg = {
         "kind": kind,

@@ -18,10 +18,10 @@ import msgpack
 
 from app.errors import (
     BatchNotFound,
-    ConsumerConflict,
-    ConsumerNotFound,
     BatchSettled,
     BrokerError,
+    ConsumerConflict,
+    ConsumerNotFound,
     GeneratorQuarantined,
     InternalError,
     LeaseExpired,

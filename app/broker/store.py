@@ -18,8 +18,8 @@ from redis.commands.core import AsyncScript
 
 from app import keys
 from app.broker.batch_calls import SWEEP_LIMIT, BatchCalls, floor_of
-from app.broker.consumer_calls import ConsumerCalls
 from app.broker.config import RunConfig
+from app.broker.consumer_calls import ConsumerCalls
 from app.broker.packing import PackedRollout
 from app.broker.pass_reads import PassReads
 from app.broker.records import (

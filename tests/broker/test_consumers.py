@@ -14,7 +14,6 @@ from redis.asyncio import Redis
 
 from app import keys
 from app.broker import reward_store
-from app.broker.config import RunConfig
 from app.broker.packing import unpack_rollouts
 from app.broker.store import RedisStore, StoreError
 from tests.broker.test_audit_outbox import settle
@@ -74,9 +73,7 @@ async def test_create_is_idempotent_conflicts_and_refuses(store):
         await code_of(store.create_consumer("r", "p", kind="preferences", source="received"))
         == "consumer_kind_unsupported"
     )
-    assert (
-        await code_of(store.create_consumer("r", "c:x", source="received")) == "consumer_invalid"
-    )
+    assert await code_of(store.create_consumer("r", "c:x", source="received")) == "consumer_invalid"
     assert (
         await code_of(store.create_consumer("r", "d", source="received", retention_rollouts=0))
         == "consumer_invalid"
@@ -264,9 +261,9 @@ async def test_an_expired_lease_returns_its_items(store):
     await store.create_consumer("r", "c", source="received")
     await store.ingest("r", [packed("a"), packed("b")])
     gone = await clease(store, size=1, lease_ms=0)  # expires at once
-    assert gone is not None
+    assert gone is not None and gone.rollout_ids == ["a"]
+    assert await take(store) == ["a", "b"]  # the next lease call returned a first
     assert await code_of(store.consumer_ack("r", "c", gone.batch_id)) == "lease_expired"
-    assert await take(store) == ["a", "b"]
     await store.ingest("r", [packed("c")])
     gone = await clease(store, lease_ms=0)
     assert gone is not None
