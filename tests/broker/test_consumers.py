@@ -365,3 +365,16 @@ async def test_the_trainer_sees_the_same_with_and_without_consumers(redis, seed)
     with_ = await trainer_trace(redis, seed, with_consumers=True)
     assert [t[0] for t in without].count("lease") > 5 and "ack" in [t[0] for t in without]
     assert with_ == without
+
+
+async def test_a_group_delivered_and_retired_in_one_call_keeps_its_blobs(store, redis, prefix):
+    await new_run(store, group_size=2, drop_zero_variance_groups=True)
+    await store.create_consumer("r", "c", source="received")
+    # Equal rewards: the group retires zero_variance in the ingest that delivers it.
+    await store.ingest("r", [packed("a", group="g"), packed("b", group="g")])
+    assert await blob_exists(redis, prefix, "a") and await blob_exists(redis, prefix, "b")
+    got = await clease(store)
+    assert got is not None and sorted(got.rollout_ids) == ["a", "b"]
+    await store.consumer_ack("r", "c", got.batch_id)
+    assert not await blob_exists(redis, prefix, "a")
+    assert await holds(redis, prefix) == ({}, set())
