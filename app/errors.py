@@ -116,6 +116,10 @@ class RewardLeaseNotFound(NotFound):
     pass
 
 
+class ConsumerNotFound(NotFound):
+    pass
+
+
 class RewardConflict(Conflict):
     pass
 
@@ -137,6 +141,10 @@ class WorkLeaseOver(Conflict):
 
 
 class RunConflict(Conflict):
+    pass
+
+
+class ConsumerConflict(Conflict):
     pass
 
 

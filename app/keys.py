@@ -89,6 +89,13 @@ PROMPT_MEANS = "pmean"
 POOL_EASY = "pqe"
 POOL_NORMAL = "pqn"
 POOL_HARD = "pqh"
+# Consumers (lua/lib/consumers.lua). hash: every consumer's name -> '<gen> <created ms> <config
+# JSON>'
+CONSUMERS = "cons"
+# hash: every rollout a consumer holds (pending or leased) -> how many consumers hold it
+CONSUMER_REFS = "cref"
+# set: rollouts that retired while a consumer held them: their blobs go with the last hold
+CONSUMER_ORPHANS = "corph"
 # stream: the run's operator actions (audit log entries), each written by the script that makes
 # the change, in the same call; app/access/audit.py moves them into Postgres. A delete keeps it
 # until the run leaves RUNS.
@@ -117,6 +124,12 @@ WORK = "w:"  # hash per work lease: state, version, expiry, its passes, groups s
 # rollout format (app/broker/packing.py); lua/lib/partials.lua says when each comes and goes
 PARTIALS = "pt:"
 PARTIAL_META = "pm:"  # hash per prompt pass: rollout_id -> '<version> <tokens>' of its partial
+# zset per consumer: its pending items '<version> <rollout_id>' by delivery seq (run hash 'cseq')
+CONSUMER_QUEUE = "cq:"
+CONSUMER_COUNTS = "cs:"  # hash per consumer: delivered, acked, dropped, leased
+CONSUMER_LEASES = "cl:"  # zset per consumer: its live batches by expiry ms
+# hash per consumer batch '<name>:<gen>:<batch_id>': st, items (JSON [item, seq, ...]), exp, n
+CONSUMER_BATCH = "cb:"
 
 # -- global keys and channels: the part after "<prefix>:" ------------------------------------
 # zset: every run id by creation ms (listing); a deleted run leaves it once its outbox has moved
@@ -183,6 +196,9 @@ LUA_KEYS: dict[str, str] = {
     "PQE": POOL_EASY,
     "PQN": POOL_NORMAL,
     "PQH": POOL_HARD,
+    "CON.CONS": CONSUMERS,
+    "CON.CREF": CONSUMER_REFS,
+    "CON.CORPH": CONSUMER_ORPHANS,
 }
 LUA_FAMILIES: dict[str, str] = {
     "qvkey": VERSION_QUEUE,
@@ -196,6 +212,10 @@ LUA_FAMILIES: dict[str, str] = {
     "rlkey": REWARD_LEASE,
     "ptkey": PARTIALS,
     "pmkey": PARTIAL_META,
+    "CON.qkey": CONSUMER_QUEUE,
+    "CON.ckey": CONSUMER_COUNTS,
+    "CON.lkey": CONSUMER_LEASES,
+    "CON.bkey": CONSUMER_BATCH,
 }
 
 
@@ -289,7 +309,7 @@ def run_of_wake(prefix: str, message: str) -> tuple[str, str]:
     return run_id, kind
 
 
-_LUA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_LUA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")
 _SUFFIX = re.compile(r"[a-z]+:?")
 
 
@@ -304,12 +324,18 @@ def lua_prologue() -> str:
         f"local POLICY_WAKE = TAG .. '{_suffix(POLICY_WAKE)}'  -- the wake-up of version followers",
         f"local REWARD_WAKE = TAG .. '{_suffix(REWARD_WAKE)}'  -- the wake-up of reward workers",
     ]
+    # A name 'T.x' is field x of table T, declared once: a part's keys cost the scripts' main
+    # chunk one local (Lua allows 200) however many they are.
+    tables = sorted({name.split(".")[0] for name in (*LUA_KEYS, *LUA_FAMILIES) if "." in name})
+    lines += [f"local {_lua_name(t)} = {{}}" for t in tables]
     for name, suffix in LUA_KEYS.items():
         if name != "RUN":
-            lines.append(f"local {_lua_name(name)} = B .. '{_suffix(suffix)}'")
+            local = "" if "." in name else "local "
+            lines.append(f"{local}{_lua_name(name)} = B .. '{_suffix(suffix)}'")
     for name, family in LUA_FAMILIES.items():
         suffix = _suffix(family)
-        lines.append(f"local function {_lua_name(name)}(id) return B .. '{suffix}' .. id end")
+        local = "" if "." in name else "local "
+        lines.append(f"{local}function {_lua_name(name)}(id) return B .. '{suffix}' .. id end")
     return "\n".join(lines) + "\n"
 
 

@@ -20,6 +20,8 @@ from app.errors import (
     BatchNotFound,
     BatchSettled,
     BrokerError,
+    ConsumerConflict,
+    ConsumerNotFound,
     GeneratorQuarantined,
     InternalError,
     LeaseExpired,
@@ -136,6 +138,17 @@ class Refusal:
 
 
 REFUSALS: dict[str, Refusal] = {
+    # arg: the consumer's name
+    "consumer_missing": Refusal(ConsumerNotFound, "no consumer {0!r} in run {run_id!r}"),
+    "consumer_exists": Refusal(
+        ConsumerConflict, "consumer {0!r} exists in run {run_id!r} with a different config"
+    ),
+    # arg: the kind asked for
+    "consumer_kind_unsupported": Refusal(
+        ValidationFailed, "consumers of kind {0!r} are not served yet; only 'rollouts' are"
+    ),
+    # arg: what is wrong with the config
+    "consumer_invalid": Refusal(ValidationFailed, "consumer config refused: {0}"),
     "run_missing": Refusal(RunNotFound, "no run {run_id!r}"),
     "run_conflict": Refusal(RunConflict, "run {run_id!r} exists with a different config"),
     "run_deleted": Refusal(

@@ -36,6 +36,12 @@ SCRIPTS = (
     "score",
     "reward_return",
     "release",
+    "consumer_create",
+    "consumer_delete",
+    "consumer_view",
+    "consumer_lease",
+    "consumer_ack",
+    "consumer_nack",
 )
 
 
@@ -44,7 +50,16 @@ SCRIPTS = (
 # these, which handle a parked run themselves or only read. The store then takes the run back
 # into the index and wakes it, index first (RedisStore._call), and calls again.
 _PARK_AWARE = frozenset(
-    {"create_run", "close_run", "batch_view", "policy_view", "maintain", "wake_run", "delete_run"}
+    {
+        "create_run",
+        "close_run",
+        "batch_view",
+        "policy_view",
+        "maintain",
+        "wake_run",
+        "delete_run",
+        "consumer_view",
+    }
 )
 _PARKED_GUARD = """
 if redis.call('HEXISTS', RUN, 'parked') == 1 then

@@ -19,6 +19,7 @@ from redis.commands.core import AsyncScript
 from app import keys
 from app.broker.batch_calls import SWEEP_LIMIT, BatchCalls, floor_of
 from app.broker.config import RunConfig
+from app.broker.consumer_calls import ConsumerCalls
 from app.broker.packing import PackedRollout
 from app.broker.pass_reads import PassReads
 from app.broker.records import (
@@ -81,10 +82,10 @@ _WAKE_TRIES = 5
 # Scripts whose answer no client relies on for a write: a read, and the maintenance worker's
 # calls (a wake-up is followed by the call that needed it, which waits). They never wait for
 # replicas; every other script does when the store has Replicas.
-_NO_WAIT = frozenset({"batch_view", "policy_view", "maintain", "wake_run"})
+_NO_WAIT = frozenset({"batch_view", "policy_view", "maintain", "wake_run", "consumer_view"})
 
 
-class RedisStore(PassReads, BatchCalls):
+class RedisStore(PassReads, BatchCalls, ConsumerCalls):
     """Every change to a run's keys, one script call each (or a short loop of bounded calls),
     and the reads that need no script; the run indexes' part is :class:`RunIndex`'s, the prompt
     passes' reads :class:`PassReads`'. With ``replicas``, a script call that changes state is

@@ -28,6 +28,8 @@ from app.errors import (
     BatchNotFound,
     BatchSettled,
     BrokerError,
+    ConsumerConflict,
+    ConsumerNotFound,
     GeneratorQuarantined,
     InternalError,
     LeaseExpired,
@@ -91,6 +93,10 @@ EXPECTED: dict[str, tuple[type[BrokerError], int]] = {
     "reward_lease_lost": (RewardLeaseOver, 0),
     "reward_raced": (RunBusy, 0),
     "generator_quarantined": (GeneratorQuarantined, 1),
+    "consumer_missing": (ConsumerNotFound, 1),
+    "consumer_exists": (ConsumerConflict, 1),
+    "consumer_kind_unsupported": (ValidationFailed, 1),
+    "consumer_invalid": (ValidationFailed, 1),
 }
 STATUS = {
     RunNotFound: 404,
@@ -111,6 +117,8 @@ STATUS = {
     WorkLeaseOver: 409,
     InternalError: 500,
     GeneratorQuarantined: 409,
+    ConsumerNotFound: 404,
+    ConsumerConflict: 409,
 }
 CTX = ErrorContext(
     "run-1", batch_id="batch-1", size=6, version=7, retry_after_s=3, lease_id="lease-1"

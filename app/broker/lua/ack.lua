@@ -58,6 +58,9 @@ end
 
 each_unit(cmsgpack.unpack(f[2]), cmsgpack.unpack(f[3]), function(u, r, part)
   r.uses = r.uses + 1
+  if r.uses == 1 then  -- its first gradient: what a 'trained' consumer sees
+    for _, row in ipairs(part) do CON.deliver('trained', row[1], row[2]) end
+  end
   if r.uses == 1 and r.pk then  -- the first use of a prompt attempt's group: its pass is done
     local pf = pass_fields(r.pk)
     if pf[1] == 'b' and tonumber(pf[2]) == r.att then

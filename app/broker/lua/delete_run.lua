@@ -1,4 +1,4 @@
--- requires: settled, audit
+-- requires: settled, audit, consumers
 -- Delete a closed run whose live state has settled and whose events the accounting has all
 -- applied (settled.lua), in bounded steps; call again while it answers 'more'. The first step
 -- marks the run deleting and parked: from then on no other script changes it (they find it
@@ -47,11 +47,14 @@ while budget > 0 do
 end
 if redis.call('EXISTS', PSEEN) == 1 then return ok('more') end
 
+-- Consumers: what each holds goes, with the blobs of retired rollouts they kept.
+for _, name in ipairs(redis.call('HKEYS', CON.CONS)) do CON.free(CON.get(name)) end
+
 -- Whole collections: UNLINK frees a large one off the main thread. The indexes of units and
 -- leases are empty in a settled run; they go too, in case.
 redis.call('UNLINK', SEEN, GDONE, PQ, EV, Q, VS, OPEN, OV, LEASES, US, WLEASES, WAITING, WWAITING,
   ACKED, XV, FLOORS, PWAITING, AW, AUN, AQ, AV, RLEASES, RWAITING, UG, GQ, GW, PMEAN, PQE, PQN,
-  PQH)
+  PQH, CON.CONS, CON.CREF, CON.CORPH)
 local keep = redis.call('HMGET', RUN, 'id', 'created')
 redis.call('DEL', RUN)
 redis.call('HSET', RUN, 'id', keep[1] or '', 'st', 'deleted', 'created', keep[2] or '0',

@@ -24,7 +24,6 @@
 --       | err('over_capacity', live, capacity_rollouts).
 if not load_run() then return err('run_missing') end
 local n = tonumber(ARGV[2])
-local gs = CFG.group_size
 if GEN.quarantine_on() then
   local gens, named = {}, {}
   for i = 1, n do
@@ -119,11 +118,11 @@ for i = 1, n do
       fate[i] = 'ok'
       accepted = accepted + 1
       local u
-      if gs > 1 or work then  -- a prompt attempt's rollouts are a group even of one
+      if CFG.group_size > 1 or work then  -- a prompt attempt's rollouts are a group even of one
         if gid == '' then return err('group_missing', rid) end
         u = 'g:' .. gid
         local f = redis.call('HMGET', ukey(u), 'have', 'need')
-        local have, need = 0, gs
+        local have, need = 0, CFG.group_size
         if f[1] then
           have, need = tonumber(f[1]), tonumber(f[2])
         elseif redis.call('HEXISTS', US, u) == 1 then  -- complete: buffered or leased
@@ -178,7 +177,10 @@ for i = 1, n do
     table.insert(blobs, blob)
     local u = unit[i]
     local awaits = rw == ''
-    if not awaits then rewarded, reward_sum = rewarded + 1, reward_sum + tonumber(rw) end
+    if not awaits then
+      rewarded, reward_sum = rewarded + 1, reward_sum + tonumber(rw)
+      CON.deliver('received', rid, v)
+    end
     if gen ~= '' then GEN.note(u, gen) end
     if awaits then note_awaiting(rid, v, u) end
     if string.sub(u, 1, 2) == 'r:' then  -- a single rollout: a new complete unit
@@ -201,8 +203,9 @@ for i = 1, n do
       if not f[1] then
         new_unit = 1
         useq = work and work[4] or next_seq()
-        have, need, uv = 1, gs, v
-        redis.call('HSET', uk, 'need', gs, 'have', 1, 'v', vs, 'seq', useq, 'vn', I(v_new))
+        have, need, uv = 1, CFG.group_size, v
+        redis.call('HSET', uk, 'need', CFG.group_size, 'have', 1, 'v', vs, 'seq', useq,
+          'vn', I(v_new))
         if awaits then
           redis.call('HSET', uk, 'aw', 1)
         else
@@ -213,7 +216,7 @@ for i = 1, n do
         else
           admit(1)
         end
-        if gs > 1 then  -- a group of one (a prompt attempt's) is complete at once
+        if CFG.group_size > 1 then  -- a group of one (a prompt attempt's) is complete at once
           redis.call('ZADD', OPEN, NOW, u)
           redis.call('ZADD', OV, vs, u)
         end

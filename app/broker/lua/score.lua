@@ -60,6 +60,7 @@ for i = 1, n do
     local rid, text = ids[i], ARGV[at(i) + 2]
     local t, v, u = parse_awaiting(aw[i])
     redis.call('SET', dkey(rid), ARGV[at(i) + 3])
+    CON.deliver('received', rid, v)
     table.insert(done, rid)
     local x = units[u]
     if not x then

@@ -1,4 +1,4 @@
--- requires: passes, generators
+-- requires: passes, generators, consumers
 -- Units: what is buffered, handed out and retired whole. A single rollout is its own unit,
 -- 'r:<rollout_id>'; a group is 'g:<group_id>'. A group lists its members in arrival order
 -- (mkey), each entry '<version> <tokens> <rollout_id>'.
@@ -239,7 +239,8 @@ local function retire_rollouts(u, reason, rows, uses, pk, att)
     local item = { row[1], row[2], row[3], uses }
     if unscored and unscored[i] then item[5] = unscored[i] end
     table.insert(items, item)
-    table.insert(DELS, dkey(row[1]))
+    -- A consumer may still hold it (lib/consumers.lua): its blob goes only when none does.
+    if CON.active() then CON.retire(row[1]) else table.insert(DELS, dkey(row[1])) end
   end
   if string.sub(u, 1, 2) == 'g:' then
     table.insert(DELS, mkey(u))
@@ -297,6 +298,8 @@ end
 -- The collected writes of units (finish()): records, ready indexes, deletions, the live count.
 local function write_units()
   flush_units()
+  CON.write()
+  CON.settle(DELS)
   each_chunk(US_DEL, 1000, function(...) redis.call('HDEL', US, ...) end)
   if #US_DEL > 0 and redis.call('EXISTS', XV) == 1 then
     each_chunk(US_DEL, 1000, function(...) redis.call('ZREM', XV, ...) end)

@@ -1,0 +1,146 @@
+"""The store's calls on a run's consumers (SPEC "Consumers"), kind ``rollouts``: create, read
+and delete one (``consumer_create.lua``, ``consumer_view.lua``, ``consumer_delete.lua``), and
+its leases (``consumer_lease.lua``, ``consumer_ack.lua``, ``consumer_nack.lua``). A part of
+:class:`app.broker.store.RedisStore`, which gives it its script calls and rollout reads.
+lua/lib/consumers.lua says what is kept where."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from app.broker.replies import StoreError, text
+
+__all__ = [
+    "CONSUMER_SWEEP_LIMIT",
+    "DEFAULT_RETENTION",
+    "ConsumerCalls",
+    "ConsumerLease",
+    "ConsumerView",
+]
+
+DEFAULT_RETENTION = 100_000  # retention_rollouts when the creator names none (SPEC)
+CONSUMER_SWEEP_LIMIT = 64  # expired leases a consumer's lease call returns first, at most
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerView:
+    name: str
+    config: dict[str, Any]  # kind, source, max_lag, retention_rollouts
+    created_ms: int
+    delivered: int
+    acked: int
+    dropped: int
+    leased: int
+    pending: int
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerLease:
+    batch_id: str
+    expires_at_ms: int
+    rollout_ids: list[str]
+    blobs: list[bytes]  # the packed rollouts, in the order of rollout_ids
+    repeat: bool  # a retried call: the batch leased before under this batch_id
+
+
+def consumer_config(kind: str, source: str, max_lag: int | None, retention_rollouts: int) -> str:
+    """The config as the scripts store and compare it: canonical JSON."""
+    cfg = {
+        "kind": kind,
+        "source": source,
+        "max_lag": max_lag,
+        "retention_rollouts": retention_rollouts,
+    }
+    return json.dumps(cfg, sort_keys=True, separators=(",", ":"))
+
+
+class ConsumerCalls:
+    """The calls on a run's consumers; :class:`app.broker.store.RedisStore` has the rest."""
+
+    async def _call(self, name: str, run_id: str, *args: Any) -> list[Any]:
+        raise NotImplementedError  # RedisStore's
+
+    async def blobs(self, run_id: str, rollout_ids: Sequence[str]) -> list[bytes | None]:
+        raise NotImplementedError  # RedisStore's
+
+    async def create_consumer(
+        self,
+        run_id: str,
+        name: str,
+        *,
+        kind: str = "rollouts",
+        source: str,
+        max_lag: int | None = None,
+        retention_rollouts: int = DEFAULT_RETENTION,
+    ) -> Literal["created", "exists"]:
+        """'created', or 'exists' for the same config under the same name; StoreError
+        ``consumer_exists`` for another, ``run_closed``, ``run_missing``,
+        ``consumer_kind_unsupported`` (preferences) and ``consumer_invalid``."""
+        cfg = consumer_config(kind, source, max_lag, retention_rollouts)
+        (outcome,) = await self._call("consumer_create", run_id, name, cfg)
+        return "created" if text(outcome) == "created" else "exists"
+
+    async def get_consumer(self, run_id: str, name: str) -> ConsumerView | None:
+        """The consumer's config and live counts, or None when the run has no such consumer."""
+        try:
+            cfg, created, delivered, acked, dropped, leased, pending = await self._call(
+                "consumer_view", run_id, name
+            )
+        except StoreError as err:
+            if err.code == "consumer_missing":
+                return None
+            raise
+        return ConsumerView(
+            name,
+            json.loads(text(cfg)),
+            int(created),
+            int(delivered),
+            int(acked),
+            int(dropped),
+            int(leased),
+            int(pending),
+        )
+
+    async def delete_consumer(self, run_id: str, name: str) -> bool:
+        """Delete the consumer and free what it holds; False when there was none."""
+        outcome, _ = await self._call("consumer_delete", run_id, name)
+        return text(outcome) == "deleted"
+
+    async def consumer_lease(
+        self, run_id: str, name: str, *, batch_id: str, size: int, lease_ms: int
+    ) -> ConsumerLease | None:
+        """Up to ``size`` pending items as batch ``batch_id`` (the same batch again for a
+        retry while it is live), or None when none is pending."""
+        outcome, *body = await self._call(
+            "consumer_lease", run_id, name, batch_id, size, lease_ms, CONSUMER_SWEEP_LIMIT
+        )
+        if text(outcome) == "empty":
+            return None
+        expires, raw = body
+        rids = [text(r) for r in raw]
+        got = await self.blobs(run_id, rids)
+        blobs = []
+        for blob in got:
+            if blob is None:  # only a lease that ran out, whose rollouts were then let go
+                raise StoreError("lease_lost")
+            blobs.append(blob)
+        return ConsumerLease(batch_id, int(expires), rids, blobs, text(outcome) == "repeat")
+
+    async def consumer_ack(
+        self, run_id: str, name: str, batch_id: str
+    ) -> tuple[Literal["acked", "repeat"], int]:
+        """('acked', items), or ('repeat', items) for a batch acked before; StoreError for no
+        such consumer or batch, and for one nacked or expired."""
+        outcome, n = await self._call("consumer_ack", run_id, name, batch_id)
+        return ("acked" if text(outcome) == "acked" else "repeat"), int(n)
+
+    async def consumer_nack(
+        self, run_id: str, name: str, batch_id: str
+    ) -> tuple[Literal["nacked", "repeat"], int]:
+        """('nacked', items back to pending), or ('repeat', items); StoreError for no such
+        consumer or batch, and for one acked or expired."""
+        outcome, n = await self._call("consumer_nack", run_id, name, batch_id)
+        return ("nacked" if text(outcome) == "nacked" else "repeat"), int(n)

@@ -1,0 +1,11 @@
+-- requires: consumers
+-- Delete a consumer and everything it holds (CON.free): the blobs of retired rollouts it was
+-- the last to hold go with it.
+-- ARGV: wake, name. Returns ok('deleted', pending items dropped) | ok('missing', 0)
+--       | err('run_missing').
+if redis.call('HEXISTS', RUN, 'cfg') == 0 then return err('run_missing') end
+local c = CON.get(ARGV[2])
+if not c then return ok('missing', 0) end
+local pending = CON.free(c)
+redis.call('HDEL', CON.CONS, c.name)
+return ok('deleted', pending)

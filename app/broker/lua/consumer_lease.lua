@@ -1,0 +1,48 @@
+-- requires: run, consumers
+-- Lease up to n of a consumer's pending items, oldest delivery first, as batch `batch_id`
+-- (a retry with the same id while it is live returns the same batch). First its leases whose
+-- time is up return their items. Under max_lag, an item whose rollout's version is below the
+-- run's version less max_lag is dropped (counted), not handed out.
+-- ARGV: wake, name, batch_id, n, lease ms, expiry limit.
+-- Returns ok('leased', expires ms, {rollout_id, ...}) | ok('repeat', expires ms, {...})
+--       | ok('empty') | err('run_missing') | err('consumer_missing', name)
+--       | err('batch_id_taken', state).
+if not load_run() then return err('run_missing') end
+local c = CON.get(ARGV[2])
+if not c then return err('consumer_missing', ARGV[2]) end
+local bid, n = ARGV[3], tonumber(ARGV[4])
+CON.expire(c, tonumber(ARGV[6]))
+local bk = CON.batch_key(c, bid)
+local f = redis.call('HMGET', bk, 'st', 'items', 'exp')
+local STATES = { a = 'acked', n = 'nacked', e = 'expired' }
+if f[1] == 'l' then
+  local rids = {}
+  for _, m in ipairs(CON.members(cjson.decode(f[2]))) do table.insert(rids, CON.rid(m)) end
+  return ok('repeat', f[3], rids)
+end
+if f[1] then return err('batch_id_taken', STATES[f[1]]) end
+
+local floor = c.max_lag and R.ver - c.max_lag or nil
+local k = CON.qkey(c.name)
+local items, rids, dropped = {}, {}, {}
+while #rids < n do
+  local got = redis.call('ZPOPMIN', k, n - #rids)
+  if #got == 0 then break end
+  for i = 1, #got, 2 do
+    local m = got[i]
+    if floor and tonumber(string.match(m, '^(%d+) ')) < floor then
+      table.insert(dropped, m)
+    else
+      table.insert(items, m)
+      table.insert(items, got[i + 1])
+      table.insert(rids, CON.rid(m))
+    end
+  end
+end
+CON.drop(c, dropped)
+if #rids == 0 then return ok('empty') end
+local exp = NOW + tonumber(ARGV[5])
+redis.call('HSET', bk, 'st', 'l', 'items', cjson.encode(items), 'exp', I(exp), 'n', #rids)
+redis.call('ZADD', CON.lkey(c.name), I(exp), bid)
+redis.call('HINCRBY', CON.ckey(c.name), 'leased', #rids)
+return ok('leased', I(exp), rids)

@@ -1,0 +1,240 @@
+-- requires: replies
+-- Consumers (SPEC "Consumers"): readers of a run beside the policy trainer, each with its own
+-- queue. CON.CONS maps each consumer's name to '<gen> <created ms> <config JSON>' (gen: the run's
+-- consumer counter when it was created, so that a batch record of a deleted consumer is never
+-- read as one of a new consumer of the same name). Per consumer: CON.qkey(name), its pending
+-- items by delivery seq (the run hash's 'cseq'), each item '<version> <rollout_id>';
+-- CON.ckey(name), its counters (delivered, acked, dropped, leased); CON.lkey(name), its live batches
+-- by expiry ms; CON.bkey('<name>:<gen>:<batch_id>'), a batch (st l/a/n/e, items as JSON
+-- [member, score, ...], exp, n).
+--
+-- A rollout's packed blob lives while any consumer holds it, pending or leased: CON.CREF counts the
+-- consumers holding each rollout. retire_rollouts() (lib/units.lua) hands a retiring rollout's
+-- blob to CON.retire() instead of deleting it; CON.settle() deletes the blobs nobody holds and
+-- marks the others in CON.CORPH, and the release of the last hold deletes those.
+--
+-- A run without consumers pays one EXISTS a call (CON.active(), then kept), nothing a rollout.
+-- One table, CON, holds this library's state and functions: a script's main chunk may have at
+-- most 200 locals.
+-- keep_ms: how long a settled batch record is kept, a day, as a trainer's is.
+-- The key prologue declares CON with the consumer keys in it (CON.CONS, CON.qkey, ...).
+CON.on, CON.list, CON.out, CON.order, CON.retiring = nil, nil, {}, {}, {}
+CON.keep_ms = 86400000
+CON.sources = { received = true, trained = true }
+
+-- Whether the run has a consumer: read once a call, then kept.
+function CON.active()
+  if CON.on == nil then CON.on = redis.call('EXISTS', CON.CONS) == 1 end
+  return CON.on
+end
+
+-- A consumer's record: its config (kind, source, max_lag, retention_rollouts) with name, gen,
+-- created and text (the config JSON as stored).
+function CON.parse(name, text)
+  local gen, created, cfg = string.match(text, '^(%d+) (%d+) (.*)$')
+  local c = cjson.decode(cfg)
+  c.name, c.gen, c.created, c.text = name, gen, tonumber(created), cfg
+  if c.max_lag == cjson.null then c.max_lag = nil end
+  return c
+end
+
+function CON.get(name)
+  local text = redis.call('HGET', CON.CONS, name)
+  if not text then return nil end
+  return CON.parse(name, text)
+end
+
+-- The consumers of a source ('received', 'trained'), read once a call; nil when none.
+function CON.of(source)
+  if not CON.active() then return nil end
+  if CON.list == nil then
+    CON.list = { received = {}, trained = {} }
+    local all = redis.call('HGETALL', CON.CONS)
+    for i = 1, #all, 2 do
+      local c = CON.parse(all[i], all[i + 1])
+      table.insert(CON.list[c.source], c)
+    end
+  end
+  return CON.list[source]
+end
+
+function CON.rid(member) return string.match(member, '^%d+ (.*)$') end
+
+-- A rollout (`rid`, governing version `v`) reaches the consumers of `source`; written by
+-- CON.write() at the end of the call.
+function CON.deliver(source, rid, v)
+  local cs = CON.of(source)
+  if not cs then return end
+  for _, c in ipairs(cs) do
+    local l = CON.out[c.name]
+    if not l then
+      l = { c = c, items = {} }
+      CON.out[c.name] = l
+      table.insert(CON.order, c.name)
+    end
+    table.insert(l.items, I(v) .. ' ' .. rid)
+  end
+end
+
+-- Release one hold on each of `members`: a retired rollout nobody holds any more loses its blob.
+function CON.release(members)
+  for _, m in ipairs(members) do
+    local rid = CON.rid(m)
+    if redis.call('HINCRBY', CON.CREF, rid, -1) <= 0 then
+      redis.call('HDEL', CON.CREF, rid)
+      if redis.call('SREM', CON.CORPH, rid) == 1 then redis.call('DEL', dkey(rid)) end
+    end
+  end
+end
+
+-- Pending items of consumer `c` that will not be delivered: counted, their holds released.
+function CON.drop(c, members)
+  if #members == 0 then return end
+  redis.call('HINCRBY', CON.ckey(c.name), 'dropped', #members)
+  CON.release(members)
+end
+
+-- Keep at most retention_rollouts pending: the oldest beyond it are dropped.
+function CON.trim(c)
+  local k = CON.qkey(c.name)
+  local excess = redis.call('ZCARD', k) - c.retention_rollouts
+  if excess <= 0 then return end
+  local got = redis.call('ZPOPMIN', k, excess)
+  local members = {}
+  for i = 1, #got, 2 do table.insert(members, got[i]) end
+  CON.drop(c, members)
+end
+
+-- The deliveries of this call: each consumer's new items after its pending ones, one hold per
+-- consumer on each rollout, then the retention trim.
+function CON.write()
+  if #CON.order == 0 then return end
+  local seq = tonumber(redis.call('HGET', RUN, 'cseq') or '0')
+  local refs, ref_order = {}, {}
+  for _, name in ipairs(CON.order) do
+    local items = CON.out[name].items
+    local args = {}
+    for _, m in ipairs(items) do
+      seq = seq + 1
+      table.insert(args, I(seq))
+      table.insert(args, m)
+      local rid = CON.rid(m)
+      if not refs[rid] then
+        refs[rid] = 0
+        table.insert(ref_order, rid)
+      end
+      refs[rid] = refs[rid] + 1
+    end
+    each_chunk(args, 1000, function(...) redis.call('ZADD', CON.qkey(name), ...) end)
+    redis.call('HINCRBY', CON.ckey(name), 'delivered', #items)
+  end
+  redis.call('HSET', RUN, 'cseq', I(seq))
+  for _, rid in ipairs(ref_order) do redis.call('HINCRBY', CON.CREF, rid, refs[rid]) end
+  for _, name in ipairs(CON.order) do CON.trim(CON.out[name].c) end
+  CON.out, CON.order = {}, {}
+end
+
+-- A retiring rollout's blob (retire_rollouts): kept while a consumer holds the rollout.
+function CON.retire(rid) table.insert(CON.retiring, rid) end
+
+-- After CON.write(): the blobs of the retiring rollouts nobody holds join `dels`; the others
+-- are marked in CON.CORPH, deleted when their last hold goes.
+function CON.settle(dels)
+  local rids = CON.retiring
+  if #rids == 0 then return end
+  CON.retiring = {}
+  for i = 1, #rids, 1000 do
+    local part = { unpack(rids, i, math.min(i + 999, #rids)) }
+    local held = redis.call('HMGET', CON.CREF, unpack(part))
+    for j, rid in ipairs(part) do
+      if held[j] then
+        redis.call('SADD', CON.CORPH, rid)
+      else
+        table.insert(dels, dkey(rid))
+      end
+    end
+  end
+end
+
+function CON.batch_key(c, bid) return CON.bkey(c.name .. ':' .. c.gen .. ':' .. bid) end
+
+-- The members of a batch's items (JSON [member, score, ...]).
+function CON.members(items)
+  local out = {}
+  for i = 1, #items, 2 do table.insert(out, items[i]) end
+  return out
+end
+
+-- A live batch ends: state `st` ('a' acked, 'n' nacked, 'e' expired), kept a day.
+function CON.settle_batch(c, bid, st)
+  local bk = CON.batch_key(c, bid)
+  redis.call('HSET', bk, 'st', st)
+  redis.call('PEXPIRE', bk, CON.keep_ms)
+  redis.call('ZREM', CON.lkey(c.name), bid)
+end
+
+-- A nacked or expired batch's items go back to pending at their delivery seqs.
+function CON.back(c, bid, st, items)
+  local args = {}
+  for i = 1, #items, 2 do
+    table.insert(args, items[i + 1])
+    table.insert(args, items[i])
+  end
+  each_chunk(args, 1000, function(...) redis.call('ZADD', CON.qkey(c.name), ...) end)
+  redis.call('HINCRBY', CON.ckey(c.name), 'leased', -(#items / 2))
+  CON.settle_batch(c, bid, st)
+end
+
+-- Expire up to `limit` of consumer `c`'s leases whose time is up; how many it expired.
+function CON.expire(c, limit)
+  local due = redis.call('ZRANGEBYSCORE', CON.lkey(c.name), '-inf', I(NOW), 'LIMIT', 0, limit)
+  for _, bid in ipairs(due) do
+    local items = cjson.decode(redis.call('HGET', CON.batch_key(c, bid), 'items'))
+    CON.back(c, bid, 'e', items)
+  end
+  return #due
+end
+
+-- The maintenance sweep's part: expired leases of every consumer, up to `limit` each; whether
+-- one had more.
+function CON.sweep(limit)
+  if not CON.active() then return false end
+  local more = false
+  for _, src in ipairs({ 'received', 'trained' }) do
+    for _, c in ipairs(CON.of(src)) do
+      if CON.expire(c, limit) == limit then more = true end
+    end
+  end
+  return more
+end
+
+-- Everything consumer `c` holds goes: its live batches, its pending items, its counters.
+function CON.free(c)
+  local cl = CON.lkey(c.name)
+  for _, bid in ipairs(redis.call('ZRANGE', cl, 0, -1)) do
+    local bk = CON.batch_key(c, bid)
+    CON.release(CON.members(cjson.decode(redis.call('HGET', bk, 'items'))))
+    redis.call('DEL', bk)
+  end
+  local pending = redis.call('ZRANGE', CON.qkey(c.name), 0, -1)
+  CON.release(pending)
+  redis.call('DEL', cl, CON.qkey(c.name), CON.ckey(c.name))
+  return #pending
+end
+
+-- Why a consumer config is refused, or nil. `cfg` decoded from the caller's JSON.
+function CON.invalid(name, cfg)
+  if not string.match(name, '^[A-Za-z0-9_.-]+$') or #name > 64 then
+    return 'name must be 1 to 64 of A-Z a-z 0-9 _ . -'
+  end
+  if not CON.sources[cfg.source] then return 'source must be received or trained' end
+  local lag = cfg.max_lag
+  if lag ~= cjson.null and (type(lag) ~= 'number' or lag < 0 or lag % 1 ~= 0) then
+    return 'max_lag must be null or an integer >= 0'
+  end
+  local keep = cfg.retention_rollouts
+  if type(keep) ~= 'number' or keep < 1 or keep % 1 ~= 0 then
+    return 'retention_rollouts must be an integer >= 1'
+  end
+  return nil
+end
