@@ -158,6 +158,27 @@ end
 
 function CON.batch_key(c, bid) return CON.bkey(c.name .. ':' .. c.gen .. ':' .. bid) end
 
+-- The live batch `bid` of consumer `name` that an ack or a nack settles: (consumer, items) when
+-- it is live; else the script's answer: its repeat when it was settled as `done` ('a' or 'n'),
+-- or the refusal (an expired one is returned to the queue on the way).
+function CON.live_batch(name, bid, done)
+  if redis.call('HEXISTS', RUN, 'cfg') == 0 then return nil, nil, err('run_missing') end
+  local c = CON.get(name)
+  if not c then return nil, nil, err('consumer_missing', name) end
+  local f = redis.call('HMGET', CON.batch_key(c, bid), 'st', 'items', 'exp', 'n')
+  if not f[1] then return nil, nil, err('batch_missing') end
+  if f[1] == done then return nil, nil, ok('repeat', tonumber(f[4])) end
+  if f[1] == 'n' then return nil, nil, err('batch_nacked') end
+  if f[1] == 'a' then return nil, nil, err('batch_acked') end
+  if f[1] == 'e' then return nil, nil, err('lease_expired') end
+  local items = cjson.decode(f[2])
+  if tonumber(f[3]) <= NOW then
+    CON.back(c, bid, 'e', items)
+    return nil, nil, err('lease_expired')
+  end
+  return c, items, nil
+end
+
 -- The members of a batch's items (JSON [member, score, ...]).
 function CON.members(items)
   local out = {}
