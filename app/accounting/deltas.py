@@ -148,6 +148,16 @@ class GeneratorDelta:
     quarantined_seq: int | None = None
 
 
+@dataclass
+class ConsumerDelta:
+    """What ``consumers`` events add to one consumer's counts (by name: a consumer deleted and
+    created again under the same name keeps adding to the same row)."""
+
+    delivered: int = 0
+    acked: int = 0
+    dropped: int = 0
+
+
 REWARD_LATENCY_BOUNDS_MS = (100, 500, 1_000, 2_000, 5_000, 10_000, 30_000, 60_000, 120_000,
                             300_000, 600_000, 1_800_000)  # fmt: skip
 """Upper bounds of the reward-latency histogram's buckets (ingest → score), in ms; the ledger
@@ -304,6 +314,7 @@ class Fold:
     # rollouts received ("generated") or samples consumed ("trained") of that trained length
     lengths: dict[tuple[str, int], int] = field(default_factory=dict)
     means: dict[str, PromptMeanDelta] = field(default_factory=dict)  # by prompt_id
+    consumers: dict[str, ConsumerDelta] = field(default_factory=dict)  # by consumer name
 
     def version(self, policy_version: int) -> TotalsDelta:
         return _entry(self.versions, policy_version, TotalsDelta)
@@ -313,6 +324,9 @@ class Fold:
 
     def generator(self, generator_id: str) -> GeneratorDelta:
         return _entry(self.generators, generator_id, GeneratorDelta)
+
+    def consumer(self, name: str) -> ConsumerDelta:
+        return _entry(self.consumers, name, ConsumerDelta)
 
     def prompt_mean(self, prompt_id: str) -> PromptMeanDelta:
         return _entry(self.means, prompt_id, PromptMeanDelta)

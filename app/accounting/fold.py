@@ -20,6 +20,7 @@ from app.accounting.passes import MAX_PASSES, PassState, pass_state
 from app.events import (
     Accepted,
     Acked,
+    ConsumersChanged,
     Duplicate,
     Event,
     EventError,
@@ -110,6 +111,8 @@ def fold_events(events: Iterable[Event]) -> Fold:
             _fold_reward_expired(fold, body)
         elif isinstance(body, Waited):
             _fold_waited(fold, body)
+        elif isinstance(body, ConsumersChanged):
+            _fold_consumers(fold, body)
         elif isinstance(body, PromptScored):
             _fold_prompt_scored(fold, event, body)
         elif isinstance(body, GeneratorChanged):
@@ -398,6 +401,14 @@ def _fold_prompt_scored(fold: Fold, event: Event, body: PromptScored) -> None:
         mean = fold.prompt_mean(item.prompt_id)
         tell(mean, "mean", event.stream_id, item.mean)
         mean.groups += 1
+
+
+def _fold_consumers(fold: Fold, body: ConsumersChanged) -> None:
+    for item in body.items:
+        consumer = fold.consumer(item.name)
+        consumer.delivered += item.delivered
+        consumer.acked += item.acked
+        consumer.dropped += item.dropped
 
 
 def _fold_partials(fold: Fold, body: PartialsChanged) -> None:

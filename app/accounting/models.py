@@ -24,6 +24,7 @@ from app.db import Base
 
 __all__ = [
     "Batch",
+    "ConsumerTotals",
     "GeneratorTotals",
     "LagCount",
     "LengthCount",
@@ -212,6 +213,20 @@ class GeneratorTotals(Base):
     quarantined: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="false")
     quarantined_ms: Mapped[int | None] = mapped_column(BigInteger)
     quarantined_seq: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class ConsumerTotals(Base):
+    """One row per (run, consumer name): the items delivered to it, acknowledged and dropped,
+    summed from ``consumers`` events. A consumer deleted and created again under the same name
+    keeps adding to its row."""
+
+    __tablename__ = "consumer_totals"
+
+    run_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    delivered: Mapped[int] = _count()
+    acked: Mapped[int] = _count()
+    dropped: Mapped[int] = _count()
 
 
 class ReasonTotals(Base):

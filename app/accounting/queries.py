@@ -15,6 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.accounting.bias import bias_stats
+from app.accounting.consumer_figures import consumers_of
 from app.accounting.ledger import (
     LedgerCheck,
     Settled,
@@ -41,6 +42,7 @@ from app.accounting.pools import queued_pools, queued_pools_of
 from app.accounting.repository import ms_to_datetime
 from app.accounting.schemas import (
     BatchCounts,
+    ConsumerCounts,
     GeneratorAccounting,
     GeneratorsAccounting,
     IsRatioStats,
@@ -260,7 +262,8 @@ async def checked_accounting(
     generators = (await _generators_of(session, [run_id])).get(run_id, [])
     lengths = (await _lengths_of(session, [run_id])).get(run_id, {})
     pools = await queued_pools(session, run_id)
-    return _checked(run_id, settled, reasons, lags, latency, generators, pools, lengths)
+    consumers = (await consumers_of(session, [run_id])).get(run_id, {})
+    return _checked(run_id, settled, reasons, lags, latency, generators, pools, lengths, consumers)
 
 
 async def checked_accounting_of(
@@ -277,6 +280,7 @@ async def checked_accounting_of(
     generators = await _generators_of(session, ready)
     pools = await queued_pools_of(session, ready)
     lengths = await _lengths_of(session, ready)
+    consumers = await consumers_of(session, ready)
     out: dict[str, CheckedAccounting] = {}
     for run_id in ready:
         try:
@@ -293,6 +297,7 @@ async def checked_accounting_of(
             generators.get(run_id, []),
             pools[run_id],
             lengths.get(run_id, {}),
+            consumers.get(run_id, {}),
         )
     session.expunge_all()  # the totals rows answered stay loaded through the rollback
     await session.rollback()  # ends the snapshot: each run read again starts its own
@@ -314,6 +319,7 @@ def _checked(
     generators: Sequence[GeneratorTotals],
     pools: PoolCounts | None,
     lengths: Lengths,
+    consumers: dict[str, ConsumerCounts],
 ) -> CheckedAccounting:
     totals = settled.totals or zero_totals()
     histogram: dict[int, int] = defaultdict(int)
@@ -367,6 +373,7 @@ def _checked(
         pending_events=settled.pending,
         dead_letters=settled.snapshot.dead_letters,
         live=live_counts(settled.snapshot),
+        consumers=consumers,
     )
     return CheckedAccounting(
         accounting, check_of(run_id, settled), totals, latency, tuple(generators)

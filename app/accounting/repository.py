@@ -20,6 +20,7 @@ from app.accounting.deltas import (
     MAX_COLUMNS,
     MIN_COLUMNS,
     NEWEST_GROUPS,
+    ConsumerDelta,
     Fold,
     GeneratorDelta,
     PromptMeanDelta,
@@ -29,6 +30,7 @@ from app.accounting.deltas import (
 from app.accounting.fold import fold_events
 from app.accounting.models import (
     Batch,
+    ConsumerTotals,
     GeneratorTotals,
     LagCount,
     LengthCount,
@@ -166,7 +168,12 @@ def _table(model: type[Base]) -> Table:
 
 
 def _totals_row(
-    delta: TotalsDelta | TrainingDelta | PassCounts | GeneratorDelta | PromptMeanDelta,
+    delta: TotalsDelta
+    | TrainingDelta
+    | PassCounts
+    | GeneratorDelta
+    | PromptMeanDelta
+    | ConsumerDelta,
 ) -> dict[str, Any]:
     return {f.name: getattr(delta, f.name) for f in fields(delta)}
 
@@ -189,6 +196,7 @@ async def apply_fold(session: AsyncSession, run_id: str, fold: Fold) -> None:
         (TrainingTotals, "policy_version", fold.trainings),
         (GeneratorTotals, "generator_id", fold.generators),
         (PromptMean, "prompt_id", fold.means),
+        (ConsumerTotals, "name", fold.consumers),
     )
     for model, key, deltas in keyed:
         rows = [{"run_id": run_id, key: k, **_totals_row(deltas[k])} for k in sorted(deltas)]

@@ -11,6 +11,7 @@ __all__ = [
     "BatchPage",
     "BatchRecord",
     "BiasStats",
+    "ConsumerCounts",
     "DeadLetter",
     "DeadLetterPage",
     "GeneratorAccounting",
@@ -199,6 +200,20 @@ class LiveCounts(BaseModel):
     )
 
 
+class ConsumerCounts(BaseModel):
+    """One consumer's items (SPEC "Consumers"), summed over every consumer of that name."""
+
+    delivered: int = Field(description="Items delivered to it")
+    acked: int = Field(description="Items it acknowledged")
+    pending: int = Field(
+        description="delivered - acked - dropped: the items pending, and those in its live leases"
+    )
+    dropped: int = Field(
+        description="Items dropped: beyond retention_rollouts, beyond max_lag when leased, or "
+        "held when it was deleted"
+    )
+
+
 class RunAccounting(BaseModel):
     """A run's accounting; once drained, ``rollouts_received == buffered + leased + Σ retired``
     and ``samples_consumed == Σ sizes of the acknowledged batches``; and with no dead letters,
@@ -250,6 +265,9 @@ class RunAccounting(BaseModel):
     live: LiveCounts | None = Field(
         description="The broker's live counts, read at the same moment as pending_events; "
         "null when the run has no live state (deleted)"
+    )
+    consumers: dict[str, ConsumerCounts] = Field(
+        default_factory=dict, description="consumer name -> its items; empty when none"
     )
 
 

@@ -13,6 +13,7 @@ import msgpack
 from app.events.payloads import (
     Accepted,
     Acked,
+    ConsumersChanged,
     Duplicate,
     Event,
     EventError,
@@ -193,6 +194,13 @@ SCHEMA: dict[str, EventType] = {
             GeneratorChanged,
             "a generator was quarantined (`quarantined` 1; its buffered rollouts retire "
             "`quarantined`, a `retired` event follows) or released (0)",
+        ),
+        EventType(
+            "consumers",
+            ConsumersChanged,
+            "a call changed consumers' counts (deliveries, acks, drops, a deletion): per "
+            "consumer, what it added; `pending = delivered − acked − dropped` sums to the items "
+            "pending or in live leases",
         ),
         EventType(
             "prompt_scored",

@@ -391,6 +391,26 @@ class GeneratorChanged:
 
 
 @_wire_class
+class ConsumerItem:
+    name: str = wire("text", note="the consumer's name")
+    delivered: int = wire("int", minimum=0, note="items delivered to it")
+    acked: int = wire("int", minimum=0, note="items it acknowledged")
+    dropped: int = wire(
+        "int",
+        minimum=0,
+        note="items dropped: beyond `retention_rollouts`, below `max_lag` when leased, or "
+        "pending or leased when it was deleted",
+    )
+
+
+@_wire_class
+class ConsumersChanged:
+    """What one call added to the counts of the consumers whose counts it changed."""
+
+    items: tuple[ConsumerItem, ...] = wire("items", of=ConsumerItem)
+
+
+@_wire_class
 class Waited:
     role: str = wire("text", note="`trainer` or `generator`")
     wait_ms: int = wire("int", minimum=0)
@@ -415,6 +435,7 @@ Payload: TypeAlias = (
     | RewardExpired
     | RewardReturned
     | GeneratorChanged
+    | ConsumersChanged
     | PromptScored
     | Waited
 )

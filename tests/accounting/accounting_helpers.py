@@ -33,6 +33,8 @@ from app.events import (
     AckedItem,
     AckStats,
     AckSums,
+    ConsumerItem,
+    ConsumersChanged,
     Duplicate,
     GeneratorChanged,
     Leased,
@@ -271,6 +273,9 @@ class RunSim:
     # (`prompt_scored`); per prompt the newest mean and the groups told.
     score_rng: random.Random = field(init=False)
     means: dict[str, tuple[float, int]] = field(default_factory=dict)
+    # Consumers: now and then a `consumers` event; per name [delivered, acked, dropped].
+    consumer_rng: random.Random = field(init=False)
+    consumer_counts: dict[str, list[int]] = field(default_factory=dict)
     _n: int = 0
     _work_n: int = 0
     _reward_n: int = 0
@@ -282,6 +287,7 @@ class RunSim:
         self.reward_rng = random.Random(self.seed + 3_000_003)
         self.gen_rng = random.Random(self.seed + 4_000_003)
         self.score_rng = random.Random(self.seed + 5_000_003)
+        self.consumer_rng = random.Random(self.seed + 6_000_003)
 
     # --- emitting ---------------------------------------------------------------------
 
@@ -970,6 +976,8 @@ class RunSim:
                 self._quarantine_or_release()
             if step % 5 == 4:
                 self.score_prompts()
+            if step % 3 == 2:
+                self.consumers_step()
             if step % 11 == 10:
                 buffered = [
                     r
@@ -1001,6 +1009,28 @@ class RunSim:
         for item in items:
             self.means[item.prompt_id] = (item.mean, self.means.get(item.prompt_id, (0, 0))[1] + 1)
         self._emit("prompt_scored", PromptScored(items), rng)
+
+    def consumers_step(self) -> None:
+        """One call's `consumers` event: per consumer it names, something delivered, and of
+        what it holds some acked and some dropped (never more than it holds)."""
+        rng = self.consumer_rng
+        items = []
+        for name in sorted(rng.sample(["cons-a", "cons-b", "cons-c"], rng.randint(1, 2))):
+            counts = self.consumer_counts.setdefault(name, [0, 0, 0])
+            delivered = rng.randint(1, 4)
+            held = counts[0] - counts[1] - counts[2] + delivered
+            acked = rng.randint(0, held)
+            dropped = rng.randint(0, held - acked)
+            for i, n in enumerate((delivered, acked, dropped)):
+                counts[i] += n
+            items.append(ConsumerItem(name, delivered, acked, dropped))
+        self._emit("consumers", ConsumersChanged(tuple(items)), rng)
+
+    def expected_consumers(self) -> dict[str, dict[str, int]]:
+        return {
+            name: {"delivered": d, "acked": a, "pending": d - a - x, "dropped": x}
+            for name, (d, a, x) in sorted(self.consumer_counts.items())
+        }
 
     def _quarantine_or_release(self) -> None:
         generator = f"gen-{self.gen_rng.randrange(self.generators)}"
@@ -1053,6 +1083,7 @@ class RunSim:
                 k: self.partial_counts[k]
                 for k in ("returned", "resumed", "dropped", "tokens_resumed", "tokens_dropped")
             },
+            "consumers": self.expected_consumers(),
             "wait": {
                 "generator_s": self.wait_ms["generator"] / 1000,
                 "trainer_s": self.wait_ms["trainer"] / 1000,

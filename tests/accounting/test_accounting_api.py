@@ -100,6 +100,7 @@ async def test_run_known_only_to_redis_reads_as_zeros(
         "pending_events": len(sim.events),
         "dead_letters": 0,
         "live": None,  # the simulated run has no live counts in Redis
+        "consumers": {},  # none: an empty map
     }
     versions = (await accounting_api.get(f"/v1/runs/{run_id}/accounting/versions")).json()
     assert versions == {"versions": [], "as_of": None, "pending_events": len(sim.events)}
@@ -139,7 +140,7 @@ async def test_endpoints_after_drain(
         "samples_rewound", "tokens_consumed", "reuse_factor", "retired",
         "wasted_tokens", "batches", "lag", "kl", "is_ratio", "kl_coef", "prompts", "partials",
         "rewards",
-        "wait", "bias", "as_of", "pending_events", "dead_letters", "live",
+        "wait", "bias", "as_of", "pending_events", "dead_letters", "live", "consumers",
     ]  # fmt: skip
 
     # pending_events: delivered-but-unacknowledged plus never-delivered entries.

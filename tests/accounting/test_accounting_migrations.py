@@ -41,6 +41,7 @@ TABLES = {
     "generator_totals",
     "length_counts",
     "prompt_means",
+    "consumer_totals",
 }
 
 

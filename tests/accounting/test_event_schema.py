@@ -14,10 +14,12 @@ import msgpack
 from redis.asyncio import Redis
 
 from app import keys
+from app.broker.store import RedisStore
 from app.events import (
     EVENT_TYPES,
     Accepted,
     Acked,
+    ConsumersChanged,
     Duplicate,
     Event,
     GeneratorChanged,
@@ -102,6 +104,7 @@ class Script:
         self.posted_rewards: dict[str, float] = {}  # rollout_id -> the reward it was posted with
         self.prompt_means: list[list[Any]] = []  # the prompt_scored items expected, in order
         self.skipped: list[tuple[str, int]] = []  # (prompt_id, pass) expected skipped
+        self.consumer_events: list[list[list[Any]]] = []  # each consumers event's items, in order
 
     async def send(self, *rollouts: dict[str, Any]) -> dict[str, Any]:
         resp = await post(self.client, self.run_id, *rollouts)
@@ -451,6 +454,28 @@ async def quarantine_run(client: httpx.AsyncClient, run_id: str) -> Script:
     return s
 
 
+async def consumer_run(client: httpx.AsyncClient, redis: Redis, prefix: str, run_id: str) -> Script:
+    """A consumer (no HTTP yet: through the store, on the app's keys): deliveries at a post, one
+    beyond its retention dropped, a lease acked, a lease nacked (no count changes), and its
+    deletion with one item pending and one leased."""
+    s = Script(client, run_id)
+    store = RedisStore(redis, prefix)
+    await make_run(client, run_id)
+    await store.create_consumer(run_id, "c", source="received", retention_rollouts=3)
+    await s.send(*[rollout(f"c{i}", 0) for i in range(4)])
+    s.consumer_events.append([["c", 4, 0, 1]])
+    got = await store.consumer_lease(run_id, "c", batch_id="b1", size=1, lease_ms=60_000)
+    assert got is not None
+    await store.consumer_ack(run_id, "c", "b1")
+    s.consumer_events.append([["c", 0, 1, 0]])
+    assert await store.consumer_lease(run_id, "c", batch_id="b2", size=1, lease_ms=60_000)
+    await store.consumer_nack(run_id, "c", "b2")
+    assert await store.consumer_lease(run_id, "c", batch_id="b3", size=1, lease_ms=60_000)
+    assert await store.delete_consumer(run_id, "c")
+    s.consumer_events.append([["c", 0, 0, 2]])
+    return s
+
+
 async def stream_entries(redis: Redis, prefix: str, run_id: str) -> list[tuple[bytes, Any]]:
     return list(await redis.xrange(events_key(prefix, run_id)))
 
@@ -616,6 +641,9 @@ def check_meaning(s: Script, events: list[Event]) -> None:
             undone_rids = [i.rollout_id for i in body.items]
             got = sorted((g.generator_id, g.samples) for g in body.gens)
             assert got == s.per_generator(undone_rids)
+        elif isinstance(body, ConsumersChanged):
+            items = [[i.name, i.delivered, i.acked, i.dropped] for i in body.items]
+            assert items == s.consumer_events.pop(0)
         elif isinstance(body, GeneratorChanged):
             assert (body.generator_id, body.quarantined) in s.quarantines
             assert (body.kl_mean is not None) == body.quarantined
@@ -640,6 +668,7 @@ async def test_every_event_the_scripts_write_follows_the_schema(
         await reward_run(api, "schema-rewards"),
         await pool_run(api, "schema-pools"),
         await quarantine_run(api, "schema-quarantine"),
+        await consumer_run(api, redis, prefix, "schema-consumers"),
     ]
     types: set[str] = set()
     reasons: set[str] = set()
@@ -651,6 +680,7 @@ async def test_every_event_the_scripts_write_follows_the_schema(
         events = [check_round_trip(s.run_id, eid, fields) for eid, fields in entries]
         check_meaning(s, events)
         assert s.prompt_means == []  # every group mean expected was told, in order
+        assert s.consumer_events == []  # and every consumers event
         types |= {e.type for e in events}
         causes |= {e.body.cause for e in events if isinstance(e.body, PassesChanged)}
         reasons |= {e.body.reason for e in events if isinstance(e.body, Retired)}

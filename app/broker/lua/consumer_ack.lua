@@ -8,8 +8,9 @@
 local c, items, answer = CON.live_batch(ARGV[2], ARGV[3], 'a')
 if not c then return answer end
 local members = CON.members(items)
-redis.call('HINCRBY', CON.ckey(c.name), 'acked', #members)
+CON.count(c.name, 'acked', #members)
 redis.call('HINCRBY', CON.ckey(c.name), 'leased', -#members)
 CON.release(members)
 CON.settle_batch(c, ARGV[3], 'a')
+CON.emit()
 return ok('acked', #members)

@@ -40,6 +40,7 @@ while #rids < n do
   end
 end
 CON.drop(c, dropped)
+CON.emit()
 if #rids == 0 then return ok('empty') end
 local exp = NOW + tonumber(ARGV[5])
 redis.call('HSET', bk, 'st', 'l', 'items', cjson.encode(items), 'exp', I(exp), 'n', #rids)

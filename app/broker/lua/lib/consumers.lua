@@ -1,4 +1,4 @@
--- requires: replies
+-- requires: replies, events
 -- Consumers (SPEC "Consumers"): readers of a run beside the policy trainer, each with its own
 -- queue. CON.CONS maps each consumer's name to '<gen> <created ms> <config JSON>' (gen: the run's
 -- consumer counter when it was created, so that a batch record of a deleted consumer is never
@@ -13,12 +13,16 @@
 -- blob to CON.retire() instead of deleting it; CON.settle() deletes the blobs nobody holds and
 -- marks the others in CON.CORPH, and the release of the last hold deletes those.
 --
+-- What each call adds to a consumer's delivered, acked and dropped goes into one 'consumers'
+-- event (CON.emit(), by finish() or at the end of a consumer script): CON.acc, by name.
+--
 -- A run without consumers pays one EXISTS a call (CON.active(), then kept), nothing a rollout.
 -- One table, CON, holds this library's state and functions: a script's main chunk may have at
 -- most 200 locals.
 -- keep_ms: how long a settled batch record is kept, a day, as a trainer's is.
 -- The key prologue declares CON with the consumer keys in it (CON.CONS, CON.qkey, ...).
 CON.on, CON.list, CON.out, CON.order, CON.retiring = nil, nil, {}, {}, {}
+CON.acc, CON.acc_order = {}, {}
 CON.keep_ms = 86400000
 CON.sources = { received = true, trained = true }
 
@@ -58,6 +62,36 @@ function CON.of(source)
   return CON.list[source]
 end
 
+-- Consumer `name`'s `field` (delivered, acked, dropped) grew by n in this call: for its event.
+function CON.note(name, field, n)
+  if n == 0 then return end
+  local a = CON.acc[name]
+  if not a then
+    a = { delivered = 0, acked = 0, dropped = 0 }
+    CON.acc[name] = a
+    table.insert(CON.acc_order, name)
+  end
+  a[field] = a[field] + n
+end
+
+-- Add n to consumer `name`'s counter `field` in CON.ckey(name), and to its event.
+function CON.count(name, field, n)
+  redis.call('HINCRBY', CON.ckey(name), field, n)
+  CON.note(name, field, n)
+end
+
+-- The 'consumers' event of this call: per consumer whose counts changed, what they grew by.
+function CON.emit()
+  if #CON.acc_order == 0 then return end
+  local items = {}
+  for _, name in ipairs(CON.acc_order) do
+    local a = CON.acc[name]
+    table.insert(items, { name, a.delivered, a.acked, a.dropped })
+  end
+  emit('consumers', { items = items })
+  CON.acc, CON.acc_order = {}, {}
+end
+
 function CON.rid(member) return string.match(member, '^%d+ (.*)$') end
 
 -- A rollout (`rid`, governing version `v`) reaches the consumers of `source`; written by
@@ -90,7 +124,7 @@ end
 -- Pending items of consumer `c` that will not be delivered: counted, their holds released.
 function CON.drop(c, members)
   if #members == 0 then return end
-  redis.call('HINCRBY', CON.ckey(c.name), 'dropped', #members)
+  CON.count(c.name, 'dropped', #members)
   CON.release(members)
 end
 
@@ -126,7 +160,7 @@ function CON.write()
       refs[rid] = refs[rid] + 1
     end
     each_chunk(args, 1000, function(...) redis.call('ZADD', CON.qkey(name), ...) end)
-    redis.call('HINCRBY', CON.ckey(name), 'delivered', #items)
+    CON.count(name, 'delivered', #items)
   end
   redis.call('HSET', RUN, 'cseq', I(seq))
   for _, rid in ipairs(ref_order) do redis.call('HINCRBY', CON.CREF, rid, refs[rid]) end
@@ -229,17 +263,22 @@ function CON.sweep(limit)
   return more
 end
 
--- Everything consumer `c` holds goes: its live batches, its pending items, its counters.
+-- Everything consumer `c` holds goes: its live batches, its pending items, its counters. Its
+-- pending and leased items are counted dropped in the call's event.
 function CON.free(c)
   local cl = CON.lkey(c.name)
+  local leased = 0
   for _, bid in ipairs(redis.call('ZRANGE', cl, 0, -1)) do
     local bk = CON.batch_key(c, bid)
-    CON.release(CON.members(cjson.decode(redis.call('HGET', bk, 'items'))))
+    local members = CON.members(cjson.decode(redis.call('HGET', bk, 'items')))
+    leased = leased + #members
+    CON.release(members)
     redis.call('DEL', bk)
   end
   local pending = redis.call('ZRANGE', CON.qkey(c.name), 0, -1)
   CON.release(pending)
   redis.call('DEL', cl, CON.qkey(c.name), CON.ckey(c.name))
+  CON.note(c.name, 'dropped', #pending + leased)
   return #pending
 end
 

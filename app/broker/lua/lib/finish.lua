@@ -8,5 +8,6 @@ local function finish()
   emit_passes()
   emit_partials()
   POOL.emit()
+  CON.emit()
   wake_waiting()
 end
