@@ -22,6 +22,7 @@ from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app import keys
+from app.accounting import repository
 from app.accounting.consumers import as_text
 from app.accounting.endpoints import router
 from app.api import install_error_handlers
@@ -68,9 +69,11 @@ from app.events import (
     Waited,
     WorkItem,
     WorkLeased,
+    decode_entry,
     encode_payload,
     lag_of,
 )
+from app.events import Event as StreamEvent
 from app.keys import events_key, run_key, runs_key
 from app.settings import Settings
 from workers.drain import DrainContext, drain_once
@@ -105,6 +108,26 @@ def pack(payload: dict[str, Any]) -> bytes:
 
 def entry(event_type: str, payload: dict[str, Any]) -> dict[bytes, bytes]:
     return {b"e": event_type.encode(), b"d": pack(payload)}
+
+
+T0 = 1_750_000_000_000  # the time of the events tests build by hand: T0 + n at stream id n-0
+
+
+def event_at(run_id: str, n: int, event_type: str, body: Payload) -> StreamEvent:
+    """An event of ``run_id`` with stream id ``n-0`` and time ``T0 + n``."""
+    payload = encode_payload(event_type, body, t_ms=T0 + n)
+    return decode_entry(run_id, f"{n}-0", entry(event_type, payload))
+
+
+async def apply_batches(
+    sm: async_sessionmaker[AsyncSession],
+    run_id: str,
+    batches: Sequence[Sequence[StreamEvent]],
+) -> None:
+    """Apply each batch of events to the ledger in a transaction of its own, in order."""
+    for batch in batches:
+        async with sm() as s, s.begin():
+            await repository.apply_events(s, run_id, batch)
 
 
 async def register_run(redis: Redis, prefix: str, run_id: str, score: int = 0) -> None:

@@ -6,17 +6,15 @@ a rollout whose tokens are all masked (trained length 0) included."""
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-from accounting_helpers import entry
+from accounting_helpers import apply_batches, event_at
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.accounting import repository
 from app.accounting.bias import bucket_of
 from app.accounting.fold import fold_events
 from app.accounting.models import LengthCount, RunTotals
@@ -28,22 +26,12 @@ from app.events import (
     AckStats,
     AckSums,
     Event,
-    Payload,
     Scored,
     ScoredItem,
-    decode_entry,
-    encode_payload,
 )
 
 # The fold and the ledger are the subject; Redis serves only the reads' pending counts.
 pytestmark = pytest.mark.one_node
-
-T0 = 1_750_000_000_000
-
-
-def _event(run_id: str, n: int, event_type: str, body: Payload) -> Event:
-    payload = encode_payload(event_type, body, t_ms=T0 + n)
-    return decode_entry(run_id, f"{n}-0", entry(event_type, payload))
 
 
 class Workload:
@@ -79,14 +67,14 @@ class Workload:
             self.rewards_generated += told
             n += 1
             body = Accepted(tuple(items), len(told) or None, sum(told) if told else None)
-            self.events.append(_event(run_id, n, "accepted", body))
+            self.events.append(event_at(run_id, n, "accepted", body))
         scored = unscored[::2]
         for rid in scored:
             rewards[rid] = rng.uniform(-3, 3)
             self.rewards_generated.append(rewards[rid])
         n += 1
         items = tuple(ScoredItem(rid, 0, rewards[rid], 10, False) for rid in scored)
-        self.events.append(_event(run_id, n, "scored", Scored(items)))
+        self.events.append(event_at(run_id, n, "scored", Scored(items)))
         pool = sorted(lengths)
         for b in range(6):
             picked = rng.sample(pool, rng.randint(1, 5))
@@ -99,7 +87,7 @@ class Workload:
                     self.rewards_trained.append(reward)
             n += 1
             body = Acked(f"b{b}", None, 1, tuple(acked), AckStats(), AckSums())
-            self.events.append(_event(run_id, n, "acked", body))
+            self.events.append(event_at(run_id, n, "acked", body))
 
     def histogram(self, side: str) -> dict[int, int]:
         values = self.generated if side == "generated" else self.trained
@@ -144,24 +132,18 @@ async def _tables(sm: async_sessionmaker[AsyncSession], run_id: str) -> tuple[An
     return tuple(lengths), sums
 
 
-async def _apply(
-    sm: async_sessionmaker[AsyncSession], run_id: str, batches: Sequence[Sequence[Event]]
-) -> None:
-    for batch in batches:
-        async with sm() as s, s.begin():
-            await repository.apply_events(s, run_id, batch)
-
-
 async def test_batches_applied_in_any_order_give_the_same_tables_and_figures(
     sessionmaker: async_sessionmaker[AsyncSession], accounting_api: httpx.AsyncClient
 ) -> None:
     tag = random.Random().getrandbits(32)
     in_order, shuffled = f"bias-in-order-{tag}", f"bias-shuffled-{tag}"
-    await _apply(sessionmaker, in_order, [Workload(in_order, seed=3).events])
+    await apply_batches(sessionmaker, in_order, [Workload(in_order, seed=3).events])
     work = Workload(shuffled, seed=3)
     chunks = [work.events[i : i + 3] for i in range(0, len(work.events), 3)]
     random.Random(5).shuffle(chunks)
-    await _apply(sessionmaker, shuffled, [[e] for e in work.events[-2:]] + chunks)  # some twice
+    await apply_batches(
+        sessionmaker, shuffled, [[e] for e in work.events[-2:]] + chunks
+    )  # some twice
     assert await _tables(sessionmaker, in_order) == await _tables(sessionmaker, shuffled)
 
     bias = (await accounting_api.get(f"/v1/runs/{shuffled}/accounting")).json()["bias"]

@@ -5,17 +5,24 @@ means and the run's current thresholds, in the accounting and in the prompts lis
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
-from accounting_helpers import drain_all, entry, register_run, xadd_events
+from accounting_helpers import (
+    T0,
+    apply_batches,
+    drain_all,
+    event_at,
+    register_run,
+    xadd_events,
+)
 from redis.asyncio import Redis
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.accounting import queries, repository
+from app.accounting import queries
 from app.accounting.models import PromptMean
 from app.accounting.schemas import RunAccounting
 from app.accounting.stream import EventStream
@@ -23,7 +30,6 @@ from app.events import (
     Event,
     PassesChanged,
     PassItem,
-    Payload,
     PromptScored,
     PromptScoredItem,
     Registered,
@@ -31,7 +37,6 @@ from app.events import (
     RunChanged,
     WorkItem,
     WorkLeased,
-    decode_entry,
     encode_payload,
 )
 from app.metrics import CATALOGUE
@@ -41,22 +46,6 @@ from workers.drain import DrainContext
 # The fold and the ledger's reads are the subject here; Redis serves only the stream and the
 # reads' pending counts, the same on a cluster (the drain's own tests run on both).
 pytestmark = pytest.mark.one_node
-
-T0 = 1_750_000_000_000
-
-
-def _event(run_id: str, n: int, event_type: str, body: Payload) -> Event:
-    """An event with stream id ``n-0`` and time ``T0 + n``."""
-    payload = encode_payload(event_type, body, t_ms=T0 + n)
-    return decode_entry(run_id, f"{n}-0", entry(event_type, payload))
-
-
-async def _apply(
-    sm: async_sessionmaker[AsyncSession], run_id: str, batches: Sequence[Sequence[Event]]
-) -> None:
-    for batch in batches:
-        async with sm() as s, s.begin():
-            await repository.apply_events(s, run_id, batch)
 
 
 def _scored_workload(run_id: str, seed: int) -> tuple[list[Event], dict[str, tuple[float, int]]]:
@@ -68,7 +57,7 @@ def _scored_workload(run_id: str, seed: int) -> tuple[list[Event], dict[str, tup
     for n in range(1, 41):
         told = rng.sample(prompts, rng.randint(1, 4))
         items = tuple(PromptScoredItem(p, round(rng.uniform(-1, 1), 6), 4) for p in told)
-        events.append(_event(run_id, n, "prompt_scored", PromptScored(items)))
+        events.append(event_at(run_id, n, "prompt_scored", PromptScored(items)))
         for item in items:
             groups = expected.get(item.prompt_id, (0.0, 0))[1]
             expected[item.prompt_id] = (item.mean, groups + 1)
@@ -98,10 +87,10 @@ async def test_the_newest_mean_wins_and_groups_add_up_whatever_the_order(
         random.Random(4).shuffle(batches)
     else:
         batches = [[e] for e in reversed(events)]
-    await _apply(sessionmaker, run_id, batches)
+    await apply_batches(sessionmaker, run_id, batches)
     assert await _means(sessionmaker, run_id) == expected
     # Applied again (a batch delivered twice): nothing changes.
-    await _apply(sessionmaker, run_id, [events[:5]])
+    await apply_batches(sessionmaker, run_id, [events[:5]])
     assert await _means(sessionmaker, run_id) == expected
 
 
@@ -122,7 +111,7 @@ def _difficulty(easy_above: float, hard_below: float) -> dict[str, Any]:
 
 def _run(run_id: str, n: int, change: str, difficulty: dict[str, Any] | None) -> Event:
     body = RunChanged(run_id, change, _config(difficulty), 0, "open", T0)
-    return _event(run_id, n, "run", body)
+    return event_at(run_id, n, "run", body)
 
 
 def _pool(mean: float | None, easy_above: float, hard_below: float) -> str:
@@ -144,18 +133,18 @@ def _pools_workload(run_id: str) -> tuple[list[Event], dict[tuple[str, int], str
     states = {(p, n): "queued" for p in prompts for n in (1, 2)}
     events = [
         _run(run_id, 1, "created", _difficulty(EASY_ABOVE, HARD_BELOW)),
-        _event(run_id, 2, "registered", Registered(tuple(RegisteredItem(p, 2) for p in prompts))),
+        event_at(run_id, 2, "registered", Registered(tuple(RegisteredItem(p, 2) for p in prompts))),
     ]
     # An older mean of every scored prompt first, which the newer one below must replace.
     old = tuple(PromptScoredItem(p, 0.4, 2) for p in prompts[:10])
-    events.append(_event(run_id, 3, "prompt_scored", PromptScored(old)))
+    events.append(event_at(run_id, 3, "prompt_scored", PromptScored(old)))
     new = tuple(PromptScoredItem(p, m, 2) for p, m in zip(prompts, MEANS, strict=False))
-    events.append(_event(run_id, 4, "prompt_scored", PromptScored(new)))
+    events.append(event_at(run_id, 4, "prompt_scored", PromptScored(new)))
     lease = WorkLeased("w-1", "gen", 0, T0 + 60_000, (WorkItem("p01", 1, 1), WorkItem("p09", 2, 1)))
-    events.append(_event(run_id, 5, "work_leased", lease))
+    events.append(event_at(run_id, 5, "work_leased", lease))
     states[("p01", 1)] = states[("p09", 2)] = "in_flight"
     items = tuple(PassItem(p, n, 1, state, 0) for (p, n), state in sorted(ENDED.items()))
-    events.append(_event(run_id, 6, "passes", PassesChanged("skipped", None, items)))
+    events.append(event_at(run_id, 6, "passes", PassesChanged("skipped", None, items)))
     states.update(ENDED)
     return events, states
 
@@ -279,7 +268,7 @@ async def test_prompts_listed_by_pool_and_state(
     accounting_api: httpx.AsyncClient,
 ) -> None:
     events, states = _pools_workload(run_id)
-    await _apply(sessionmaker, run_id, [events])
+    await apply_batches(sessionmaker, run_id, [events])
     means = dict(zip((f"p{i:02d}" for i in range(10)), MEANS, strict=True))
     everything = [
         {"prompt_id": p, "pass": n, "attempt": 1, "state": states[(p, n)], "tries": 0,
@@ -304,7 +293,7 @@ async def test_prompts_listed_by_pool_and_state(
         assert resp.status_code == 422, params
         assert resp.json()["error"] == "ValidationFailed", params
     # A run without difficulty has no pools to filter by.
-    await _apply(sessionmaker, run_id, [[_run(run_id, 50, "config", None)]])
+    await apply_batches(sessionmaker, run_id, [[_run(run_id, 50, "config", None)]])
     resp = await accounting_api.get(url, params={"pool": "normal"})
     assert resp.status_code == 422
     assert resp.json() == {

@@ -11,12 +11,20 @@ from typing import Any
 
 import httpx
 import pytest
-from accounting_helpers import RunSim, assert_matches, entry, register_run, xadd_events
+from accounting_helpers import (
+    T0,
+    RunSim,
+    apply_batches,
+    assert_matches,
+    entry,
+    event_at,
+    register_run,
+    xadd_events,
+)
 from redis.asyncio import Redis
 from sqlalchemy import Connection, inspect
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.accounting import repository
 from app.accounting.models import GeneratorTotals
 from app.db import create_engine, downgrade, upgrade_to_head
 from app.events import (
@@ -29,36 +37,18 @@ from app.events import (
     AckSums,
     Event,
     GeneratorChanged,
-    Payload,
     Rewound,
     RewoundGen,
     decode_entry,
-    encode_payload,
 )
 
 # The fold and the ledger's reads are the subject here; Redis serves only the reads' pending
 # counts, the same on a cluster (the drain's own tests run on both).
 pytestmark = pytest.mark.one_node
 
-T0 = 1_750_000_000_000
-
 
 def _events(run_id: str, raw: Sequence[tuple[str, dict[str, Any]]]) -> list[Event]:
     return [decode_entry(run_id, f"{1000 + i}-0", entry(t, p)) for i, (t, p) in enumerate(raw)]
-
-
-def _event(run_id: str, n: int, event_type: str, body: Payload) -> Event:
-    """An event with stream id ``n-0`` and time ``T0 + n``."""
-    payload = encode_payload(event_type, body, t_ms=T0 + n)
-    return decode_entry(run_id, f"{n}-0", entry(event_type, payload))
-
-
-async def _apply(
-    sm: async_sessionmaker[AsyncSession], run_id: str, batches: Sequence[Sequence[Event]]
-) -> None:
-    for batch in batches:
-        async with sm() as s, s.begin():
-            await repository.apply_events(s, run_id, batch)
 
 
 def _ms(stamp: str | None) -> int | None:
@@ -97,7 +87,7 @@ async def test_generator_figures_equal_a_recompute_whatever_the_order(
     else:
         batches = [events[i : i + 9] for i in range(0, len(events), 9)]
         random.Random(4).shuffle(batches)
-    await _apply(sessionmaker, run_id, batches)
+    await apply_batches(sessionmaker, run_id, batches)
 
     expected = sim.expected_generators()
     got = await _generators(accounting_api, run_id)
@@ -121,7 +111,7 @@ async def test_generator_figures_equal_a_recompute_whatever_the_order(
 
 
 def _told(run_id: str, n: int, generator: str, quarantined: bool) -> Event:
-    return _event(run_id, n, "generator", GeneratorChanged(generator, quarantined, 0.5, 100))
+    return event_at(run_id, n, "generator", GeneratorChanged(generator, quarantined, 0.5, 100))
 
 
 @pytest.mark.parametrize("reverse", [False, True])
@@ -142,7 +132,7 @@ async def test_the_newest_quarantine_or_release_wins_in_either_order(
     ]
     if reverse:
         events.reverse()
-    await _apply(sessionmaker, run_id, [events] if together else [[e] for e in events])
+    await apply_batches(sessionmaker, run_id, [events] if together else [[e] for e in events])
     got = await _generators(accounting_api, run_id)
     assert {g: row["quarantined"] for g, row in got.items()} == {
         "quarantined-last": True,
@@ -173,7 +163,7 @@ def _acked(run_id: str, n: int, version: int, kl_coef: float | None) -> Event:
         sums=AckSums(),
         kl_coef=kl_coef,
     )
-    return _event(run_id, n, "acked", body)
+    return event_at(run_id, n, "acked", body)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -185,14 +175,14 @@ async def test_beta_per_version_is_the_newest_acks_and_null_once_the_penalty_is_
 ) -> None:
     accepted = Accepted(tuple(AcceptedItem(f"r-{v}", f"r-{v}", v, 4, True) for v in (1, 2, 3)))
     events = [
-        _event(run_id, 1, "accepted", accepted),
+        event_at(run_id, 1, "accepted", accepted),
         _acked(run_id, 5, 1, 0.1),
         _acked(run_id, 6, 2, 0.2),
         _acked(run_id, 7, 1, 0.3),
         _acked(run_id, 8, 3, 0.4),
     ]
     random.Random(seed).shuffle(events)
-    await _apply(sessionmaker, run_id, [[e] for e in events])
+    await apply_batches(sessionmaker, run_id, [[e] for e in events])
     acc = (await accounting_api.get(f"/v1/runs/{run_id}/accounting")).json()
     assert acc["kl_coef"] == 0.4
     rows = (await accounting_api.get(f"/v1/runs/{run_id}/accounting/versions")).json()
@@ -202,7 +192,7 @@ async def test_beta_per_version_is_the_newest_acks_and_null_once_the_penalty_is_
         3: 0.4,
     }
     # The penalty turned off: the newest ack carries no β, and the run's is null.
-    await _apply(sessionmaker, run_id, [[_acked(run_id, 9, 2, None)]])
+    await apply_batches(sessionmaker, run_id, [[_acked(run_id, 9, 2, None)]])
     acc = (await accounting_api.get(f"/v1/runs/{run_id}/accounting")).json()
     assert acc["kl_coef"] is None
     rows = (await accounting_api.get(f"/v1/runs/{run_id}/accounting/versions")).json()
@@ -240,15 +230,15 @@ async def test_answer_shape_sums_and_nulls(
         gens=gens,
     )
     events = [
-        _event(run_id, 1, "accepted", accepted),
-        _event(
+        event_at(run_id, 1, "accepted", accepted),
+        event_at(
             run_id,
             2,
             "accepted",
             Accepted((AcceptedItem("r-4", "r-4", 0, 5, True, 0, False, "gen-a"),)),
         ),
-        _event(run_id, 3, "acked", acked),
-        _event(
+        event_at(run_id, 3, "acked", acked),
+        event_at(
             run_id,
             4,
             "acked",
@@ -262,9 +252,9 @@ async def test_answer_shape_sums_and_nulls(
                 gens=(AckedGen("gen-a", 1, 5, 4, 0.6, 5, 4.0, 1, 1, 0.5),),
             ),
         ),
-        _event(run_id, 5, "rewound", Rewound(1, 0, ("b-1",), (), (RewoundGen("gen-a", 1),))),
+        event_at(run_id, 5, "rewound", Rewound(1, 0, ("b-1",), (), (RewoundGen("gen-a", 1),))),
     ]
-    await _apply(sessionmaker, run_id, [events])
+    await apply_batches(sessionmaker, run_id, [events])
     resp = await accounting_api.get(f"/v1/runs/{run_id}/accounting/generators")
     assert resp.status_code == 200, resp.text
     body = resp.json()
