@@ -5,12 +5,12 @@ which gives it its script calls and rollout reads."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Literal
 
 from app.broker.config import RunConfig
 from app.broker.records import BatchMember, BatchView
 from app.broker.replies import AckAnswer, ack_answer, beta_of, text
+from app.broker.store_parts import StorePart
 from app.caller import BROKER, action_entry
 
 __all__ = ["ACK_FLUSH_LIMIT", "SWEEP_LIMIT", "BatchCalls", "floor_of"]
@@ -25,14 +25,8 @@ def floor_of(raw: Any) -> int | None:
     return int(t) if t else None
 
 
-class BatchCalls:
+class BatchCalls(StorePart):
     """The calls on a leased batch; :class:`app.broker.store.RedisStore` has the rest."""
-
-    async def _call(self, name: str, run_id: str, *args: Any) -> list[Any]:
-        raise NotImplementedError  # RedisStore's
-
-    async def blobs(self, run_id: str, rollout_ids: Sequence[str]) -> list[bytes | None]:
-        raise NotImplementedError  # RedisStore's
 
     async def batch_view(
         self,

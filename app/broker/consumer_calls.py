@@ -7,11 +7,11 @@ lua/lib/consumers.lua says what is kept where."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from app.broker.replies import StoreError, text
+from app.broker.store_parts import StorePart
 
 __all__ = [
     "CONSUMER_SWEEP_LIMIT",
@@ -57,14 +57,8 @@ def consumer_config(kind: str, source: str, max_lag: int | None, retention_rollo
     return json.dumps(cfg, sort_keys=True, separators=(",", ":"))
 
 
-class ConsumerCalls:
+class ConsumerCalls(StorePart):
     """The calls on a run's consumers; :class:`app.broker.store.RedisStore` has the rest."""
-
-    async def _call(self, name: str, run_id: str, *args: Any) -> list[Any]:
-        raise NotImplementedError  # RedisStore's
-
-    async def blobs(self, run_id: str, rollout_ids: Sequence[str]) -> list[bytes | None]:
-        raise NotImplementedError  # RedisStore's
 
     async def create_consumer(
         self,
