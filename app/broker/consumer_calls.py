@@ -18,6 +18,7 @@ __all__ = [
     "DEFAULT_RETENTION",
     "ConsumerCalls",
     "ConsumerLease",
+    "ConsumerPair",
     "ConsumerView",
 ]
 
@@ -28,7 +29,7 @@ CONSUMER_SWEEP_LIMIT = 64  # expired leases a consumer's lease call returns firs
 @dataclass(frozen=True, slots=True)
 class ConsumerView:
     name: str
-    config: dict[str, Any]  # kind, source, max_lag, retention_rollouts
+    config: dict[str, Any]  # kind, source, max_lag, min_margin, pairs, retention_rollouts
     created_ms: int
     delivered: int
     acked: int
@@ -38,20 +39,43 @@ class ConsumerView:
 
 
 @dataclass(frozen=True, slots=True)
+class ConsumerPair:
+    """A preference pair of a lease: two rollouts of one complete group, ``chosen`` the one
+    with the higher reward."""
+
+    pair_id: str  # unique in the consumer, the same when handed out again
+    prompt_id: str | None  # the group's prompt, when it was posted under a work lease
+    chosen: str
+    rejected: str
+    margin: float  # chosen's reward minus rejected's
+
+
+@dataclass(frozen=True, slots=True)
 class ConsumerLease:
     batch_id: str
     expires_at_ms: int
-    rollout_ids: list[str]
+    rollout_ids: list[str]  # kind preferences: each rollout of the pairs once
     blobs: list[bytes]  # the packed rollouts, in the order of rollout_ids
     repeat: bool  # a retried call: the batch leased before under this batch_id
+    pairs: list[ConsumerPair] | None = None  # kind preferences: the batch's items
 
 
-def consumer_config(kind: str, source: str, max_lag: int | None, retention_rollouts: int) -> str:
-    """The config as the scripts store and compare it: canonical JSON."""
+def consumer_config(
+    kind: str,
+    source: str,
+    max_lag: int | None,
+    retention_rollouts: int,
+    min_margin: float | None = None,
+    pairs: str | None = None,
+) -> str:
+    """The config as the scripts store and compare it: canonical JSON (min_margin and pairs
+    null for kind rollouts)."""
     cfg = {
         "kind": kind,
         "source": source,
         "max_lag": max_lag,
+        "min_margin": min_margin,
+        "pairs": pairs,
         "retention_rollouts": retention_rollouts,
     }
     return json.dumps(cfg, sort_keys=True, separators=(",", ":"))
@@ -69,11 +93,13 @@ class ConsumerCalls(StorePart):
         source: str,
         max_lag: int | None = None,
         retention_rollouts: int = DEFAULT_RETENTION,
+        min_margin: float | None = None,
+        pairs: str | None = None,
     ) -> Literal["created", "exists"]:
         """'created', or 'exists' for the same config under the same name; StoreError
         ``consumer_exists`` for another, ``run_closed``, ``run_missing``,
         ``consumer_kind_unsupported`` (preferences) and ``consumer_invalid``."""
-        cfg = consumer_config(kind, source, max_lag, retention_rollouts)
+        cfg = consumer_config(kind, source, max_lag, retention_rollouts, min_margin, pairs)
         (outcome,) = await self._call("consumer_create", run_id, name, cfg)
         return "created" if text(outcome) == "created" else "exists"
 

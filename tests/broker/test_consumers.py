@@ -83,6 +83,8 @@ async def test_create_is_idempotent_conflicts_and_refuses(store):
         "kind": "rollouts",
         "source": "received",
         "max_lag": 2,
+        "min_margin": None,
+        "pairs": None,
         "retention_rollouts": 100_000,
     }
     assert await store.get_consumer("r", "p") is None
