@@ -9,9 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.broker.consumer_calls import DEFAULT_RETENTION
 from app.broker.schemas import FinishReason
+from app.ids import ConsumerName
 
 __all__ = [
-    "CONSUMER_NAME_PATTERN",
     "DEFAULT_RETENTION",
     "MAX_RETENTION",
     "ConsumerAckResult",
@@ -23,11 +23,8 @@ __all__ = [
     "PairOut",
 ]
 
-# Names end up in Redis key names and in metric labels: short, plain.
-CONSUMER_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 MAX_RETENTION = 10_000_000  # a bound on what one consumer may hold: docs/design.md, "Consumers"
 
-ConsumerName = Annotated[str, Field(pattern=CONSUMER_NAME_PATTERN)]
 Kind = Literal["rollouts", "preferences"]
 Source = Literal["received", "trained"]
 PairRule = Literal["best_worst", "all"]
