@@ -40,15 +40,17 @@ class ConsumerBody(BaseModel):
     kind: Kind = "rollouts"
     source: Source
     max_lag: Annotated[int, Field(ge=0)] | None = Field(
-        None, description="Items of rollouts more than this many versions behind the run's "
-        "version when handed out are dropped (counted); null: none are"
+        None,
+        description="Items of rollouts more than this many versions behind the run's "
+        "version when handed out are dropped (counted); null: none are",
     )
     min_margin: Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)] | None = Field(
         None, description="Kind preferences: the least reward difference of a pair (default 0)"
     )
     pairs: PairRule | None = Field(
-        None, description="Kind preferences: one pair per group (best_worst, the default) or "
-        "every pair whose rewards differ by min_margin or more (all)"
+        None,
+        description="Kind preferences: one pair per group (best_worst, the default) or "
+        "every pair whose rewards differ by min_margin or more (all)",
     )
     retention_rollouts: Annotated[int, Field(ge=1, le=MAX_RETENTION)] = DEFAULT_RETENTION
 

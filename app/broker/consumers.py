@@ -51,9 +51,7 @@ class Consumers:
     def _error(self, err: StoreError, run_id: str, batch_id: str | None = None) -> Exception:
         return error_for(err, ErrorContext(run_id, batch_id=batch_id))
 
-    async def create(
-        self, run_id: str, body: ConsumerBody, by: Caller
-    ) -> tuple[ConsumerOut, bool]:
+    async def create(self, run_id: str, body: ConsumerBody, by: Caller) -> tuple[ConsumerOut, bool]:
         """The consumer and whether it was created now (False: it existed with this config)."""
         detail = body.model_dump(mode="json")
         entry = action_entry(by, "consumer.create", run_id, detail)
@@ -146,7 +144,7 @@ def consumer_out(view: ConsumerView) -> ConsumerOut:
         delivered=view.delivered,
         acked=view.acked,
         dropped=view.dropped,
-        pending=view.pending,
+        pending=view.pending + view.leased,  # as the accounting counts it
         leased=view.leased,
     )
 
@@ -175,7 +173,10 @@ def batch_answer(got: ConsumerLease) -> dict[str, Any]:
         rid: rollout_doc(r)
         for rid, r in zip(got.rollout_ids, unpack_rollouts(got.blobs), strict=True)
     }
-    answer: dict[str, Any] = {"batch_id": got.batch_id, "lease_expires_at": iso_ms(got.expires_at_ms)}
+    answer: dict[str, Any] = {
+        "batch_id": got.batch_id,
+        "lease_expires_at": iso_ms(got.expires_at_ms),
+    }
     if got.pairs is None:
         answer["rollouts"] = list(docs.values())
         return answer
