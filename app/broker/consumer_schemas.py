@@ -34,7 +34,7 @@ class ConsumerBody(BaseModel):
     """``POST /v1/runs/{run_id}/consumers``. ``min_margin`` and ``pairs`` apply to kind
     ``preferences`` alone (defaults 0 and ``best_worst``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: ConsumerName
     kind: Kind = "rollouts"
