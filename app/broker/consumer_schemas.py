@@ -68,7 +68,7 @@ class ConsumerBody(BaseModel):
 
 class ConsumerOut(BaseModel):
     """A consumer: its config and its live counts (items: rollouts, or pairs for kind
-    preferences). ``pending`` are delivered and neither acked nor dropped (``leased`` among them)."""
+    preferences). ``pending`` are delivered, neither acked nor dropped (``leased`` among them)."""
 
     name: str
     kind: Kind
