@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from rollout_broker_client import BrokerClient
+from rollout_broker_client import BrokerClient, Rollout
 
 from tests.client.live import REPO, LiveServer
 
@@ -89,3 +89,35 @@ def test_client_readme_work_loop(live_server: LiveServer) -> None:
         acc = broker.wait_for_accounting("my-run", timeout_s=20)
         assert (acc.prompts.registered, acc.prompts.in_flight) == (10, 10)
         assert (acc.rollouts_received, acc.groups_received) == (80, 10)
+
+
+def test_client_readme_reward_model_consumer(
+    live_server: LiveServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The reward-model loop of the client README's consumers section, with a stand-in model.
+    (The DPO loop beside it wants the broker to serve kind preferences.)"""
+    (code,) = [
+        b for b in blocks("python", REPO / "clients" / "python" / "README.md") if '"rm"' in b
+    ]
+    url = live_server.url
+    fitted: list[tuple[int, list[float]]] = []
+
+    class Model:
+        def fit(self, tokens: list[np.ndarray], rewards: np.ndarray) -> None:
+            assert rewards.dtype == np.float64
+            fitted.append((len(tokens), rewards.tolist()))
+
+    with BrokerClient(url) as broker:
+        broker.create_run("rm-run")  # the work loop's test has "my-run"
+        broker.create_consumer("rm-run", "rm", source="received", max_lag=8)  # as the README's
+        broker.post_rollouts("rm-run", [Rollout(f"c{k}", 0, [k, 1], float(k)) for k in range(70)])
+    assert code.count("wait_s=30") == 1
+    loop = (
+        code.replace("http://broker:8000", url)
+        .replace('"my-run"', '"rm-run"')
+        .replace("wait_s=30", "wait_s=0, stop_when_empty=True")
+    )
+    exec(loop, {"reward_model": Model()})
+    assert [n for n, _ in fitted] == [64, 6]
+    assert sorted(r for _, rs in fitted for r in rs) == [float(k) for k in range(70)]
+    assert capsys.readouterr().out == "70\n"
