@@ -1,5 +1,6 @@
 """The README's Python tour runs as written and prints what the README says it prints; the
-client README's work loop runs as written, with a stand-in for the model."""
+client README's work loop and reward-model consumer loop run as written, with stand-ins for the
+models."""
 
 from __future__ import annotations
 
