@@ -110,6 +110,7 @@ async def test_the_loop_acks_each_batch_when_its_body_moves_on(broker: AsyncBrok
         )
         seen += [r.rollout_id for r in batch.rollouts]
         batches.append(batch)
+        assert len(batches) <= 3, "items handed out again: a batch was not acked"
     assert sorted(seen) == [f"r{k}" for k in range(5)]
     assert [b.acked for b in batches] == [len(b) for b in batches]
     assert all(b.settled and b.returned is None for b in batches)
