@@ -122,8 +122,22 @@ async def test_a_killed_reader_and_api_process_lose_no_item(
             await read_until(api, "rm", seen, 12)  # the held five come back at expiry
             assert seen == Counter(f"x{i}" for i in range(12))
             acc = await caught_up(api, "r")
+            assert acc["consumers"] == {
+                "rm": {"delivered": 12, "acked": 12, "pending": 0, "dropped": 0}
+            }
+            # Deleting the run drops what its consumer still holds, counted before it goes.
+            more = {"rollouts": rollouts(12, 3)}
+            assert (await api.post("/v1/runs/r/rollouts", json=more)).is_success
+            assert (await api.post("/v1/runs/r/close")).is_success
+            deadline = time.monotonic() + 60
+            while (resp := await api.delete("/v1/runs/r")).status_code == 409:
+                assert resp.json()["error"] == "RunBusy", resp.text
+                assert time.monotonic() < deadline, resp.text
+                await asyncio.sleep(0.1)
+            assert resp.status_code == 204, resp.text
+            acc = (await api.get("/v1/runs/r/accounting")).json()
         assert acc["consumers"] == {
-            "rm": {"delivered": 12, "acked": 12, "pending": 0, "dropped": 0}
+            "rm": {"delivered": 15, "acked": 12, "pending": 0, "dropped": 3}
         }
     finally:
         await api.aclose()

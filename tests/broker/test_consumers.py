@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
+from unittest.mock import ANY
 
 import pytest
 from redis.asyncio import Redis
@@ -142,6 +143,22 @@ async def test_trained_gets_a_rollout_after_its_first_acked_use_once(store):
     assert (await counts(store))[0] == 2
 
 
+async def test_a_first_use_a_rewind_undid_is_not_handed_out_again(store, redis, prefix):
+    await new_run(store, max_reuse=2)
+    await store.create_consumer("r", "c", source="trained")
+    await store.ingest("r", [packed("a"), packed("b")])
+    await store.set_policy("r", 1)
+    await ack(store, await lease(store, 2))  # their first use, at version 1
+    assert sorted(await take(store)) == ["a", "b"]
+    await store.rewind("r", 0)  # the use is undone: none stands
+    got = await lease(store, 2)
+    assert [r.uses for r in got.rollouts] == [0, 0]
+    await ack(store, got)  # their first use again, for the trainer
+    assert await take(store) == []  # but not for the consumer, which had them
+    assert await counts(store) == (2, 2, 0, 0, 0)
+    assert not await redis.exists(keys.run_key(prefix, "r", keys.CONSUMER_REWOUND))
+
+
 # -- retention and the blobs ----------------------------------------------------------------
 
 
@@ -225,6 +242,14 @@ async def test_deleting_the_run_frees_what_consumers_hold(store, redis, prefix):
     await retire_a(store)
     await store.close_run("r")
     await settle(redis, prefix)
+    # What the consumer holds (a leased, b pending) is dropped and counted; the delete waits
+    # for the accounting to apply that.
+    assert await code_of(store.delete_run("r")) == "run_busy"
+    assert (await events(redis, prefix, "r"))[-1] == (
+        "consumers",
+        {"items": [["c", 0, 0, 2]], "t": ANY},
+    )
+    await redis.xgroup_setid(keys.events_key(prefix, "r"), keys.CONSUMER_GROUP, id="$")
     await store.delete_run("r")
     names = {k.decode() async for k in redis.scan_iter(match=f"{prefix}:*")}
     base = keys.run_base(prefix, "r")

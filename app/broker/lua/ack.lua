@@ -58,7 +58,7 @@ end
 
 each_unit(cmsgpack.unpack(f[2]), cmsgpack.unpack(f[3]), function(u, r, part)
   r.uses = r.uses + 1
-  if r.uses == 1 then  -- its first gradient: what a 'trained' consumer sees
+  if r.uses == 1 and CON.first_use(u) then  -- its first gradient: what 'trained' consumers see
     for _, row in ipairs(part) do CON.deliver('trained', row[1], row[2]) end
   end
   if r.uses == 1 and r.pk then  -- the first use of a prompt attempt's group: its pass is done

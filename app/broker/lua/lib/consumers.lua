@@ -110,6 +110,19 @@ function CON.deliver(source, rid, v)
   end
 end
 
+-- A rewind gave back every use of unit `u`, whose first one its rollouts' 'trained' consumers
+-- were handed: its next first use is not handed to them again (each sees a rollout once).
+function CON.rewound(u)
+  if CON.active() then redis.call('SADD', CON.TD, u) end
+end
+
+-- Whether unit `u`'s first use is its first gradient ever (not one again after a rewind).
+function CON.first_use(u)
+  if not CON.active() then return true end
+  if CON.td == nil then CON.td = redis.call('EXISTS', CON.TD) == 1 end
+  return not (CON.td and redis.call('SREM', CON.TD, u) == 1)
+end
+
 -- Release one hold on each of `members`: a retired rollout nobody holds any more loses its blob.
 function CON.release(members)
   for _, m in ipairs(members) do
