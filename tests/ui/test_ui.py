@@ -133,6 +133,8 @@ async def expected_figures(http: httpx.AsyncClient, selected: str) -> dict[str, 
         want["rewards"] = "n/a"
     if "bias" not in acc:  # a broker that does not report the bias figures
         want["bias"] = "n/a"
+    if "consumers" not in acc:  # a broker that does not report consumers
+        want["consumers"] = "n/a"
     want |= {
         "run.run_id": run["run_id"],
         "run.status": run["status"],
