@@ -1,7 +1,7 @@
 """The per-consumer figures of ``GET /metrics`` with a bounded label set: the consumers of a run
 that were delivered the most items get a ``consumer`` label of their own, the others are summed
-under ``consumer="(other)"``, a label no consumer's name can take (names are letters, digits,
-``_``, ``.`` and ``-``)."""
+under ``consumer="(other)"``, a label no consumer's name can take (``app.ids``'s
+CONSUMER_NAME_PATTERN: letters, digits, ``_``, ``.`` and ``-``)."""
 
 from __future__ import annotations
 

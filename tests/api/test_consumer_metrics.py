@@ -5,6 +5,7 @@ under ``(other)``."""
 
 from __future__ import annotations
 
+import re
 import uuid
 
 import httpx
@@ -15,6 +16,7 @@ from app.accounting.schemas import ConsumerCounts
 from app.broker.store import RedisStore
 from app.events import ConsumerItem, ConsumersChanged
 from app.events import Event as StreamEvent
+from app.ids import CONSUMER_NAME_PATTERN
 from app.main import create_app
 from app.metrics.consumers import OTHER_CONSUMERS, label_consumers
 from app.settings import Settings
@@ -104,6 +106,7 @@ async def test_consumer_labels_stay_bounded_and_the_rest_is_summed_under_other(
 
 @pytest.mark.parametrize("bound", [0, 4])
 def test_label_consumers_sums_all_or_none(bound: int) -> None:
+    assert re.fullmatch(CONSUMER_NAME_PATTERN, OTHER_CONSUMERS) is None  # never a consumer's
     counts = {n: ConsumerCounts(delivered=3, acked=1, pending=1, dropped=1) for n in "xyz"}
     got = dict(label_consumers(counts, bound))
     if bound == 0:
