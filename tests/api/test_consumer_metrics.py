@@ -17,11 +17,10 @@ from app.broker.store import RedisStore
 from app.events import ConsumerItem, ConsumersChanged
 from app.events import Event as StreamEvent
 from app.ids import CONSUMER_NAME_PATTERN
-from app.main import create_app
 from app.metrics.consumers import OTHER_CONSUMERS, label_consumers
 from app.settings import Settings
 from tests.accounting.accounting_helpers import apply_batches, event_at
-from tests.api.test_metrics import Samples, scrape
+from tests.api.test_metrics import Samples, app_client, scrape
 from tests.helpers import make_run, post, rollout
 from workers.drain import DrainContext, drain_once
 
@@ -79,29 +78,26 @@ def _told(n: int, *items: tuple[str, int, int, int]) -> StreamEvent:
 async def test_consumer_labels_stay_bounded_and_the_rest_is_summed_under_other(
     settings: Settings, sessionmaker: async_sessionmaker[AsyncSession]
 ) -> None:
-    app = create_app(settings.model_copy(update={"metrics_consumers": 2}))
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://broker") as c:
-            await make_run(c, "cb1")
-            # name, delivered, acked, dropped
-            await apply_batches(
-                sessionmaker,
-                "cb1",
-                [[_told(1, ("a", 9, 4, 1), ("b", 7, 7, 0), ("c", 7, 2, 3), ("d", 2, 0, 1))]],
-            )
-            assert consumers_in(await scrape(c), "cb1") == {
-                "a": {"delivered": 9, "acked": 4, "pending": 4, "dropped": 1},
-                "b": {"delivered": 7, "acked": 7, "pending": 0, "dropped": 0},  # b before c
-                OTHER_CONSUMERS: {"delivered": 9, "acked": 2, "pending": 3, "dropped": 4},
-            }
-            # d overtakes a and b: it takes a label, b joins the sum.
-            await apply_batches(sessionmaker, "cb1", [[_told(2, ("d", 20, 0, 0))]])
-            assert consumers_in(await scrape(c), "cb1") == {
-                "d": {"delivered": 22, "acked": 0, "pending": 21, "dropped": 1},
-                "a": {"delivered": 9, "acked": 4, "pending": 4, "dropped": 1},
-                OTHER_CONSUMERS: {"delivered": 14, "acked": 9, "pending": 2, "dropped": 3},
-            }
+    async with app_client(settings.model_copy(update={"metrics_consumers": 2})) as c:
+        await make_run(c, "cb1")
+        # name, delivered, acked, dropped
+        await apply_batches(
+            sessionmaker,
+            "cb1",
+            [[_told(1, ("a", 9, 4, 1), ("b", 7, 7, 0), ("c", 7, 2, 3), ("d", 2, 0, 1))]],
+        )
+        assert consumers_in(await scrape(c), "cb1") == {
+            "a": {"delivered": 9, "acked": 4, "pending": 4, "dropped": 1},
+            "b": {"delivered": 7, "acked": 7, "pending": 0, "dropped": 0},  # b before c
+            OTHER_CONSUMERS: {"delivered": 9, "acked": 2, "pending": 3, "dropped": 4},
+        }
+        # d overtakes a and b: it takes a label, b joins the sum.
+        await apply_batches(sessionmaker, "cb1", [[_told(2, ("d", 20, 0, 0))]])
+        assert consumers_in(await scrape(c), "cb1") == {
+            "d": {"delivered": 22, "acked": 0, "pending": 21, "dropped": 1},
+            "a": {"delivered": 9, "acked": 4, "pending": 4, "dropped": 1},
+            OTHER_CONSUMERS: {"delivered": 14, "acked": 9, "pending": 2, "dropped": 3},
+        }
 
 
 @pytest.mark.parametrize("bound", [0, 4])
