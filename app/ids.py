@@ -11,14 +11,14 @@ from rollout_broker_client.protocol import RUN_ID_PATTERN
 from app.events import text_fault
 
 __all__ = [
-    "ID_EXCLUDED",
     "CONSUMER_NAME_PATTERN",
-    "ConsumerName",
+    "ID_EXCLUDED",
     "ITEM_ID_PATTERN",
     "LEASE_ID_PATTERN",
     "MAX_VERSION",
     "PROMPT_ID_PATTERN",
     "RUN_ID_PATTERN",
+    "ConsumerName",
     "ItemId",
     "LeaseId",
     "LedgerText",

@@ -34,7 +34,7 @@ class ConsumerBody(BaseModel):
     """``POST /v1/runs/{run_id}/consumers``. ``min_margin`` and ``pairs`` apply to kind
     ``preferences`` alone (defaults 0 and ``best_worst``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: ConsumerName
     kind: Kind = "rollouts"
@@ -68,7 +68,7 @@ class ConsumerBody(BaseModel):
 
 class ConsumerOut(BaseModel):
     """A consumer: its config and its live counts (items: rollouts, or pairs for kind
-    preferences). ``pending`` are delivered and neither acked nor dropped (``leased`` among them)."""
+    preferences). ``pending`` are delivered, neither acked nor dropped (``leased`` among them)."""
 
     name: str
     kind: Kind

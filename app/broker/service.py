@@ -18,6 +18,7 @@ from rollout_broker_client.protocol import new_run_id
 from app import keys
 from app.broker.behaviour import BatchRow, BehaviourCache
 from app.broker.config import RunConfig, RunConfigPatch
+from app.broker.consumers import Consumers
 from app.broker.generators import unnamed_attempts, with_lease_generators
 from app.broker.notify import Try, Waker, long_poll
 from app.broker.packing import (
@@ -29,7 +30,6 @@ from app.broker.packing import (
 from app.broker.partials import check_prefixes, pack_partials, partials_wanted
 from app.broker.prompt_limits import PromptLimits, with_prompts
 from app.broker.replies import ErrorContext, StoreError, error_for
-from app.broker.consumers import Consumers
 from app.broker.rewards import Rewards
 from app.broker.run_index import ORPHAN_GRACE_MS, RunStatus, Visible
 from app.broker.schemas import (
