@@ -75,6 +75,8 @@ async def test_the_ledger_equals_the_live_counters_through_a_deletion(
     assert await _ledger(accounting_api, run_id) == {}  # none: an empty map
     await store.create_consumer(run_id, "c", source="received", max_lag=1, retention_rollouts=3)
     await store.create_consumer(run_id, "d", source="received")
+    zero = {"delivered": 0, "acked": 0, "pending": 0, "dropped": 0}
+    assert await check("c", "d") == {"c": zero, "d": zero}  # listed before any item
     await store.ingest(run_id, [packed(f"a{i}") for i in range(5)])  # c keeps 3 of 5
     await store.consumer_ack(run_id, "c", await _lease(store, run_id, "c", 1))
     await store.consumer_nack(run_id, "c", await _lease(store, run_id, "c", 1))

@@ -26,4 +26,5 @@ local gen = redis.call('HINCRBY', RUN, 'cgen', 1)
 redis.call('HSET', CON.CONS, name, I(gen) .. ' ' .. I(NOW) .. ' ' .. text)
 redis.call('HSET', CON.ckey(name), 'delivered', 0, 'acked', 0, 'dropped', 0, 'leased', 0)
 audit(ARGV[4])
+emit('consumers', { items = { { name, 0, 0, 0 } } })  -- the accounting lists it from now on
 return ok('created')
