@@ -1,5 +1,5 @@
-"""The store's calls on a run's consumers (SPEC "Consumers"), kind ``rollouts``: create, read
-and delete one (``consumer_create.lua``, ``consumer_view.lua``, ``consumer_delete.lua``), and
+"""The store's calls on a run's consumers (SPEC "Consumers"), kinds ``rollouts`` and
+``preferences``: create, read and delete one (``consumer_create.lua``, ``consumer_view.lua``, ``consumer_delete.lua``), and
 its leases (``consumer_lease.lua``, ``consumer_ack.lua``, ``consumer_nack.lua``). A part of
 :class:`app.broker.store.RedisStore`, which gives it its script calls and rollout reads.
 lua/lib/consumers.lua says what is kept where."""
@@ -81,6 +81,13 @@ def consumer_config(
     return json.dumps(cfg, sort_keys=True, separators=(",", ":"))
 
 
+def _pair(raw: list[Any]) -> ConsumerPair:
+    """A pair of consumer_lease.lua's answer: pair_id, prompt_id ('' = none), chosen,
+    rejected, margin (exact text)."""
+    pair_id, prompt, chosen, rejected, margin = (text(x) for x in raw)
+    return ConsumerPair(pair_id, prompt or None, chosen, rejected, float(margin))
+
+
 class ConsumerCalls(StorePart):
     """The calls on a run's consumers; :class:`app.broker.store.RedisStore` has the rest."""
 
@@ -97,8 +104,8 @@ class ConsumerCalls(StorePart):
         pairs: str | None = None,
     ) -> Literal["created", "exists"]:
         """'created', or 'exists' for the same config under the same name; StoreError
-        ``consumer_exists`` for another, ``run_closed``, ``run_missing``,
-        ``consumer_kind_unsupported`` (preferences) and ``consumer_invalid``."""
+        ``consumer_exists`` for another, ``run_closed``, ``run_missing`` and
+        ``consumer_invalid`` (kind preferences in a run whose group_size is 1 too)."""
         cfg = consumer_config(kind, source, max_lag, retention_rollouts, min_margin, pairs)
         (outcome,) = await self._call("consumer_create", run_id, name, cfg)
         return "created" if text(outcome) == "created" else "exists"
@@ -133,13 +140,14 @@ class ConsumerCalls(StorePart):
         self, run_id: str, name: str, *, batch_id: str, size: int, lease_ms: int
     ) -> ConsumerLease | None:
         """Up to ``size`` pending items as batch ``batch_id`` (the same batch again for a
-        retry while it is live), or None when none is pending."""
+        retry while it is live), or None when none is pending. Kind preferences: the pairs,
+        with each of their rollouts read once."""
         outcome, *body = await self._call(
             "consumer_lease", run_id, name, batch_id, size, lease_ms, CONSUMER_SWEEP_LIMIT
         )
         if text(outcome) == "empty":
             return None
-        expires, raw = body
+        expires, raw, *more = body
         rids = [text(r) for r in raw]
         got = await self.blobs(run_id, rids)
         blobs = []
@@ -147,7 +155,9 @@ class ConsumerCalls(StorePart):
             if blob is None:  # only a lease that ran out, whose rollouts were then let go
                 raise StoreError("lease_lost")
             blobs.append(blob)
-        return ConsumerLease(batch_id, int(expires), rids, blobs, text(outcome) == "repeat")
+        pairs = [_pair(p) for p in more[0]] if more else None
+        repeat = text(outcome) == "repeat"
+        return ConsumerLease(batch_id, int(expires), rids, blobs, repeat, pairs)
 
     async def consumer_ack(
         self, run_id: str, name: str, batch_id: str

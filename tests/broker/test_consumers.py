@@ -69,9 +69,13 @@ async def test_create_is_idempotent_conflicts_and_refuses(store):
     assert await store.create_consumer("r", "c", source="received", max_lag=2) == "created"
     assert await store.create_consumer("r", "c", source="received", max_lag=2) == "exists"
     assert await code_of(store.create_consumer("r", "c", source="trained")) == "consumer_exists"
-    assert (
-        await code_of(store.create_consumer("r", "p", kind="preferences", source="received"))
-        == "consumer_kind_unsupported"
+    assert (  # kind preferences needs groups (tests/broker/test_consumer_pairs.py)
+        await code_of(
+            store.create_consumer(
+                "r", "p", kind="preferences", source="received", min_margin=0, pairs="all"
+            )
+        )
+        == "consumer_invalid"
     )
     assert await code_of(store.create_consumer("r", "c:x", source="received")) == "consumer_invalid"
     assert (
