@@ -1,7 +1,8 @@
 """The store's calls on a run's consumers (SPEC "Consumers"), kinds ``rollouts`` and
-``preferences``: create, read and delete one (``consumer_create.lua``, ``consumer_view.lua``, ``consumer_delete.lua``), and
-its leases (``consumer_lease.lua``, ``consumer_ack.lua``, ``consumer_nack.lua``). A part of
-:class:`app.broker.store.RedisStore`, which gives it its script calls and rollout reads.
+``preferences``: create, read and delete one (``consumer_create.lua``, ``consumer_view.lua``,
+``consumer_delete.lua``), and its leases (``consumer_lease.lua``, ``consumer_ack.lua``,
+``consumer_nack.lua``). A part of :class:`app.broker.store.RedisStore`, which gives it its
+script calls and rollout reads.
 lua/lib/consumers.lua says what is kept where."""
 
 from __future__ import annotations
