@@ -121,14 +121,6 @@ async def regroup(store: RedisStore, config: RunConfig, size: int) -> RunConfig:
     return new
 
 
-async def test_a_single_rollout_run_after_a_group_size_change_gives_no_pairs(store):
-    config = await new_run(store, group_size=2)
-    await prefs(store)
-    await regroup(store, config, 1)
-    await store.ingest("r", [packed("s", reward=0.0), packed("t", reward=1.0)])
-    assert await take(store) == []
-
-
 # -- when: the last reward in, the first acked use ------------------------------------------
 
 
