@@ -363,3 +363,12 @@ async def test_the_reward_is_read_from_blobs_of_every_shape(store, redis: Redis)
     await store.ingest("r", [second])
     await store.ingest("r", [packed("z", group="g", reward=1.0)])
     assert await take(store) == [("y", long_id, 3.625), ("z", long_id, 1.125), ("y", "z", 2.5)]
+    # Ids of 52 and 53 characters put the tokens' length (bin 16) across the first read's end.
+    for n in (52, 53):
+        await store.ingest("r", [packed("k" * n, group=f"h{n}", reward=0.5, tokens=400)])
+        await store.ingest("r", group(f"h{n}", 0.0, 0.25))
+        assert await take(store) == [
+            ("k" * n, f"h{n}0", 0.5),
+            ("k" * n, f"h{n}1", 0.25),
+            (f"h{n}1", f"h{n}0", 0.25),
+        ]

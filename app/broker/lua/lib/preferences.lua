@@ -25,63 +25,63 @@ CON.MP_SIZED = {
   [0xdb] = { 4, 0 }, [0xc7] = { 1, 1 }, [0xc8] = { 2, 1 }, [0xc9] = { 4, 1 },
 }
 
--- The size of the msgpack object whose first bytes are `head` (9 of them, or to the end): its
--- header and payload bytes, and how many objects are nested in it (array and map entries).
-function CON.mp_size(head)
-  local b = string.byte(head, 1)
-  local function len(n)  -- the big-endian length after the type byte
-    local x = 0
-    for i = 2, n + 1 do x = x * 256 + (string.byte(head, i) or 0) end
-    return x
-  end
+-- The big-endian length in the n bytes after position i of `s`.
+function CON.mp_len(s, i, n)
+  local x = 0
+  for j = i + 1, i + n do x = x * 256 + (string.byte(s, j) or 0) end
+  return x
+end
+
+-- The size of the msgpack object at position i of `s` (which holds its first 9 bytes, or to
+-- the end): its header and payload bytes, and how many objects are nested in it (array and
+-- map entries).
+function CON.mp_size(s, i)
+  local b = string.byte(s, i)
   if b <= 0x7f or b >= 0xe0 or b == 0xc0 or b == 0xc2 or b == 0xc3 then return 1, 0 end
-  if b >= 0xa0 and b <= 0xbf then return 1 + b - 0xa0, 0 end  -- fixstr
+  if b >= 0xa0 and b <= 0xbf then return b - 0x9f, 0 end  -- fixstr
   if b >= 0x90 and b <= 0x9f then return 1, b - 0x90 end  -- fixarray
   if b >= 0x80 and b <= 0x8f then return 1, 2 * (b - 0x80) end  -- fixmap
   if CON.MP_FIXED[b] then return CON.MP_FIXED[b], 0 end
-  local s = CON.MP_SIZED[b]
-  if s then return 1 + s[1] + s[2] + len(s[1]), 0 end
-  if b == 0xdc then return 3, len(2) end  -- array 16
-  if b == 0xdd then return 5, len(4) end  -- array 32
-  if b == 0xde then return 3, 2 * len(2) end  -- map 16
-  return 5, 2 * len(4)  -- map 32 (0xdf; 0xc1 is never used)
+  local z = CON.MP_SIZED[b]
+  if z then return 1 + z[1] + z[2] + CON.mp_len(s, i, z[1]), 0 end
+  if b == 0xdc then return 3, CON.mp_len(s, i, 2) end  -- array 16
+  if b == 0xdd then return 5, CON.mp_len(s, i, 4) end  -- array 32
+  if b == 0xde then return 3, 2 * CON.mp_len(s, i, 2) end  -- map 16
+  return 5, 2 * CON.mp_len(s, i, 4)  -- map 32 (0xdf; 0xc1 is never used)
 end
 
 -- The reward of a stored rollout, read from its packed blob (docs/design.md "Storage format":
 -- a msgpack map whose arrays are binary, which cmsgpack cannot read): the map's entries are
--- walked with GETRANGE, each skipped by its length, up to the key 'w' (the fifth entry), whose
--- value alone is unpacked. Two reads of 64 bytes for a rollout whose id fits in the first.
--- nil when the blob is gone or holds no reward.
+-- walked in windows of 64 bytes read with GETRANGE, each entry skipped by its length, up to the
+-- key 'w' (the fifth entry), whose value alone is unpacked. Two reads for a rollout whose id
+-- fits in the first. nil when the blob is gone or holds no reward.
 function CON.stored_reward(rid)
   local key, buf, base = dkey(rid), '', 0
-  local function bytes(at, n)  -- up to n bytes from offset `at`
-    if at < base or at + n > base + #buf then
-      buf, base = redis.call('GETRANGE', key, at, at + math.max(n, 64) - 1), at
+  local function at(off)  -- the position in `buf` of offset `off`, its next 9 bytes in it
+    if off < base or off + 9 > base + #buf then
+      buf, base = redis.call('GETRANGE', key, off, off + 63), off
     end
-    return string.sub(buf, at - base + 1, at - base + n)
+    if off - base >= #buf then return nil end
+    return off - base + 1
   end
-  local function skip(at)  -- the offset after the object at `at`, nested ones included
-    local left = 1
-    while left > 0 do
-      local head = bytes(at, 9)
-      if head == '' then return nil end
-      local size, inner = CON.mp_size(head)
-      at, left = at + size, left - 1 + inner
-    end
-    return at
-  end
-  local head = bytes(0, 9)
-  if head == '' then return nil end
-  local at, entries = CON.mp_size(head)
+  local i = at(0)
+  if not i then return nil end
+  local off, entries = CON.mp_size(buf, i)
   for _ = 1, entries / 2 do
-    if bytes(at, 2) == '\161w' then
-      local v = bytes(at + 2, 9)
-      if v == '' or string.byte(v, 1) == 0xc0 then return nil end
-      return cmsgpack.unpack(string.sub(v, 1, (CON.mp_size(v))))
+    i = at(off)
+    if not i then return nil end
+    if string.byte(buf, i) == 0xa1 and string.byte(buf, i + 1) == 0x77 then  -- the key 'w'
+      i = at(off + 2)
+      if not i or string.byte(buf, i) == 0xc0 then return nil end
+      return cmsgpack.unpack(string.sub(buf, i, i + CON.mp_size(buf, i) - 1))
     end
-    at = skip(at)
-    at = at and skip(at)
-    if not at then return nil end
+    local left = 2  -- the key, then its value, with what they nest
+    while left > 0 do
+      i = at(off)
+      if not i then return nil end
+      local size, inner = CON.mp_size(buf, i)
+      off, left = off + size, left - 1 + inner
+    end
   end
   return nil
 end
