@@ -193,7 +193,8 @@ function CON.write()
       local m = CON.member(x, seq)
       table.insert(args, I(seq))
       table.insert(args, m)
-      for _, rid in ipairs(CON.held(m)) do
+      for j = 2, math.min(#x, 3) do  -- the rollout, or chosen and rejected
+        local rid = x[j]
         if not refs[rid] then
           refs[rid] = 0
           table.insert(ref_order, rid)
