@@ -11,12 +11,14 @@ from rollout_broker_client.protocol import RUN_ID_PATTERN
 from app.events import text_fault
 
 __all__ = [
+    "CONSUMER_NAME_PATTERN",
     "ID_EXCLUDED",
     "ITEM_ID_PATTERN",
     "LEASE_ID_PATTERN",
     "MAX_VERSION",
     "PROMPT_ID_PATTERN",
     "RUN_ID_PATTERN",
+    "ConsumerName",
     "ItemId",
     "LeaseId",
     "LedgerText",
@@ -64,6 +66,8 @@ ID_EXCLUDED = (
 ITEM_ID_PATTERN = rf"^[^{ID_EXCLUDED}]{{1,256}}$"
 PROMPT_ID_PATTERN = rf"^[^{ID_EXCLUDED}]{{1,200}}$"
 LEASE_ID_PATTERN = r"^[A-Za-z0-9_-]{8,64}$"
+# Consumers' names end up in Redis key names and in metric labels: short and plain.
+CONSUMER_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN), LedgerText]
 # Rollout, group, trainer and generator ids.
 ItemId = Annotated[str, StringConstraints(pattern=ITEM_ID_PATTERN), LedgerText]
@@ -71,3 +75,4 @@ ItemId = Annotated[str, StringConstraints(pattern=ITEM_ID_PATTERN), LedgerText]
 PromptId = Annotated[str, StringConstraints(pattern=PROMPT_ID_PATTERN), LedgerText]
 # Client-chosen ids of batches and work leases, which make their calls safe to retry.
 LeaseId = Annotated[str, StringConstraints(pattern=LEASE_ID_PATTERN), LedgerText]
+ConsumerName = Annotated[str, StringConstraints(pattern=CONSUMER_NAME_PATTERN)]

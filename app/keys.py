@@ -96,6 +96,7 @@ CONSUMERS = "cons"
 CONSUMER_REFS = "cref"
 # set: rollouts that retired while a consumer held them: their blobs go with the last hold
 CONSUMER_ORPHANS = "corph"
+CONSUMER_WAITING = "cwaiting"  # string with a TTL: a consumer's reader is long-polling the run
 # stream: the run's operator actions (audit log entries), each written by the script that makes
 # the change, in the same call; app/access/audit.py moves them into Postgres. A delete keeps it
 # until the run leaves RUNS.
@@ -144,10 +145,12 @@ WAKE = "wake"  # pub/sub channel: "units became ready in a run" for long-polling
 # A wake-up names its run by the run's tag (see run_tag), followed by what woke up: nothing for
 # trainers (units became ready), WORK_WAKE for generators (prompts or staleness budget),
 # POLICY_WAKE for followers of the policy version (it moved), REWARD_WAKE for reward workers
-# (units came to await a reward lease).
+# (units came to await a reward lease), CONSUMER_WAKE for consumers' readers (items were
+# delivered; the scripts spell it CON.WAKE).
 WORK_WAKE = "work"
 POLICY_WAKE = "policy"
 REWARD_WAKE = "reward"
+CONSUMER_WAKE = "consumer"
 
 # Never written: /readyz deletes it (under a hash tag, one per cluster master) to learn whether
 # Redis takes writes; the delete of a missing key is a write Redis refuses like any other.
@@ -199,6 +202,7 @@ LUA_KEYS: dict[str, str] = {
     "CON.CONS": CONSUMERS,
     "CON.CREF": CONSUMER_REFS,
     "CON.CORPH": CONSUMER_ORPHANS,
+    "CON.WAITING": CONSUMER_WAITING,
 }
 LUA_FAMILIES: dict[str, str] = {
     "qvkey": VERSION_QUEUE,
@@ -328,6 +332,7 @@ def lua_prologue() -> str:
     # chunk one local (Lua allows 200) however many they are.
     tables = sorted({name.split(".")[0] for name in (*LUA_KEYS, *LUA_FAMILIES) if "." in name})
     lines += [f"local {_lua_name(t)} = {{}}" for t in tables]
+    lines.append(f"CON.WAKE = TAG .. '{_suffix(CONSUMER_WAKE)}'  -- the wake-up of consumers")
     for name, suffix in LUA_KEYS.items():
         if name != "RUN":
             local = "" if "." in name else "local "

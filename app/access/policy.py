@@ -80,6 +80,12 @@ ROUTES: Final[dict[tuple[str, str], Rule]] = {
     ("POST", "/v1/runs/{run_id}/rewards/lease"): changing(Scope.REWARD),
     ("POST", "/v1/runs/{run_id}/rewards"): changing(Scope.REWARD),
     ("POST", "/v1/runs/{run_id}/rewards/lease/{lease_id}/return"): changing(Scope.REWARD),
+    ("POST", "/v1/runs/{run_id}/consumers"): changing(Scope.OPERATE),
+    ("GET", "/v1/runs/{run_id}/consumers/{name}"): reading(READ),
+    ("DELETE", "/v1/runs/{run_id}/consumers/{name}"): changing(Scope.OPERATE),
+    ("GET", "/v1/runs/{run_id}/consumers/{name}/batch"): changing(Scope.TRAIN),  # it leases
+    ("POST", "/v1/runs/{run_id}/consumers/{name}/batches/{batch_id}/ack"): changing(Scope.TRAIN),
+    ("POST", "/v1/runs/{run_id}/consumers/{name}/batches/{batch_id}/nack"): changing(Scope.TRAIN),
     ("GET", "/v1/runs/{run_id}/accounting"): reading(Scope.OPERATE),
     ("GET", "/v1/runs/{run_id}/accounting/versions"): reading(Scope.OPERATE),
     ("GET", "/v1/runs/{run_id}/accounting/training"): reading(Scope.OPERATE),

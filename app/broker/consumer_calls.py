@@ -103,12 +103,14 @@ class ConsumerCalls(StorePart):
         retention_rollouts: int = DEFAULT_RETENTION,
         min_margin: float | None = None,
         pairs: str | None = None,
+        entry: bytes = b"",
     ) -> Literal["created", "exists"]:
         """'created', or 'exists' for the same config under the same name; StoreError
         ``consumer_exists`` for another, ``run_closed``, ``run_missing`` and
-        ``consumer_invalid`` (kind preferences in a run whose group_size is 1 too)."""
+        ``consumer_invalid`` (kind preferences in a run whose group_size is 1 too). ``entry``:
+        the audit log's entry, written when the consumer is created (app.caller.action_entry)."""
         cfg = consumer_config(kind, source, max_lag, retention_rollouts, min_margin, pairs)
-        (outcome,) = await self._call("consumer_create", run_id, name, cfg)
+        (outcome,) = await self._call("consumer_create", run_id, name, cfg, entry)
         return "created" if text(outcome) == "created" else "exists"
 
     async def get_consumer(self, run_id: str, name: str) -> ConsumerView | None:
@@ -132,19 +134,36 @@ class ConsumerCalls(StorePart):
             int(pending),
         )
 
-    async def delete_consumer(self, run_id: str, name: str) -> bool:
-        """Delete the consumer and free what it holds; False when there was none."""
-        outcome, _ = await self._call("consumer_delete", run_id, name)
+    async def delete_consumer(self, run_id: str, name: str, *, entry: bytes = b"") -> bool:
+        """Delete the consumer and free what it holds; False when there was none. ``entry``:
+        the audit log's entry, written when it is deleted."""
+        outcome, _ = await self._call("consumer_delete", run_id, name, entry)
         return text(outcome) == "deleted"
 
     async def consumer_lease(
-        self, run_id: str, name: str, *, batch_id: str, size: int, lease_ms: int
+        self,
+        run_id: str,
+        name: str,
+        *,
+        batch_id: str,
+        size: int,
+        lease_ms: int | None = None,
+        wait_ms: int = 0,
     ) -> ConsumerLease | None:
         """Up to ``size`` pending items as batch ``batch_id`` (the same batch again for a
-        retry while it is live), or None when none is pending. Kind preferences: the pairs,
-        with each of their rollouts read once."""
+        retry while it is live), or None when none is pending. The lease lasts ``lease_ms``,
+        or the run's ``lease_timeout_s`` when None. When none is pending, with ``wait_ms``, the
+        next delivery for ``wait_ms`` wakes the run's waiting readers (keys.CONSUMER_WAKE).
+        Kind preferences: the pairs, with each of their rollouts read once."""
         outcome, *body = await self._call(
-            "consumer_lease", run_id, name, batch_id, size, lease_ms, CONSUMER_SWEEP_LIMIT
+            "consumer_lease",
+            run_id,
+            name,
+            batch_id,
+            size,
+            -1 if lease_ms is None else lease_ms,
+            CONSUMER_SWEEP_LIMIT,
+            wait_ms,
         )
         if text(outcome) == "empty":
             return None

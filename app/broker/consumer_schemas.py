@@ -9,9 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.broker.consumer_calls import DEFAULT_RETENTION
 from app.broker.schemas import FinishReason
+from app.ids import ConsumerName
 
 __all__ = [
-    "CONSUMER_NAME_PATTERN",
     "DEFAULT_RETENTION",
     "MAX_RETENTION",
     "ConsumerAckResult",
@@ -23,11 +23,8 @@ __all__ = [
     "PairOut",
 ]
 
-# Names end up in Redis key names and in metric labels: short, plain.
-CONSUMER_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 MAX_RETENTION = 10_000_000  # a bound on what one consumer may hold: docs/design.md, "Consumers"
 
-ConsumerName = Annotated[str, Field(pattern=CONSUMER_NAME_PATTERN)]
 Kind = Literal["rollouts", "preferences"]
 Source = Literal["received", "trained"]
 PairRule = Literal["best_worst", "all"]
@@ -37,21 +34,23 @@ class ConsumerBody(BaseModel):
     """``POST /v1/runs/{run_id}/consumers``. ``min_margin`` and ``pairs`` apply to kind
     ``preferences`` alone (defaults 0 and ``best_worst``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: ConsumerName
     kind: Kind = "rollouts"
     source: Source
     max_lag: Annotated[int, Field(ge=0)] | None = Field(
-        None, description="Items of rollouts more than this many versions behind the run's "
-        "version when handed out are dropped (counted); null: none are"
+        None,
+        description="Items of rollouts more than this many versions behind the run's "
+        "version when handed out are dropped (counted); null: none are",
     )
     min_margin: Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)] | None = Field(
         None, description="Kind preferences: the least reward difference of a pair (default 0)"
     )
     pairs: PairRule | None = Field(
-        None, description="Kind preferences: one pair per group (best_worst, the default) or "
-        "every pair whose rewards differ by min_margin or more (all)"
+        None,
+        description="Kind preferences: one pair per group (best_worst, the default) or "
+        "every pair whose rewards differ by min_margin or more (all)",
     )
     retention_rollouts: Annotated[int, Field(ge=1, le=MAX_RETENTION)] = DEFAULT_RETENTION
 
@@ -69,7 +68,7 @@ class ConsumerBody(BaseModel):
 
 class ConsumerOut(BaseModel):
     """A consumer: its config and its live counts (items: rollouts, or pairs for kind
-    preferences). ``pending`` are delivered and neither acked nor dropped (``leased`` among them)."""
+    preferences). ``pending`` are delivered, neither acked nor dropped (``leased`` among them)."""
 
     name: str
     kind: Kind

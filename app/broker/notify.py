@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 FALLBACK_RECHECK_S = 1.0
 
 # Kinds whose wake-up reaches every waiter of the run at once: each waits for its own answer
-# (a version other than the one it has), which one waiter's try says nothing about.
-BROADCAST = frozenset({keys.POLICY_WAKE})
+# (a version other than the one it has; the items of its own consumer), which one waiter's try
+# says nothing about.
+BROADCAST = frozenset({keys.POLICY_WAKE, keys.CONSUMER_WAKE})
 
 R = TypeVar("R")
 

@@ -18,6 +18,7 @@ from rollout_broker_client.protocol import new_run_id
 from app import keys
 from app.broker.behaviour import BatchRow, BehaviourCache
 from app.broker.config import RunConfig, RunConfigPatch
+from app.broker.consumers import Consumers
 from app.broker.generators import unnamed_attempts, with_lease_generators
 from app.broker.notify import Try, Waker, long_poll
 from app.broker.packing import (
@@ -101,6 +102,9 @@ class Broker:
         )
         self.training = Training(
             store, self.behaviour, self._refusals, max_batch_size=max_batch_size
+        )
+        self.consumers = Consumers(
+            store, waker, check_wait=self.check_wait, check_size=self.check_size
         )
 
     @contextlib.contextmanager
@@ -232,6 +236,11 @@ class Broker:
         return await long_poll(self.waker, run_id, keys.POLICY_WAKE, 1, wait_s, attempt)
 
     # -- rollouts -------------------------------------------------------------------------
+    def check_size(self, size: int) -> None:
+        """The largest batch a trainer or a consumer may lease."""
+        if size > self.max_batch_size:
+            raise ValidationFailed(f"size {size} is above the largest batch, {self.max_batch_size}")
+
     def check_count(self, n: int) -> None:
         """The most rollouts one request may carry."""
         if n > self.max_rollouts:
@@ -275,8 +284,7 @@ class Broker:
         live, the same call returns the same batch instead of leasing more.
         """
         self.check_wait(wait_s)
-        if size > self.max_batch_size:
-            raise ValidationFailed(f"size {size} is above the largest batch, {self.max_batch_size}")
+        self.check_size(size)
         bid = batch_id or uuid.uuid4().hex
 
         async def attempt(t: Try) -> tuple[LeasedBatch | None, int | None]:

@@ -128,9 +128,20 @@ async def test_health_and_the_api_description_need_no_token(app_client):
 
 # What each scope may do, from the SPEC; the table in app/access/policy.py must agree.
 SPEC_SCOPES = {
-    "generate": {"rollouts", "work", "work_return", "read"},
-    "reward": {"reward_lease", "rewards", "reward_return", "read"},
-    "train": {"lease", "measure", "ack", "nack", "policy", "read"},
+    "generate": {"rollouts", "work", "work_return", "read", "read_consumer"},
+    "reward": {"reward_lease", "rewards", "reward_return", "read", "read_consumer"},
+    "train": {
+        "lease",
+        "measure",
+        "ack",
+        "nack",
+        "policy",
+        "consumer_lease",
+        "consumer_ack",
+        "consumer_nack",
+        "read",
+        "read_consumer",
+    },
     "operate": {
         "create",
         "patch",
@@ -144,7 +155,10 @@ SPEC_SCOPES = {
         "dead_letters",
         "audit",
         "release",
+        "consumer_create",
+        "consumer_delete",
         "read",
+        "read_consumer",
     },
 }
 
@@ -179,6 +193,12 @@ def _calls(run: str) -> dict[str, tuple[str, str, dict[str, Any] | None]]:
         "dead_letters": ("GET", f"{base}/accounting/dead-letters", None),
         "audit": ("GET", f"/v1/audit?run_id={run}", None),
         "release": ("POST", f"{base}/generators/gen-a/release", None),
+        "consumer_create": ("POST", f"{base}/consumers", {"name": "c", "source": "received"}),
+        "read_consumer": ("GET", f"{base}/consumers/c", None),
+        "consumer_lease": ("GET", f"{base}/consumers/c/batch?size=1", None),
+        "consumer_ack": ("POST", f"{base}/consumers/c/batches/b-none/ack", None),
+        "consumer_nack": ("POST", f"{base}/consumers/c/batches/b-none/nack", None),
+        "consumer_delete": ("DELETE", f"{base}/consumers/c", None),
         "close": ("POST", f"{base}/close", None),
     }
 

@@ -29,6 +29,7 @@ GOOD = {
     "lease_id": "l" * 16,
     "token_id": "0" * 16,
     "generator_id": "gen-1",
+    "name": "c",
 }
 BAD = {
     "NUL": "a\x00b",

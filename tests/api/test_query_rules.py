@@ -24,6 +24,7 @@ PATH_VALUES = {
     "lease_id": "wl-00000000",
     "token_id": "0123456789abcdef",
     "generator_id": "gen-1",
+    "name": "c",
 }
 
 

@@ -187,6 +187,14 @@ LIMITS = (
     ),
     Limit(
         REFUSED,
+        r"POST /v1/runs/\{run_id\}/consumers$",
+        422,
+        r"kind preferences needs groups|are not served yet|apply to kind preferences only",
+        "a consumer of pairs needs a run with groups (the run's group_size); min_margin and "
+        "pairs go with kind preferences (a rule between fields)",
+    ),
+    Limit(
+        REFUSED,
         r"POST /v1/runs/\{run_id\}/rewards",
         422,
         r"was never received|is not in reward lease|^no reward lease",

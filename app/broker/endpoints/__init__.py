@@ -1,11 +1,11 @@
 """The broker's HTTP endpoints: runs and policy versions, rollouts, batches, prompts and work,
-rewards.
+rewards, consumers.
 Each parses the request with :mod:`app.api`, calls :class:`app.broker.service.Broker` and renders
 its answer; the rules are the service's."""
 
 from fastapi import APIRouter
 
-from app.broker.endpoints import batches, prompts, rewards, rollouts, runs
+from app.broker.endpoints import batches, consumers, prompts, rewards, rollouts, runs
 
 ROUTERS: tuple[APIRouter, ...] = (
     runs.router,
@@ -13,6 +13,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     batches.router,
     prompts.router,
     rewards.router,
+    consumers.router,
 )
 """In the order the app includes them."""
 

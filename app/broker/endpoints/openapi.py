@@ -14,6 +14,7 @@ from rollout_broker_client.protocol import MAX_TOKEN_ID
 
 from app.api import Keywords, OpenAPIPart
 from app.broker.config import NULLABLE_CONFIG, RunConfigPatch
+from app.broker.consumer_schemas import ConsumerBatchOut, ConsumerRolloutOut, PairOut
 from app.broker.schemas import (
     AckBody,
     BatchOut,
@@ -33,7 +34,7 @@ from app.broker.schemas import (
     ScoreBody,
     WorkBody,
 )
-from app.ids import LEASE_ID_PATTERN, RUN_ID_PATTERN
+from app.ids import CONSUMER_NAME_PATTERN, LEASE_ID_PATTERN, RUN_ID_PATTERN
 from app.settings import Settings
 
 TOKEN_ID: Final[Mapping[str, Any]] = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}
@@ -125,7 +126,12 @@ def query_keywords(s: Settings) -> dict[tuple[str, str, str], Keywords]:
         ("get", "/v1/runs/{run_id}/batch", "size"): {"maximum": s.max_batch_size},
         ("get", "/v1/runs/{run_id}/batch", "wait_s"): {"maximum": s.max_wait_s},
         ("get", "/v1/runs/{run_id}/policy", "wait_s"): {"maximum": s.max_wait_s},
+        ("get", CONSUMER_BATCH, "size"): {"maximum": s.max_batch_size},
+        ("get", CONSUMER_BATCH, "wait_s"): {"maximum": s.max_wait_s},
     }
+
+
+CONSUMER_BATCH: Final = "/v1/runs/{run_id}/consumers/{name}/batch"
 
 
 # -- documentation-only models ---------------------------------------------------------------
@@ -162,6 +168,27 @@ class RewardRolloutMsgpack(RewardRolloutOut):
     loss_mask: bytes | None = Field(description="uint8 0/1 per token")  # type: ignore[assignment]
 
 
+class ConsumerRolloutMsgpack(ConsumerRolloutOut):
+    """A consumer's rollout in a msgpack answer: its arrays are raw little-endian bytes."""
+
+    prompt_ids: bytes | None = Field(description="int32 token ids")  # type: ignore[assignment]
+    response_ids: bytes = Field(description="int32 token ids")  # type: ignore[assignment]
+    logprobs: bytes | None = Field(description="float32 logprobs")  # type: ignore[assignment]
+    loss_mask: bytes | None = Field(description="uint8 0/1 per token")  # type: ignore[assignment]
+
+
+class PairMsgpack(PairOut):
+    chosen: ConsumerRolloutMsgpack  # type: ignore[assignment]
+    rejected: ConsumerRolloutMsgpack  # type: ignore[assignment]
+
+
+class ConsumerBatchOutMsgpack(ConsumerBatchOut):
+    """A consumer's batch as a msgpack answer."""
+
+    rollouts: list[ConsumerRolloutMsgpack] | None = None  # type: ignore[assignment]
+    pairs: list[PairMsgpack] | None = None  # type: ignore[assignment]
+
+
 class RewardLeaseOutMsgpack(RewardLeaseOut):
     """A reward lease as a msgpack answer."""
 
@@ -175,6 +202,11 @@ OPENAPI: Final = OpenAPIPart(
     never_null={RunConfigPatch: frozenset(RunConfigPatch.model_fields) - NULLABLE_CONFIG},
     # The endpoints take these ids by their types (app/ids.py): one of another shape is 422
     # (ids chosen by the broker match too: uuid4().hex).
-    path_ids={"run_id": RUN_ID_PATTERN, "batch_id": LEASE_ID_PATTERN, "lease_id": LEASE_ID_PATTERN},
+    path_ids={
+        "run_id": RUN_ID_PATTERN,
+        "batch_id": LEASE_ID_PATTERN,
+        "lease_id": LEASE_ID_PATTERN,
+        "name": CONSUMER_NAME_PATTERN,
+    },
 )
 """The broker's part of the API description."""

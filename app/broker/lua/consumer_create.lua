@@ -1,9 +1,10 @@
--- requires: run, consumers
+-- requires: run, consumers, audit
 -- Create a consumer (lib/consumers.lua), idempotently: the same config under the same name is
 -- 'exists'; another is refused. Kind preferences needs a run of groups (group_size 2 or more).
 -- ARGV: wake, name, config JSON {kind, source, max_lag (null = none), min_margin, pairs (both
 --       null for kind rollouts), retention_rollouts}, as the caller canonicalised it (keys
---       sorted): the text compared for idempotency.
+--       sorted): the text compared for idempotency; audit entry (written only when this call
+--       creates the consumer: lib/audit.lua).
 -- Returns ok('created') | ok('exists') | err('run_missing') | err('run_closed')
 --       | err('consumer_exists', name) | err('consumer_invalid', detail).
 if not load_run() then return err('run_missing') end
@@ -20,4 +21,5 @@ if why then return err('consumer_invalid', why) end
 local gen = redis.call('HINCRBY', RUN, 'cgen', 1)
 redis.call('HSET', CON.CONS, name, I(gen) .. ' ' .. I(NOW) .. ' ' .. text)
 redis.call('HSET', CON.ckey(name), 'delivered', 0, 'acked', 0, 'dropped', 0, 'leased', 0)
+audit(ARGV[4])
 return ok('created')

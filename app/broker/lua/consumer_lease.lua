@@ -4,7 +4,8 @@
 -- same batch). First its leases whose time is up return their items. Under max_lag, an item
 -- whose version (a pair's: its older rollout's) is below the run's version less max_lag is
 -- dropped (counted), not handed out.
--- ARGV: wake, name, batch_id, n, lease ms, expiry limit.
+-- ARGV: wake, name, batch_id, n, lease ms (-1: the run's lease_timeout_s), expiry limit, wait_ms
+--       (how long the caller waits for a wake-up when it finds nothing; 0: it does not).
 -- Returns ok('leased', expires ms, {rollout_id, ...}[, pairs]) | ok('repeat', ...)
 --       | ok('empty') | err('run_missing') | err('consumer_missing', name)
 --       | err('batch_id_taken', state). Kind preferences adds the pairs
@@ -40,8 +41,16 @@ while #members < n do
 end
 CON.drop(c, dropped)
 CON.emit()
-if #members == 0 then return ok('empty') end
-local exp = NOW + tonumber(ARGV[5])
+if #members == 0 then
+  local wait_ms = tonumber(ARGV[7])
+  if wait_ms > 0 and redis.call('PTTL', CON.WAITING) < wait_ms then
+    redis.call('SET', CON.WAITING, '1', 'PX', wait_ms)
+  end
+  return ok('empty')
+end
+local lease_ms = tonumber(ARGV[5])
+if lease_ms < 0 then lease_ms = CFG.lease_timeout_s * 1000 end
+local exp = NOW + lease_ms
 redis.call('HSET', bk, 'st', 'l', 'items', cjson.encode(items), 'exp', I(exp), 'n', #members)
 redis.call('ZADD', CON.lkey(c.name), I(exp), bid)
 redis.call('HINCRBY', CON.ckey(c.name), 'leased', #members)

@@ -209,6 +209,8 @@ function CON.write()
   for _, rid in ipairs(ref_order) do redis.call('HINCRBY', CON.CREF, rid, refs[rid]) end
   for _, name in ipairs(CON.order) do CON.trim(CON.out[name].c) end
   CON.out, CON.order = {}, {}
+  -- Every API process receives every wake-up, so none is sent while no reader waits.
+  if redis.call('EXISTS', CON.WAITING) == 1 then redis.call('PUBLISH', WAKE, CON.WAKE) end
 end
 
 -- A retiring rollout's blob (retire_rollouts): kept while a consumer holds the rollout.
