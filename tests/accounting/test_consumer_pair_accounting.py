@@ -9,11 +9,9 @@ from collections.abc import Callable
 
 import httpx
 import pytest
-from accounting_helpers import drain_all
-from redis.asyncio import Redis
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
-from test_consumer_accounting import _lease, _ledger, _live
+from test_consumer_accounting import _checked, _lease
 
 from app.accounting.models import ConsumerTotals
 from app.broker.config import RunConfig
@@ -32,14 +30,12 @@ def group(gid: str, version: int = 0) -> list:
 
 
 async def test_pair_counts_reach_consumer_totals_exactly(
-    redis: Redis,
-    prefix: str,
+    store: RedisStore,
     run_id: str,
     make_ctx: Callable[..., DrainContext],
     accounting_api: httpx.AsyncClient,
     sessionmaker: async_sessionmaker[AsyncSession],
 ) -> None:
-    store = RedisStore(redis, prefix)
     cfg = RunConfig(group_size=3, max_staleness=5)
     assert await store.create_run(run_id, cfg) == "created"
 
@@ -49,11 +45,7 @@ async def test_pair_counts_reach_consumer_totals_exactly(
         )
 
     async def check(*names: str) -> dict[str, dict[str, int]]:
-        await drain_all(make_ctx())
-        ledger = await _ledger(accounting_api, run_id)
-        for name in names:
-            assert ledger[name] == await _live(store, run_id, name), name
-        return ledger
+        return await _checked(store, run_id, make_ctx(), accounting_api, *names)
 
     await create("all", "received", "all", retention_rollouts=4, max_lag=0)
     await create("bw", "received", "best_worst")
