@@ -47,6 +47,17 @@ async def _live(store: RedisStore, run_id: str, name: str) -> dict[str, int]:
     }
 
 
+async def _checked(
+    store: RedisStore, run_id: str, ctx: DrainContext, api: httpx.AsyncClient, *names: str
+) -> dict[str, dict[str, int]]:
+    """The ledger after a drain, each of ``names`` checked against its live counters."""
+    await drain_all(ctx)
+    ledger = await _ledger(api, run_id)
+    for name in names:
+        assert ledger[name] == await _live(store, run_id, name), name
+    return ledger
+
+
 async def _lease(store: RedisStore, run_id: str, name: str, size: int) -> str:
     bid = uuid.uuid4().hex
     got = await store.consumer_lease(run_id, name, batch_id=bid, size=size, lease_ms=60_000)
@@ -65,11 +76,7 @@ async def test_the_ledger_equals_the_live_counters_through_a_deletion(
     assert await store.create_run(run_id, RunConfig()) == "created"
 
     async def check(*names: str) -> dict[str, dict[str, int]]:
-        await drain_all(make_ctx())
-        ledger = await _ledger(accounting_api, run_id)
-        for name in names:
-            assert ledger[name] == await _live(store, run_id, name), name
-        return ledger
+        return await _checked(store, run_id, make_ctx(), accounting_api, *names)
 
     await drain_all(make_ctx())
     assert await _ledger(accounting_api, run_id) == {}  # none: an empty map

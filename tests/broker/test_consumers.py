@@ -71,9 +71,13 @@ async def test_create_is_idempotent_conflicts_and_refuses(store):
     assert await store.create_consumer("r", "c", source="received", max_lag=2) == "created"
     assert await store.create_consumer("r", "c", source="received", max_lag=2) == "exists"
     assert await code_of(store.create_consumer("r", "c", source="trained")) == "consumer_exists"
-    assert (
-        await code_of(store.create_consumer("r", "p", kind="preferences", source="received"))
-        == "consumer_kind_unsupported"
+    assert (  # kind preferences needs groups (tests/broker/test_consumer_pairs.py)
+        await code_of(
+            store.create_consumer(
+                "r", "p", kind="preferences", source="received", min_margin=0, pairs="all"
+            )
+        )
+        == "consumer_invalid"
     )
     assert await code_of(store.create_consumer("r", "c:x", source="received")) == "consumer_invalid"
     assert (
@@ -327,7 +331,7 @@ async def test_max_lag_drops_what_is_too_old_when_handed_out(store, redis, prefi
 
 async def trainer_trace(redis: Redis, seed: int, with_consumers: bool) -> list:
     """A seeded interleaving of ingest, trainer lease / ack / nack and version moves on a fresh
-    prefix, with consumer calls between them or not: what the trainer saw."""
+    prefix, with consumer calls (of both kinds) between them or not: what the trainer saw."""
     prefix = new_prefix()
     store = RedisStore(redis, prefix)
     rng = random.Random(seed)
@@ -338,12 +342,18 @@ async def trainer_trace(redis: Redis, seed: int, with_consumers: bool) -> list:
     if with_consumers:
         await store.create_consumer("r", "c", source="received", retention_rollouts=5)
         await store.create_consumer("r", "t", source="trained", max_lag=0)
+        for name, source in (("p", "received"), ("q", "trained")):
+            await store.create_consumer(
+                "r", name, kind="preferences", source=source, min_margin=0.0, pairs="all"
+            )
     version, n = 0, 0
     try:
         for step in range(120):
             op = rng.random()
             if op < 0.35:
-                rows = [packed(f"r{n}-{j}", version, group=f"g{n}") for j in range(2)]
+                rows = [
+                    packed(f"r{n}-{j}", version, group=f"g{n}", reward=float(j)) for j in range(2)
+                ]
                 n += 1
                 trace.append(("ingest", (await store.ingest("r", rows)).accepted))
             elif op < 0.6:
@@ -371,7 +381,7 @@ async def trainer_trace(redis: Redis, seed: int, with_consumers: bool) -> list:
                 version += 1
                 trace.append(("policy", await store.set_policy("r", version)))
             if rng.random() < 0.5 and with_consumers:  # the same draws with and without
-                for name in ("c", "t"):
+                for name in ("c", "t", "p", "q"):
                     got = await store.consumer_lease(
                         "r", name, batch_id=f"{name}{step}", size=3, lease_ms=60_000
                     )
