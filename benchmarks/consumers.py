@@ -1,10 +1,12 @@
 """What consumers cost the policy trainer, and how fast one reads:
 ``python -m benchmarks.consumers`` (about a minute; ``--rounds 5`` for a quick look).
 
-A private Redis and the broker (uvicorn, the real API process) on 127.0.0.1. Three runs hold
-the same rollouts of 1,024 tokens (msgpack, raw arrays), posted before anything is timed, with
-0, 1 and 3 consumers of source ``trained``: each acked batch is delivered to every one of them
-at its first use, and with ``max_reuse`` 1 each rollout then retires from the trainer's buffer
+A private Redis and the broker (uvicorn, the real API process) on 127.0.0.1. Runs of groups of
+8 hold the same rollouts of 1,024 tokens (msgpack, raw arrays, rewards 0 to 6 in a group),
+posted before anything is timed, with consumers of source ``trained``: none; one of kind
+rollouts; three (two of kind rollouts, one of preferences, ``best_worst``); one of preferences
+with ``pairs: all`` (28 pairs a group). Each acked batch is delivered to every one of them at
+its first use, and with ``max_reuse`` 1 each rollout then retires from the trainer's buffer
 while its consumers still hold it, so its blob is kept (the path consumers add to an ack). Each
 round takes turns between the runs: a lease of ``--batch`` rollouts and its ack, timed together.
 A fourth run has one consumer of source ``received``; there each round times the trainer's
@@ -33,6 +35,7 @@ from benchmarks.measure_http import MSGPACK, ROOT, Conn, services
 from benchmarks.servers import Server
 
 JSON_BODY = {"content-type": "application/json"}
+GROUP = 8
 
 
 def post_rollouts(conn: Conn, run: str, n: int, tokens: int) -> None:
@@ -47,6 +50,7 @@ def post_rollouts(conn: Conn, run: str, n: int, tokens: int) -> None:
                 "response_ids": ids,
                 "logprobs": lps,
                 "reward": float(i % 7),
+                "group_id": f"g{i // GROUP}",
             }
             for i in range(start, min(n, start + 64))
         ]
@@ -55,7 +59,13 @@ def post_rollouts(conn: Conn, run: str, n: int, tokens: int) -> None:
 
 
 def make_run(conn: Conn, run: str, consumers: list[dict[str, Any]], n: int, tokens: int) -> None:
-    config = {"max_reuse": 1, "capacity_rollouts": 10 * n, "kl_max": 1e12, "kl_flush": 1e12}
+    config = {
+        "max_reuse": 1,
+        "group_size": GROUP,
+        "capacity_rollouts": 10 * n,
+        "kl_max": 1e12,
+        "kl_flush": 1e12,
+    }
     body = json.dumps({"run_id": run, "config": config}).encode()
     conn.call("POST", "/v1/runs", body, **JSON_BODY)
     for c in consumers:
@@ -77,21 +87,33 @@ def run_rounds(server: Server, rounds: int, batch: int, tokens: int) -> dict[str
     conn = Conn(server)
     n = (rounds + 1) * batch
     tag = uuid.uuid4().hex[:6]
-    trained = [{"name": f"t{i}", "source": "trained"} for i in range(3)]
-    runs = {k: f"c{k}-{tag}" for k in (0, 1, 3)}
-    for k, run in runs.items():
-        make_run(conn, run, trained[:k], n, tokens)
+    rollouts = {"name": "t0", "source": "trained"}
+    pairs = {"name": "p0", "source": "trained", "kind": "preferences"}
+    setups = {
+        "no consumers": [],
+        "1 consumer (rollouts)": [rollouts],
+        "3 consumers (2 rollouts, 1 best_worst pairs)": [
+            rollouts,
+            {**rollouts, "name": "t1"},
+            pairs,
+        ],
+        "1 consumer (all pairs)": [{**pairs, "pairs": "all"}],
+    }
+    runs = {}
+    for i, (name, consumers) in enumerate(setups.items()):
+        runs[name] = f"c{i}-{tag}"
+        make_run(conn, runs[name], consumers, n, tokens)
     reader = f"rd-{tag}"
     make_run(conn, reader, [{"name": "rm", "source": "received"}], n, tokens)
     times: dict[str, list[float]] = {
-        **{f"trainer, {k} consumers": [] for k in runs},
+        **{f"trainer, {name}": [] for name in runs},
         "trainer, beside a reader": [],
         "consumer reader": [],
     }
     for round_ in range(rounds + 1):  # a first round to warm up, not counted
         got = {
-            f"trainer, {k} consumers": lease_ack(conn, f"/v1/runs/{run}", batch)
-            for k, run in runs.items()
+            f"trainer, {name}": lease_ack(conn, f"/v1/runs/{run}", batch)
+            for name, run in runs.items()
         }
         got["trainer, beside a reader"] = lease_ack(conn, f"/v1/runs/{reader}", batch)
         got["consumer reader"] = lease_ack(conn, f"/v1/runs/{reader}/consumers/rm", batch)
@@ -120,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("| call | latency | items/s | ratio |")
     print("|---|---|---|---|")
-    base = rows["trainer, 0 consumers"]
+    base = rows["trainer, no consumers"]
     for name, s in rows.items():
         against = rows["trainer, beside a reader"] if name == "consumer reader" else base
         print(f"| {name} | {s * 1e3:,.1f} ms | {args.batch / s:,.0f} | ×{s / against:.2f} |")

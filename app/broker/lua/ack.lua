@@ -51,6 +51,7 @@ if #gens > 0 then  -- the uses of each generator a rewind below V would undo
   redis.call('HSET', bk, 'gs', cmsgpack.pack(counts))
 end
 
+CON.acked_rewards(acked.items or {})
 local kl = {}
 for _, item in ipairs(acked.items or {}) do
   if item[4] then kl[item[1]] = item[4] end

@@ -219,11 +219,30 @@ function CON.write()
     CON.count(name, 'delivered', #items)
   end
   redis.call('HSET', RUN, 'cseq', I(seq))
-  for _, rid in ipairs(ref_order) do redis.call('HINCRBY', CON.CREF, rid, refs[rid]) end
+  CON.hold(refs, ref_order)
   for _, name in ipairs(CON.order) do CON.trim(CON.out[name].c) end
   CON.out, CON.order = {}, {}
   -- Every API process receives every wake-up, so none is sent while no reader waits.
   if redis.call('EXISTS', CON.WAITING) == 1 then redis.call('PUBLISH', WAKE, CON.WAKE) end
+end
+
+-- Add refs[rid] holds to each rollout of `order` in CON.CREF: those held by nobody yet are
+-- written with one HSET a thousand, the others incremented one by one.
+function CON.hold(refs, order)
+  for i = 1, #order, 1000 do
+    local part = { unpack(order, i, math.min(i + 999, #order)) }
+    local have = redis.call('HMGET', CON.CREF, unpack(part))
+    local new = {}
+    for j, rid in ipairs(part) do
+      if have[j] then
+        redis.call('HINCRBY', CON.CREF, rid, refs[rid])
+      else
+        table.insert(new, rid)
+        table.insert(new, I(refs[rid]))
+      end
+    end
+    if #new > 0 then redis.call('HSET', CON.CREF, unpack(new)) end
+  end
 end
 
 -- A retiring rollout's blob (retire_rollouts): kept while a consumer holds the rollout.
@@ -238,13 +257,15 @@ function CON.settle(dels)
   for i = 1, #rids, 1000 do
     local part = { unpack(rids, i, math.min(i + 999, #rids)) }
     local held = redis.call('HMGET', CON.CREF, unpack(part))
+    local kept = {}
     for j, rid in ipairs(part) do
       if held[j] then
-        redis.call('SADD', CON.CORPH, rid)
+        table.insert(kept, rid)
       else
         table.insert(dels, dkey(rid))
       end
     end
+    if #kept > 0 then redis.call('SADD', CON.CORPH, unpack(kept)) end
   end
 end
 

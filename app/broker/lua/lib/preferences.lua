@@ -13,6 +13,15 @@ function CON.known(rid, text)
   if CON.wants('received') then CON.rw[rid] = tonumber(text) end
 end
 
+-- The rewards of an ack's samples (its event's items: [rollout_id, ..., reward] with the reward
+-- seventh): a group's first acked use gives its members' rewards without a blob read.
+function CON.acked_rewards(items)
+  if not CON.wants('trained') then return end
+  for _, item in ipairs(items) do
+    if type(item[7]) == 'number' then CON.rw[item[1]] = item[7] end
+  end
+end
+
 -- msgpack types by their first byte: those of a fixed size (bytes), and those of a length
 -- (its bytes, then the bytes before the payload: ext's type) — bin, str, ext 8/16/32.
 CON.MP_FIXED = {
