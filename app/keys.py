@@ -96,6 +96,9 @@ CONSUMERS = "cons"
 CONSUMER_REFS = "cref"
 # set: rollouts that retired while a consumer held them: their blobs go with the last hold
 CONSUMER_ORPHANS = "corph"
+# set: units a rewind took back to no use after their first had reached 'trained' consumers:
+# their next first use is not handed to them again (lua/lib/consumers.lua CON.first_use)
+CONSUMER_REWOUND = "ctd"
 CONSUMER_WAITING = "cwaiting"  # string with a TTL: a consumer's reader is long-polling the run
 # stream: the run's operator actions (audit log entries), each written by the script that makes
 # the change, in the same call; app/access/audit.py moves them into Postgres. A delete keeps it
@@ -203,6 +206,7 @@ LUA_KEYS: dict[str, str] = {
     "CON.CREF": CONSUMER_REFS,
     "CON.CORPH": CONSUMER_ORPHANS,
     "CON.WAITING": CONSUMER_WAITING,
+    "CON.TD": CONSUMER_REWOUND,
 }
 LUA_FAMILIES: dict[str, str] = {
     "qvkey": VERSION_QUEUE,

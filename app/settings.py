@@ -185,6 +185,14 @@ class Settings(BaseSettings):
         "(those with the most rollouts, and every quarantined one); the others are summed "
         'under generator="other"',
     )
+    metrics_consumers: int = Field(
+        default=16,
+        ge=0,
+        le=10_000,
+        description="Consumers per run with a `consumer` label of their own in GET /metrics "
+        "(those delivered the most items); the others are summed under "
+        'consumer="(other)"',
+    )
 
     # The accounting drain (``BROKER_DRAIN_*``); see docs/accounting.md.
     drain_batch_size: int = Field(

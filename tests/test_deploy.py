@@ -44,6 +44,12 @@ LABEL_VALUES: Mapping[str, frozenset[str]] = {
 }
 """The values of the enumerated labels (app/metrics/catalogue.py): a matcher on any other value
 selects nothing, silently, so an alert on it would never fire."""
+METRIC_LABEL_VALUES: Mapping[tuple[str, str], frozenset[str]] = {
+    ("rollout_broker_consumer_items", "state"): frozenset(
+        {"delivered", "acked", "pending", "dropped"}
+    ),
+}
+"""Where one metric's label has values of its own, not those of LABEL_VALUES."""
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
@@ -342,7 +348,7 @@ class _Parser:
         return labels
 
     def check_values(self, metric: str, label: str, op: str, value: str) -> None:
-        known = LABEL_VALUES.get(label)
+        known = METRIC_LABEL_VALUES.get((metric, label), LABEL_VALUES.get(label))
         if known is None or "$" in value:
             return
         if op in ("=", "!="):
@@ -806,6 +812,9 @@ def test_the_check_reports_a_misspelt_metric_and_an_unknown_label() -> None:
         # a label value the metric never has, a misspelt function
         ('rollout_broker_prompt_passes{state="inflight"}', "state is never 'inflight'"),
         ('rollout_broker_batches_total{outcome=~"acked|nackd"}', "outcome is never 'nackd'"),
+        # a metric's own values: a consumer's item states are not prompt passes' states
+        ('rollout_broker_consumer_items{state="queued"}', "state is never 'queued'"),
+        ('rollout_broker_prompt_passes{state="dropped"}', "state is never 'dropped'"),
         ("rat(rollout_broker_rollouts_received_total[5m])", "unknown function rat()"),
         ('up{jbo="rollout-broker"}', "up has no label jbo"),
     ],
@@ -836,6 +845,7 @@ def test_the_check_reports(expr: str, problem: str) -> None:
         "max by (run) (rollout_broker_kl_mean) or max by (run) (rollout_broker_kl_max)",
         "scalar(max(rollout_broker_open_runs)) * rollout_broker_rollouts_buffered",
         'absent(up{job="rollout-broker"})',
+        'rollout_broker_consumer_items{state=~"acked|dropped"}',
     ],
 )
 def test_the_check_accepts(expr: str) -> None:

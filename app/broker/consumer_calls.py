@@ -1,7 +1,8 @@
-"""The store's calls on a run's consumers (SPEC "Consumers"), kind ``rollouts``: create, read
-and delete one (``consumer_create.lua``, ``consumer_view.lua``, ``consumer_delete.lua``), and
-its leases (``consumer_lease.lua``, ``consumer_ack.lua``, ``consumer_nack.lua``). A part of
-:class:`app.broker.store.RedisStore`, which gives it its script calls and rollout reads.
+"""The store's calls on a run's consumers (SPEC "Consumers"), kinds ``rollouts`` and
+``preferences``: create, read and delete one (``consumer_create.lua``, ``consumer_view.lua``,
+``consumer_delete.lua``), and its leases (``consumer_lease.lua``, ``consumer_ack.lua``,
+``consumer_nack.lua``). A part of :class:`app.broker.store.RedisStore`, which gives it its
+script calls and rollout reads.
 lua/lib/consumers.lua says what is kept where."""
 
 from __future__ import annotations
@@ -81,6 +82,13 @@ def consumer_config(
     return json.dumps(cfg, sort_keys=True, separators=(",", ":"))
 
 
+def _pair(raw: list[Any]) -> ConsumerPair:
+    """A pair of consumer_lease.lua's answer: pair_id, prompt_id ('' = none), chosen,
+    rejected, margin (exact text)."""
+    pair_id, prompt, chosen, rejected, margin = (text(x) for x in raw)
+    return ConsumerPair(pair_id, prompt or None, chosen, rejected, float(margin))
+
+
 class ConsumerCalls(StorePart):
     """The calls on a run's consumers; :class:`app.broker.store.RedisStore` has the rest."""
 
@@ -98,9 +106,9 @@ class ConsumerCalls(StorePart):
         entry: bytes = b"",
     ) -> Literal["created", "exists"]:
         """'created', or 'exists' for the same config under the same name; StoreError
-        ``consumer_exists`` for another, ``run_closed``, ``run_missing``,
-        ``consumer_kind_unsupported`` (preferences) and ``consumer_invalid``. ``entry``: the
-        audit log's entry, written when the consumer is created (app.caller.action_entry)."""
+        ``consumer_exists`` for another, ``run_closed``, ``run_missing`` and
+        ``consumer_invalid`` (kind preferences in a run whose group_size is 1 too). ``entry``:
+        the audit log's entry, written when the consumer is created (app.caller.action_entry)."""
         cfg = consumer_config(kind, source, max_lag, retention_rollouts, min_margin, pairs)
         (outcome,) = await self._call("consumer_create", run_id, name, cfg, entry)
         return "created" if text(outcome) == "created" else "exists"
@@ -145,7 +153,8 @@ class ConsumerCalls(StorePart):
         """Up to ``size`` pending items as batch ``batch_id`` (the same batch again for a
         retry while it is live), or None when none is pending. The lease lasts ``lease_ms``,
         or the run's ``lease_timeout_s`` when None. When none is pending, with ``wait_ms``, the
-        next delivery for ``wait_ms`` wakes the run's waiting readers (keys.CONSUMER_WAKE)."""
+        next delivery for ``wait_ms`` wakes the run's waiting readers (keys.CONSUMER_WAKE).
+        Kind preferences: the pairs, with each of their rollouts read once."""
         outcome, *body = await self._call(
             "consumer_lease",
             run_id,
@@ -158,7 +167,7 @@ class ConsumerCalls(StorePart):
         )
         if text(outcome) == "empty":
             return None
-        expires, raw = body
+        expires, raw, *more = body
         rids = [text(r) for r in raw]
         got = await self.blobs(run_id, rids)
         blobs = []
@@ -166,7 +175,9 @@ class ConsumerCalls(StorePart):
             if blob is None:  # only a lease that ran out, whose rollouts were then let go
                 raise StoreError("lease_lost")
             blobs.append(blob)
-        return ConsumerLease(batch_id, int(expires), rids, blobs, text(outcome) == "repeat")
+        pairs = [_pair(p) for p in more[0]] if more else None
+        repeat = text(outcome) == "repeat"
+        return ConsumerLease(batch_id, int(expires), rids, blobs, repeat, pairs)
 
     async def consumer_ack(
         self, run_id: str, name: str, batch_id: str

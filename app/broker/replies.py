@@ -143,10 +143,6 @@ REFUSALS: dict[str, Refusal] = {
     "consumer_exists": Refusal(
         ConsumerConflict, "consumer {0!r} exists in run {run_id!r} with a different config"
     ),
-    # arg: the kind asked for
-    "consumer_kind_unsupported": Refusal(
-        ValidationFailed, "consumers of kind {0!r} are not served yet; only 'rollouts' are"
-    ),
     # arg: what is wrong with the config
     "consumer_invalid": Refusal(ValidationFailed, "consumer config refused: {0}"),
     "run_missing": Refusal(RunNotFound, "no run {run_id!r}"),

@@ -16,7 +16,9 @@ Two kinds of figures, rendered together in the Prometheus text format:
   in the order of ``GET /v1/runs?status=open``); the others are left out and counted in
   ``rollout_broker_metrics_runs_omitted``. Per run, the ``BROKER_METRICS_GENERATORS``
   generators with the most rollouts, and every quarantined one, carry a ``generator`` label;
-  the others are summed under ``generator="other"`` (app/metrics/generators.py).
+  the others are summed under ``generator="other"`` (app/metrics/generators.py); likewise the
+  ``BROKER_METRICS_CONSUMERS`` consumers delivered the most items carry a ``consumer`` label and
+  the others are summed under ``consumer="(other)"`` (app/metrics/consumers.py).
 
 The collectors of prometheus_client are synchronous, so the scrape reads the stores first, in
 the async handler, and then renders a registry built for that one response.
@@ -78,6 +80,7 @@ async def metrics(request: Request) -> Response:
         caller_of(request),
         settings.metrics_max_runs,
         settings.metrics_generators,
+        settings.metrics_consumers,
     )
     body = render_metrics(request.app.state.metrics.registry, figures)
     return Response(body, media_type=CONTENT_TYPE)

@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from app.accounting import queries
 from app.accounting.deltas import REWARD_LATENCY_BOUNDS_MS
-from app.accounting.schemas import BiasStats, RunAccounting
+from app.accounting.schemas import BiasStats, ConsumerCounts, RunAccounting
 from app.accounting.stream import EventStream
 from app.broker.store import RedisStore, RunState
 from app.caller import Caller
@@ -32,6 +32,7 @@ from app.metrics.catalogue import (
     SPECS,
     MetricSpec,
 )
+from app.metrics.consumers import STATES, label_consumers
 from app.metrics.generators import GeneratorFigures, label_generators
 
 # -- the broker's figures ------------------------------------------------------------------
@@ -54,6 +55,8 @@ class LedgerFigures:
     reward_latency: dict[int, int]  # bucket bound (ms) -> scores in it (not cumulative)
     # (generator label, figures): the labelled generators, then "other" (app/metrics/generators)
     generators: tuple[tuple[str, GeneratorFigures], ...] = ()
+    # (consumer label, counts): the labelled consumers, then "(other)" (app/metrics/consumers)
+    consumers: tuple[tuple[str, ConsumerCounts], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,11 +83,13 @@ async def collect_broker(
     caller: Caller,
     max_runs: int,
     max_generators: int = 16,
+    max_consumers: int = 16,
 ) -> BrokerFigures:
     """The figures of the open runs ``caller`` may touch, the first ``max_runs`` of them with a
     ``run`` label, each with up to ``max_generators`` generator labels (and every quarantined
-    generator's). An unreachable Redis or Postgres gives ``up=False`` instead of an error, so
-    the process's own request metrics are still served."""
+    generator's) and up to ``max_consumers`` consumer labels. An unreachable Redis or Postgres
+    gives ``up=False`` instead of an error, so the process's own request metrics are still
+    served."""
     try:
         page = await store.list_runs("open", limit=1 << 30)
         states = [s for s in page.runs if caller.may_touch(s.run_id)]
@@ -92,7 +97,7 @@ async def collect_broker(
         runs: list[RunFigures] = [RunFigures(s, None) for s in shown]
         if sessionmaker is not None:
             ledgers = await _ledgers(
-                stream, sessionmaker, [s.run_id for s in shown], max_generators
+                stream, sessionmaker, [s.run_id for s in shown], max_generators, max_consumers
             )
             # A run deleted since it was listed has no ledger read: left out.
             runs = [RunFigures(s, ledgers[s.run_id]) for s in shown if s.run_id in ledgers]
@@ -114,6 +119,7 @@ async def _ledgers(
     sessionmaker: async_sessionmaker[AsyncSession],
     run_ids: list[str],
     max_generators: int,
+    max_consumers: int,
 ) -> dict[str, LedgerFigures]:
     """The ledger figures of ``run_ids``, read ``_RUNS_PER_READ`` runs at a time
     (:func:`app.accounting.queries.checked_accounting_of`), ``_CONCURRENT_READS`` reads at once."""
@@ -143,6 +149,7 @@ async def _ledgers(
                 mismatch=checked.check.mismatch,
                 reward_latency=checked.reward_latency,
                 generators=label_generators(checked.generators, max_generators),
+                consumers=label_consumers(acc.consumers, max_consumers),
             )
     return out
 
@@ -288,6 +295,9 @@ class _BrokerCollector(Collector):
                 if figure is not None:
                     put(name, figure, run, generator)
             put("generator_quarantined", 1 if g.quarantined else 0, run, generator)
+        for consumer, counts in ledger.consumers:
+            for state in STATES:
+                put("consumer_items", getattr(counts, state), run, consumer, state)
 
 
 def _put_bias(put: Any, run: str, bias: BiasStats) -> None:

@@ -243,6 +243,15 @@ CATALOGUE: Final[tuple[MetricSpec, ...]] = (
         "generator_kl_max), else 0; a quarantined generator always has a label of its own",
     ),
     _m(
+        "consumer_items",
+        "gauge",
+        ("run", "consumer", "state"),
+        "A consumer's items by state: delivered to it, acked, pending (delivered - acked - "
+        "dropped: queued or in its live leases), dropped (beyond retention_rollouts, beyond "
+        "max_lag, or held when it was deleted); the consumers beyond BROKER_METRICS_CONSUMERS "
+        f'summed under consumer="(other)", {_LEDGER}',
+    ),
+    _m(
         "bias_length_ks",
         "gauge",
         _RUN,

@@ -47,6 +47,17 @@ async def _live(store: RedisStore, run_id: str, name: str) -> dict[str, int]:
     }
 
 
+async def _checked(
+    store: RedisStore, run_id: str, ctx: DrainContext, api: httpx.AsyncClient, *names: str
+) -> dict[str, dict[str, int]]:
+    """The ledger after a drain, each of ``names`` checked against its live counters."""
+    await drain_all(ctx)
+    ledger = await _ledger(api, run_id)
+    for name in names:
+        assert ledger[name] == await _live(store, run_id, name), name
+    return ledger
+
+
 async def _lease(store: RedisStore, run_id: str, name: str, size: int) -> str:
     bid = uuid.uuid4().hex
     got = await store.consumer_lease(run_id, name, batch_id=bid, size=size, lease_ms=60_000)
@@ -65,16 +76,14 @@ async def test_the_ledger_equals_the_live_counters_through_a_deletion(
     assert await store.create_run(run_id, RunConfig()) == "created"
 
     async def check(*names: str) -> dict[str, dict[str, int]]:
-        await drain_all(make_ctx())
-        ledger = await _ledger(accounting_api, run_id)
-        for name in names:
-            assert ledger[name] == await _live(store, run_id, name), name
-        return ledger
+        return await _checked(store, run_id, make_ctx(), accounting_api, *names)
 
     await drain_all(make_ctx())
     assert await _ledger(accounting_api, run_id) == {}  # none: an empty map
     await store.create_consumer(run_id, "c", source="received", max_lag=1, retention_rollouts=3)
     await store.create_consumer(run_id, "d", source="received")
+    zero = {"delivered": 0, "acked": 0, "pending": 0, "dropped": 0}
+    assert await check("c", "d") == {"c": zero, "d": zero}  # listed before any item
     await store.ingest(run_id, [packed(f"a{i}") for i in range(5)])  # c keeps 3 of 5
     await store.consumer_ack(run_id, "c", await _lease(store, run_id, "c", 1))
     await store.consumer_nack(run_id, "c", await _lease(store, run_id, "c", 1))

@@ -462,6 +462,7 @@ async def consumer_run(client: httpx.AsyncClient, redis: Redis, prefix: str, run
     store = RedisStore(redis, prefix)
     await make_run(client, run_id)
     await store.create_consumer(run_id, "c", source="received", retention_rollouts=3)
+    s.consumer_events.append([["c", 0, 0, 0]])  # its creation
     await s.send(*[rollout(f"c{i}", 0) for i in range(4)])
     s.consumer_events.append([["c", 4, 0, 1]])
     got = await store.consumer_lease(run_id, "c", batch_id="b1", size=1, lease_ms=60_000)

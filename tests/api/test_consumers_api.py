@@ -219,3 +219,39 @@ async def test_received_items_outlive_staleness_within_max_lag(api):
     assert counts(await view(api, name="near"))[2] == 1  # dropped, counted
     got = (await clease(api, 1, name="any")).json()
     assert [r["rollout_id"] for r in got["rollouts"]] == ["a"]
+
+
+async def test_pairs_of_a_group_in_json_and_msgpack(api):
+    await make_run(api, "r1", group_size=3)
+    body = {"name": "dpo", "kind": "preferences", "pairs": "all", "min_margin": 0.5}
+    made = await create(api, **body)
+    assert made.status_code == 201, made.text
+    assert (made.json()["min_margin"], made.json()["pairs"]) == (0.5, "all")
+    rewards = {"a": 1.0, "b": 0.75, "c": -0.5}
+    await post(api, "r1", *(rollout(k, group="g", reward=w) for k, w in rewards.items()))
+    resp = await clease(api, 10, name="dpo")
+    assert resp.status_code == 200, resp.text
+    got = resp.json()
+    assert set(got) == {"batch_id", "lease_expires_at", "pairs"}
+    pairs = {(p["chosen"]["rollout_id"], p["rejected"]["rollout_id"]): p for p in got["pairs"]}
+    assert {k: p["margin"] for k, p in pairs.items()} == {("a", "c"): 1.5, ("b", "c"): 1.25}
+    one = pairs[("a", "c")]
+    assert one["chosen"]["reward"] == 1.0 and one["rejected"]["response_ids"] == [10, 11, 12, 13]
+    assert len({p["pair_id"] for p in got["pairs"]}) == 2
+    assert (await settle(api, got["batch_id"], "nack", name="dpo")).json() == {"returned": 2}
+    accept = {"accept": MSGPACK["content-type"]}
+    url = f"{BASE.format(run='r1')}/dpo/batch"
+    packed = msgpack.unpackb((await api.get(url, params={"size": 1}, headers=accept)).content)
+    (first,) = packed["pairs"]
+    assert first["pair_id"] in {p["pair_id"] for p in got["pairs"]}  # the same id again
+    assert np.frombuffer(first["chosen"]["response_ids"], "<i4").tolist() == [10, 11, 12, 13]
+    assert (await settle(api, packed["batch_id"], name="dpo")).json() == {"acked": 1}
+    v = await view(api, name="dpo")
+    assert counts(v) == (2, 1, 0, 1, 0)
+
+
+@pytest.mark.one_node
+async def test_pairs_need_a_run_with_groups(api):
+    await make_run(api, "r1")
+    detail = assert_error(await create(api, kind="preferences"), 422, "ValidationFailed")
+    assert "group_size" in detail

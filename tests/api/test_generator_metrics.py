@@ -3,7 +3,6 @@ rest summed under ``other``, and a quarantined generator always under its own.""
 
 from __future__ import annotations
 
-import httpx
 import msgpack
 import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -22,9 +21,8 @@ from app.events import (
     decode_entry,
     encode_payload,
 )
-from app.main import create_app
 from app.settings import Settings
-from tests.api.test_metrics import Samples, scrape, value
+from tests.api.test_metrics import Samples, app_client, scrape, value
 from tests.helpers import make_run
 
 RUN = "gm1"
@@ -100,30 +98,27 @@ def _figures(*generators: str, quarantined: bool = False) -> dict[str, float | N
 async def test_generator_labels_stay_bounded_and_the_rest_is_summed_under_other(
     settings: Settings, sessionmaker: async_sessionmaker[AsyncSession]
 ) -> None:
-    app = create_app(settings.model_copy(update={"metrics_generators": 2}))
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://broker") as c:
-            await make_run(c, RUN)
-            async with sessionmaker() as s, s.begin():
-                await repository.apply_events(s, RUN, _events())
-            got = _generators(await scrape(c))
-            # The two with the most rollouts, and the others summed.
-            assert got == {
-                "gen-a": _figures("gen-a"),
-                "gen-b": _figures("gen-b"),
-                "other": _figures("gen-c", "gen-d"),  # never quarantined: those have their own
-            }
-            assert got["other"]["kl_mean"] == pytest.approx(3.5 / 25)
+    async with app_client(settings.model_copy(update={"metrics_generators": 2})) as c:
+        await make_run(c, RUN)
+        async with sessionmaker() as s, s.begin():
+            await repository.apply_events(s, RUN, _events())
+        got = _generators(await scrape(c))
+        # The two with the most rollouts, and the others summed.
+        assert got == {
+            "gen-a": _figures("gen-a"),
+            "gen-b": _figures("gen-b"),
+            "other": _figures("gen-c", "gen-d"),  # never quarantined: those have their own
+        }
+        assert got["other"]["kl_mean"] == pytest.approx(3.5 / 25)
 
-            # The one with the fewest rollouts is quarantined: it keeps a label of its own.
-            told = GeneratorChanged("gen-d", True, 0.3, 5)
-            async with sessionmaker() as s, s.begin():
-                await repository.apply_events(s, RUN, [_event(3, "generator", told)])
-            got = _generators(await scrape(c))
-            assert got == {
-                "gen-a": _figures("gen-a"),
-                "gen-b": _figures("gen-b"),
-                "gen-d": _figures("gen-d", quarantined=True),
-                "other": _figures("gen-c"),
-            }
+        # The one with the fewest rollouts is quarantined: it keeps a label of its own.
+        told = GeneratorChanged("gen-d", True, 0.3, 5)
+        async with sessionmaker() as s, s.begin():
+            await repository.apply_events(s, RUN, [_event(3, "generator", told)])
+        got = _generators(await scrape(c))
+        assert got == {
+            "gen-a": _figures("gen-a"),
+            "gen-b": _figures("gen-b"),
+            "gen-d": _figures("gen-d", quarantined=True),
+            "other": _figures("gen-c"),
+        }

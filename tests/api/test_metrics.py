@@ -4,7 +4,9 @@ template, the bounded run labels, and who may read it."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,16 @@ async def scrape(client: httpx.AsyncClient, **headers: str) -> Samples:
             assert key not in out, key
             out[key] = s.value
     return out
+
+
+@contextlib.asynccontextmanager
+async def app_client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    """The app in-process on ``settings``, with its lifespan, and a client of it."""
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://broker") as c:
+            yield c
 
 
 def value(samples: Samples, name: str, **labels: str) -> float | None:
@@ -161,13 +173,10 @@ async def test_the_request_histogram_counts_requests_by_route_template(api):
 
 
 async def test_run_labels_stay_bounded_with_more_runs_than_the_cap(settings: Settings):
-    app = create_app(settings.model_copy(update={"metrics_max_runs": 3}))
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://broker") as c:
-            for i in range(7):
-                await make_run(c, f"cap{i}")
-            samples = await scrape(c)
+    async with app_client(settings.model_copy(update={"metrics_max_runs": 3})) as c:
+        for i in range(7):
+            await make_run(c, f"cap{i}")
+        samples = await scrape(c)
     assert len(runs_of(samples)) == 3
     assert runs_of(samples) == {"cap6", "cap5", "cap4"}  # the newest, as GET /v1/runs lists
     assert value(samples, "rollout_broker_open_runs") == 7

@@ -189,7 +189,7 @@ LIMITS = (
         REFUSED,
         r"POST /v1/runs/\{run_id\}/consumers$",
         422,
-        r"kind preferences needs groups|are not served yet|apply to kind preferences only",
+        r"kind preferences needs groups|apply to kind preferences only",
         "a consumer of pairs needs a run with groups (the run's group_size); min_margin and "
         "pairs go with kind preferences (a rule between fields)",
     ),

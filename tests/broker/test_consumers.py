@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
+from unittest.mock import ANY
 
 import pytest
 from redis.asyncio import Redis
@@ -16,6 +17,7 @@ from app import keys
 from app.broker import reward_store
 from app.broker.packing import unpack_rollouts
 from app.broker.store import RedisStore, StoreError
+from tests.api.support import events
 from tests.broker.test_audit_outbox import settle
 from tests.broker.test_store import ack, ids, lease, new_run, packed
 from tests.services import delete_prefix, new_prefix
@@ -69,9 +71,13 @@ async def test_create_is_idempotent_conflicts_and_refuses(store):
     assert await store.create_consumer("r", "c", source="received", max_lag=2) == "created"
     assert await store.create_consumer("r", "c", source="received", max_lag=2) == "exists"
     assert await code_of(store.create_consumer("r", "c", source="trained")) == "consumer_exists"
-    assert (
-        await code_of(store.create_consumer("r", "p", kind="preferences", source="received"))
-        == "consumer_kind_unsupported"
+    assert (  # kind preferences needs groups (tests/broker/test_consumer_pairs.py)
+        await code_of(
+            store.create_consumer(
+                "r", "p", kind="preferences", source="received", min_margin=0, pairs="all"
+            )
+        )
+        == "consumer_invalid"
     )
     assert await code_of(store.create_consumer("r", "c:x", source="received")) == "consumer_invalid"
     assert (
@@ -139,6 +145,22 @@ async def test_trained_gets_a_rollout_after_its_first_acked_use_once(store):
         await ack(store, got)
     assert await take(store) == ["b"]
     assert (await counts(store))[0] == 2
+
+
+async def test_a_first_use_a_rewind_undid_is_not_handed_out_again(store, redis, prefix):
+    await new_run(store, max_reuse=2)
+    await store.create_consumer("r", "c", source="trained")
+    await store.ingest("r", [packed("a"), packed("b")])
+    await store.set_policy("r", 1)
+    await ack(store, await lease(store, 2))  # their first use, at version 1
+    assert sorted(await take(store)) == ["a", "b"]
+    await store.rewind("r", 0)  # the use is undone: none stands
+    got = await lease(store, 2)
+    assert [r.uses for r in got.rollouts] == [0, 0]
+    await ack(store, got)  # their first use again, for the trainer
+    assert await take(store) == []  # but not for the consumer, which had them
+    assert await counts(store) == (2, 2, 0, 0, 0)
+    assert not await redis.exists(keys.run_key(prefix, "r", keys.CONSUMER_REWOUND))
 
 
 # -- retention and the blobs ----------------------------------------------------------------
@@ -224,6 +246,14 @@ async def test_deleting_the_run_frees_what_consumers_hold(store, redis, prefix):
     await retire_a(store)
     await store.close_run("r")
     await settle(redis, prefix)
+    # What the consumer holds (a leased, b pending) is dropped and counted; the delete waits
+    # for the accounting to apply that.
+    assert await code_of(store.delete_run("r")) == "run_busy"
+    assert (await events(redis, prefix, "r"))[-1] == (
+        "consumers",
+        {"items": [["c", 0, 0, 2]], "t": ANY},
+    )
+    await redis.xgroup_setid(keys.events_key(prefix, "r"), keys.CONSUMER_GROUP, id="$")
     await store.delete_run("r")
     names = {k.decode() async for k in redis.scan_iter(match=f"{prefix}:*")}
     base = keys.run_base(prefix, "r")
@@ -301,7 +331,7 @@ async def test_max_lag_drops_what_is_too_old_when_handed_out(store, redis, prefi
 
 async def trainer_trace(redis: Redis, seed: int, with_consumers: bool) -> list:
     """A seeded interleaving of ingest, trainer lease / ack / nack and version moves on a fresh
-    prefix, with consumer calls between them or not: what the trainer saw."""
+    prefix, with consumer calls (of both kinds) between them or not: what the trainer saw."""
     prefix = new_prefix()
     store = RedisStore(redis, prefix)
     rng = random.Random(seed)
@@ -312,12 +342,18 @@ async def trainer_trace(redis: Redis, seed: int, with_consumers: bool) -> list:
     if with_consumers:
         await store.create_consumer("r", "c", source="received", retention_rollouts=5)
         await store.create_consumer("r", "t", source="trained", max_lag=0)
+        for name, source in (("p", "received"), ("q", "trained")):
+            await store.create_consumer(
+                "r", name, kind="preferences", source=source, min_margin=0.0, pairs="all"
+            )
     version, n = 0, 0
     try:
         for step in range(120):
             op = rng.random()
             if op < 0.35:
-                rows = [packed(f"r{n}-{j}", version, group=f"g{n}") for j in range(2)]
+                rows = [
+                    packed(f"r{n}-{j}", version, group=f"g{n}", reward=float(j)) for j in range(2)
+                ]
                 n += 1
                 trace.append(("ingest", (await store.ingest("r", rows)).accepted))
             elif op < 0.6:
@@ -345,7 +381,7 @@ async def trainer_trace(redis: Redis, seed: int, with_consumers: bool) -> list:
                 version += 1
                 trace.append(("policy", await store.set_policy("r", version)))
             if rng.random() < 0.5 and with_consumers:  # the same draws with and without
-                for name in ("c", "t"):
+                for name in ("c", "t", "p", "q"):
                     got = await store.consumer_lease(
                         "r", name, batch_id=f"{name}{step}", size=3, lease_ms=60_000
                     )
@@ -356,16 +392,29 @@ async def trainer_trace(redis: Redis, seed: int, with_consumers: bool) -> list:
         run = await redis.hmget(keys.run_key(prefix, "r"), "live", "leased", "seq", "adm")
         units = await redis.hgetall(keys.run_key(prefix, "r", keys.UNITS))
         trace.append(("end", run, sorted(units.items())))
+        # What the accounting is told: every event but the consumers' own, times aside.
+        told = [(e, timeless(d)) for e, d in await events(redis, prefix, "r") if e != "consumers"]
+        trace.append(("events", told))
     finally:
         await delete_prefix(redis, prefix)
     return trace
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
+TIMES = ("t", "wait_ms", "created_at", "expires_at")  # clock readings, which differ run to run
+
+
+def timeless(d: dict) -> dict:
+    return {k: v for k, v in d.items() if k not in TIMES}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
 async def test_the_trainer_sees_the_same_with_and_without_consumers(redis, seed):
+    """The trainer's leases (ids, uses, lags), its acks and nacks, the run's live state and
+    every accounting event are the same with consumers reading beside it as without."""
     without = await trainer_trace(redis, seed, with_consumers=False)
     with_ = await trainer_trace(redis, seed, with_consumers=True)
     assert [t[0] for t in without].count("lease") > 5 and "ack" in [t[0] for t in without]
+    assert len(without[-1][1]) > 20  # the events compared
     assert with_ == without
 
 

@@ -95,7 +95,6 @@ EXPECTED: dict[str, tuple[type[BrokerError], int]] = {
     "generator_quarantined": (GeneratorQuarantined, 1),
     "consumer_missing": (ConsumerNotFound, 1),
     "consumer_exists": (ConsumerConflict, 1),
-    "consumer_kind_unsupported": (ValidationFailed, 1),
     "consumer_invalid": (ValidationFailed, 1),
 }
 STATUS = {

@@ -1,100 +1,119 @@
-"""``rollout-broker consumers create|show|delete`` against a live broker: the config sent as
-given, the counts shown, and the broker's refusals as one line on stderr."""
+"""The consumers of the accounting (``consumers: {name: {delivered, acked, pending, dropped}}``):
+typed in the client, shown by ``rollout-broker accounting`` when the broker reports them (a
+note for a run with none) and left out when it does not, each row found by its label and read
+for its value; and a live broker's consumers, driven through its store, reaching the command."""
 
 from __future__ import annotations
 
-import io
-import json
-from datetime import UTC, datetime
+import asyncio
+import uuid
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
-from rich.console import Console
-from rollout_broker_client import BrokerClient, ConsumerInfo, ConsumerNotFound, Rollout
-from rollout_broker_client.cli.views import consumer_detail
+from rollout_broker_client import BrokerClient, ConsumerCounts, Rollout
+from rollout_broker_client._wire import parse_accounting
+from rollout_broker_client.cli.views import accounting_table
 
-from tests.client.live import LiveServer
+from app.broker.store import RedisStore
+from tests.client.live import LiveServer, broker_env, serve
 from tests.client.test_cli import invoke, rid
+from tests.client.test_cli_figures import body, rendered, row
+from tests.services import REDIS_URL, fresh_database, redis_prefix
+
+# All distinct, and none another row shows, so a row cannot show another's figure.
+CONSUMERS = {
+    "rm": {"delivered": 9_871, "acked": 6_543, "pending": 2_109, "dropped": 1_219},
+    "dpo.v2": {"delivered": 777, "acked": 701, "pending": 76, "dropped": 0},
+}
 
 
-def test_consumers_create_show_and_delete(live_server: LiveServer) -> None:
-    run = rid()
-    with BrokerClient(live_server.url) as broker:
-        broker.create_run(run)
-        code, out, err = invoke(
-            live_server, "consumers", "create", run, "rm", "--source", "trained", "--max-lag",
-            "2", "--retention", "50", "--json",
-        )  # fmt: skip
-        assert code == 0, err
-        made = json.loads(out)
-        assert (made["name"], made["kind"], made["source"]) == ("rm", "rollouts", "trained")
-        assert (made["max_lag"], made["retention_rollouts"], made["pending"]) == (2, 50, 0)
-        assert broker.get_consumer(run, "rm").max_lag == 2  # as the broker keeps it
-
-        code, out, _ = invoke(
-            live_server, "consumers", "create", run, "all", "--source", "received"
-        )
-        assert code == 0 and "Consumer all" in out and "received" in out
-        broker.post_rollouts(run, [Rollout("a", 0, [1, 2], 1.0)])
-        code, out, _ = invoke(live_server, "consumers", "show", run, "all", "--json")
-        shown = json.loads(out)
-        assert code == 0 and (shown["delivered"], shown["pending"], shown["max_lag"]) == (
-            1,
-            1,
-            None,
-        )
-
-        code, out, _ = invoke(live_server, "consumers", "delete", run, "all")
-        assert code == 0 and out.strip() == f"consumer all of run {run} deleted"
-        with pytest.raises(ConsumerNotFound):
-            broker.get_consumer(run, "all")
-        assert broker.get_consumer(run, "rm").name == "rm"  # the other one stays
+def reported(**fields: Any) -> dict[str, Any]:
+    return body(**({"consumers": CONSUMERS} | fields))
 
 
-def test_consumers_refusals_are_one_line_each(live_server: LiveServer) -> None:
-    run = rid()
-    with BrokerClient(live_server.url) as broker:
-        broker.create_run(run)
-        broker.create_consumer(run, "rm", source="received")
-    code, _, err = invoke(live_server, "consumers", "create", run, "rm", "--source", "trained")
-    assert code == 1 and err.startswith("error: ConsumerConflict: ") and len(err.splitlines()) == 1
-    code, _, err = invoke(live_server, "consumers", "show", run, "nobody")
-    assert code == 1 and err.startswith("error: ConsumerNotFound: ")
-    code, _, err = invoke(live_server, "consumers", "delete", run, "nobody")
-    assert code == 1 and err.startswith("error: ConsumerNotFound: ")
-    code, _, err = invoke(
-        live_server, "consumers", "create", run, "x", "--source", "received", "--min-margin", "1"
-    )
-    assert code == 1 and err.startswith("error: ValidationFailed: ")  # kind rollouts has no margin
-    code, _, err = invoke(live_server, "consumers", "create", run, "x", "--source", "sampled")
-    assert code == 2 and "sampled" in err  # refused before anything is sent
-
-
-def test_the_consumer_view_shows_pair_settings_for_preferences_only() -> None:
-    base = {
-        "name": "dpo",
-        "source": "received",
-        "max_lag": None,
-        "retention_rollouts": 100_000,
-        "created_at": datetime(2026, 12, 6, 9, 0, tzinfo=UTC),
-        "delivered": 12,
-        "acked": 7,
-        "dropped": 1,
-        "pending": 4,
-        "leased": 2,
+def test_the_client_types_the_consumers_and_reads_an_older_broker() -> None:
+    acc = parse_accounting(reported())
+    assert acc.consumers == {
+        "rm": ConsumerCounts(delivered=9_871, acked=6_543, pending=2_109, dropped=1_219),
+        "dpo.v2": ConsumerCounts(delivered=777, acked=701, pending=76, dropped=0),
     }
-    prefs = ConsumerInfo(kind="preferences", min_margin=0.5, pairs="all", **base)  # type: ignore[arg-type]
-    plain = ConsumerInfo(kind="rollouts", min_margin=None, pairs=None, **base)  # type: ignore[arg-type]
-    for info, extra in ((prefs, True), (plain, False)):
-        console = Console(width=80, record=True, file=io.StringIO())
-        console.print(consumer_detail(info))
-        text = console.export_text()
-        rows = {
-            line.split("│")[1].strip(): line.split("│")[2].strip()
-            for line in text.splitlines()
-            if line.count("│") == 3
-        }
-        assert (rows["delivered"], rows["acked"], rows["dropped"]) == ("12", "7", "1")
-        assert (rows["pending"], rows["leased"], rows["max_lag"]) == ("4", "2", "–")
-        assert ("pairs" in rows, "min_margin" in rows) == (extra, extra)
-        if extra:
-            assert (rows["pairs"], rows["min_margin"]) == ("all", "0.5")
+    assert parse_accounting(body()).consumers is None
+    assert parse_accounting(reported(consumers={})).consumers == {}
+
+
+def test_the_accounting_table_shows_each_consumer() -> None:
+    lines = rendered(accounting_table(parse_accounting(reported())))
+    rm = row(lines, "rm")
+    assert " pending 2,109 " in rm
+    assert "delivered 9,871, acked 6,543, dropped 1,219" in rm
+    dpo = row(lines, "dpo.v2")
+    assert " pending 76 " in dpo and "delivered 777, acked 701, dropped 0" in dpo
+    # Under their own heading, in name order.
+    at = lines.index(row(lines, "consumers"))
+    assert lines.index(dpo) == at + 1 and lines.index(rm) == at + 2
+
+
+def test_the_accounting_table_notes_none_and_leaves_out_an_older_broker() -> None:
+    lines = rendered(accounting_table(parse_accounting(reported(consumers={}))))
+    assert "counted from then on" in row(lines, "none")
+    lines = rendered(accounting_table(parse_accounting(body())))
+    assert not [x for x in lines for label in ("consumers", "none") if x.startswith(f"│ {label} ")]
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[LiveServer, str]]:
+    """A live broker, with its key prefix (the consumers are created through its store)."""
+    with redis_prefix() as prefix, fresh_database() as db, serve(broker_env(prefix, db)) as s:
+        yield s, prefix
+
+
+async def _drive_consumers(prefix: str, run: str) -> None:
+    """rm keeps 2 of the 3 rollouts posted next (retention) and acks one of them."""
+    from redis.asyncio import Redis
+
+    redis = Redis.from_url(REDIS_URL)
+    try:
+        store = RedisStore(redis, prefix)
+        await store.create_consumer(run, "rm", source="received", retention_rollouts=2)
+    finally:
+        await redis.aclose()
+
+
+async def _ack_one(prefix: str, run: str) -> None:
+    from redis.asyncio import Redis
+
+    redis = Redis.from_url(REDIS_URL)
+    try:
+        store = RedisStore(redis, prefix)
+        bid = uuid.uuid4().hex
+        got = await store.consumer_lease(run, "rm", batch_id=bid, size=1, lease_ms=60_000)
+        assert got is not None
+        await store.consumer_ack(run, "rm", bid)
+    finally:
+        await redis.aclose()
+
+
+@pytest.mark.slow
+def test_a_live_brokers_consumers_reach_the_client_and_the_command(
+    served: tuple[LiveServer, str],
+) -> None:
+    server, prefix = served
+    run = rid()
+    with BrokerClient(server.url) as broker:
+        broker.create_run(run)
+        assert broker.wait_for_accounting(run, timeout_s=20).consumers == {}
+        code, out, err = invoke(server, "accounting", run)
+        assert code == 0, err
+        assert "counted from then on" in row(out.splitlines(), "none")
+
+        asyncio.run(_drive_consumers(prefix, run))
+        broker.post_rollouts(run, [Rollout(f"r{i}", 0, [1, 2, 3], reward=1.0) for i in range(3)])
+        asyncio.run(_ack_one(prefix, run))
+        acc = broker.wait_for_accounting(run, timeout_s=20)
+    assert acc.consumers == {"rm": ConsumerCounts(delivered=3, acked=1, pending=1, dropped=1)}
+    code, out, err = invoke(server, "accounting", run)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert " pending 1 " in row(lines, "rm")
+    assert "delivered 3, acked 1, dropped 1" in row(lines, "rm")

@@ -91,3 +91,15 @@ async def live_broker(
     finally:
         await api.stop()
         await worker.stop()
+
+
+@pytest.fixture
+async def broker(
+    redis_backend: RedisBackend, database_url: str, prefix: str, tmp_path: Path
+) -> AsyncIterator[LiveBroker]:
+    """A live broker with auth off, on the test's Redis prefix and database (the pages' tests
+    of figures)."""
+    async with live_broker(
+        redis_backend, database_url, prefix, tmp_path, BROKER_AUTH="off"
+    ) as running:
+        yield running

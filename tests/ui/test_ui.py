@@ -14,7 +14,7 @@ import contextlib
 import re
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -133,6 +133,8 @@ async def expected_figures(http: httpx.AsyncClient, selected: str) -> dict[str, 
         want["rewards"] = "n/a"
     if "bias" not in acc:  # a broker that does not report the bias figures
         want["bias"] = "n/a"
+    if "consumers" not in acc:  # a broker that does not report consumers
+        want["consumers"] = "n/a"
     want |= {
         "run.run_id": run["run_id"],
         "run.status": run["status"],
@@ -275,6 +277,29 @@ def watch(page: Page, origin: str) -> list[str]:
         ),
     )
     return wrong
+
+
+async def open_page(browser: Browser, origin: str, run_id: str) -> tuple[Page, list[str]]:
+    """A page of the broker at ``origin`` on run ``run_id``, polling every INTERVAL_S, and the
+    list of what must not happen on it (:func:`watch`)."""
+    page = await browser.new_page(viewport={"width": 1440, "height": 900})
+    page.set_default_timeout(WAIT_MS)
+    wrong = watch(page, origin)
+    await page.goto(f"{origin}/ui?interval={INTERVAL_S}#run={quote(run_id)}")
+    return page, wrong
+
+
+def doctor(change: Callable[[dict[str, Any]], None]) -> Callable[[Route], Awaitable[None]]:
+    """A route handler that hands the page the broker's JSON answer with ``change`` made to it
+    (a figure valid traffic never shows, or one an older broker does not report)."""
+
+    async def handle(route: Route) -> None:
+        real = await route.fetch()
+        body = await real.json()
+        change(body)
+        await route.fulfill(response=real, json=body)
+
+    return handle
 
 
 # A page may not load anything from elsewhere nor run a script it did not ship: an image from

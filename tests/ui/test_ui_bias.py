@@ -8,25 +8,23 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
-from playwright.async_api import Browser, Route
+from playwright.async_api import Browser
 
 from tests.services import RedisBackend
 from tests.ui.conftest import live_broker
 from tests.ui.test_ui import (
-    INTERVAL_S,
     SHIFT,
-    WAIT_MS,
     ack,
     create_run,
+    doctor,
     expected_figures,
     group,
     lease,
+    open_page,
     post,
     settled,
     until_shown,
-    watch,
 )
 
 BIAS: dict[str, Any] = {
@@ -77,10 +75,7 @@ async def test_page_shows_the_two_length_distributions_side_by_side(
         assert 0 < bias["bias.length.ks"] < 1
         assert any(k.startswith("bias.length.histogram.trained.") for k in bias)
 
-        page = await browser.new_page(viewport={"width": 1440, "height": 900})
-        page.set_default_timeout(WAIT_MS)
-        wrong = watch(page, broker.url)
-        await page.goto(f"{broker.url}/ui?interval={INTERVAL_S}#run={quote(run)}")
+        page, wrong = await open_page(browser, broker.url, run)
         await until_shown(page, want)
         # Side by side: two charts in the card, level with each other, received on the left,
         # each with a bar per bucket either side has.
@@ -99,27 +94,15 @@ async def test_page_shows_the_two_length_distributions_side_by_side(
         print(f"\nscreenshot of the page: {shot}")
 
         # A doctored answer: every bias figure one no other shows.
-        async def doctored(route: Route) -> None:
-            real = await route.fetch()
-            body = await real.json()
-            body["bias"] = BIAS
-            await route.fulfill(response=real, json=body)
-
-        await page.route("**/v1/runs/*/accounting", doctored)
+        await page.route("**/v1/runs/*/accounting", doctor(lambda body: body.update(bias=BIAS)))
         without = {k: v for k, v in want.items() if not k.startswith("bias.")}
         await until_shown(page, without | shown_bias())
         ks = page.locator('[data-field="bias.length.ks"]')
         assert await ks.get_attribute("class") == "over"
 
         # A broker that does not report them: n/a there, the rest as before.
-        async def older(route: Route) -> None:
-            real = await route.fetch()
-            body = await real.json()
-            del body["bias"]
-            await route.fulfill(response=real, json=body)
-
         await page.unroute("**/v1/runs/*/accounting")
-        await page.route("**/v1/runs/*/accounting", older)
+        await page.route("**/v1/runs/*/accounting", doctor(lambda body: body.pop("bias")))
         await until_shown(page, without | {"bias": "n/a"})
         await page.unroute("**/v1/runs/*/accounting")
         await until_shown(page, want)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import httpx
 from playwright.async_api import Browser, Route
@@ -17,14 +16,12 @@ from tests.helpers import rollout
 from tests.services import RedisBackend
 from tests.ui.conftest import live_broker
 from tests.ui.test_ui import (
-    INTERVAL_S,
-    WAIT_MS,
     create_run,
     expected_figures,
+    open_page,
     post,
     settled,
     until_shown,
-    watch,
 )
 
 
@@ -71,10 +68,7 @@ async def test_page_shows_the_reward_figures(
         want = await expected_figures(http, run)
         assert want["rewards.mean_wait_s"] == acc["wait"]["reward_s"] / 3
 
-        page = await browser.new_page(viewport={"width": 1440, "height": 900})
-        page.set_default_timeout(WAIT_MS)
-        wrong = watch(page, broker.url)
-        await page.goto(f"{broker.url}/ui?interval={INTERVAL_S}#run={quote(run)}")
+        page, wrong = await open_page(browser, broker.url, run)
         await until_shown(page, want)
         shot = tmp_path / "ui-rewards.png"
         await page.screenshot(path=str(shot), full_page=True)

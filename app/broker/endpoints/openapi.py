@@ -178,8 +178,10 @@ class ConsumerRolloutMsgpack(ConsumerRolloutOut):
 
 
 class PairMsgpack(PairOut):
-    chosen: ConsumerRolloutMsgpack  # type: ignore[assignment]
-    rejected: ConsumerRolloutMsgpack  # type: ignore[assignment]
+    """A preference pair in a msgpack answer."""
+
+    chosen: ConsumerRolloutMsgpack
+    rejected: ConsumerRolloutMsgpack
 
 
 class ConsumerBatchOutMsgpack(ConsumerBatchOut):

@@ -1,4 +1,4 @@
--- requires: cleanup, finish, quarantine
+-- requires: cleanup, finish, quarantine, preferences
 -- Acknowledge a live batch: every rollout gains one use, units at max_reuse or above kl_max
 -- retire, and kl_flush_window batches in a row with a mean KL above kl_flush raise the run's
 -- version floor to the last one's version, flushing every buffered unit below it. The first use of a prompt attempt's group
@@ -51,6 +51,7 @@ if #gens > 0 then  -- the uses of each generator a rewind below V would undo
   redis.call('HSET', bk, 'gs', cmsgpack.pack(counts))
 end
 
+CON.acked_rewards(acked.items or {})
 local kl = {}
 for _, item in ipairs(acked.items or {}) do
   if item[4] then kl[item[1]] = item[4] end
@@ -58,8 +59,9 @@ end
 
 each_unit(cmsgpack.unpack(f[2]), cmsgpack.unpack(f[3]), function(u, r, part)
   r.uses = r.uses + 1
-  if r.uses == 1 then  -- its first gradient: what a 'trained' consumer sees
+  if r.uses == 1 and CON.first_use(u) then  -- its first gradient: what 'trained' consumers see
     for _, row in ipairs(part) do CON.deliver('trained', row[1], row[2]) end
+    CON.group('trained', part, r.pk)
   end
   if r.uses == 1 and r.pk then  -- the first use of a prompt attempt's group: its pass is done
     local pf = pass_fields(r.pk)

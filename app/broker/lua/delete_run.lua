@@ -16,6 +16,7 @@ local WAITS_FOR = {
   live = 'rollouts are still buffered or leased',
   work = 'work leases are still live',
   events = 'the accounting has not applied all its events yet',
+  consumers = "what its consumers held was dropped now; the accounting has not applied it yet",
 }
 local f = redis.call('HMGET', RUN, 'cfg', 'st', 'deleting')
 if not f[1] then
@@ -27,6 +28,13 @@ if not f[3] then
   if R.st ~= 'closed' then return err('run_open') end
   local why = unsettled(ARGV[3])
   if why then return err('run_busy', WAITS_FOR[why]) end
+  -- What consumers still hold is dropped and counted first, and the delete waits for the
+  -- accounting to apply that as it waits for any event.
+  for _, name in ipairs(redis.call('HKEYS', CON.CONS)) do CON.free(CON.get(name)) end
+  if #CON.acc_order > 0 then
+    CON.emit()
+    return err('run_busy', WAITS_FOR.consumers)
+  end
   redis.call('HSET', RUN, 'deleting', 1, 'parked', 1)
 end
 
@@ -47,14 +55,11 @@ while budget > 0 do
 end
 if redis.call('EXISTS', PSEEN) == 1 then return ok('more') end
 
--- Consumers: what each holds goes, with the blobs of retired rollouts they kept.
-for _, name in ipairs(redis.call('HKEYS', CON.CONS)) do CON.free(CON.get(name)) end
-
 -- Whole collections: UNLINK frees a large one off the main thread. The indexes of units and
 -- leases are empty in a settled run; they go too, in case.
 redis.call('UNLINK', SEEN, GDONE, PQ, EV, Q, VS, OPEN, OV, LEASES, US, WLEASES, WAITING, WWAITING,
   ACKED, XV, FLOORS, PWAITING, AW, AUN, AQ, AV, RLEASES, RWAITING, UG, GQ, GW, PMEAN, PQE, PQN,
-  PQH, CON.CONS, CON.CREF, CON.CORPH)
+  PQH, CON.CONS, CON.CREF, CON.CORPH, CON.TD)
 local keep = redis.call('HMGET', RUN, 'id', 'created')
 redis.call('DEL', RUN)
 redis.call('HSET', RUN, 'id', keep[1] or '', 'st', 'deleted', 'created', keep[2] or '0',

@@ -1,4 +1,4 @@
--- requires: units, finish
+-- requires: units, finish, preferences
 -- Store a request's rollouts: all-or-nothing validation first (Redis does not roll a script
 -- back), then the writes, the accounting events and one wake-up for long-polling trainers.
 -- ARGV: wake, n, then n records of 9: rollout_id, group_id ('' = none), policy_version (v_old),
@@ -180,6 +180,7 @@ for i = 1, n do
     if not awaits then
       rewarded, reward_sum = rewarded + 1, reward_sum + tonumber(rw)
       CON.deliver('received', rid, v)
+      CON.known(rid, rw)
     end
     if gen ~= '' then GEN.note(u, gen) end
     if awaits then note_awaiting(rid, v, u) end
@@ -253,6 +254,10 @@ for i = 1, n do
         local rr = redis.call('HMGET', uk, 'rmin', 'rmax', 'aw', 'rs')
         local unscored = tonumber(rr[3] or '0')
         if work and unscored == 0 then POOL.scored(work[1], rr[4], need) end
+        -- Every reward in: its pairs, before a zero-variance group retires (it gives none).
+        if unscored == 0 and CON.wants('received') then
+          CON.group('received', rollouts_of(u), work and work[1])
+        end
         if unscored == 0 and zero_variance(need, rr[1], rr[2]) then
           retire_open(u, 'zero_variance')
         else

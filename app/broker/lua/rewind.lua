@@ -96,6 +96,7 @@ for i = 1, #order, 1000 do
     local x = undo[u]
     if recs[j] then  -- still buffered or leased
       local r = parse_unit(recs[j])
+      if r.uses > 0 and r.uses <= x.n then CON.rewound(u) end  -- its first use is undone
       r.uses = math.max(0, r.uses - x.n)
       local pf = r.uses == 0 and r.pk and pass_fields(r.pk)
       if pf and pf[1] == 'd' and tonumber(pf[2]) == r.att then

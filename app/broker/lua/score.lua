@@ -1,4 +1,4 @@
--- requires: rewards, finish
+-- requires: rewards, finish, preferences
 -- Rewards for rollouts that await them (SPEC "Rewards"), all-or-nothing: every rollout is
 -- checked before anything is written. A rollout scored is its packed form again with the reward
 -- in, packed by the caller from the stored one, which only this script changes, and only while
@@ -61,6 +61,7 @@ for i = 1, n do
     local t, v, u = parse_awaiting(aw[i])
     redis.call('SET', dkey(rid), ARGV[at(i) + 3])
     CON.deliver('received', rid, v)
+    CON.known(rid, text)
     table.insert(done, rid)
     local x = units[u]
     if not x then
@@ -92,6 +93,7 @@ for _, u in ipairs(order) do
   elseif s then
     local r = parse_unit(redis.call('HGET', US, u))
     if r.pk and s.rs then POOL.scored(r.pk, s.rs, r.k) end
+    if CON.wants('received') then CON.group('received', rollouts_of(u, r), r.pk) end
     redis.call('HDEL', AUN, u)
     redis.call('ZREM', AQ, u)
     redis.call('ZREM', AV, u)

@@ -759,6 +759,29 @@ def bias_stats(value: Mapping[str, Any]) -> BiasStats:
 
 
 @dataclass(frozen=True, slots=True)
+class ConsumerCounts:
+    """One consumer's items (SPEC "Consumers"), summed over every consumer of its name:
+    ``delivered`` to it, ``acked`` by it, ``pending`` (delivered - acked - dropped: queued for
+    it or in its live leases) and ``dropped`` (beyond its retention_rollouts, beyond its
+    max_lag when leased, or held when it was deleted)."""
+
+    delivered: int = 0
+    acked: int = 0
+    pending: int = 0
+    dropped: int = 0
+
+
+def consumer_counts(value: Mapping[str, Any]) -> dict[str, ConsumerCounts]:
+    """The ``consumers`` object of an accounting answer, by name (a figure it lacks reads 0)."""
+    return {
+        name: ConsumerCounts(
+            **{k: int(c.get(k) or 0) for k in ("delivered", "acked", "pending", "dropped")}
+        )
+        for name, c in value.items()
+    }
+
+
+@dataclass(frozen=True, slots=True)
 class LiveCounts:
     """The broker's own counts of a run's rollouts, from its live state rather than the ledger;
     ``rewards_awaiting`` and ``rewards_leased`` are 0 from a server that does not report them."""
@@ -779,8 +802,9 @@ class Accounting:
     a server that does not report them, and so is ``samples_rewound`` (of ``samples_consumed``,
     the uses a rewind of the policy version gave back to their rollouts). ``dead_letters``
     (events the ledger could not apply), ``live`` (the broker's own buffered and leased counts),
-    ``partials``, ``rewards`` and ``bias`` are None from a server that does not report them;
-    when not given they are read from ``raw``. ``raw`` is the server's body as it came."""
+    ``partials``, ``rewards``, ``bias`` and ``consumers`` (by name; empty for a run with none)
+    are None from a server that does not report them; when not given they are read from
+    ``raw``. ``raw`` is the server's body as it came."""
 
     rollouts_received: int
     groups_received: int
@@ -811,6 +835,7 @@ class Accounting:
     rewards: RewardCounts | None = None
     kl_coef: float | None = None  # β of the adaptive KL penalty after the newest ack
     bias: BiasStats | None = None
+    consumers: dict[str, ConsumerCounts] | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -835,6 +860,9 @@ class Accounting:
         bias = self.raw.get("bias")
         if self.bias is None and isinstance(bias, Mapping):
             object.__setattr__(self, "bias", bias_stats(bias))
+        consumers = self.raw.get("consumers")
+        if self.consumers is None and isinstance(consumers, Mapping):
+            object.__setattr__(self, "consumers", consumer_counts(consumers))
 
     @property
     def mean_reward_wait_s(self) -> float | None:

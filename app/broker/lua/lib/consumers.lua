@@ -3,13 +3,17 @@
 -- queue. CON.CONS maps each consumer's name to '<gen> <created ms> <config JSON>' (gen: the run's
 -- consumer counter when it was created, so that a batch record of a deleted consumer is never
 -- read as one of a new consumer of the same name). Per consumer: CON.qkey(name), its pending
--- items by delivery seq (the run hash's 'cseq'), each item '<version> <rollout_id>';
+-- items by delivery seq (the run hash's 'cseq'): for kind rollouts '<version> <rollout_id>', for
+-- kind preferences a pair '<version> <pair_id> <margin> <chosen> <rejected> <prompt_id>' (version:
+-- the older rollout's; pair_id: its delivery seq; margin as '%.17g'; prompt_id '' when none; ids
+-- hold no spaces, so an item of one space is a rollout's; lib/preferences.lua makes the pairs);
 -- CON.ckey(name), its counters (delivered, acked, dropped, leased); CON.lkey(name), its live batches
 -- by expiry ms; CON.bkey('<name>:<gen>:<batch_id>'), a batch (st l/a/n/e, items as JSON
 -- [member, score, ...], exp, n).
 --
 -- A rollout's packed blob lives while any consumer holds it, pending or leased: CON.CREF counts the
--- consumers holding each rollout. retire_rollouts() (lib/units.lua) hands a retiring rollout's
+-- holds on each rollout, one per item that names it (a rollout in three pairs of a consumer is
+-- held three times). retire_rollouts() (lib/units.lua) hands a retiring rollout's
 -- blob to CON.retire() instead of deleting it; CON.settle() deletes the blobs nobody holds and
 -- marks the others in CON.CORPH, and the release of the last hold deletes those.
 --
@@ -32,13 +36,15 @@ function CON.active()
   return CON.on
 end
 
--- A consumer's record: its config (kind, source, max_lag, retention_rollouts) with name, gen,
--- created and text (the config JSON as stored).
+-- A consumer's record: its config (kind, source, max_lag, min_margin, pairs, retention_rollouts)
+-- with name, gen, created and text (the config JSON as stored); nulls read as nil.
 function CON.parse(name, text)
   local gen, created, cfg = string.match(text, '^(%d+) (%d+) (.*)$')
   local c = cjson.decode(cfg)
   c.name, c.gen, c.created, c.text = name, gen, tonumber(created), cfg
-  if c.max_lag == cjson.null then c.max_lag = nil end
+  for _, k in ipairs({ 'max_lag', 'min_margin', 'pairs' }) do
+    if c[k] == cjson.null then c[k] = nil end
+  end
   return c
 end
 
@@ -48,18 +54,28 @@ function CON.get(name)
   return CON.parse(name, text)
 end
 
--- The consumers of a source ('received', 'trained'), read once a call; nil when none.
-function CON.of(source)
+-- The consumers of a source ('received', 'trained') and kind ('rollouts', the default, or
+-- 'preferences'), read once a call; nil when the run has none.
+function CON.of(source, kind)
   if not CON.active() then return nil end
   if CON.list == nil then
-    CON.list = { received = {}, trained = {} }
+    CON.list = {}
+    for _, s in ipairs({ 'received', 'trained' }) do
+      CON.list[s] = { rollouts = {}, preferences = {} }
+    end
     local all = redis.call('HGETALL', CON.CONS)
     for i = 1, #all, 2 do
       local c = CON.parse(all[i], all[i + 1])
-      table.insert(CON.list[c.source], c)
+      table.insert(CON.list[c.source][c.kind], c)
     end
   end
-  return CON.list[source]
+  return CON.list[source][kind or 'rollouts']
+end
+
+-- Whether the run has a preferences consumer of `source`: all a run without one pays for pairs.
+function CON.wants(source)
+  local cs = CON.of(source, 'preferences')
+  return cs ~= nil and #cs > 0
 end
 
 -- Consumer `name`'s `field` (delivered, acked, dropped) grew by n in this call: for its event.
@@ -92,31 +108,68 @@ function CON.emit()
   CON.acc, CON.acc_order = {}, {}
 end
 
-function CON.rid(member) return string.match(member, '^%d+ (.*)$') end
+-- A pair item's fields: pair_id, chosen, rejected, margin (text), prompt_id ('' = none).
+function CON.pair(member)
+  local id, margin, chosen, rejected, prompt =
+    string.match(member, '^%d+ (%d+) (%S+) (%S+) (%S+) (.*)$')
+  return id, chosen, rejected, margin, prompt
+end
 
--- A rollout (`rid`, governing version `v`) reaches the consumers of `source`; written by
--- CON.write() at the end of the call.
+-- The rollouts an item holds: a rollout item's one, a pair's two.
+function CON.held(member)
+  local rest = string.match(member, '^%d+ (.*)$')
+  if not string.find(rest, ' ', 1, true) then return { rest } end
+  local _, chosen, rejected = CON.pair(member)
+  return { chosen, rejected }
+end
+
+-- Item `x` of consumer `c` is delivered in this call: { version, rollout_id } or a pair's
+-- { version, chosen, rejected, margin text, prompt_id or '' }; CON.write() writes it.
+function CON.queue(c, x)
+  local l = CON.out[c.name]
+  if not l then
+    l = { c = c, items = {} }
+    CON.out[c.name] = l
+    table.insert(CON.order, c.name)
+  end
+  table.insert(l.items, x)
+end
+
+-- The item of `x` (CON.queue) delivered at seq `seq`.
+function CON.member(x, seq)
+  if #x == 2 then return I(x[1]) .. ' ' .. x[2] end
+  return table.concat({ I(x[1]), I(seq), x[4], x[2], x[3], x[5] }, ' ')
+end
+
+-- A rollout (`rid`, governing version `v`) reaches the rollouts consumers of `source`; written
+-- by CON.write() at the end of the call.
 function CON.deliver(source, rid, v)
   local cs = CON.of(source)
   if not cs then return end
-  for _, c in ipairs(cs) do
-    local l = CON.out[c.name]
-    if not l then
-      l = { c = c, items = {} }
-      CON.out[c.name] = l
-      table.insert(CON.order, c.name)
-    end
-    table.insert(l.items, I(v) .. ' ' .. rid)
-  end
+  for _, c in ipairs(cs) do CON.queue(c, { v, rid }) end
 end
 
--- Release one hold on each of `members`: a retired rollout nobody holds any more loses its blob.
+-- A rewind gave back every use of unit `u`, whose first one its rollouts' 'trained' consumers
+-- were handed: its next first use is not handed to them again (each sees a rollout once).
+function CON.rewound(u)
+  if CON.active() then redis.call('SADD', CON.TD, u) end
+end
+
+-- Whether unit `u`'s first use is its first gradient ever (not one again after a rewind).
+function CON.first_use(u)
+  if not CON.active() then return true end
+  if CON.td == nil then CON.td = redis.call('EXISTS', CON.TD) == 1 end
+  return not (CON.td and redis.call('SREM', CON.TD, u) == 1)
+end
+
+-- Release the holds of `members`: a retired rollout nobody holds any more loses its blob.
 function CON.release(members)
   for _, m in ipairs(members) do
-    local rid = CON.rid(m)
-    if redis.call('HINCRBY', CON.CREF, rid, -1) <= 0 then
-      redis.call('HDEL', CON.CREF, rid)
-      if redis.call('SREM', CON.CORPH, rid) == 1 then redis.call('DEL', dkey(rid)) end
+    for _, rid in ipairs(CON.held(m)) do
+      if redis.call('HINCRBY', CON.CREF, rid, -1) <= 0 then
+        redis.call('HDEL', CON.CREF, rid)
+        if redis.call('SREM', CON.CORPH, rid) == 1 then redis.call('DEL', dkey(rid)) end
+      end
     end
   end
 end
@@ -139,8 +192,8 @@ function CON.trim(c)
   CON.drop(c, members)
 end
 
--- The deliveries of this call: each consumer's new items after its pending ones, one hold per
--- consumer on each rollout, then the retention trim.
+-- The deliveries of this call: each consumer's new items after its pending ones, a hold on
+-- each rollout per item that names it, then the retention trim.
 function CON.write()
   if #CON.order == 0 then return end
   local seq = tonumber(redis.call('HGET', RUN, 'cseq') or '0')
@@ -148,26 +201,48 @@ function CON.write()
   for _, name in ipairs(CON.order) do
     local items = CON.out[name].items
     local args = {}
-    for _, m in ipairs(items) do
+    for _, x in ipairs(items) do
       seq = seq + 1
+      local m = CON.member(x, seq)
       table.insert(args, I(seq))
       table.insert(args, m)
-      local rid = CON.rid(m)
-      if not refs[rid] then
-        refs[rid] = 0
-        table.insert(ref_order, rid)
+      for j = 2, math.min(#x, 3) do  -- the rollout, or chosen and rejected
+        local rid = x[j]
+        if not refs[rid] then
+          refs[rid] = 0
+          table.insert(ref_order, rid)
+        end
+        refs[rid] = refs[rid] + 1
       end
-      refs[rid] = refs[rid] + 1
     end
     each_chunk(args, 1000, function(...) redis.call('ZADD', CON.qkey(name), ...) end)
     CON.count(name, 'delivered', #items)
   end
   redis.call('HSET', RUN, 'cseq', I(seq))
-  for _, rid in ipairs(ref_order) do redis.call('HINCRBY', CON.CREF, rid, refs[rid]) end
+  CON.hold(refs, ref_order)
   for _, name in ipairs(CON.order) do CON.trim(CON.out[name].c) end
   CON.out, CON.order = {}, {}
   -- Every API process receives every wake-up, so none is sent while no reader waits.
   if redis.call('EXISTS', CON.WAITING) == 1 then redis.call('PUBLISH', WAKE, CON.WAKE) end
+end
+
+-- Add refs[rid] holds to each rollout of `order` in CON.CREF: those held by nobody yet are
+-- written with one HSET a thousand, the others incremented one by one.
+function CON.hold(refs, order)
+  for i = 1, #order, 1000 do
+    local part = { unpack(order, i, math.min(i + 999, #order)) }
+    local have = redis.call('HMGET', CON.CREF, unpack(part))
+    local new = {}
+    for j, rid in ipairs(part) do
+      if have[j] then
+        redis.call('HINCRBY', CON.CREF, rid, refs[rid])
+      else
+        table.insert(new, rid)
+        table.insert(new, I(refs[rid]))
+      end
+    end
+    if #new > 0 then redis.call('HSET', CON.CREF, unpack(new)) end
+  end
 end
 
 -- A retiring rollout's blob (retire_rollouts): kept while a consumer holds the rollout.
@@ -182,13 +257,15 @@ function CON.settle(dels)
   for i = 1, #rids, 1000 do
     local part = { unpack(rids, i, math.min(i + 999, #rids)) }
     local held = redis.call('HMGET', CON.CREF, unpack(part))
+    local kept = {}
     for j, rid in ipairs(part) do
       if held[j] then
-        redis.call('SADD', CON.CORPH, rid)
+        table.insert(kept, rid)
       else
         table.insert(dels, dkey(rid))
       end
     end
+    if #kept > 0 then redis.call('SADD', CON.CORPH, unpack(kept)) end
   end
 end
 
@@ -258,8 +335,10 @@ function CON.sweep(limit)
   if not CON.active() then return false end
   local more = false
   for _, src in ipairs({ 'received', 'trained' }) do
-    for _, c in ipairs(CON.of(src)) do
-      if CON.expire(c, limit) == limit then more = true end
+    for _, kind in ipairs({ 'rollouts', 'preferences' }) do
+      for _, c in ipairs(CON.of(src, kind)) do
+        if CON.expire(c, limit) == limit then more = true end
+      end
     end
   end
   return more
@@ -284,10 +363,56 @@ function CON.free(c)
   return #pending
 end
 
--- Why a consumer config is refused, or nil. `cfg` decoded from the caller's JSON.
-function CON.invalid(name, cfg)
+-- What a lease answers for its items `members`: kind rollouts their rollout ids; kind
+-- preferences each rollout of the pairs once, in first appearance, and the pairs
+-- { {pair_id, prompt_id, chosen, rejected, margin}, ... }.
+function CON.answer(c, members)
+  local rids, pairs, seen = {}, {}, {}
+  for _, m in ipairs(members) do
+    for _, rid in ipairs(CON.held(m)) do
+      if not seen[rid] then
+        seen[rid] = true
+        table.insert(rids, rid)
+      end
+    end
+    if c.kind == 'preferences' then
+      local id, chosen, rejected, margin, prompt = CON.pair(m)
+      table.insert(pairs, { id, prompt, chosen, rejected, margin })
+    end
+  end
+  if c.kind == 'preferences' then return rids, pairs end
+  return rids
+end
+
+-- Why the pair settings of config `cfg` are refused, or nil; `group_size` the run's.
+function CON.invalid_pairs(cfg, group_size)
+  if cfg.kind ~= 'preferences' then
+    if (cfg.min_margin or cjson.null) ~= cjson.null or (cfg.pairs or cjson.null) ~= cjson.null then
+      return 'min_margin and pairs apply to kind preferences only'
+    end
+    return nil
+  end
+  local m = cfg.min_margin
+  if type(m) ~= 'number' or m ~= m or m < 0 or m == math.huge then
+    return 'min_margin must be a finite number >= 0'
+  end
+  if cfg.pairs ~= 'best_worst' and cfg.pairs ~= 'all' then
+    return 'pairs must be best_worst or all'
+  end
+  if group_size < 2 then
+    return 'kind preferences needs groups: the run\'s group_size is ' .. I(group_size)
+  end
+  return nil
+end
+
+-- Why a consumer config is refused, or nil. `cfg` decoded from the caller's JSON; `group_size`
+-- the run's.
+function CON.invalid(name, cfg, group_size)
   if not string.match(name, '^[A-Za-z0-9_.-]+$') or #name > 64 then
     return 'name must be 1 to 64 of A-Z a-z 0-9 _ . -'
+  end
+  if cfg.kind ~= 'rollouts' and cfg.kind ~= 'preferences' then
+    return 'kind must be rollouts or preferences'
   end
   if not CON.sources[cfg.source] then return 'source must be received or trained' end
   local lag = cfg.max_lag
@@ -298,5 +423,5 @@ function CON.invalid(name, cfg)
   if type(keep) ~= 'number' or keep < 1 or keep % 1 ~= 0 then
     return 'retention_rollouts must be an integer >= 1'
   end
-  return nil
+  return CON.invalid_pairs(cfg, group_size)
 end

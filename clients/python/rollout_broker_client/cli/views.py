@@ -16,6 +16,7 @@ if TYPE_CHECKING:
         Accounting,
         AuditEntry,
         BiasStats,
+        ConsumerCounts,
         ConsumerInfo,
         GeneratorAccounting,
         PartialCounts,
@@ -298,6 +299,22 @@ def _bias_rows(table: Table, b: BiasStats) -> None:
     )
 
 
+def _consumer_rows(table: Table, consumers: dict[str, ConsumerCounts]) -> None:
+    """The run's consumers by name: what each holds, and what it was delivered, acked and
+    dropped."""
+    _section(table, "consumers")
+    if not consumers:
+        table.add_row("none", "", "a consumer created on the run is counted from then on")
+    for i, name in enumerate(sorted(consumers), 1):
+        c = consumers[name]
+        table.add_row(
+            name,
+            f"pending {c.pending:,}",
+            f"delivered {c.delivered:,}, acked {c.acked:,}, dropped {c.dropped:,}",
+            end_section=i == len(consumers),
+        )
+
+
 def accounting_table(
     acc: Accounting, run: Run | None = None, *, deleted: str | None = None
 ) -> RenderableType:
@@ -399,10 +416,12 @@ def accounting_table(
         "IS ratio",
         f"mean {fmt(acc.is_ratio.mean, 4)}",
         f"clip fraction {fmt(acc.is_ratio.clip_fraction, 3)}",
-        end_section=acc.bias is not None,
+        end_section=acc.bias is not None or acc.consumers is not None,
     )
     if acc.bias is not None:  # shown whenever the broker reports it
         _bias_rows(table, acc.bias)
+    if acc.consumers is not None:  # shown whenever the broker reports them, none too
+        _consumer_rows(table, acc.consumers)
     if acc.pending_events:
         table.caption = f"{acc.pending_events} events not yet in the accounting"
     return table

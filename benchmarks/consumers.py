@@ -1,0 +1,153 @@
+"""What consumers cost the policy trainer, and how fast one reads:
+``python -m benchmarks.consumers`` (about a minute; ``--rounds 5`` for a quick look).
+
+A private Redis and the broker (uvicorn, the real API process) on 127.0.0.1. Runs of groups of
+8 hold the same rollouts of 1,024 tokens (msgpack, raw arrays, rewards 0 to 6 in a group),
+posted before anything is timed, with consumers of source ``trained``: none; one of kind
+rollouts; three (two of kind rollouts, one of preferences, ``best_worst``); one of preferences
+with ``pairs: all`` (28 pairs a group). Each acked batch is delivered to every one of them at
+its first use, and with ``max_reuse`` 1 each rollout then retires from the trainer's buffer
+while its consumers still hold it, so its blob is kept (the path consumers add to an ack). Each
+round takes turns between the runs: a lease of ``--batch`` rollouts and its ack, timed together.
+A fourth run has one consumer of source ``received``; there each round times the trainer's
+lease + ack and then the consumer's lease + ack of as many items, both reading the same rollouts.
+
+Each row is the median of ``--rounds`` rounds, seen by a keep-alive ``http.client`` connection,
+with the ratio against the run without consumers (or against the trainer, for the consumer's
+row) measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from benchmarks.measure_http import MSGPACK, ROOT, Conn, services
+from benchmarks.servers import Server
+
+JSON_BODY = {"content-type": "application/json"}
+GROUP = 8
+
+
+def post_rollouts(conn: Conn, run: str, n: int, tokens: int) -> None:
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 150_000, tokens).astype("<i4").tobytes()
+    lps = (-rng.exponential(1.0, tokens)).astype("<f4").tobytes()
+    for start in range(0, n, 64):
+        docs = [
+            {
+                "rollout_id": f"x{i}",
+                "policy_version": 0,
+                "response_ids": ids,
+                "logprobs": lps,
+                "reward": float(i % 7),
+                "group_id": f"g{i // GROUP}",
+            }
+            for i in range(start, min(n, start + 64))
+        ]
+        body = msgpack.packb({"rollouts": docs}, use_bin_type=True)
+        conn.call("POST", f"/v1/runs/{run}/rollouts", body, **{"content-type": MSGPACK})
+
+
+def make_run(conn: Conn, run: str, consumers: list[dict[str, Any]], n: int, tokens: int) -> None:
+    config = {
+        "max_reuse": 1,
+        "group_size": GROUP,
+        "capacity_rollouts": 10 * n,
+        "kl_max": 1e12,
+        "kl_flush": 1e12,
+    }
+    body = json.dumps({"run_id": run, "config": config}).encode()
+    conn.call("POST", "/v1/runs", body, **JSON_BODY)
+    for c in consumers:
+        conn.call("POST", f"/v1/runs/{run}/consumers", json.dumps(c).encode(), **JSON_BODY)
+    post_rollouts(conn, run, n, tokens)
+
+
+def lease_ack(conn: Conn, base: str, size: int) -> float:
+    """Seconds of one lease of ``size`` (msgpack answer) and its ack."""
+    t0 = time.perf_counter()
+    got = conn.call("GET", f"{base}/batch?size={size}", accept=MSGPACK)
+    items = got.get("rollouts") or got.get("pairs") or []
+    assert len(items) == size, (base, len(items))
+    conn.call("POST", f"{base}/batches/{got['batch_id']}/ack", b"{}", **JSON_BODY)
+    return time.perf_counter() - t0
+
+
+def run_rounds(server: Server, rounds: int, batch: int, tokens: int) -> dict[str, float]:
+    conn = Conn(server)
+    n = (rounds + 1) * batch
+    tag = uuid.uuid4().hex[:6]
+    rollouts = {"name": "t0", "source": "trained"}
+    pairs = {"name": "p0", "source": "trained", "kind": "preferences"}
+    setups = {
+        "no consumers": [],
+        "1 consumer (rollouts)": [rollouts],
+        "3 consumers (2 rollouts, 1 best_worst pairs)": [
+            rollouts,
+            {**rollouts, "name": "t1"},
+            pairs,
+        ],
+        "1 consumer (all pairs)": [{**pairs, "pairs": "all"}],
+    }
+    runs = {}
+    for i, (name, consumers) in enumerate(setups.items()):
+        runs[name] = f"c{i}-{tag}"
+        make_run(conn, runs[name], consumers, n, tokens)
+    reader = f"rd-{tag}"
+    make_run(conn, reader, [{"name": "rm", "source": "received"}], n, tokens)
+    times: dict[str, list[float]] = {
+        **{f"trainer, {name}": [] for name in runs},
+        "trainer, beside a reader": [],
+        "consumer reader": [],
+    }
+    for round_ in range(rounds + 1):  # a first round to warm up, not counted
+        got = {
+            f"trainer, {name}": lease_ack(conn, f"/v1/runs/{run}", batch)
+            for name, run in runs.items()
+        }
+        got["trainer, beside a reader"] = lease_ack(conn, f"/v1/runs/{reader}", batch)
+        got["consumer reader"] = lease_ack(conn, f"/v1/runs/{reader}/consumers/rm", batch)
+        if round_:
+            for name, s in got.items():
+                times[name].append(s)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.consumers", description=__doc__)
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--redis-url", help="use this Redis instead of a private redis-server")
+    p.add_argument("--app-dir", default=str(ROOT), help="the broker source tree to benchmark")
+    args = p.parse_args(argv)
+    with (
+        tempfile.TemporaryDirectory(prefix="rb-consumers-") as tmp,
+        services(Path(tmp), args.redis_url, Path(args.app_dir).resolve()) as server,
+    ):
+        rows = run_rounds(server, args.rounds, args.batch, args.tokens)
+    print(
+        f"lease + ack of {args.batch} × {args.tokens:,}-token rollouts over HTTP (msgpack), "
+        f"median of {args.rounds} rounds"
+    )
+    print("| call | latency | items/s | ratio |")
+    print("|---|---|---|---|")
+    base = rows["trainer, no consumers"]
+    for name, s in rows.items():
+        against = rows["trainer, beside a reader"] if name == "consumer reader" else base
+        print(f"| {name} | {s * 1e3:,.1f} ms | {args.batch / s:,.0f} | ×{s / against:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
