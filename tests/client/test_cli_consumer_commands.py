@@ -50,6 +50,22 @@ def test_consumers_create_show_and_delete(live_server: LiveServer) -> None:
         assert broker.get_consumer(run, "rm").name == "rm"  # the other one stays
 
 
+def test_consumers_create_of_kind_preferences(live_server: LiveServer) -> None:
+    run = rid()
+    with BrokerClient(live_server.url) as broker:
+        broker.create_run(run, {"group_size": 4})
+        code, out, err = invoke(
+            live_server, "consumers", "create", run, "dpo", "--source", "received", "--kind",
+            "preferences", "--min-margin", "0.5", "--pairs", "all",
+        )  # fmt: skip
+        assert code == 0, err
+        assert "min_margin" in out and "0.5" in out and "all" in out
+        made = broker.get_consumer(run, "dpo")
+        assert (made.kind, made.min_margin, made.pairs) == ("preferences", 0.5, "all")
+        code, out, _ = invoke(live_server, "consumers", "show", run, "dpo", "--json")
+        assert code == 0 and json.loads(out)["pairs"] == "all"
+
+
 def test_consumers_refusals_are_one_line_each(live_server: LiveServer) -> None:
     run = rid()
     with BrokerClient(live_server.url) as broker:

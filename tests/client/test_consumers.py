@@ -231,6 +231,42 @@ def test_the_lease_request() -> None:
     assert fresh is not None and fresh["batch_id"] != call.params["batch_id"]  # one per lease
 
 
+# -- preference pairs ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+async def test_pairs_come_through_the_loop_nacked_and_acked(
+    api: httpx.AsyncClient, fmt: str
+) -> None:
+    broker = AsyncBrokerClient(http=api, format=fmt)  # type: ignore[arg-type]
+    await broker.create_run("dpo", {"group_size": 3})
+    made = await broker.create_consumer(
+        "dpo", "dpo", source="received", kind="preferences", pairs="all", min_margin=0.5
+    )
+    assert (made.kind, made.pairs, made.min_margin) == ("preferences", "all", 0.5)
+    group = [Rollout(k, 0, [10, 70_000 + i], w, [-0.5, -1.0], group_id="g")
+             for i, (k, w) in enumerate({"a": 1.0, "b": 0.75, "c": -0.5}.items())]  # fmt: skip
+    await broker.post_rollouts("dpo", group)
+    consumer = broker.consumer("dpo", "dpo")
+    with pytest.raises(RuntimeError, match="diverged"):
+        async with consumer.batches(10, wait_s=0) as batches:
+            async for failed in batches:
+                raise RuntimeError(f"loss diverged on {len(failed)} pairs")
+    assert failed.returned == 2 and failed.rollouts == []
+    async for batch in consumer.batches(10, wait_s=0, stop_when_empty=True):
+        by = {(c.rollout_id, r.rollout_id): m for c, r, m in
+              zip(batch.chosen(), batch.rejected(), batch.margins(), strict=True)}  # fmt: skip
+        assert by == {("a", "c"): 1.5, ("b", "c"): 1.25}  # b-a is 0.25, under min_margin
+        assert batch.margins().dtype == np.float64
+        assert {p.pair_id for p in batch.pairs} == {p.pair_id for p in failed.pairs}
+        chosen = batch.chosen()[0]
+        assert chosen.response_ids.dtype == np.int32 and chosen.response_ids[1] >= 70_000
+        assert chosen.logprobs is not None and chosen.logprobs.dtype == np.float32
+    assert batch.acked == 2
+    info = await consumer.info()
+    assert (info.delivered, info.acked, info.pending, info.leased) == (2, 2, 0, 0)
+
+
 # -- preference pairs (parsed from the wire shape) -----------------------------------------------
 
 

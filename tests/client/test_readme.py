@@ -95,8 +95,7 @@ def test_client_readme_work_loop(live_server: LiveServer) -> None:
 def test_client_readme_reward_model_consumer(
     live_server: LiveServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The reward-model loop of the client README's consumers section, with a stand-in model.
-    (The DPO loop beside it wants the broker to serve kind preferences.)"""
+    """The reward-model loop of the client README's consumers section, with a stand-in model."""
     (code,) = [
         b for b in blocks("python", REPO / "clients" / "python" / "README.md") if '"rm"' in b
     ]
@@ -122,3 +121,39 @@ def test_client_readme_reward_model_consumer(
     assert [n for n, _ in fitted] == [64, 6]
     assert sorted(r for _, rs in fitted for r in rs) == [float(k) for k in range(70)]
     assert capsys.readouterr().out == "70\n"
+
+
+def test_client_readme_dpo_consumer(live_server: LiveServer) -> None:
+    """The DPO loop of the client README's consumers section, with stand-ins for the loss."""
+    (code,) = [
+        b for b in blocks("python", REPO / "clients" / "python" / "README.md") if '"dpo"' in b
+    ]
+    url = live_server.url
+    losses: list[tuple[list[str], list[str], list[float]]] = []
+
+    def dpo_loss(policy: object, reference: object, chosen: list[Any], rejected: list[Any],
+                 weights: np.ndarray) -> float:  # fmt: skip
+        assert weights.dtype == np.float64
+        ids = [r.rollout_id for r in chosen], [r.rollout_id for r in rejected]
+        losses.append((*ids, weights.tolist()))
+        return 0.0
+
+    with BrokerClient(url) as broker:
+        broker.create_run("dpo-run", {"group_size": 3})
+        broker.create_consumer(  # as the README's, before the rollouts come
+            "dpo-run", "dpo", source="received", kind="preferences", min_margin=0.2
+        )
+        rewards = {"a": 1.0, "b": 0.9, "c": 0.0}
+        broker.post_rollouts(
+            "dpo-run", [Rollout(k, 0, [1], w, group_id="g") for k, w in rewards.items()]
+        )
+    loop = (
+        code.replace("http://broker:8000", url)
+        .replace('"my-run"', '"dpo-run"')
+        .replace("wait_s=30", "wait_s=0, stop_when_empty=True")
+    )
+    names = {"dpo_loss": dpo_loss, "step": lambda loss: None, "policy": 0, "reference": 0}
+    exec(loop, {"BrokerClient": BrokerClient, **names})  # imported in the block before
+    assert losses == [(["a"], ["c"], [1.0])]  # best_worst: one pair of the group
+    with BrokerClient(url) as broker:
+        assert broker.get_consumer("dpo-run", "dpo").acked == 1
