@@ -351,8 +351,23 @@ class PolicyVersion:
     set_at: datetime
 
 
+class _Masked:
+    """What a rollout handed out for training has: its loss mask as an array."""
+
+    __slots__ = ()
+    loss_mask: UInt8Array | None
+    response_ids: Int32Array
+
+    @property
+    def mask(self) -> UInt8Array:
+        """The loss mask as an array, all 1 when every token is trained."""
+        if self.loss_mask is not None:
+            return self.loss_mask
+        return np.ones(self.response_ids.size, dtype=np.uint8)
+
+
 @dataclass(frozen=True, slots=True)
-class LeasedRollout:
+class LeasedRollout(_Masked):
     """A rollout handed to a trainer: its arrays as numpy, its ``uses`` so far and its ``lag``.
     ``loss_mask`` is the mask to train with (tokens posted with 0, and under ``stale_tokens:
     mask`` those too stale at hand-out); ``versions`` the run-length versions of its tokens."""
@@ -372,13 +387,6 @@ class LeasedRollout:
     versions: tuple[tuple[int, int], ...] = ()
     generator_id: str | None = None
     prompt_id: str | None = None  # the prompt it answers, when posted under a work lease
-
-    @property
-    def mask(self) -> UInt8Array:
-        """The loss mask as an array, all 1 when every token is trained."""
-        if self.loss_mask is not None:
-            return self.loss_mask
-        return np.ones(self.response_ids.size, dtype=np.uint8)
 
     @property
     def token_versions(self) -> npt.NDArray[np.int64]:
@@ -533,7 +541,7 @@ class ConsumerInfo:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class ConsumerRollout:
+class ConsumerRollout(_Masked):
     """A scored rollout as a consumer receives it, its arrays as numpy (as a trainer's
     :class:`LeasedRollout`, without the policy trainer's ``uses`` and ``lag``). Compared by
     identity, as its arrays cannot be compared by value."""
@@ -550,13 +558,6 @@ class ConsumerRollout:
     generator_id: str | None = None
     finish_reason: FinishReason | None = None
     metadata: dict[str, Any] | None = None
-
-    @property
-    def mask(self) -> UInt8Array:
-        """The loss mask as an array, all 1 when every token is trained."""
-        if self.loss_mask is not None:
-            return self.loss_mask
-        return np.ones(self.response_ids.size, dtype=np.uint8)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -368,24 +368,31 @@ def parse_ingest(body: Any) -> IngestResult:
     )
 
 
+def _scored_fields(doc: Any) -> dict[str, Any]:
+    """The fields of a scored rollout handed out (to a trainer or a consumer), arrays as numpy
+    from msgpack bytes or JSON lists."""
+    prompt, lp = doc.get("prompt_ids"), doc.get("logprobs")
+    return {
+        "rollout_id": doc["rollout_id"],
+        "group_id": doc.get("group_id"),
+        "policy_version": int(doc["policy_version"]),
+        "prompt_ids": None if prompt is None else _id_array(prompt),
+        "response_ids": _id_array(doc["response_ids"]),
+        "logprobs": None if lp is None else _lp_array(lp),
+        "reward": float(doc["reward"]),
+        "finish_reason": doc.get("finish_reason"),
+        "metadata": doc.get("metadata"),
+        "loss_mask": _mask_array(doc.get("loss_mask")),
+        "versions": tuple((int(o), int(v)) for o, v in doc.get("versions") or ()),
+        "generator_id": doc.get("generator_id"),
+    }
+
+
 def parse_leased(doc: Any) -> LeasedRollout:
-    prompt = doc.get("prompt_ids")
-    lp = doc.get("logprobs")
     return LeasedRollout(
-        rollout_id=doc["rollout_id"],
-        group_id=doc.get("group_id"),
-        policy_version=int(doc["policy_version"]),
-        prompt_ids=None if prompt is None else _id_array(prompt),
-        response_ids=_id_array(doc["response_ids"]),
-        logprobs=None if lp is None else _lp_array(lp),
-        reward=float(doc["reward"]),
-        finish_reason=doc.get("finish_reason"),
-        metadata=doc.get("metadata"),
+        **_scored_fields(doc),
         uses=int(doc["uses"]),
         lag=int(doc["lag"]),
-        loss_mask=_mask_array(doc.get("loss_mask")),
-        versions=tuple((int(o), int(v)) for o, v in doc.get("versions") or ()),
-        generator_id=doc.get("generator_id"),
         prompt_id=doc.get("prompt_id"),
     )
 
@@ -442,21 +449,7 @@ def parse_consumer(body: Any) -> ConsumerInfo:
 
 
 def parse_consumer_rollout(doc: Any) -> ConsumerRollout:
-    prompt, lp = doc.get("prompt_ids"), doc.get("logprobs")
-    return ConsumerRollout(
-        rollout_id=doc["rollout_id"],
-        group_id=doc.get("group_id"),
-        policy_version=int(doc["policy_version"]),
-        prompt_ids=None if prompt is None else _id_array(prompt),
-        response_ids=_id_array(doc["response_ids"]),
-        logprobs=None if lp is None else _lp_array(lp),
-        reward=float(doc["reward"]),
-        loss_mask=_mask_array(doc.get("loss_mask")),
-        versions=tuple((int(o), int(v)) for o, v in doc.get("versions") or ()),
-        generator_id=doc.get("generator_id"),
-        finish_reason=doc.get("finish_reason"),
-        metadata=doc.get("metadata"),
-    )
+    return ConsumerRollout(**_scored_fields(doc))
 
 
 def parse_pair(doc: Any) -> Pair:
