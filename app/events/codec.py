@@ -199,8 +199,8 @@ SCHEMA: dict[str, EventType] = {
             "consumers",
             ConsumersChanged,
             "a consumer was created (its row, all 0), or a call changed consumers' counts "
-            "(deliveries, acks, drops, a deletion): per consumer, what it added; `pending = delivered − acked − dropped` sums to the items "
-            "pending or in live leases",
+            "(deliveries, acks, drops, a deletion): per consumer, what it added; "
+            "`pending = delivered − acked − dropped` sums to the items pending or in live leases",
         ),
         EventType(
             "prompt_scored",
