@@ -317,6 +317,44 @@ def test_layout_probe_runs_every_way_and_reports_ratios_against_raw() -> None:
         assert low - 0.005 <= ratio <= high + 0.005, (name, us, ratio, raw_us)
 
 
+def test_consumers_benchmark_reports_each_setup_against_the_plain_trainer() -> None:
+    """benchmarks/consumers.py at a tiny size: every setup's lease + ack is timed on a private
+    Redis and a broker (each lease must hand out a full batch, or the run stops), and each
+    ratio is the row's latency over its baseline's."""
+    if find_redis_server() is None:
+        pytest.skip("benchmarks.consumers needs a redis-server of version 7 or later")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.consumers", "--rounds", "2", "--tokens", "16"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {}
+    for line in proc.stdout.splitlines():
+        m = re.fullmatch(r"\| (.+?) \| ([\d,.]+) ms \| ([\d,]+) \| ×([\d.]+) \|", line)
+        if m:
+            rows[m[1]] = (float(m[2].replace(",", "")), float(m[4]))
+    assert list(rows) == [
+        "trainer, no consumers",
+        "trainer, 1 consumer (rollouts)",
+        "trainer, 3 consumers (2 rollouts, 1 best_worst pairs)",
+        "trainer, 1 consumer (all pairs)",
+        "trainer, beside a reader",
+        "consumer reader",
+    ], proc.stdout
+    assert rows["trainer, no consumers"][1] == 1.0
+    for name, (ms, ratio) in rows.items():
+        base = rows[
+            "trainer, beside a reader" if name == "consumer reader" else "trainer, no consumers"
+        ]
+        # Latencies are printed to 0.1 ms and ratios to 0.01: what the rounding leaves open.
+        low, high = (ms - 0.05) / (base[0] + 0.05), (ms + 0.05) / max(base[0] - 0.05, 1e-9)
+        assert low - 0.005 <= ratio <= high + 0.005, (name, ms, ratio, base)
+
+
 def test_slow_rewards_quick_run_checks_every_trained_reward_and_compares_idle_shares(
     tmp_path: Path,
 ) -> None:

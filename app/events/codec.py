@@ -198,9 +198,9 @@ SCHEMA: dict[str, EventType] = {
         EventType(
             "consumers",
             ConsumersChanged,
-            "a call changed consumers' counts (deliveries, acks, drops, a deletion): per "
-            "consumer, what it added; `pending = delivered − acked − dropped` sums to the items "
-            "pending or in live leases",
+            "a consumer was created (its row, all 0), or a call changed consumers' counts "
+            "(deliveries, acks, drops, a deletion): per consumer, what it added; "
+            "`pending = delivered − acked − dropped` sums to the items pending or in live leases",
         ),
         EventType(
             "prompt_scored",
