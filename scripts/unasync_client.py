@@ -45,6 +45,9 @@ NAMES = {
     "_AsyncHeld": "_Held",
     "AsyncRewardWork": "RewardWork",
     "AsyncRewardLoop": "RewardLoop",
+    "AsyncConsumer": "Consumer",
+    "AsyncConsumerLease": "ConsumerLease",
+    "AsyncConsumerLoop": "ConsumerLoop",
     "AsyncClient": "Client",  # httpx.AsyncClient
     "aclose": "close",
     "asyncio": "time",  # asyncio.sleep
@@ -71,6 +74,9 @@ PROSE_NAMES = (
     "AsyncWork",
     "AsyncRewardWork",
     "AsyncRewardLoop",
+    "AsyncConsumer",
+    "AsyncConsumerLease",
+    "AsyncConsumerLoop",
     "AsyncClient",
 )
 

@@ -13,9 +13,11 @@ by the body's ``error`` field, carrying the body's ``detail``:
         │   ├── BatchNotFound
         │   ├── TokenNotFound        no such token id (to revoke)
         │   ├── WorkLeaseNotFound    no such work lease (or long forgotten)
+        │   ├── ConsumerNotFound     no such consumer in the run
         │   └── RewardLeaseNotFound  no such reward lease (or long forgotten)
         ├── Conflict (409)
         │   ├── RunConflict          same run_id, different config
+        │   ├── ConsumerConflict     a consumer's name taken by another config
         │   ├── RunClosed            work asked of a closed run
         │   ├── GeneratorQuarantined posts or work of a quarantined generator (its KL drifted)
         │   ├── VersionConflict      policy version moving backwards
@@ -57,6 +59,8 @@ __all__ = [
     "BrokerHTTPError",
     "BrokerUnreachable",
     "Conflict",
+    "ConsumerConflict",
+    "ConsumerNotFound",
     "Forbidden",
     "GeneratorQuarantined",
     "InternalError",
@@ -161,12 +165,20 @@ class TokenNotFound(NotFound):
     pass
 
 
+class ConsumerNotFound(NotFound):
+    pass
+
+
 class Conflict(BrokerHTTPError):
     pass
 
 
 class RunConflict(Conflict):
     pass
+
+
+class ConsumerConflict(Conflict):
+    """A consumer of that name exists with another config: delete it first, or pick a name."""
 
 
 class RunClosed(Conflict):
@@ -246,8 +258,10 @@ _BY_NAME: dict[str, type[BrokerHTTPError]] = {
         WorkLeaseNotFound,
         RewardLeaseNotFound,
         TokenNotFound,
+        ConsumerNotFound,
         Conflict,
         RunConflict,
+        ConsumerConflict,
         RunClosed,
         GeneratorQuarantined,
         WorkLeaseOver,

@@ -22,6 +22,11 @@ __all__ = [
     "Batch",
     "BatchCounts",
     "BatchStats",
+    "ConsumerBatch",
+    "ConsumerInfo",
+    "ConsumerKind",
+    "ConsumerRollout",
+    "ConsumerSource",
     "GeneratorAccounting",
     "IngestResult",
     "IsRatioStats",
@@ -32,6 +37,8 @@ __all__ = [
     "MeasureStats",
     "Measurement",
     "NewToken",
+    "Pair",
+    "PairRule",
     "PartialCounts",
     "PolicyResult",
     "PolicyVersion",
@@ -344,8 +351,23 @@ class PolicyVersion:
     set_at: datetime
 
 
+class _Masked:
+    """What a rollout handed out for training has: its loss mask as an array."""
+
+    __slots__ = ()
+    loss_mask: UInt8Array | None
+    response_ids: Int32Array
+
+    @property
+    def mask(self) -> UInt8Array:
+        """The loss mask as an array, all 1 when every token is trained."""
+        if self.loss_mask is not None:
+            return self.loss_mask
+        return np.ones(self.response_ids.size, dtype=np.uint8)
+
+
 @dataclass(frozen=True, slots=True)
-class LeasedRollout:
+class LeasedRollout(_Masked):
     """A rollout handed to a trainer: its arrays as numpy, its ``uses`` so far and its ``lag``.
     ``loss_mask`` is the mask to train with (tokens posted with 0, and under ``stale_tokens:
     mask`` those too stale at hand-out); ``versions`` the run-length versions of its tokens."""
@@ -365,13 +387,6 @@ class LeasedRollout:
     versions: tuple[tuple[int, int], ...] = ()
     generator_id: str | None = None
     prompt_id: str | None = None  # the prompt it answers, when posted under a work lease
-
-    @property
-    def mask(self) -> UInt8Array:
-        """The loss mask as an array, all 1 when every token is trained."""
-        if self.loss_mask is not None:
-            return self.loss_mask
-        return np.ones(self.response_ids.size, dtype=np.uint8)
 
     @property
     def token_versions(self) -> npt.NDArray[np.int64]:
@@ -496,6 +511,98 @@ class Batch:
                 "per rollout, in batch order, or a mapping by rollout_id"
             )
         return {r.rollout_id: v for r, v in zip(self.rollouts, values, strict=True)}
+
+
+ConsumerKind = Literal["rollouts", "preferences"]
+ConsumerSource = Literal["received", "trained"]
+PairRule = Literal["best_worst", "all"]
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerInfo:
+    """A consumer of a run (SPEC "Consumers"): its config and its live counts, of rollouts or,
+    for kind ``preferences``, of pairs. ``pending`` are delivered and neither acked nor dropped
+    (``leased`` among them); ``dropped`` were too far behind (``max_lag``) or beyond
+    ``retention_rollouts``."""
+
+    name: str
+    kind: ConsumerKind
+    source: ConsumerSource
+    max_lag: int | None
+    min_margin: float | None  # kind preferences only
+    pairs: PairRule | None  # kind preferences only
+    retention_rollouts: int
+    created_at: datetime
+    delivered: int
+    acked: int
+    dropped: int
+    pending: int
+    leased: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ConsumerRollout(_Masked):
+    """A scored rollout as a consumer receives it, its arrays as numpy (as a trainer's
+    :class:`LeasedRollout`, without the policy trainer's ``uses`` and ``lag``). Compared by
+    identity, as its arrays cannot be compared by value."""
+
+    rollout_id: str
+    group_id: str | None
+    policy_version: int
+    prompt_ids: Int32Array | None
+    response_ids: Int32Array
+    logprobs: Float32Array | None
+    reward: float
+    loss_mask: UInt8Array | None = None  # None: every token is trained
+    versions: tuple[tuple[int, int], ...] = ()
+    generator_id: str | None = None
+    finish_reason: FinishReason | None = None
+    metadata: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Pair:
+    """A preference pair from one complete group: ``chosen`` has the higher reward, by
+    ``margin``. ``pair_id`` is the same when the pair is handed out again."""
+
+    pair_id: str
+    prompt_id: str | None  # the prompt of a group posted under a work lease
+    chosen: ConsumerRollout
+    rejected: ConsumerRollout
+    margin: float
+
+
+@dataclass(slots=True, eq=False)
+class ConsumerBatch:
+    """A consumer's leased batch: :attr:`rollouts` for kind ``rollouts``, :attr:`pairs` for kind
+    ``preferences`` (the other list empty). Ack it once used, nack it to have its items handed
+    out again; the consumer's loop does either for you."""
+
+    batch_id: str
+    lease_expires_at: datetime
+    rollouts: list[ConsumerRollout] = field(default_factory=list)
+    pairs: list[Pair] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        """The batch's items: rollouts, or pairs."""
+        return len(self.pairs) or len(self.rollouts)
+
+    def rewards(self) -> npt.NDArray[np.float64]:
+        """The rewards of :attr:`rollouts`, in batch order."""
+        return np.array([r.reward for r in self.rollouts], dtype=np.float64)
+
+    def margins(self) -> npt.NDArray[np.float64]:
+        """The reward margin of each pair, in batch order (a weight for a preference loss)."""
+        return np.array([p.margin for p in self.pairs], dtype=np.float64)
+
+    def chosen(self) -> list[ConsumerRollout]:
+        """The preferred rollout of each pair, in batch order."""
+        return [p.chosen for p in self.pairs]
+
+    def rejected(self) -> list[ConsumerRollout]:
+        """The other rollout of each pair, in batch order: ``chosen()[i]`` beat
+        ``rejected()[i]``."""
+        return [p.rejected for p in self.pairs]
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,11 +33,16 @@ from rollout_broker_client._models import (
     AuditEntry,
     AuditPage,
     Batch,
+    ConsumerBatch,
+    ConsumerInfo,
+    ConsumerKind,
+    ConsumerSource,
     GeneratorAccounting,
     IngestResult,
     LogprobsArg,
     Measurement,
     NewToken,
+    PairRule,
     Partial,
     PolicyResult,
     PolicyVersion,
@@ -76,6 +81,9 @@ from rollout_broker_client._wire import (
 __all__ = [
     "DEFAULT_URL",
     "BrokerClient",
+    "Consumer",
+    "ConsumerLease",
+    "ConsumerLoop",
     "Lease",
     "RewardLoop",
     "RewardWork",
@@ -134,11 +142,11 @@ class BrokerClient:
         self.timeout = timeout
         self.retry = retry or Retry()
         self.api = Api(format, trainer_id, generator_id)
-        # The work and reward leases of work() and reward_work() not yet settled, given back
-        # when the client closes, and those whose loop was left without settling them, given
-        # back before the next request.
-        self._works: set[Work | RewardWork] = set()
-        self._abandoned: list[Work | RewardWork] = []
+        # The work and reward leases of work() and reward_work() and the consumer batches of
+        # batches() not yet settled, given back when the client closes, and those whose loop
+        # was left without settling them, given back before the next request.
+        self._works: set[_Open] = set()
+        self._abandoned: list[_Open] = []
 
     def __enter__(self) -> BrokerClient:
         return self
@@ -556,6 +564,52 @@ class BrokerClient:
     def nack(self, run_id: str, batch_id: str) -> int:
         """Give a batch back unused; returns how many rollouts went back."""
         return self.send(self.api.nack(run_id, batch_id))
+
+    # -- consumers ------------------------------------------------------------------------
+    def create_consumer(
+        self,
+        run_id: str,
+        name: str,
+        *,
+        source: ConsumerSource,
+        kind: ConsumerKind = "rollouts",
+        max_lag: int | None = None,
+        min_margin: float | None = None,
+        pairs: PairRule | None = None,
+        retention_rollouts: int | None = None,
+    ) -> ConsumerInfo:
+        """Create a consumer of the run's scored rollouts (scope ``operate``), from now on:
+        ``source="received"`` sees every one (those more than ``max_lag`` versions behind when
+        handed out are dropped), ``"trained"`` those that reached a gradient. Kind
+        ``preferences`` gets pairs of a complete group whose rewards differ by ``min_margin``
+        or more, one per group (``pairs="best_worst"``) or every such pair (``"all"``). The
+        same name and config again answers the consumer as it is; another config is
+        :class:`ConsumerConflict`."""
+        return self.send(
+            self.api.create_consumer(
+                run_id,
+                name,
+                source=source,
+                kind=kind,
+                max_lag=max_lag,
+                min_margin=min_margin,
+                pairs=pairs,
+                retention_rollouts=retention_rollouts,
+            )
+        )
+
+    def get_consumer(self, run_id: str, name: str) -> ConsumerInfo:
+        """A consumer's config and counts; :class:`ConsumerNotFound` if it has none such."""
+        return self.send(self.api.get_consumer(run_id, name))
+
+    def delete_consumer(self, run_id: str, name: str) -> None:
+        """Delete a consumer: its pending and leased items are counted dropped."""
+        self.send(self.api.delete_consumer(run_id, name))
+
+    def consumer(self, run_id: str, name: str) -> Consumer:
+        """The consumer ``name`` of the run, to lease its batches; see :class:`Consumer`.
+        Sends nothing: create it first with :meth:`create_consumer`."""
+        return Consumer(self, run_id, name)
 
     # -- operators ------------------------------------------------------------------------
     def accounting(self, run_id: str) -> Accounting:
@@ -1346,3 +1400,128 @@ class RewardLoop(_LeaseLoop["RewardWork"]):
             self.run_id, self.max_rollouts, worker_id=self.worker_id, wait_s=self.wait_s
         )
         return None if lease is None else RewardWork(self.client, self.run_id, lease)
+
+
+class Consumer:
+    """A consumer of a run, as :meth:`BrokerClient.consumer` names it: a reward-model or
+    preference (DPO) trainer reading the run's scored rollouts beside the policy trainer.
+
+    :meth:`batches` is the loop that acks each batch once its body moves on and nacks it when
+    the body raises; :meth:`lease_batch`, :meth:`ack` and :meth:`nack` drive batches by hand.
+    Every lease names its batch (``batch_id``, or a new id), so a resend after a lost answer
+    gets the same batch."""
+
+    def __init__(self, client: BrokerClient, run_id: str, name: str) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.run_id!r}, {self.name!r})"
+
+    def info(self) -> ConsumerInfo:
+        """The consumer's config and counts."""
+        return self.client.get_consumer(self.run_id, self.name)
+
+    def lease_batch(
+        self, size: int, *, wait_s: float = 0.0, batch_id: str | None = None
+    ) -> ConsumerBatch | None:
+        """Lease up to ``size`` items (rollouts, or pairs for kind ``preferences``), waiting up
+        to ``wait_s`` for some; None if none came. Ack or nack it; an expired lease returns its
+        items."""
+        call = self.client.api.consumer_lease(
+            self.run_id, self.name, size, wait_s=wait_s, batch_id=batch_id
+        )
+        return self.client.send(call)
+
+    def ack(self, batch: ConsumerBatch | str) -> int:
+        """Acknowledge a batch (or its ``batch_id``); returns its items. A repeat is safe;
+        :class:`BatchSettled` once nacked, :class:`LeaseExpired` once its lease ran out."""
+        bid = batch if isinstance(batch, str) else batch.batch_id
+        return self.client.send(self.client.api.consumer_ack(self.run_id, self.name, bid))
+
+    def nack(self, batch: ConsumerBatch | str) -> int:
+        """Give a batch (or its ``batch_id``) back: its items are pending again, to be handed
+        out again; returns how many."""
+        bid = batch if isinstance(batch, str) else batch.batch_id
+        return self.client.send(self.client.api.consumer_nack(self.run_id, self.name, bid))
+
+    def batches(
+        self, size: int, *, wait_s: float = 30.0, stop_when_empty: bool = False
+    ) -> ConsumerLoop:
+        """The consumer's loop: batches one after another; see :class:`ConsumerLoop`."""
+        return ConsumerLoop(self, size, wait_s=wait_s, stop_when_empty=stop_when_empty)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class ConsumerLease(ConsumerBatch):
+    """A consumer's batch as its loop hands it out, settled once: acked (``acked``, the items
+    acked) or nacked (``returned``, the items back to pending)."""
+
+    consumer: Consumer = dataclasses.field(kw_only=True, repr=False)
+    client: BrokerClient = dataclasses.field(kw_only=True, repr=False)
+    settled: bool = dataclasses.field(default=False, kw_only=True)
+    acked: int | None = dataclasses.field(default=None, kw_only=True)
+    returned: int | None = dataclasses.field(default=None, kw_only=True)
+    _settling: bool = dataclasses.field(default=False, kw_only=True, repr=False)
+
+    def settle(self, *, failing: bool) -> None:
+        """Ack the batch, or nack it when ``failing``. A failing ack raises; a failing nack is
+        logged (the items come back when the lease expires)."""
+        if self._settling:
+            return
+        self._settling = self.settled = True
+        self.client._works.discard(self)
+        if not failing:
+            self.acked = self.consumer.ack(self)
+            return
+        try:
+            self.returned = self.consumer.nack(self)
+        except BrokerError as err:
+            log.warning(
+                "nack of batch %s of consumer %s failed (%s); its items come back when its "
+                "lease expires at %s",
+                self.batch_id,
+                self.consumer.name,
+                err,
+                self.lease_expires_at.isoformat(),
+            )
+
+
+_Open = Work | RewardWork | ConsumerLease
+
+
+class ConsumerLoop(_LeaseLoop["ConsumerLease"]):
+    """A consumer's loop, ``for batch in client.consumer(run_id, "rm").batches(32)``:
+    batches one after another, each an :class:`ConsumerLease` (a :class:`ConsumerBatch`).
+    A batch is acked when the body moves on to the next one (or the loop ends normally) and
+    nacked when the body raises inside ``with``: its items are handed out again. The loop
+    ends at a ``break``, an exception or, with ``stop_when_empty``, the first time nothing is
+    pending within ``wait_s``; otherwise it keeps asking.
+
+    Leaving it inside ``with consumer.batches(...) as batches`` settles its last batch at
+    once: acked after a ``break``, nacked on an exception. Without the block the loop cannot
+    tell one from the other, so its last batch is nacked, before the client's next request or
+    when it closes (or by :meth:`aclose`, which acks it).
+    """
+
+    def __init__(
+        self,
+        consumer: Consumer,
+        size: int,
+        *,
+        wait_s: float = 30.0,
+        stop_when_empty: bool = False,
+    ) -> None:
+        super().__init__(consumer.client, consumer.run_id, wait_s, stop_when_empty)
+        self.consumer = consumer
+        self.size = size
+
+    def _take(self) -> ConsumerLease | None:
+        batch = self.consumer.lease_batch(self.size, wait_s=self.wait_s)
+        if batch is None:
+            return None
+        fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(ConsumerBatch)}
+        lease = ConsumerLease(**fields, consumer=self.consumer, client=self.client)
+        self.client._works.add(lease)
+        return lease

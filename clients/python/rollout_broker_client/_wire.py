@@ -37,6 +37,11 @@ from rollout_broker_client._models import (
     Batch,
     BatchCounts,
     BatchStats,
+    ConsumerBatch,
+    ConsumerInfo,
+    ConsumerKind,
+    ConsumerRollout,
+    ConsumerSource,
     Float32Array,
     GeneratorAccounting,
     IngestResult,
@@ -48,6 +53,8 @@ from rollout_broker_client._models import (
     Measurement,
     MeasureStats,
     NewToken,
+    Pair,
+    PairRule,
     Partial,
     PolicyResult,
     PolicyVersion,
@@ -361,24 +368,31 @@ def parse_ingest(body: Any) -> IngestResult:
     )
 
 
+def _scored_fields(doc: Any) -> dict[str, Any]:
+    """The fields of a scored rollout handed out (to a trainer or a consumer), arrays as numpy
+    from msgpack bytes or JSON lists."""
+    prompt, lp = doc.get("prompt_ids"), doc.get("logprobs")
+    return {
+        "rollout_id": doc["rollout_id"],
+        "group_id": doc.get("group_id"),
+        "policy_version": int(doc["policy_version"]),
+        "prompt_ids": None if prompt is None else _id_array(prompt),
+        "response_ids": _id_array(doc["response_ids"]),
+        "logprobs": None if lp is None else _lp_array(lp),
+        "reward": float(doc["reward"]),
+        "finish_reason": doc.get("finish_reason"),
+        "metadata": doc.get("metadata"),
+        "loss_mask": _mask_array(doc.get("loss_mask")),
+        "versions": tuple((int(o), int(v)) for o, v in doc.get("versions") or ()),
+        "generator_id": doc.get("generator_id"),
+    }
+
+
 def parse_leased(doc: Any) -> LeasedRollout:
-    prompt = doc.get("prompt_ids")
-    lp = doc.get("logprobs")
     return LeasedRollout(
-        rollout_id=doc["rollout_id"],
-        group_id=doc.get("group_id"),
-        policy_version=int(doc["policy_version"]),
-        prompt_ids=None if prompt is None else _id_array(prompt),
-        response_ids=_id_array(doc["response_ids"]),
-        logprobs=None if lp is None else _lp_array(lp),
-        reward=float(doc["reward"]),
-        finish_reason=doc.get("finish_reason"),
-        metadata=doc.get("metadata"),
+        **_scored_fields(doc),
         uses=int(doc["uses"]),
         lag=int(doc["lag"]),
-        loss_mask=_mask_array(doc.get("loss_mask")),
-        versions=tuple((int(o), int(v)) for o, v in doc.get("versions") or ()),
-        generator_id=doc.get("generator_id"),
         prompt_id=doc.get("prompt_id"),
     )
 
@@ -415,6 +429,46 @@ def parse_batch(body: Any) -> Batch:
         lease_expires_at=_time(body["lease_expires_at"]),
         rollouts=[parse_leased(r) for r in body["rollouts"]],
         kl_coef=body.get("kl_coef"),
+    )
+
+
+def parse_consumer(body: Any) -> ConsumerInfo:
+    margin = body.get("min_margin")
+    lag = body.get("max_lag")
+    return ConsumerInfo(
+        name=str(body["name"]),
+        kind=body["kind"],
+        source=body["source"],
+        max_lag=None if lag is None else int(lag),
+        min_margin=None if margin is None else float(margin),
+        pairs=body.get("pairs"),
+        retention_rollouts=int(body["retention_rollouts"]),
+        created_at=_time(body["created_at"]),
+        **{k: int(body[k]) for k in ("delivered", "acked", "dropped", "pending", "leased")},
+    )
+
+
+def parse_consumer_rollout(doc: Any) -> ConsumerRollout:
+    return ConsumerRollout(**_scored_fields(doc))
+
+
+def parse_pair(doc: Any) -> Pair:
+    return Pair(
+        pair_id=str(doc["pair_id"]),
+        prompt_id=doc.get("prompt_id"),
+        chosen=parse_consumer_rollout(doc["chosen"]),
+        rejected=parse_consumer_rollout(doc["rejected"]),
+        margin=float(doc["margin"]),
+    )
+
+
+def parse_consumer_batch(body: Any) -> ConsumerBatch:
+    """A consumer's batch, JSON or msgpack (arrays as little-endian bytes)."""
+    return ConsumerBatch(
+        batch_id=body["batch_id"],
+        lease_expires_at=_time(body["lease_expires_at"]),
+        rollouts=[parse_consumer_rollout(r) for r in body.get("rollouts") or ()],
+        pairs=[parse_pair(p) for p in body.get("pairs") or ()],
     )
 
 
@@ -757,6 +811,10 @@ def _p(run_id: str) -> str:
     return "/v1/runs/" + quote(run_id, safe="")
 
 
+def _consumer(run_id: str, name: str) -> str:
+    return f"{_p(run_id)}/consumers/{quote(name, safe='')}"
+
+
 @dataclass(frozen=True, slots=True)
 class Api:
     """Builds the :class:`Call` of each endpoint. ``fmt`` is the body format of ingest and ack
@@ -1075,6 +1133,67 @@ class Api:
 
     def nack(self, run_id: str, batch_id: str) -> Call[int]:
         path = f"{_p(run_id)}/batches/{quote(batch_id, safe='')}/nack"
+        return Call("POST", path, lambda r, b: int(b["returned"]))
+
+    # consumers: reward-model and preference trainers beside the policy trainer
+    def create_consumer(
+        self,
+        run_id: str,
+        name: str,
+        *,
+        source: ConsumerSource,
+        kind: ConsumerKind,
+        max_lag: int | None,
+        min_margin: float | None,
+        pairs: PairRule | None,
+        retention_rollouts: int | None,
+    ) -> Call[ConsumerInfo]:
+        # Idempotent: the same name and config again answers the consumer as it is.
+        doc: dict[str, Any] = {"name": name, "kind": kind, "source": source}
+        if max_lag is not None:
+            doc["max_lag"] = int(max_lag)
+        if min_margin is not None:
+            doc["min_margin"] = float(min_margin)
+        if pairs is not None:
+            doc["pairs"] = pairs
+        if retention_rollouts is not None:
+            doc["retention_rollouts"] = int(retention_rollouts)
+        content, headers = self._body(doc)
+        path = _p(run_id) + "/consumers"
+        return Call("POST", path, lambda r, b: parse_consumer(b), None, content, headers)
+
+    def get_consumer(self, run_id: str, name: str) -> Call[ConsumerInfo]:
+        return Call("GET", _consumer(run_id, name), lambda r, b: parse_consumer(b))
+
+    def delete_consumer(self, run_id: str, name: str) -> Call[None]:
+        return Call("DELETE", _consumer(run_id, name), lambda r, b: None)
+
+    def consumer_lease(
+        self, run_id: str, name: str, size: int, *, wait_s: float, batch_id: str | None
+    ) -> Call[ConsumerBatch | None]:
+        # Our own batch id makes a resend safe: while the lease lives, it returns the same batch.
+        params = {
+            "size": str(int(size)),
+            "wait_s": repr(float(wait_s)),
+            "batch_id": batch_id or uuid.uuid4().hex,
+        }
+        headers = {"accept": f"{MSGPACK}, {JSON};q=0.5"} if self.fmt == "msgpack" else {}
+        return Call(
+            "GET",
+            _consumer(run_id, name) + "/batch",
+            lambda r, b: None if r.status_code == 204 else parse_consumer_batch(b),
+            params,
+            None,
+            headers,
+            extra_timeout=max(0.0, float(wait_s)),
+        )
+
+    def consumer_ack(self, run_id: str, name: str, batch_id: str) -> Call[int]:
+        path = f"{_consumer(run_id, name)}/batches/{quote(batch_id, safe='')}/ack"
+        return Call("POST", path, lambda r, b: int(b["acked"]))
+
+    def consumer_nack(self, run_id: str, name: str, batch_id: str) -> Call[int]:
+        path = f"{_consumer(run_id, name)}/batches/{quote(batch_id, safe='')}/nack"
         return Call("POST", path, lambda r, b: int(b["returned"]))
 
     # operators

@@ -15,8 +15,8 @@ from rollout_broker_client.cli import commands, watch
 from rollout_broker_client.cli.common import TOKEN_HELP, URL_HELP, GlobalOptions
 
 HELP = (
-    "Rollout Broker's operator commands: runs, policy versions, batches, the accounting, prompt "
-    "passes, a live view, access tokens and the audit log."
+    "Rollout Broker's operator commands: runs, policy versions, batches, consumers, the "
+    "accounting, prompt passes, a live view, access tokens and the audit log."
 )
 
 
@@ -30,6 +30,7 @@ def mount(app: typer.Typer, *, name: str, version: str) -> None:
     app.add_typer(commands.policy_cli, name="policy")
     app.add_typer(commands.batches_cli, name="batches")
     app.add_typer(commands.generators_cli, name="generators")
+    app.add_typer(commands.consumers_cli, name="consumers")
     app.add_typer(commands.tokens_cli, name="tokens")
     for command in (commands.accounting, commands.prompts, commands.audit, watch.watch):
         app.command()(command)

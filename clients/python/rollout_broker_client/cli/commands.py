@@ -1,5 +1,6 @@
-"""The operator commands but ``watch``: runs, policy versions, batches, the accounting, prompt
-passes, access tokens and the audit log, each one or a few requests through the client."""
+"""The operator commands but ``watch``: runs, policy versions, batches, consumers, the
+accounting, prompt passes, access tokens and the audit log, each one or a few requests through
+the client."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from rollout_broker_client.cli.common import (
 from rollout_broker_client.cli.views import (
     accounting_table,
     audit_table,
+    consumer_detail,
     generators_table,
     prompts_table,
     run_detail,
@@ -45,6 +47,10 @@ runs_cli = typer.Typer(help="List, create, show, configure and close runs.", no_
 policy_cli = typer.Typer(help="Policy versions of a run.", no_args_is_help=True)
 generators_cli = typer.Typer(help="Generators of a run: lift a quarantine.", no_args_is_help=True)
 batches_cli = typer.Typer(help="Leased batches of a run.", no_args_is_help=True)
+consumers_cli = typer.Typer(
+    help="Consumers of a run (reward-model and preference trainers): create, show, delete.",
+    no_args_is_help=True,
+)
 tokens_cli = typer.Typer(
     help="Create, list and revoke the access tokens of a broker with auth on (scope admin).",
     no_args_is_help=True,
@@ -170,6 +176,94 @@ def generators_release(
         released = broker.release_generator(run_id, generator_id)
     what = "released" if released else "was not quarantined"
     console().print(f"generator {generator_id} of run {run_id} {what}")
+
+
+# -- consumers -------------------------------------------------------------------------------------
+
+
+class Source(StrEnum):
+    received = "received"
+    trained = "trained"
+
+
+class Kind(StrEnum):
+    rollouts = "rollouts"
+    preferences = "preferences"
+
+
+class Pairs(StrEnum):
+    best_worst = "best_worst"
+    all = "all"
+
+
+NameArg = Annotated[str, typer.Argument(help="Consumer name")]
+
+
+@consumers_cli.command("create")
+def consumers_create(
+    run_id: RunArg,
+    name: NameArg,
+    source: Annotated[
+        Source,
+        typer.Option(help="received: every scored rollout; trained: those that reached a gradient"),
+    ],
+    kind: Annotated[
+        Kind, typer.Option(help="rollouts, or preference pairs of complete groups")
+    ] = Kind.rollouts,
+    max_lag: Annotated[
+        int | None,
+        typer.Option(min=0, help="Drop items more than this many versions behind (default: none)"),
+    ] = None,
+    min_margin: Annotated[
+        float | None,
+        typer.Option(min=0, help="Kind preferences: the least reward difference of a pair"),
+    ] = None,
+    pairs: Annotated[
+        Pairs | None,
+        typer.Option(
+            help="Kind preferences: one pair per group, or every pair (default best_worst)"
+        ),
+    ] = None,
+    retention: Annotated[
+        int | None,
+        typer.Option(min=1, help="Most rollouts the consumer may hold pending (default 100000)"),
+    ] = None,
+    url: Url = None,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """Create a consumer of a run's scored rollouts, from now on (the same name and config again
+    is a no-op; another config under the name is refused)."""
+    with connect(url, token) as broker:
+        info = broker.create_consumer(
+            run_id,
+            name,
+            source=source.value,
+            kind=kind.value,
+            max_lag=max_lag,
+            min_margin=min_margin,
+            pairs=None if pairs is None else pairs.value,
+            retention_rollouts=retention,
+        )
+    show(info, as_json, consumer_detail)
+
+
+@consumers_cli.command("show")
+def consumers_show(
+    run_id: RunArg, name: NameArg, url: Url = None, token: Token = None, as_json: AsJson = False
+) -> None:
+    """A consumer's config and counts: delivered, acked, dropped, pending (leased among them)."""
+    with connect(url, token) as broker:
+        info = broker.get_consumer(run_id, name)
+    show(info, as_json, consumer_detail)
+
+
+@consumers_cli.command("delete")
+def consumers_delete(run_id: RunArg, name: NameArg, url: Url = None, token: Token = None) -> None:
+    """Delete a consumer: its pending and leased items are counted dropped."""
+    with connect(url, token) as broker:
+        broker.delete_consumer(run_id, name)
+    console().print(f"consumer {name} of run {run_id} deleted")
 
 
 # -- policy ----------------------------------------------------------------------------------------

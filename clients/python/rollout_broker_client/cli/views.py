@@ -17,6 +17,7 @@ if TYPE_CHECKING:
         AuditEntry,
         BiasStats,
         ConsumerCounts,
+        ConsumerInfo,
         GeneratorAccounting,
         PartialCounts,
         PromptCounts,
@@ -148,6 +149,33 @@ def run_detail(run: Run) -> RenderableType:
     table.add_row("created_at", run.created_at.isoformat())
     for key, value in sorted(run.config.items()):
         table.add_row(key, json.dumps(value))
+    return table
+
+
+def consumer_detail(c: ConsumerInfo) -> RenderableType:
+    from rich.table import Table
+
+    table = Table(title=f"Consumer {c.name}", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    rows: list[tuple[str, object]] = [
+        ("kind", c.kind),
+        ("source", c.source),
+        ("max_lag", "–" if c.max_lag is None else c.max_lag),
+    ]
+    if c.kind == "preferences":
+        rows += [("min_margin", fmt(c.min_margin)), ("pairs", c.pairs)]
+    rows += [
+        ("retention_rollouts", c.retention_rollouts),
+        ("created_at", _when(c.created_at)),
+        ("delivered", c.delivered),
+        ("acked", c.acked),
+        ("dropped", c.dropped),
+        ("pending", c.pending),
+        ("leased", c.leased),
+    ]
+    for field, value in rows:
+        table.add_row(field, str(value))
     return table
 
 
