@@ -14,12 +14,15 @@ lease + ack and then the consumer's lease + ack of as many items, both reading t
 
 Each row is the median of ``--rounds`` rounds, seen by a keep-alive ``http.client`` connection,
 with the ratio against the run without consumers (or against the trainer, for the consumer's
-row) measured in the same run.
+row) measured in the same run; and the median time Redis spent in the scripts of that lease and
+ack, from its SLOWLOG (every command logged, each told apart by its run's key), the figure
+consumers change and the one the machine's noise touches least.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import tempfile
@@ -30,7 +33,9 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import redis
 
+from app.broker.scripts import load_scripts
 from benchmarks.measure_http import MSGPACK, ROOT, Conn, services
 from benchmarks.servers import Server
 
@@ -83,7 +88,34 @@ def lease_ack(conn: Conn, base: str, size: int) -> float:
     return time.perf_counter() - t0
 
 
-def run_rounds(server: Server, rounds: int, batch: int, tokens: int) -> dict[str, float]:
+def script_us(rc: redis.Redis, runs: dict[str, str]) -> dict[str, float]:
+    """Per row, the median µs Redis spent in one lease script plus one ack script of its run
+    (of its consumer, for the reader's row), from SLOWLOG."""
+    scripts = load_scripts()
+    names = {"lease", "ack", "consumer_lease", "consumer_ack"}
+    sha = {hashlib.sha1(scripts[n].encode()).hexdigest().encode(): n for n in names}
+    spent: dict[tuple[str, str], list[float]] = {}
+    for entry in rc.slowlog_get(1_000_000):
+        args = entry["command"].split()
+        if len(args) < 4 or args[0] != b"EVALSHA" or args[1] not in sha:
+            continue
+        name = sha[args[1]]
+        for row, run in runs.items():
+            consumer = name.startswith("consumer")
+            if f"{{{run}}}".encode() in args[3] and consumer == (row == "consumer reader"):
+                spent.setdefault((row, name.removeprefix("consumer_")), []).append(
+                    float(entry["duration"])
+                )
+    return {
+        row: statistics.median(spent[(row, "lease")]) + statistics.median(spent[(row, "ack")])
+        for row in runs
+        if (row, "lease") in spent and (row, "ack") in spent
+    }
+
+
+def run_rounds(
+    server: Server, rc: redis.Redis, rounds: int, batch: int, tokens: int
+) -> dict[str, tuple[float, float]]:
     conn = Conn(server)
     n = (rounds + 1) * batch
     tag = uuid.uuid4().hex[:6]
@@ -110,7 +142,11 @@ def run_rounds(server: Server, rounds: int, batch: int, tokens: int) -> dict[str
         "trainer, beside a reader": [],
         "consumer reader": [],
     }
+    rc.config_set("slowlog-log-slower-than", 0)
+    rc.config_set("slowlog-max-len", 1_000_000)
     for round_ in range(rounds + 1):  # a first round to warm up, not counted
+        if round_ == 1:
+            rc.slowlog_reset()
         got = {
             f"trainer, {name}": lease_ack(conn, f"/v1/runs/{run}", batch)
             for name, run in runs.items()
@@ -120,7 +156,12 @@ def run_rounds(server: Server, rounds: int, batch: int, tokens: int) -> dict[str
         if round_:
             for name, s in got.items():
                 times[name].append(s)
-    return {name: statistics.median(v) for name, v in times.items()}
+    rows = {f"trainer, {name}": run for name, run in runs.items()}
+    rows |= {"trainer, beside a reader": reader, "consumer reader": reader}
+    redis_us = script_us(rc, rows)
+    rc.config_set("slowlog-log-slower-than", 10_000)
+    rc.config_set("slowlog-max-len", 128)
+    return {name: (statistics.median(v), redis_us[name]) for name, v in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,19 +174,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with (
         tempfile.TemporaryDirectory(prefix="rb-consumers-") as tmp,
-        services(Path(tmp), args.redis_url, Path(args.app_dir).resolve()) as server,
+        services(Path(tmp), args.redis_url, Path(args.app_dir).resolve()) as (server, rc),
     ):
-        rows = run_rounds(server, args.rounds, args.batch, args.tokens)
+        rows = run_rounds(server, rc, args.rounds, args.batch, args.tokens)
     print(
         f"lease + ack of {args.batch} × {args.tokens:,}-token rollouts over HTTP (msgpack), "
         f"median of {args.rounds} rounds"
     )
-    print("| call | latency | items/s | ratio |")
-    print("|---|---|---|---|")
-    base = rows["trainer, no consumers"]
-    for name, s in rows.items():
-        against = rows["trainer, beside a reader"] if name == "consumer reader" else base
-        print(f"| {name} | {s * 1e3:,.1f} ms | {args.batch / s:,.0f} | ×{s / against:.2f} |")
+    print("| call | latency | items/s | ratio | Redis: lease + ack scripts | ratio |")
+    print("|---|---|---|---|---|---|")
+    for name, (sec, us) in rows.items():
+        base = "trainer, beside a reader" if name == "consumer reader" else "trainer, no consumers"
+        b_sec, b_us = rows[base]
+        print(
+            f"| {name} | {sec * 1e3:,.1f} ms | {args.batch / sec:,.0f} | ×{sec / b_sec:.2f} "
+            f"| {us:,.0f} µs | ×{us / b_us:.2f} |"
+        )
     return 0
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import redis
 
 from app import keys
 from benchmarks.harness import delete_keys
@@ -149,7 +150,10 @@ def run_rounds(server: Server, rollouts: int, tokens: int, rounds: int) -> dict[
 
 
 @contextlib.contextmanager
-def services(work: Path, redis_url: str | None, app_dir: Path) -> Iterator[Server]:
+def services(
+    work: Path, redis_url: str | None, app_dir: Path
+) -> Iterator[tuple[Server, redis.Redis]]:
+    """The broker on a private Redis (or ``redis_url``), and a client of that Redis."""
     with redis_server(work, redis_url) as rt:
         prefix = f"rbmeasure{uuid.uuid4().hex[:8]}"
         env = {"BROKER_REDIS_URL": rt.url, "BROKER_REDIS_PREFIX": prefix}
@@ -158,7 +162,7 @@ def services(work: Path, redis_url: str | None, app_dir: Path) -> Iterator[Serve
             with uvicorn_server(
                 "broker", "app.main:create_app", cwd=app_dir, workdir=work, env=env, factory=True
             ) as server:
-                yield server
+                yield server, rc
         finally:
             delete_keys(rc, list(rc.scan_iter(match=keys.every_key(prefix), count=2000)))
             rc.close()
@@ -174,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with (
         tempfile.TemporaryDirectory(prefix="rb-measure-") as tmp,
-        services(Path(tmp), args.redis_url, Path(args.app_dir).resolve()) as server,
+        services(Path(tmp), args.redis_url, Path(args.app_dir).resolve()) as (server, _),
     ):
         rows = run_rounds(server, args.rollouts, args.tokens, args.rounds)
     print(

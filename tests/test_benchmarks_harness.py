@@ -317,6 +317,11 @@ def test_layout_probe_runs_every_way_and_reports_ratios_against_raw() -> None:
         assert low - 0.005 <= ratio <= high + 0.005, (name, us, ratio, raw_us)
 
 
+def base_name(row: str) -> str:
+    """The row a consumers benchmark row is compared with."""
+    return "trainer, beside a reader" if row == "consumer reader" else "trainer, no consumers"
+
+
 def test_consumers_benchmark_reports_each_setup_against_the_plain_trainer() -> None:
     """benchmarks/consumers.py at a tiny size: every setup's lease + ack is timed on a private
     Redis and a broker (each lease must hand out a full batch, or the run stops), and each
@@ -332,11 +337,15 @@ def test_consumers_benchmark_reports_each_setup_against_the_plain_trainer() -> N
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = {}
+    rows, redis_rows = {}, {}
     for line in proc.stdout.splitlines():
-        m = re.fullmatch(r"\| (.+?) \| ([\d,.]+) ms \| ([\d,]+) \| ×([\d.]+) \|", line)
+        m = re.fullmatch(
+            r"\| (.+?) \| ([\d,.]+) ms \| ([\d,]+) \| ×([\d.]+) \| ([\d,]+) µs \| ×([\d.]+) \|",
+            line,
+        )
         if m:
             rows[m[1]] = (float(m[2].replace(",", "")), float(m[4]))
+            redis_rows[m[1]] = (int(m[5].replace(",", "")), float(m[6]))
     assert list(rows) == [
         "trainer, no consumers",
         "trainer, 1 consumer (rollouts)",
@@ -347,12 +356,14 @@ def test_consumers_benchmark_reports_each_setup_against_the_plain_trainer() -> N
     ], proc.stdout
     assert rows["trainer, no consumers"][1] == 1.0
     for name, (ms, ratio) in rows.items():
-        base = rows[
-            "trainer, beside a reader" if name == "consumer reader" else "trainer, no consumers"
-        ]
+        base = rows[base_name(name)]
         # Latencies are printed to 0.1 ms and ratios to 0.01: what the rounding leaves open.
         low, high = (ms - 0.05) / (base[0] + 0.05), (ms + 0.05) / max(base[0] - 0.05, 1e-9)
         assert low - 0.005 <= ratio <= high + 0.005, (name, ms, ratio, base)
+        us, us_ratio = redis_rows[name]
+        b_us = redis_rows[base_name(name)][0]
+        low, high = (us - 0.5) / (b_us + 0.5), (us + 0.5) / (b_us - 0.5)  # µs to 1, ratio to 0.01
+        assert us > 0 and low - 0.005 <= us_ratio <= high + 0.005, (name, us, us_ratio, b_us)
 
 
 def test_slow_rewards_quick_run_checks_every_trained_reward_and_compares_idle_shares(
