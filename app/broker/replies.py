@@ -151,6 +151,9 @@ REFUSALS: dict[str, Refusal] = {
         RunConflict, "run {run_id!r} was deleted; its id stays with its accounting"
     ),
     "run_open": Refusal(RunOpen, "run {run_id!r} is open; close it before deleting it"),
+    # The store wakes a parked run and calls again (RedisStore._call); this is only raised
+    # when the run was parked again at every try. arg: the run's park token
+    "run_parked": Refusal(RunBusy, "run {run_id!r} kept going out of service; retry later"),
     # arg: what the run waits for, in words
     "run_busy": Refusal(RunBusy, "run {run_id!r} cannot be deleted yet: {0}; retry later"),
     # arg: the run's current version

@@ -75,6 +75,7 @@ EXPECTED: dict[str, tuple[type[BrokerError], int]] = {
     "run_closed": (RunClosed, 0),
     "run_deleted": (RunConflict, 0),
     "run_open": (RunOpen, 0),
+    "run_parked": (RunBusy, 0),  # raised by the store, without the token, after its tries
     "run_busy": (RunBusy, 1),
     "work_missing": (WorkLeaseNotFound, 0),
     "work_lease_over": (WorkLeaseOver, 1),

@@ -21,7 +21,7 @@ from app import keys
 from app.accounting.stream import EventStream
 from app.broker.config import RunConfig
 from app.broker.service import Broker
-from app.broker.store import Lease, RedisStore
+from app.broker.store import Lease, RedisStore, StoreError
 from app.settings import Settings
 from app.wiring import broker_for
 from tests.broker.test_store import events, packed
@@ -261,3 +261,22 @@ async def test_a_wake_up_that_died_half_way_is_parked_again(broker, drain, redis
     assert await active(store) == set()
     assert await store.ingest("r", [packed("late")])  # a later wake-up is not stale
     assert await active(store) == {"r"}
+
+
+async def test_deleting_a_parked_run_wakes_it_to_count_what_its_consumers_held(broker, drain):
+    """The drop of what consumers hold is an event the accounting must apply before the run
+    goes, and the drain serves only runs in the index: a parked run is woken for it."""
+    store = broker.store
+    await store.create_run("r", RunConfig())
+    await store.create_consumer("r", "c", source="received")
+    await store.ingest("r", [packed("a"), packed("b")])
+    await store.close_run("r")
+    await settle(broker, drain)
+    assert await active(store) == set()  # parked, with c holding a and b
+    with pytest.raises(StoreError) as busy:
+        await store.delete_run("r")
+    assert busy.value.code == "run_busy"
+    assert await active(store) == {"r"}  # woken: the drain applies the drop
+    await settle(broker, drain)
+    await store.delete_run("r")
+    assert await store.get_run("r") is None

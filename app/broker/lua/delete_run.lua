@@ -11,7 +11,8 @@
 -- 24 h after they settled.
 -- ARGV: wake, limit, accounting consumer group, audit entry (lib/audit.lua).
 -- Returns ok('deleted') | ok('more') | err('run_missing') | err('run_open')
---       | err('run_busy', what it waits for, in words).
+--       | err('run_busy', what it waits for, in words) | err('run_parked', token) (a parked run
+--       whose consumers hold items: wake it, then call again).
 local WAITS_FOR = {
   live = 'rollouts are still buffered or leased',
   work = 'work leases are still live',
@@ -29,7 +30,11 @@ if not f[3] then
   local why = unsettled(ARGV[3])
   if why then return err('run_busy', WAITS_FOR[why]) end
   -- What consumers still hold is dropped and counted first, and the delete waits for the
-  -- accounting to apply that as it waits for any event.
+  -- accounting to apply that as it waits for any event. A parked run is woken for it first (the
+  -- store does that on 'run_parked'): the accounting drains only runs in service.
+  if redis.call('EXISTS', CON.CREF) == 1 and redis.call('HEXISTS', RUN, 'parked') == 1 then
+    return err('run_parked', redis.call('HGET', RUN, 'tok') or '0')
+  end
   for _, name in ipairs(redis.call('HKEYS', CON.CONS)) do CON.free(CON.get(name)) end
   if #CON.acc_order > 0 then
     CON.emit()
