@@ -402,8 +402,10 @@ def test_slow_rewards_quick_run_checks_every_trained_reward_and_compares_idle_sh
         assert arm["trained"] > 0 and arm["checked"] == arm["trained"], arm
         assert arm["idle_s"] <= arm["span_s"], arm
     # The at-once verifier never hangs; the slow one does (seed 1 hangs rollouts of the first
-    # groups), the leases holding them expire and the rollouts are scored on a later lease.
-    assert fast["hung"] == fast["dropped"] == fast.get("lease.expired", 0) == 0, fast
+    # groups), the leases holding them expire and the rollouts are scored on a later lease. On a
+    # loaded machine a lease of the at-once verifier may run past the quick run's timeout too:
+    # its rollouts are then scored on another lease, which the checks above cover.
+    assert fast["hung"] == fast["dropped"] == 0, fast
     assert slow["hung"] >= 1 and slow["dropped"] >= 1, slow
     assert slow["lease.expired"] >= slow["dropped"] and slow["rescored"] >= 1, slow
     for key, arm in (("at_once", fast), ("slow", slow)):
