@@ -162,18 +162,21 @@ function CON.first_use(u)
   return not (CON.td and redis.call('SREM', CON.TD, u) == 1)
 end
 
+-- One more hold on `rid` in counts `n`, whose rollouts `order` lists in first-seen order.
+function CON.tally(n, order, rid)
+  if not n[rid] then
+    n[rid] = 0
+    table.insert(order, rid)
+  end
+  n[rid] = n[rid] + 1
+end
+
 -- Release the holds of `members`: a retired rollout nobody holds any more loses its blob. The
 -- mirror of CON.hold(): a few commands a thousand rollouts, not a few a rollout.
 function CON.release(members)
   local n, order = {}, {}
   for _, m in ipairs(members) do
-    for _, rid in ipairs(CON.held(m)) do
-      if not n[rid] then
-        n[rid] = 0
-        table.insert(order, rid)
-      end
-      n[rid] = n[rid] + 1
-    end
+    for _, rid in ipairs(CON.held(m)) do CON.tally(n, order, rid) end
   end
   for i = 1, #order, 1000 do
     local part = { unpack(order, i, math.min(i + 999, #order)) }
@@ -236,12 +239,7 @@ function CON.write()
       table.insert(args, I(seq))
       table.insert(args, m)
       for j = 2, math.min(#x, 3) do  -- the rollout, or chosen and rejected
-        local rid = x[j]
-        if not refs[rid] then
-          refs[rid] = 0
-          table.insert(ref_order, rid)
-        end
-        refs[rid] = refs[rid] + 1
+        CON.tally(refs, ref_order, x[j])
       end
     end
     each_chunk(args, 1000, function(...) redis.call('ZADD', CON.qkey(name), ...) end)
