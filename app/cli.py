@@ -350,6 +350,7 @@ def worker(
 ) -> None:
     """Run the background workers only (lease expiry, group timeouts, accounting drain) until
     SIGTERM or SIGINT."""
+    from app.wiring import RedisTooOldError
     from workers.runner import run_workers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -373,7 +374,11 @@ def worker(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await run_workers(settings, stop)
+        try:
+            await run_workers(settings, stop)
+        except RedisTooOldError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            return 1
         return 0
 
     code = asyncio.run(main())
