@@ -2,10 +2,11 @@
 -- The run's accounting events (its stream EV) and the wake-ups of long-polling trainers and
 -- generators, sent by finish() (wake_waiting) when a call made units ready or freed prompts or
 -- budget.
-local WAKE = ARGV[1]  -- pub/sub channel that wakes long-polling trainers and generators
-local WOKE = false  -- units were made ready: trainers waiting on the run are woken
-local WORK_WOKE = false  -- prompts or budget came free, or the run closed: generators are woken
-local REWARD_WOKE = false  -- units came to await a reward lease: reward workers are woken
+local WAKE  -- pub/sub channel that wakes long-polling trainers and generators (ARGV[1])
+local WOKE  -- units were made ready: trainers waiting on the run are woken
+local WORK_WOKE  -- prompts or budget came free, or the run closed: generators are woken
+local REWARD_WOKE  -- units came to await a reward lease: reward workers are woken
+per_call(function() WAKE, WOKE, WORK_WOKE, REWARD_WOKE = ARGV[1], false, false, false end)
 
 local function emit(e, d)
   d['t'] = NOW
