@@ -84,8 +84,8 @@ async def redis_check(redis: Redis | RedisCluster, prefix: str) -> str:
 
 
 async def version_check(app: FastAPI) -> str:
-    """``"ok"`` unless Redis is older than 7.0; asked until Redis tells its version (once the
-    app started while Redis was down, a start against a Redis that answered asked it then)."""
+    """``"ok"`` unless Redis is older than 7.0. Asked only while the version is not known: when
+    Redis could not be asked at the app's start (the start asked one that answered)."""
     try:
         app.state.redis_version_known = await check_redis_version(
             app.state.redis, app.state.settings

@@ -23,6 +23,7 @@ from app.replicas import Replicas
 from app.settings import Settings
 
 __all__ = [
+    "MIN_REDIS_VERSION",
     "RedisTooOldError",
     "broker_for",
     "check_redis_version",
