@@ -94,7 +94,6 @@ class RedisStore(PassReads, BatchCalls, ConsumerCalls):
 
     def __init__(self, redis: Redis, prefix: str, replicas: Replicas | None = None) -> None:
         super().__init__(redis, prefix)
-        self.wake_channel = keys.wake_channel(prefix)
         self.replicas = replicas
         self._scripts: dict[str, AsyncScript] = {
             name: redis.register_script(src) for name, src in load_scripts().items()
@@ -104,7 +103,7 @@ class RedisStore(PassReads, BatchCalls, ConsumerCalls):
         """The raw reply of script ``name`` on the run, after its replicas when asked."""
         script = self._scripts[name]
         script_keys = keys.script_keys(self.prefix, run_id)
-        argv = [self.wake_channel, *args]
+        argv = [keys.wake_channel(self.prefix, run_id), *args]
         if self.replicas is None or name in _NO_WAIT:
             return await script(keys=script_keys, args=argv)
         return await self.replicas.script(

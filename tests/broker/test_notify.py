@@ -31,14 +31,27 @@ async def start_waiting(store: RedisStore, run_id: str, size: int = 1) -> None:
     assert got == 0
 
 
-async def nothing_published_before(waker: Waker, redis, store: RedisStore) -> None:  # type: ignore[no-untyped-def]
+async def nothing_published_before(
+    waker: Waker, redis, store: RedisStore, run_id: str = "r"
+) -> None:  # type: ignore[no-untyped-def]
+    """Returns once whatever was published on ``run_id``'s channel before has reached ``waker``:
+    a marker published after it on the same channel has."""
     with waker.line("marker") as marker:
-        await redis.publish(store.wake_channel, keys.run_tag(store.prefix, "marker"))
+        await joined(waker, marker)
+        await redis.spublish(
+            keys.wake_channel(store.prefix, run_id), keys.run_tag(store.prefix, "marker")
+        )
         await asyncio.wait_for(marker.event.wait(), timeout=5)
 
 
+async def joined(waker: Waker, *tickets: Ticket) -> None:
+    """What a long poll does before its first try: until the tickets' runs are subscribed."""
+    for ticket in tickets:
+        await waker.listening(ticket)
+
+
 async def test_ingest_wakes_the_waiters_of_its_run_only(store, redis):
-    waker = Waker(redis, store.wake_channel, store.prefix)
+    waker = Waker(redis, store.prefix)
     await waker.start()
     try:
         await store.create_run("r", RunConfig())
@@ -46,6 +59,7 @@ async def test_ingest_wakes_the_waiters_of_its_run_only(store, redis):
         await start_waiting(store, "r")
         await start_waiting(store, "other")
         with waker.line("r") as mine, waker.line("other") as theirs:
+            await joined(waker, mine, theirs)
             await store.ingest("r", [packed("a")])
             await asyncio.wait_for(mine.event.wait(), timeout=5)
             assert not theirs.event.is_set()
@@ -56,12 +70,13 @@ async def test_ingest_wakes_the_waiters_of_its_run_only(store, redis):
 
 
 async def test_an_open_group_wakes_nobody_until_it_completes(store, redis):
-    waker = Waker(redis, store.wake_channel, store.prefix)
+    waker = Waker(redis, store.prefix)
     await waker.start()
     try:
         await store.create_run("r", RunConfig(group_size=2))
         await start_waiting(store, "r", size=2)
         with waker.line("r", size=2) as ticket:
+            await joined(waker, ticket)
             await store.ingest("r", [packed("a", group="g")])
             await nothing_published_before(waker, redis, store)
             assert not ticket.event.is_set()
@@ -74,11 +89,12 @@ async def test_an_open_group_wakes_nobody_until_it_completes(store, redis):
 async def test_no_wake_up_is_sent_while_nobody_waits(store, redis):
     """Every API process receives every wake-up: with no trainer long-polling the run, ingest
     publishes nothing; once one waits, it does."""
-    waker = Waker(redis, store.wake_channel, store.prefix)
+    waker = Waker(redis, store.prefix)
     await waker.start()
     try:
         await store.create_run("r", RunConfig())
         with waker.line("r") as ticket:
+            await joined(waker, ticket)
             await store.ingest("r", [packed("a")])
             await nothing_published_before(waker, redis, store)
             assert not ticket.event.is_set()
@@ -103,7 +119,7 @@ def woken(*tickets: Ticket) -> list[bool]:
 
 
 async def test_a_wake_up_reaches_the_first_waiter_not_woken_yet(redis):
-    waker = Waker(redis, "unused", "rb")
+    waker = Waker(redis, "rb")
     with waker.line("r") as a, waker.line("r") as b, waker.line("r") as c:
         waker.wake("r")
         assert woken(a, b, c) == [True, False, False]
@@ -117,7 +133,7 @@ async def test_a_wake_up_reaches_the_first_waiter_not_woken_yet(redis):
 async def test_a_served_waiter_passes_the_wake_up_on_and_a_short_one_only_to_whom_it_can_serve(
     redis,
 ):
-    waker = Waker(redis, "unused", "rb")
+    waker = Waker(redis, "rb")
     with (
         waker.line("r", size=8) as big,
         waker.line("r", size=4) as mid,
@@ -136,7 +152,7 @@ async def test_a_served_waiter_passes_the_wake_up_on_and_a_short_one_only_to_who
 
 
 async def test_a_waiter_leaving_with_an_unused_wake_up_passes_it_on(redis):
-    waker = Waker(redis, "unused", "rb")
+    waker = Waker(redis, "rb")
     with waker.line("r") as stays:
         with waker.line("r") as leaves:
             waker.wake("r")
@@ -151,12 +167,13 @@ async def test_a_waiter_leaving_with_an_unused_wake_up_passes_it_on(redis):
 async def test_a_version_change_wakes_every_follower_of_its_run_and_only_while_one_waits(
     store, redis
 ):
-    waker = Waker(redis, store.wake_channel, store.prefix)
+    waker = Waker(redis, store.prefix)
     await waker.start()
     try:
         await store.create_run("r", RunConfig())
         kind = keys.POLICY_WAKE
         with waker.line("r", kind) as a, waker.line("r", kind) as b, waker.line("r") as trainer:
+            await joined(waker, a, b, trainer)
             await store.set_policy("r", 1)  # nobody follows the version yet: nothing is sent
             await nothing_published_before(waker, redis, store)
             assert woken(a, b, trainer) == [False, False, False]

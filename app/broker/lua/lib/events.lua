@@ -2,7 +2,6 @@
 -- The run's accounting events (its stream EV) and the wake-ups of long-polling trainers and
 -- generators, sent by finish() (wake_waiting) when a call made units ready or freed prompts or
 -- budget.
-local WAKE = ARGV[1]  -- pub/sub channel that wakes long-polling trainers and generators
 local WOKE = false  -- units were made ready: trainers waiting on the run are woken
 local WORK_WOKE = false  -- prompts or budget came free, or the run closed: generators are woken
 local REWARD_WOKE = false  -- units came to await a reward lease: reward workers are woken
@@ -38,15 +37,17 @@ end
 
 local function emit_timed(e, d) redis.call('XADD', EV, '*', 'e', e, 'd', d) end
 
--- Every API process receives every wake-up, so none is sent while nobody waits.
+-- The one way a script wakes a run's long-polling callers: `kind` (TAG, WORK_WAKE, POLICY_WAKE,
+-- REWARD_WAKE or CON.WAKE) on the run's shard channel P:{R}:wake, which every script is given as
+-- ARGV[1] (keys.wake_channel). It is in the run's slot, so on a Redis Cluster a wake-up stays on
+-- the node holding the run and reaches only the API processes where one of its callers waits
+-- (app/broker/notify.py). In place of a local of the channel: a script's main chunk may declare
+-- no more than 200.
+local function publish_wake(kind) redis.call('SPUBLISH', ARGV[1], kind) end
+
+-- None is sent while nobody waits.
 local function wake_waiting()
-  if WOKE and redis.call('EXISTS', WAITING) == 1 then
-    redis.call('PUBLISH', WAKE, TAG)
-  end
-  if WORK_WOKE and redis.call('EXISTS', WWAITING) == 1 then
-    redis.call('PUBLISH', WAKE, WORK_WAKE)
-  end
-  if REWARD_WOKE and redis.call('EXISTS', RWAITING) == 1 then
-    redis.call('PUBLISH', WAKE, REWARD_WAKE)
-  end
+  if WOKE and redis.call('EXISTS', WAITING) == 1 then publish_wake(TAG) end
+  if WORK_WOKE and redis.call('EXISTS', WWAITING) == 1 then publish_wake(WORK_WAKE) end
+  if REWARD_WOKE and redis.call('EXISTS', RWAITING) == 1 then publish_wake(REWARD_WAKE) end
 end
