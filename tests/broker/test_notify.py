@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+
 from app import keys
 from app.broker.config import RunConfig
 from app.broker.notify import Ticket, Waker
@@ -193,3 +196,145 @@ async def test_a_version_change_wakes_every_follower_of_its_run_and_only_while_o
             assert woken(a, b, trainer) == [True, True, False]
     finally:
         await waker.stop()
+
+
+# -- one shard channel per run ------------------------------------------------------------------
+def node_of(redis, channel: str):  # type: ignore[no-untyped-def]
+    """Where ``channel`` lives: its slot's master on a cluster (None on one node)."""
+    return redis.get_node_from_key(channel) if isinstance(redis, RedisCluster) else None
+
+
+async def subscribers(redis, channel: str) -> int:  # type: ignore[no-untyped-def]
+    """``PUBSUB SHARDNUMSUB``, asked of the node that holds the channel's slot."""
+    node = node_of(redis, channel)
+    direct = Redis(host=node.host, port=node.port) if node is not None else redis
+    try:
+        reply = await direct.execute_command("PUBSUB", "SHARDNUMSUB", channel)
+    finally:
+        if direct is not redis:
+            await direct.aclose()
+    return int(reply[1])
+
+
+def runs_on_two_nodes(redis, prefix: str) -> tuple[str, str]:  # type: ignore[no-untyped-def]
+    """Two run ids whose slots are on different masters of a cluster (any two on one node)."""
+    first = "run-a"
+    where = node_of(redis, keys.wake_channel(prefix, first))
+    for i in range(1000):
+        other = f"run-b{i}"
+        if where is None or node_of(redis, keys.wake_channel(prefix, other)) != where:
+            return first, other
+    raise AssertionError("no two runs on different nodes")
+
+
+async def test_a_wake_up_stays_on_its_runs_channel_and_wakes_only_that_runs_waiters(store, redis):
+    """Runs A and B on different masters of a cluster: a wake-up of A, published on A's shard
+    channel, reaches A's waiter and not B's, and then B's reaches B's."""
+    if isinstance(redis, RedisCluster):
+        await redis.initialize()
+    a, b = runs_on_two_nodes(redis, store.prefix)
+    waker = Waker(redis, store.prefix)
+    await waker.start()
+    try:
+        for run in (a, b):
+            await store.create_run(run, RunConfig())
+            await start_waiting(store, run)
+        with waker.line(a) as mine, waker.line(b) as theirs:
+            await joined(waker, mine, theirs)
+            assert waker.subscribed() == {a, b}
+            for run in (a, b):
+                assert await subscribers(redis, keys.wake_channel(store.prefix, run)) == 1
+            await store.ingest(a, [packed("x")])
+            await asyncio.wait_for(mine.event.wait(), timeout=5)
+            await nothing_published_before(waker, redis, store, b)
+            assert woken(mine, theirs) == [True, False]
+            await store.ingest(b, [packed("y")])
+            await asyncio.wait_for(theirs.event.wait(), timeout=5)
+    finally:
+        await waker.stop()
+
+
+async def test_a_runs_subscription_is_dropped_once_its_last_waiter_left(store, redis):
+    """Held while any waiter of the run is in line in this process, whatever its kind; dropped
+    (SUNSUBSCRIBE) once the last one left and the linger is over; a new waiter subscribes
+    again, and is woken."""
+    waker = Waker(redis, store.prefix, linger_s=0.2)
+    await waker.start()
+    channel = keys.wake_channel(store.prefix, "r")
+    try:
+        await store.create_run("r", RunConfig())
+        with waker.line("r") as trainer:
+            with waker.line("r", keys.WORK_WAKE) as generator:
+                await joined(waker, trainer, generator)
+                assert await subscribers(redis, channel) == 1
+            await asyncio.sleep(0.5)  # past the linger: the trainer still holds it
+            assert await subscribers(redis, channel) == 1
+            assert waker.subscribed() == {"r"}
+        deadline = asyncio.get_running_loop().time() + 5
+        while await subscribers(redis, channel) != 0:
+            assert asyncio.get_running_loop().time() < deadline, "still subscribed"
+            await asyncio.sleep(0.05)
+        assert waker.subscribed() == set()
+        await start_waiting(store, "r")
+        with waker.line("r") as again:
+            await joined(waker, again)
+            assert await subscribers(redis, channel) == 1
+            await store.ingest("r", [packed("a")])
+            await asyncio.wait_for(again.event.wait(), timeout=5)
+    finally:
+        await waker.stop()
+
+
+async def kill_subscriber_connections(redis, name: str) -> int:  # type: ignore[no-untyped-def]
+    """CLIENT KILL every connection named ``name`` with a shard channel, on every master; how
+    many."""
+    if isinstance(redis, RedisCluster):
+        await redis.initialize()
+        nodes = [Redis(host=n.host, port=n.port) for n in redis.get_primaries()]
+    else:
+        nodes = [redis]
+    killed = 0
+    try:
+        for node in nodes:
+            for client in await node.client_list():
+                if client.get("name") == name and client.get("ssub", "0") != "0":
+                    await node.execute_command("CLIENT", "KILL", "ID", client["id"])
+                    killed += 1
+    finally:
+        for node in nodes:
+            if node is not redis:
+                await node.aclose()
+    return killed
+
+
+async def test_a_waiter_whose_subscription_drops_is_told_to_recheck_and_woken_again(
+    store, redis_backend
+):
+    """The connection carrying a run's subscription is killed: its waiter is woken at once to
+    re-check (a wake-up may have been lost meanwhile), not only at the fallback re-check, and
+    the subscription comes back: the next wake-up reaches it."""
+    name = f"waker-{uuid.uuid4().hex[:8]}"
+    if redis_backend.cluster:
+        redis = RedisCluster.from_url(redis_backend.url, client_name=name)
+    else:
+        redis = Redis.from_url(redis_backend.url, client_name=name)
+    waker = Waker(redis, store.prefix, fallback_s=3600)
+    await waker.start()
+    channel = keys.wake_channel(store.prefix, "r")
+    try:
+        await store.create_run("r", RunConfig())
+        await start_waiting(store, "r")
+        with waker.line("r") as ticket:
+            await joined(waker, ticket)
+            assert await kill_subscriber_connections(store.redis, name) == 1
+            await asyncio.wait_for(ticket.event.wait(), timeout=10)
+            waker.trying(ticket)
+            deadline = asyncio.get_running_loop().time() + 10
+            while await subscribers(store.redis, channel) != 1:
+                assert asyncio.get_running_loop().time() < deadline, "not subscribed again"
+                await asyncio.sleep(0.05)
+            await store.ingest("r", [packed("a")])
+            await asyncio.wait_for(ticket.event.wait(), timeout=5)
+    finally:
+        await waker.stop()
+        await redis.aclose()
