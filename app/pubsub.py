@@ -240,6 +240,11 @@ class ShardSubscriptions:
                     if event is not None:
                         event.set()  # its holders re-check meanwhile
                     asyncio.get_running_loop().call_later(RETRY_S, self._sync_soon, channel)
+                    if isinstance(self._redis, RedisCluster):
+                        # The slot's master may be gone: read the slot map again, or the next
+                        # try goes to the same node, unless some other command did.
+                        with contextlib.suppress(Exception):
+                            await self._redis.nodes_manager.initialize()
 
     async def _open(self) -> PubSub:
         if isinstance(self._redis, RedisCluster):
