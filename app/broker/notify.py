@@ -130,10 +130,12 @@ class Waker:
 
     async def listening(self, ticket: Ticket, at_most_s: float = READY_TIMEOUT_S) -> None:
         """Returns once the wake-ups of the ticket's run reach this process (its channel's
-        subscription is confirmed: at once if it already was), or after ``at_most_s``, or at
-        once while the subscriptions are down (the waiter re-checks meanwhile)."""
+        subscription is confirmed: at once if it already was), or after ``at_most_s`` (and
+        never later than a fallback re-check would come), or at once while the subscriptions
+        are down (the waiter re-checks meanwhile)."""
         channel = keys.wake_channel(self._prefix, ticket.key[0])
-        await self._subscriptions.ready(channel, min(at_most_s, READY_TIMEOUT_S))
+        limit = min(at_most_s, self._fallback_s, READY_TIMEOUT_S)
+        await self._subscriptions.ready(channel, limit)
 
     def waiting(self, run_id: str, kind: str = "") -> int:
         """How many requests of this process stand in the run's line."""
