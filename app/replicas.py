@@ -32,9 +32,9 @@ from typing import Any
 import redis.exceptions
 from redis.asyncio import Redis
 from redis.asyncio.cluster import PipelineCommand, RedisCluster
-from redis.commands.core import AsyncScript
 
 from app.errors import NotReplicated, Unavailable
+from app.functions import function_missing, load_command
 
 __all__ = ["BARRIER_TTL_MS", "Replicas"]
 
@@ -71,16 +71,17 @@ class Replicas:
         self.retry_after_s = retry_after_s
 
     async def script(
-        self, script: AsyncScript, barrier: str, keys: Sequence[Any], args: Sequence[Any]
+        self, function: str, code: str, barrier: str, keys: Sequence[Any], args: Sequence[Any]
     ) -> Any:
-        """The reply of ``script`` (EVALSHA; EVAL once if the node lacks it) run with ``keys``
-        and ``args`` on the master of ``barrier``'s slot, which must be that of ``keys``."""
-        call = ("EVALSHA", script.sha, len(keys), *keys, *args)
+        """The reply of ``function`` (of library ``code``, loaded there first when the node
+        lacks it) run with ``keys`` and ``args`` on the master of ``barrier``'s slot, which
+        must be that of ``keys``."""
+        call = ("FCALL", function, len(keys), *keys, *args)
         reply = await self._run(barrier, call)
-        if isinstance(reply, redis.exceptions.NoScriptError):
-            # The node lost its script cache (a restart, a failover, SCRIPT FLUSH); EVAL
-            # caches it again.
-            reply = await self._run(barrier, ("EVAL", script.script, len(keys), *keys, *args))
+        if function_missing(reply):
+            # A node without the library (a restart, a failover, FUNCTION FLUSH): load it.
+            await self._run(barrier, load_command(code))
+            reply = await self._run(barrier, call)
         if isinstance(reply, Exception):
             raise reply
         return reply
@@ -105,7 +106,7 @@ class Replicas:
                     pipe.execute_command(*command)
                 replies = await pipe.execute(raise_on_error=False)
         *reply, written, acked = replies
-        if reply and isinstance(reply[0], redis.exceptions.NoScriptError):
+        if reply and function_missing(reply[0]):
             return reply[0]  # not run: nothing to wait for
         for outcome in (written, acked):
             if isinstance(outcome, Exception):

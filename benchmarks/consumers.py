@@ -22,7 +22,6 @@ consumers change and the one the machine's noise touches least.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
 import tempfile
@@ -35,7 +34,7 @@ import msgpack
 import numpy as np
 import redis
 
-from app.broker.scripts import load_scripts
+from app.broker.scripts import LIBRARY
 from benchmarks.measure_http import MSGPACK, ROOT, Conn, services
 from benchmarks.servers import Server
 
@@ -91,15 +90,14 @@ def lease_ack(conn: Conn, base: str, size: int) -> float:
 def script_us(rc: redis.Redis, runs: dict[str, str]) -> dict[str, float]:
     """Per row, the median µs Redis spent in one lease script plus one ack script of its run
     (of its consumer, for the reader's row), from SLOWLOG."""
-    scripts = load_scripts()
-    names = {"lease", "ack", "consumer_lease", "consumer_ack"}
-    sha = {hashlib.sha1(scripts[n].encode()).hexdigest().encode(): n for n in names}
+    names = ("lease", "ack", "consumer_lease", "consumer_ack")
+    of = {LIBRARY.functions[n].encode(): n for n in names}
     spent: dict[tuple[str, str], list[float]] = {}
     for entry in rc.slowlog_get(1_000_000):
         args = entry["command"].split()
-        if len(args) < 4 or args[0] != b"EVALSHA" or args[1] not in sha:
+        if len(args) < 4 or args[0] != b"FCALL" or args[1] not in of:
             continue
-        name = sha[args[1]]
+        name = of[args[1]]
         for row, run in runs.items():
             consumer = name.startswith("consumer")
             if f"{{{run}}}".encode() in args[3] and consumer == (row == "consumer reader"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import hashlib
+import re
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from app import keys
-from app.broker.scripts import load_scripts
 from benchmarks import load, load_prompts
 from benchmarks.harness import BIG, ROOT, Bench, Sizes, delete_keys
 from benchmarks.load import run_group
@@ -34,8 +34,9 @@ from benchmarks.servers import proc_cpu_s, redis_server, uvicorn_server
 
 
 def script_names(app_dir: Path) -> dict[str, str]:
-    """SHA1 -> script name, for the scripts as app/broker/scripts.py builds them (the key prologue,
-    its libraries, the script) and, for older trees, the key prologue and common.lua."""
+    """SHA1 -> script name, for trees older than the function library, whose scripts ran with
+    EVALSHA (the key prologue, common.lua or the libraries, the script). A function library's
+    functions are named after their scripts (``rollout_broker_<digest>_<script>``)."""
     lua = app_dir / "app" / "broker" / "lua"
     names: dict[str, str] = {}
     if not lua.is_dir():
@@ -45,9 +46,6 @@ def script_names(app_dir: Path) -> dict[str, str]:
         body = f.read_text()
         for src in (keys.lua_prologue() + common + "\n" + body, common + "\n" + body, body):
             names[hashlib.sha1(src.encode()).hexdigest()] = f.stem
-    if app_dir.resolve() == ROOT:  # this tree: the exact texts its store loads
-        for name, src in load_scripts().items():
-            names[hashlib.sha1(src.encode()).hexdigest()] = name
     return names
 
 
@@ -218,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
             name = cmd[0].upper()
             if name in ("EVALSHA", "EVALSHA_RO") and len(cmd) > 1:
                 name = f"EVALSHA {names.get(cmd[1].lower(), cmd[1][:8])}"
+            elif name in ("FCALL", "FCALL_RO") and len(cmd) > 1:
+                name = f"FCALL {re.sub(r'^rollout_broker_[0-9a-f]+_', '', cmd[1])}"
             if name in ("SLOWLOG", "CONFIG"):
                 continue
             per_cmd[name].append(int(e["duration"]))

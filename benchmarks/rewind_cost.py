@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import os
 import statistics
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import httpx
 from redis.asyncio import Redis
 
-from app.broker.scripts import load_scripts
+from app.broker.scripts import LIBRARY
 from app.main import create_app
 from app.settings import Settings
 
@@ -102,12 +101,12 @@ async def one(redis_url: str, buffered: int, batches: int) -> dict[str, Any]:
 
 
 async def script_times(redis: Redis, name: str) -> list[float]:
-    """The durations (µs) SLOWLOG holds of the broker's script ``name``, told apart by its sha."""
-    sha = hashlib.sha1(load_scripts()[name].encode()).hexdigest().encode()
+    """The durations (µs) SLOWLOG holds of the broker's script ``name`` (its function)."""
+    function = LIBRARY.functions[name].encode()
     return [
         float(entry["duration"])
         for entry in await redis.slowlog_get(100000)
-        if entry["command"].split()[:2] == [b"EVALSHA", sha]
+        if entry["command"].split()[:2] == [b"FCALL", function]
     ]
 
 

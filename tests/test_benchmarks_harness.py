@@ -317,6 +317,29 @@ def test_layout_probe_runs_every_way_and_reports_ratios_against_raw() -> None:
         assert low - 0.005 <= ratio <= high + 0.005, (name, us, ratio, raw_us)
 
 
+def test_functions_benchmark_compares_the_library_with_the_same_code_as_a_script() -> None:
+    """benchmarks/functions.py at its tiny size: each row's FCALL and EVALSHA figures come from
+    Redis's own stats (both above zero, so both ways ran), and the saving is their difference."""
+    if find_redis_server() is None:
+        pytest.skip("benchmarks.functions needs a redis-server of version 7 or later")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.functions", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    row = re.compile(r"\| (.+?) \| ([\d.]+) µs \| ([\d.]+) µs \| (-?[\d.]+) µs \|")
+    rows = {m[1]: m for line in proc.stdout.splitlines() if (m := row.fullmatch(line))}
+    assert list(rows) == ["policy_view", "ingest, 1 rollout", "sweep, nothing to sweep"]
+    for m in rows.values():
+        fcall, evalsha, saved = float(m[2]), float(m[3]), float(m[4])
+        assert fcall > 0 and evalsha > 0
+        assert abs(evalsha - fcall - saved) <= 0.11, m[0]
+
+
 def base_name(row: str) -> str:
     """The row a consumers benchmark row is compared with."""
     return "trainer, beside a reader" if row == "consumer reader" else "trainer, no consumers"

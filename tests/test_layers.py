@@ -23,7 +23,7 @@ API = ROOT / "app" / "api"
 APP = ROOT / "app"
 DOMAINS = ("app.broker", "app.accounting", "app.access")
 SHARED = ("app.keys", "app.events", "app.db", "app.ids", "app.caller", "app.errors", "app.settings",
-          "app.replicas",
+          "app.replicas", "app.functions",
           "app.pubsub", "app.allocator", "app.api")  # fmt: skip
 STARTS_THE_WORKERS = {APP / "cli.py"}
 MAX_MODULE_LINES = 500

@@ -142,9 +142,9 @@ async def test_a_refusal_waits_too(pair: Pair, own_prefix: str):
         await store.create_run("r", RunConfig(max_reuse=2))  # else StoreError('run_conflict')
 
 
-async def test_a_master_that_lost_its_scripts_is_given_them_again(pair: Pair, own_prefix: str):
+async def test_a_master_that_lost_its_functions_is_given_them_again(pair: Pair, own_prefix: str):
     store = RedisStore(pair.master, own_prefix, Replicas(pair.master, 1, TIMEOUT_MS))
-    await pair.master.script_flush()  # as after a restart or a failover
+    await pair.master.function_flush()  # as after a restart without persistence
     assert await store.create_run("r", RunConfig()) == "created"
     outcome = await store.ingest("r", [packed("a")])
     assert outcome.accepted == 1
@@ -161,7 +161,7 @@ async def test_with_the_setting_off_no_wait_is_sent(pair: Pair, own_prefix: str)
     )
     assert not isinstance(got, int)
     stats = await pair.master.info("commandstats")
-    assert "cmdstat_evalsha" in stats
+    assert "cmdstat_fcall" in stats
     assert "cmdstat_wait" not in stats and "cmdstat_set" not in stats
 
 

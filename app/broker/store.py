@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from redis.asyncio import Redis
-from redis.commands.core import AsyncScript
 
 from app import keys
 from app.broker.batch_calls import SWEEP_LIMIT, BatchCalls, floor_of
@@ -39,7 +38,8 @@ from app.broker.records import (
     maintain_state,
 )
 from app.broker.replies import AckAnswer, StoreError, beta_of, decode, text
-from app.broker.scripts import load_scripts
+from app.broker.scripts import LIBRARY
+from app.functions import call
 from app.replicas import Replicas
 
 __all__ = [
@@ -90,24 +90,24 @@ class RedisStore(PassReads, BatchCalls, ConsumerCalls):
     and the reads that need no script; the run indexes' part is :class:`RunIndex`'s, the prompt
     passes' reads :class:`PassReads`'. With ``replicas``, a script call that changes state is
     answered only once its master's replicas have it (app/replicas.py); without, each is one
-    EVALSHA as Redis takes it."""
+    FCALL as Redis takes it (app/functions.py)."""
 
     def __init__(self, redis: Redis, prefix: str, replicas: Replicas | None = None) -> None:
         super().__init__(redis, prefix)
         self.replicas = replicas
-        self._scripts: dict[str, AsyncScript] = {
-            name: redis.register_script(src) for name, src in load_scripts().items()
-        }
 
     async def _script(self, name: str, run_id: str, *args: Any) -> Any:
         """The raw reply of script ``name`` on the run, after its replicas when asked."""
-        script = self._scripts[name]
         script_keys = keys.script_keys(self.prefix, run_id)
         argv = [keys.wake_channel(self.prefix, run_id), *args]
         if self.replicas is None or name in _NO_WAIT:
-            return await script(keys=script_keys, args=argv)
+            return await call(self.redis, LIBRARY.functions[name], LIBRARY.code, script_keys, argv)
         return await self.replicas.script(
-            script, keys.sync_key(self.prefix, run_id), script_keys, argv
+            LIBRARY.functions[name],
+            LIBRARY.code,
+            keys.sync_key(self.prefix, run_id),
+            script_keys,
+            argv,
         )
 
     async def _call(self, name: str, run_id: str, *args: Any) -> list[Any]:

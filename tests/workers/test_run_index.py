@@ -189,7 +189,7 @@ async def test_a_worker_pass_touches_only_the_open_runs(broker, drain, commands)
     scripts = [
         c
         for c in commands.sent
-        if _text(c[0]).upper() in ("EVALSHA", "EVAL") and "{" in _text(c[3])
+        if _text(c[0]).upper() in ("FCALL", "EVALSHA", "EVAL") and "{" in _text(c[3])
     ]
     assert len(scripts) == len(opened)  # one maintenance call per open run
 

@@ -5,7 +5,8 @@
 -- admitted when it comes in on its own (a single rollout, a group of no prompt attempt) or when
 -- its prompt pass is handed out in a work lease, and released when its attempt ends without a
 -- use (it retires unused, expires or is returned) or is done for zero variance.
-local ADM_DELTA = 0
+local ADM_DELTA
+per_call(function() ADM_DELTA = 0 end)
 
 local function admit(n) ADM_DELTA = ADM_DELTA + n end
 local function release() ADM_DELTA = ADM_DELTA - 1 end

@@ -25,8 +25,10 @@
 -- most 200 locals.
 -- keep_ms: how long a settled batch record is kept, a day, as a trainer's is.
 -- The key prologue declares CON with the consumer keys in it (CON.CONS, CON.qkey, ...).
-CON.on, CON.list, CON.out, CON.order, CON.retiring = nil, nil, {}, {}, {}
-CON.acc, CON.acc_order = {}, {}
+per_call(function()
+  CON.on, CON.td, CON.list, CON.out, CON.order, CON.retiring = nil, nil, nil, {}, {}, {}
+  CON.acc, CON.acc_order = {}, {}
+end)
 CON.keep_ms = 86400000
 CON.sources = { received = true, trained = true }
 

@@ -2,9 +2,11 @@
 -- The run's accounting events (its stream EV) and the wake-ups of long-polling trainers and
 -- generators, sent by finish() (wake_waiting) when a call made units ready or freed prompts or
 -- budget.
-local WOKE = false  -- units were made ready: trainers waiting on the run are woken
-local WORK_WOKE = false  -- prompts or budget came free, or the run closed: generators are woken
-local REWARD_WOKE = false  -- units came to await a reward lease: reward workers are woken
+local WAKE  -- the run's shard channel P:{R}:wake that wakes its long-polling callers (ARGV[1])
+local WOKE  -- units were made ready: trainers waiting on the run are woken
+local WORK_WOKE  -- prompts or budget came free, or the run closed: generators are woken
+local REWARD_WOKE  -- units came to await a reward lease: reward workers are woken
+per_call(function() WAKE, WOKE, WORK_WOKE, REWARD_WOKE = ARGV[1], false, false, false end)
 
 local function emit(e, d)
   d['t'] = NOW
@@ -38,12 +40,10 @@ end
 local function emit_timed(e, d) redis.call('XADD', EV, '*', 'e', e, 'd', d) end
 
 -- The one way a script wakes a run's long-polling callers: `kind` (TAG, WORK_WAKE, POLICY_WAKE,
--- REWARD_WAKE or CON.WAKE) on the run's shard channel P:{R}:wake, which every script is given as
--- ARGV[1] (keys.wake_channel). It is in the run's slot, so on a Redis Cluster a wake-up stays on
--- the node holding the run and reaches only the API processes where one of its callers waits
--- (app/broker/notify.py). In place of a local of the channel: a script's main chunk may declare
--- no more than 200.
-local function publish_wake(kind) redis.call('SPUBLISH', ARGV[1], kind) end
+-- REWARD_WAKE or CON.WAKE) on the run's shard channel WAKE (keys.wake_channel). It is in the
+-- run's slot, so on a Redis Cluster a wake-up stays on the node holding the run and reaches only
+-- the API processes where one of its callers waits (app/broker/notify.py).
+local function publish_wake(kind) redis.call('SPUBLISH', WAKE, kind) end
 
 -- None is sent while nobody waits.
 local function wake_waiting()

@@ -4,7 +4,8 @@
 -- generator to the ms it was quarantined at. An entry of UG goes when its unit retires
 -- (retire_rollouts), so UG is bounded by what is live. One table, GEN, holds this library's
 -- state and functions: a script's main chunk may have at most 200 locals.
-local GEN = { add = {}, order = {}, del = {}, on = nil }
+local GEN = {}
+per_call(function() GEN.add, GEN.order, GEN.del, GEN.on = {}, {}, {}, nil end)
 
 -- Whether the run has a quarantined generator: read once a call, then kept.
 function GEN.quarantine_on()

@@ -8,7 +8,8 @@
 -- place (ingest.lua). An attempt that ends unfinished brings those still kept back with its
 -- pass ('returned' again); the attempt's group completing without them, or the pass failing,
 -- drops them. Each change is one 'partials' event per kind, written by finish().
-local PARTIAL_EVENTS = {}  -- { {kind, reason or false, lease_id or false, items}, ... }
+local PARTIAL_EVENTS  -- { {kind, reason or false, lease_id or false, items}, ... }
+per_call(function() PARTIAL_EVENTS = {} end)
 
 local function note_partial(kind, reason, lid, pk, rid, v, tokens)
   local last = PARTIAL_EVENTS[#PARTIAL_EVENTS]

@@ -7,7 +7,8 @@ local PASS_STATE = {
   q = 'queued', w = 'in_flight', b = 'in_flight', d = 'done', f = 'failed', s = 'skipped',
 }
 local WORK_STATE = { l = 'live', c = 'complete', r = 'returned', e = 'expired' }
-local PASS_EVENTS = {}  -- { {cause, lease_id or false, items}, ... } in order, for finish()
+local PASS_EVENTS  -- { {cause, lease_id or false, items}, ... } in order, for finish()
+per_call(function() PASS_EVENTS = {} end)
 
 -- The pass and attempt a group id names, when it names a registered pass: (pk, att) or nil.
 local function group_pass(gid)

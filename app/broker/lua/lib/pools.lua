@@ -6,7 +6,10 @@
 -- then the pool's first pass in queue order. The pool zsets are rebuilt from PQ whenever the
 -- thresholds change (POOL.rebuild, one call: O(passes queued)), and a prompt's queued passes
 -- move when its mean does (POOL.scored, O(its passes)).
-local POOL = { keys = { easy = PQE, normal = PQN, hard = PQH }, scored_items = {} }
+local POOL = {}
+per_call(function()
+  POOL.keys, POOL.scored_items = { easy = PQE, normal = PQN, hard = PQH }, {}
+end)
 POOL.names = { 'easy', 'normal', 'hard' }
 
 function POOL.on() return CFG.difficulty ~= nil and CFG.difficulty ~= cjson.null end

@@ -5,7 +5,7 @@
 -- score.lua), source trained at its first acked use (ack.lua). Each member's reward is the one
 -- this call was given (CON.known) or else the one in its stored blob (CON.stored_reward). A run
 -- without a preferences consumer of the source reads and keeps nothing (CON.wants()).
-CON.rw = {}  -- rollout id -> the reward this call was given (a number)
+per_call(function() CON.rw = {} end)  -- rollout id -> the reward this call was given (a number)
 
 -- A reward this call was given (`text`, exact): an ingest writes its blobs only at its end, so
 -- a group it completes reads the rewards of its own rollouts here.

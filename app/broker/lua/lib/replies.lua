@@ -12,13 +12,14 @@
 -- Replies: every script returns ok(...) or err(code, ...); app/broker/replies.py decodes them
 -- and maps each code to an HTTP error. Outcomes the caller tells apart ('created' or 'exists')
 -- are the first value of an ok; refusals are err codes listed in that module's table.
-redis.replicate_commands()  -- TIME before writes (a no-op on Redis >= 7)
-
 local function ok(...) return { 'ok', ... } end
 local function err(code, ...) return { 'err', code, ... } end
 
-local t = redis.call('TIME')
-local NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local NOW  -- the call's time in ms, Redis's clock
+per_call(function()
+  local t = redis.call('TIME')
+  NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end)
 
 local function I(x) return string.format('%d', x) end
 

@@ -1,8 +1,8 @@
 -- requires: events
 -- The run's state and config, read once per call, and the rules that judge a rollout by them.
 
-local R = nil
-local CFG = nil
+local R, CFG
+per_call(function() R, CFG = nil, nil end)
 local function load_run()
   local f = redis.call('HMGET', RUN, 'cfg', 'ver', 'st', 'floor')
   if not f[1] then return false end

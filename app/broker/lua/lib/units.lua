@@ -45,13 +45,15 @@ end
 -- made ready (flush_units), and records and keys to delete (finish). Nothing reads a key after
 -- it was queued for deletion; a script that reads the ready indexes or records after making
 -- units ready calls flush_units() first.
-local US_SET, READY, US_DEL, DELS = {}, {}, {}, {}
+local US_SET, READY, US_DEL, DELS
 
 -- Retirements are collected per reason and written as one event per reason at the end.
-local RETIRED = {}
-local RETIRED_ORDER = {}
-local RETIRED_N = 0
-local LIVE_DELTA = 0  -- change of the run's 'live' count, written once by finish()
+local RETIRED, RETIRED_ORDER, RETIRED_N
+local LIVE_DELTA  -- change of the run's 'live' count, written once by finish()
+per_call(function()
+  US_SET, READY, US_DEL, DELS = {}, {}, {}, {}
+  RETIRED, RETIRED_ORDER, RETIRED_N, LIVE_DELTA = {}, {}, 0, 0
+end)
 
 -- Take a ready unit out of the ready indexes; a version whose index empties leaves VS.
 local function unready(u, v)
@@ -121,7 +123,8 @@ end
 -- hi the least and greatest reward it has ('' none), x its expired reward leases, l the live
 -- reward lease holding it, if any), and it is in AV (by version: eviction and rewind) and, while
 -- in no live reward lease, in AQ (by arrival seq: what reward leases take).
-local AWAIT_ON = nil  -- whether the run has unscored rollouts: read once a call, then kept
+local AWAIT_ON  -- whether the run has unscored rollouts: read once a call, then kept
+per_call(function() AWAIT_ON = nil end)
 local function awaiting_on()
   if AWAIT_ON == nil then AWAIT_ON = redis.call('EXISTS', AW) == 1 end
   return AWAIT_ON
