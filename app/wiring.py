@@ -129,7 +129,7 @@ def broker_for(redis: Redis, settings: Settings) -> Broker:
     store = RedisStore(redis, settings.redis_prefix, replicas_for(redis, settings))
     return Broker(
         store,
-        Waker(redis, store.wake_channel, settings.redis_prefix, settings.wake_fallback_s),
+        Waker(redis, settings.redis_prefix, settings.wake_fallback_s),
         max_tokens_per_rollout=settings.max_tokens_per_rollout,
         max_rollouts_per_request=settings.max_rollouts_per_request,
         max_batch_size=settings.max_batch_size,
