@@ -53,7 +53,7 @@ async def measure(r: Redis, calls: list[tuple[str, list[Any]]], via: str) -> flo
     run_keys = keys.script_keys(PREFIX, "r")
     await r.config_resetstat()
     for name, args in calls:
-        argv = [keys.wake_channel(PREFIX), *args]
+        argv = [keys.wake_channel(PREFIX, "r"), *args]
         if via == "fcall":
             await r.fcall(LIBRARY.functions[name], len(run_keys), *run_keys, *argv)
         else:

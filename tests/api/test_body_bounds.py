@@ -19,7 +19,7 @@ from app.errors import ValidationFailed
 from app.main import create_app
 from app.settings import Settings
 from tests.api.support import JSON, MSGPACK, asgi_client, assert_error
-from tests.helpers import make_run
+from tests.helpers import make_run, rollout
 
 N = 100_000  # items: far beyond every count rule, a few hundred kilobytes of body
 
@@ -226,3 +226,81 @@ def test_a_msgpack_body_holds_its_container_budget_and_not_one_more():
     assert len(outline.unpack(within, budget)) == budget - 1
     with pytest.raises(ValidationFailed, match="lists and objects"):
         outline.unpack(msgpack.packb([[]] * budget), budget)
+
+
+# -- bounds that make the outline needless ---------------------------------------------------
+
+
+def _at_most(limit: int) -> Any:
+    def rule(n: int) -> None:
+        if n > limit:
+            raise ValidationFailed(f"at most {limit} rollouts a request, not {n}")
+
+    return rule
+
+
+def _verdict(body: bytes, limit: int, widest: int, *, bounds: bool, monkeypatch: Any) -> str:
+    """What check_counts says of ``body`` ('' when it passes), with or without the bounds."""
+    with monkeypatch.context() as m:
+        if not bounds:
+            m.setattr(outline, "within_bounds", lambda *_: False)
+        try:
+            outline.check_counts(body, "json", {"rollouts": _at_most(limit)}, widest)
+        except ValidationFailed as exc:
+            return str(exc)
+    return ""
+
+
+def _nested(depth: int) -> Any:
+    doc: Any = []
+    for _ in range(depth - 2):
+        doc = [doc]
+    return {"rollouts": [], "m": doc}
+
+
+BOUNDS_CASES = [
+    ({"rollouts": [{"a": 1}] * 5}, 5, 64),  # the rule's own limit: just met
+    ({"rollouts": [{"a": 1}] * 6}, 5, 64),  # one beyond it
+    ({"rollouts": [], "x": list(range(64))}, 100, 64),  # the widest list: just met
+    ({"rollouts": [], "x": list(range(65))}, 100, 64),  # one beyond it
+    (_nested(outline.MAX_DEPTH), 100, 64),  # the deepest nesting: just met
+    (_nested(outline.MAX_DEPTH + 1), 100, 64),  # one deeper
+    ({"rollouts": [{"m": "[[[[{{{{,,,,"}] * 3}, 3, 64),  # brackets and commas in strings
+    ({"rollouts": [{"s": "]" * 70}]}, 3, 64),
+]
+
+
+@pytest.mark.parametrize(("doc", "limit", "widest"), BOUNDS_CASES)
+def test_the_bounds_never_change_a_verdict(doc, limit, widest, monkeypatch):
+    """With or without the byte counts that can make the outline needless, every body gets the
+    same answer: each rule met or broken alike, at its limit and one beyond."""
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    with_bounds = _verdict(body, limit, widest, bounds=True, monkeypatch=monkeypatch)
+    without = _verdict(body, limit, widest, bounds=False, monkeypatch=monkeypatch)
+    assert with_bounds == without
+
+
+def test_the_bounds_hold_only_where_no_rule_can_break(monkeypatch):
+    small = json.dumps({"rollouts": [{"a": [1, 2]}]}).encode()
+    assert outline.within_bounds(small, {"rollouts": _at_most(2)}, 64)
+    assert not outline.within_bounds(small, {"rollouts": _at_most(1)}, 64)  # 1 comma: 2 items
+    assert not outline.within_bounds(small, {}, 1)  # the widest list
+    deep = json.dumps(_nested(outline.MAX_DEPTH + 1)).encode()
+    assert not outline.within_bounds(deep, {}, 64)
+
+
+@pytest.mark.one_node
+async def test_a_one_rollout_ingest_is_not_outlined_and_a_deep_one_still_is(api, monkeypatch):
+    """The bounds spare a one-rollout body (1,024 tokens) its outline; one whose metadata nests
+    deeper than the limit is outlined and refused as before."""
+    counted = []
+    real = outline.json_outline
+    monkeypatch.setattr(outline, "json_outline", lambda body: counted.append(1) or real(body))
+    await make_run(api, "r")
+    resp = await api.post("/v1/runs/r/rollouts", json={"rollouts": [rollout("a", tokens=1024)]})
+    assert resp.status_code == 202, resp.text
+    assert counted == []
+    deep = rollout("b") | {"metadata": _nested(outline.MAX_DEPTH + 1)["m"]}
+    resp = await api.post("/v1/runs/r/rollouts", json={"rollouts": [deep]})
+    assert "deeper than 64" in assert_error(resp, 422, "ValidationFailed")
+    assert counted == [1]

@@ -46,7 +46,7 @@ async def test_a_server_without_the_library_is_given_it_and_answers(redis, prefi
     function = LIBRARY.functions["policy_view"].replace(LIBRARY.name, name)
     assert await masters_with(redis, name) == [False] * len(await masters_with(redis, name))
     script_keys = keys.script_keys(prefix, "r")
-    reply = await call(redis, function, code, script_keys, [keys.wake_channel(prefix), "", 0])
+    reply = await call(redis, function, code, script_keys, [keys.wake_channel(prefix, "r"), "", 0])
     with pytest.raises(StoreError) as refused:  # the script ran: it found no run
         decode("policy_view", reply)
     assert refused.value.code == "run_missing"

@@ -98,16 +98,18 @@ async def test_a_crash_right_after_the_create_script_leaves_a_run_that_is_swept_
     """The window before: the create script ran, the index write after it never did; the run
     took rollouts and leases, and neither worker ever visited it."""
     store = broker.store
-    real = store._scripts["create_run"]
+    real = store._script
 
-    async def run_then_crash(*args: Any, **kw: Any) -> Any:
-        await real(*args, **kw)
-        raise ConnectionError("the API process died here")
+    async def run_then_crash(name: str, *args: Any) -> Any:
+        reply = await real(name, *args)
+        if name == "create_run":
+            raise ConnectionError("the API process died here")
+        return reply
 
-    store._scripts["create_run"] = run_then_crash  # type: ignore[assignment]
+    store._script = run_then_crash  # type: ignore[method-assign]
     with pytest.raises(ConnectionError):
         await store.create_run("r", RunConfig(lease_timeout_s=0.05))
-    store._scripts["create_run"] = real
+    del store._script  # the class's own again
 
     assert (await store.ingest("r", [packed("a")])).accepted == 1
     assert isinstance(await lease(store, "r"), Lease)
@@ -124,7 +126,7 @@ async def test_a_crash_at_any_step_of_creation_leaves_no_run_outside_the_active_
 ):
     store = broker.store
     died = ConnectionError("the API process died here")
-    real_activate, real_script = store.activate, store._scripts["create_run"]
+    real_activate, real_script = store.activate, store._script
 
     async def activate_then_die(run_id: str, floor: int = 0) -> int:
         if crash_after == "run index":
@@ -132,18 +134,19 @@ async def test_a_crash_at_any_step_of_creation_leaves_no_run_outside_the_active_
         await real_activate(run_id, floor)
         raise died
 
-    async def script_then_die(*args: Any, **kw: Any) -> Any:
-        await real_script(*args, **kw)
-        raise died
+    async def script_then_die(name: str, *args: Any) -> Any:
+        reply = await real_script(name, *args)
+        if name == "create_run":
+            raise died
+        return reply
 
     if crash_after == "create script":
-        store._scripts["create_run"] = script_then_die  # type: ignore[assignment]
+        monkeypatch.setattr(store, "_script", script_then_die)
     else:
         monkeypatch.setattr(store, "activate", activate_then_die)
     with pytest.raises(ConnectionError):
         await store.create_run("r", RunConfig())
     monkeypatch.undo()
-    store._scripts["create_run"] = real_script
 
     exists = await store.get_run("r") is not None
     assert exists == (crash_after == "create script")
