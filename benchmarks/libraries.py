@@ -11,7 +11,8 @@ against what the broker uses today, on the same bytes and the same machine:
 
 The codec pairs run interleaved, a few rounds, and keep each side's best time per call; the
 servers run interleaved twice and keep each side's best rate and best CPU per request. Nothing
-of the broker runs but its own functions, called directly: no Redis.
+of the broker runs but its own functions, called directly (no Redis), in this process with
+glibc's allocator set as the broker's API process sets it.
 
 Run: ``python -m benchmarks.libraries`` (about 2 minutes), ``--quick`` for tiny sizes (about
 20 s). Needs ``msgspec``, ``ormsgpack`` and ``granian`` installed (none is a dependency of the
@@ -33,6 +34,7 @@ from typing import Any
 
 import ormsgpack
 
+from app import allocator
 from benchmarks import lib_codecs as codecs
 from benchmarks.lib_http import SERVERS, Served, app_server, drive
 from benchmarks.payloads import TOKENS
@@ -210,6 +212,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds each")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
+    # glibc as the broker's API process sets it (app/main.py): a buffer of megabytes comes from
+    # the heap, not from a fresh mmap touched page by page on every call.
+    allocator.keep_freed_pages(codecs.SETTINGS.keep_freed_bytes)
     meter = CpuMeter([])  # the servers are this process's children: counted once stopped
     meter.start()
     t0 = time.monotonic()
