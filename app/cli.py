@@ -194,6 +194,7 @@ def serve(
     if with_workers:
         settings = settings.model_copy(update={"workers_in_process": True})
     try:
+        _refuse_old_redis(settings)
         if migrate:
             assert settings.database_url is not None
             _upgrade(settings.database_url)
@@ -210,6 +211,24 @@ def serve(
     finally:
         if services is not None:
             services.stop()  # type: ignore[attr-defined]
+
+
+def _refuse_old_redis(settings: Settings) -> None:
+    """A Redis older than 7.0 ends the command with its one line, before any migration or API
+    process (each API process's start would refuse it too, with a traceback)."""
+    from app.wiring import RedisTooOldError, check_redis_version, redis_client
+
+    async def check() -> None:
+        client = redis_client(settings)
+        try:
+            await check_redis_version(client, settings)
+        finally:
+            await client.aclose()
+
+    try:
+        asyncio.run(check())
+    except RedisTooOldError as exc:
+        raise _fail(str(exc)) from None
 
 
 def _serve_processes(settings: Settings, host: str, port: int, processes: int) -> None:
@@ -350,6 +369,7 @@ def worker(
 ) -> None:
     """Run the background workers only (lease expiry, group timeouts, accounting drain) until
     SIGTERM or SIGINT."""
+    from app.wiring import RedisTooOldError
     from workers.runner import run_workers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -373,7 +393,11 @@ def worker(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await run_workers(settings, stop)
+        try:
+            await run_workers(settings, stop)
+        except RedisTooOldError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            return 1
         return 0
 
     code = asyncio.run(main())

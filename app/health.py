@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 from redis.asyncio import Redis
@@ -14,6 +14,7 @@ from redis.asyncio.cluster import RedisCluster
 from app import keys
 from app.api import errors, render
 from app.errors import write_refusal_of
+from app.wiring import RedisTooOldError, check_redis_version
 
 router = APIRouter(tags=["health"])
 
@@ -38,9 +39,9 @@ async def healthz() -> Response:
     responses=errors(
         (
             503,
-            "Redis or Postgres is unreachable, Redis refuses writes, a Redis master has fewer "
-            "replicas than BROKER_REDIS_WAIT_REPLICAS, Postgres is not migrated, or no background "
-            "worker has drained the accounting within the last minute",
+            "Redis or Postgres is unreachable, Redis refuses writes or is older than 7.0, a "
+            "Redis master has fewer replicas than BROKER_REDIS_WAIT_REPLICAS, Postgres is not "
+            "migrated, or no background worker has drained the accounting within the last minute",
         )
     ),
 )
@@ -49,6 +50,8 @@ async def readyz(request: Request) -> Response:
     checks: dict[str, Any] = {
         "redis": await redis_check(request.app.state.redis, settings.redis_prefix)
     }
+    if checks["redis"] == "ok" and not request.app.state.redis_version_known:
+        checks["redis"] = await version_check(request.app)
     if settings.redis_wait_replicas and checks["redis"] == "ok":
         checks["replicas"] = await replicas_check(
             request.app.state.redis, settings.redis_wait_replicas
@@ -77,6 +80,18 @@ async def redis_check(redis: Redis | RedisCluster, prefix: str) -> str:
             if refused is not None:
                 return f"refuses writes: {refused}"
             return f"unreachable: {type(outcome).__name__}"
+    return "ok"
+
+
+async def version_check(app: FastAPI) -> str:
+    """``"ok"`` unless Redis is older than 7.0. Asked only while the version is not known: when
+    Redis could not be asked at the app's start (the start asked one that answered)."""
+    try:
+        app.state.redis_version_known = await check_redis_version(
+            app.state.redis, app.state.settings
+        )
+    except RedisTooOldError as exc:
+        return f"not supported: {exc}"
     return "ok"
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "run_base",
     "run_key",
     "run_of_wake",
+    "run_of_wake_channel",
     "run_tag",
     "runs_key",
     "script_keys",
@@ -109,6 +110,12 @@ OUTBOX = "audit"
 # before it runs (TRYAGAIN or ASK), instead of failing half-way on a key already moved.
 GUARD = "guard"
 
+# Shard channel (SSUBSCRIBE/SPUBLISH, Redis 7), not a key: the run's wake-ups (see WORK_WAKE
+# below), in the run's slot, so that on a Redis Cluster a wake-up stays on the node holding the
+# run. Each API process subscribes to it while one of its requests long-polls the run
+# (app/broker/notify.py). The scripts are given it as ARGV[1] (RedisStore._script).
+WAKE = "wake"
+
 # Written only by app/replicas.py, never by a script: a string with a 1 s TTL whose SET is the
 # barrier before WAIT (BROKER_REDIS_WAIT_REPLICAS), a write of the run's slot that always
 # propagates. It may outlive its run by that second.
@@ -144,12 +151,11 @@ DRAIN_CONSUMERS = "drain:consumers"  # zset: every accounting drain consumer by 
 # (OUTBOX); the audit worker loop still moves what is left of it into Postgres
 AUDIT = "audit"
 TOKENS = "tokens"  # pub/sub channel: the id of a revoked token, for every process's cache
-WAKE = "wake"  # pub/sub channel: "units became ready in a run" for long-polling trainers
-# A wake-up names its run by the run's tag (see run_tag), followed by what woke up: nothing for
-# trainers (units became ready), WORK_WAKE for generators (prompts or staleness budget),
-# POLICY_WAKE for followers of the policy version (it moved), REWARD_WAKE for reward workers
-# (units came to await a reward lease), CONSUMER_WAKE for consumers' readers (items were
-# delivered; the scripts spell it CON.WAKE).
+# A wake-up (on the run's channel, WAKE) names its run by the run's tag (see run_tag), followed by
+# what woke up: nothing for trainers (units became ready), WORK_WAKE for generators (prompts or
+# staleness budget), POLICY_WAKE for followers of the policy version (it moved), REWARD_WAKE for
+# reward workers (units came to await a reward lease), CONSUMER_WAKE for consumers' readers (items
+# were delivered; the scripts spell it CON.WAKE).
 WORK_WAKE = "work"
 POLICY_WAKE = "policy"
 REWARD_WAKE = "reward"
@@ -291,8 +297,9 @@ def drain_consumers_key(prefix: str) -> str:
     return f"{prefix}:{DRAIN_CONSUMERS}"
 
 
-def wake_channel(prefix: str) -> str:
-    return f"{prefix}:{WAKE}"
+def wake_channel(prefix: str, run_id: str) -> str:
+    """The run's shard channel of wake-ups (:data:`WAKE`), in the slot of its keys."""
+    return run_key(prefix, run_id, WAKE)
 
 
 def work_wake(prefix: str, run_id: str) -> str:
@@ -306,7 +313,7 @@ def every_key(prefix: str) -> str:
 
 
 def run_tag(prefix: str, run_id: str) -> str:
-    """``<prefix>:{<run_id>}``: what the scripts publish on the wake channel (``TAG``)."""
+    """``<prefix>:{<run_id>}``: what the scripts publish on the run's wake channel (``TAG``)."""
     return run_base(prefix, run_id)[:-1]
 
 
@@ -315,6 +322,11 @@ def run_of_wake(prefix: str, message: str) -> tuple[str, str]:
     the run's tag (:func:`run_tag`), then the kind. Run ids hold no '}'."""
     run_id, _, kind = message[len(prefix) + 2 :].rpartition("}")
     return run_id, kind
+
+
+def run_of_wake_channel(prefix: str, channel: str) -> str:
+    """The run id of a run's wake channel (:func:`wake_channel`)."""
+    return channel[len(prefix) + 2 : -len(WAKE) - 2]
 
 
 _LUA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")

@@ -30,7 +30,13 @@ from app.broker import endpoints as broker_endpoints
 from app.broker.endpoints import openapi as broker_openapi
 from app.db import create_sessionmaker, schema_at_head
 from app.settings import Settings
-from app.wiring import broker_for, database_engine, redis_client
+from app.wiring import (
+    RedisTooOldError,
+    broker_for,
+    check_redis_version,
+    database_engine,
+    redis_client,
+)
 
 Background = Callable[[Settings, asyncio.Event], Coroutine[Any, Any, None]]
 """Work run beside the API for the app's lifetime, until the event is set (the workers)."""
@@ -102,6 +108,11 @@ def _lifespan(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redis = redis_client(settings)
+        try:  # a Redis older than 7.0 ends the start; one that is down is asked by /readyz
+            app.state.redis_version_known = await check_redis_version(redis, settings)
+        except RedisTooOldError:
+            await redis.aclose()
+            raise
         broker = broker_for(redis, settings)
         await broker.waker.start()
         app.state.settings = settings

@@ -4,11 +4,14 @@ built here from :class:`~app.settings.Settings`. ``workers/`` imports from here;
 
 from __future__ import annotations
 
+import asyncio
+import re
 from typing import cast
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.exceptions import RedisClusterException, RedisError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.broker.notify import Waker
@@ -19,7 +22,16 @@ from app.db import create_engine
 from app.replicas import Replicas
 from app.settings import Settings
 
-__all__ = ["broker_for", "cluster_client", "database_engine", "redis_client", "replicas_for"]
+__all__ = [
+    "MIN_REDIS_VERSION",
+    "RedisTooOldError",
+    "broker_for",
+    "check_redis_version",
+    "cluster_client",
+    "database_engine",
+    "redis_client",
+    "replicas_for",
+]
 
 _TIMEOUT_S: float = Settings.model_fields["redis_timeout_s"].default
 
@@ -63,6 +75,48 @@ def cluster_client(url: str, *, timeout_s: float = _TIMEOUT_S) -> RedisCluster:
     )
 
 
+MIN_REDIS_VERSION = (7, 0)
+"""The oldest Redis the broker runs on; every Valkey from 7.2 on reports a redis_version of 7.2."""
+
+
+class RedisTooOldError(RuntimeError):
+    """A Redis that answered is older than :data:`MIN_REDIS_VERSION`."""
+
+
+async def check_redis_version(redis: Redis | RedisCluster, settings: Settings) -> bool:
+    """Refuse a Redis older than 7.0 (on a cluster, any node): :class:`RedisTooOldError`,
+    naming where it is, its version and the one needed. True once every node told its version
+    (``INFO server``); False when that could not be asked (Redis down, or INFO refused): the
+    caller may go on, and ask again later."""
+    try:
+        async with asyncio.timeout(settings.redis_timeout_s):
+            if isinstance(redis, RedisCluster):
+                infos = await redis.info("server", target_nodes=RedisCluster.ALL_NODES)
+                nodes = {"": infos} if "redis_version" in infos else infos  # one node: as is
+            else:
+                nodes = {"": await redis.info("server")}
+    except (RedisError, RedisClusterException, OSError, TimeoutError):
+        return False
+    for node, info in nodes.items():
+        found = re.match(r"(\d+)\.(\d+)", str(info.get("redis_version", "")))
+        if found and (int(found[1]), int(found[2])) < MIN_REDIS_VERSION:
+            valkey = f"Valkey {info['valkey_version']}, " if "valkey_version" in info else ""
+            raise RedisTooOldError(
+                f"the Redis at {node or _where(settings.redis_url or '')} is too old: "
+                f"{valkey}redis_version {info['redis_version']}; the broker needs Redis 7.0 or "
+                "later (or Valkey 7.2 or later)"
+            )
+    return True
+
+
+def _where(url: str) -> str:
+    """A Redis URL's host and port, or its socket's path; never its credentials."""
+    where = urlsplit(url.split(",")[0])
+    if where.scheme == "unix":
+        return unquote(where.path)
+    return f"{where.hostname}:{where.port or 6379}"
+
+
 def _host_port(part: str) -> tuple[str, int]:
     where = urlsplit(part if "//" in part else f"//{part}")
     if not where.hostname:
@@ -75,7 +129,7 @@ def broker_for(redis: Redis, settings: Settings) -> Broker:
     store = RedisStore(redis, settings.redis_prefix, replicas_for(redis, settings))
     return Broker(
         store,
-        Waker(redis, store.wake_channel, settings.redis_prefix, settings.wake_fallback_s),
+        Waker(redis, settings.redis_prefix, settings.wake_fallback_s),
         max_tokens_per_rollout=settings.max_tokens_per_rollout,
         max_rollouts_per_request=settings.max_rollouts_per_request,
         max_batch_size=settings.max_batch_size,

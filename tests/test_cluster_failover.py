@@ -55,16 +55,23 @@ import numpy as np
 import pytest
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException
 from rollout_broker_client import AsyncBrokerClient, BatchSettled, BrokerError, InternalError, Retry
 
 from app import keys
+from app.broker.config import RunConfig
+from app.broker.notify import Waker
+from app.broker.store import RedisStore
 from app.events import (
     Event,
     StreamId,
     decode_entry,
 )
 from app.wiring import cluster_client
+from tests.broker.test_store import packed
 from tests.processes import ApiProcess, RedisClusterServers
 from tests.traffic import GROUP, Replay, brokers, group_of
 
@@ -506,4 +513,67 @@ async def test_master_failover_loses_at_most_the_unreplicated_writes(
         await asyncio.gather(*stops, return_exceptions=True)
         if admin is not None:
             await admin.aclose()
+        await asyncio.to_thread(servers.kill)
+
+
+async def test_a_waiter_is_told_to_recheck_when_its_runs_master_fails_over(tmp_path: Path) -> None:
+    """A run's waiter in an API process (its run's shard channel subscribed on the master of
+    the run's slot) when that master is SIGKILLed: once the replica took over, the waiter is
+    woken to re-check by itself (a wake-up may have been lost meanwhile), not only at the
+    fallback re-check (an hour here), and the run's subscription has followed the slot to the
+    new master, where the next wake-up reaches it."""
+    servers = RedisClusterServers(tmp_path / "cluster", 3, replicas=1)
+    client: RedisCluster | None = None
+    waker: Waker | None = None
+    prefix, run = "failover-wake", "wake-run"
+    try:
+        await asyncio.to_thread(servers.start)
+        client = cast(RedisCluster, cluster_client(servers.seeds))
+        store = RedisStore(cast(Redis, client), prefix)
+        waker = Waker(cast(Redis, client), prefix, fallback_s=3600)
+        await waker.start()
+        await store.create_run(run, RunConfig())
+        # What a long-polling lease does first: it finds nothing and says it will wait.
+        got = await store.lease(
+            run, batch_id="b0", size=1, policy_version=None, partial=False, trainer_id=None,
+            wait_ms=600_000,
+        )  # fmt: skip
+        assert got == 0
+        await asyncio.to_thread(wait_replicas_in_sync, servers)
+        channel = keys.wake_channel(prefix, run)
+        victim, replicas = slot_owner(servers.ports[0], key_slot(channel.encode()))
+        heir = replicas[0]
+        survivor = next(p for p in servers.ports if p not in (victim, heir))
+        with waker.line(run) as ticket:
+            await waker.listening(ticket)
+            with SyncRedis(port=victim) as v:
+                assert v.execute_command("PUBSUB", "SHARDNUMSUB", channel)[1] == 1
+            await asyncio.to_thread(servers.kill_node, victim)
+            t_kill = time.monotonic()
+            while slot_owner(survivor, key_slot(channel.encode()))[0] != heir:
+                assert time.monotonic() < t_kill + 20, "the replica was not promoted"
+                await asyncio.sleep(0.05)
+            await asyncio.wait_for(ticket.event.wait(), timeout=30)
+            told_s = time.monotonic() - t_kill
+            waker.trying(ticket)
+            with SyncRedis(port=heir) as h:
+                while h.execute_command("PUBSUB", "SHARDNUMSUB", channel)[1] != 1:
+                    assert time.monotonic() < t_kill + 30, "not subscribed on the new master"
+                    await asyncio.sleep(0.05)
+            moved_s = time.monotonic() - t_kill
+            while True:  # the client's first command may still meet the dead master
+                try:
+                    await store.ingest(run, [packed("a")])
+                    break
+                except (RedisConnectionError, RedisClusterException, OSError):
+                    assert time.monotonic() < t_kill + 40, "ingest never succeeded"
+                    await asyncio.sleep(0.1)
+            await asyncio.wait_for(ticket.event.wait(), timeout=10)
+        print(f"\nwaiter told to re-check {told_s:.1f} s after the kill, subscribed on the new "
+              f"master {moved_s:.1f} s after")  # fmt: skip
+    finally:
+        if waker is not None:
+            await waker.stop()
+        if client is not None:
+            await client.aclose()
         await asyncio.to_thread(servers.kill)

@@ -24,6 +24,7 @@ from app.embedded import (
     default_data_dir,
     start_embedded,
 )
+from tests.processes import RedisServer, redis_62_server
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -204,3 +205,47 @@ def test_default_data_dir() -> None:
     path = default_data_dir()
     assert path.name == "rollout-broker"
     assert path.is_absolute()
+
+
+@pytest.mark.slow
+async def test_a_data_dir_of_the_redis_62_era_keeps_its_keys(tmp_path: Path) -> None:
+    """An embedded Redis data directory written before Redis 7 holds one ``appendonly.aof``;
+    the embedded Redis of today takes it over as the base of its multi-part AOF, every key
+    kept, and keeps them across its next restart too."""
+    data_dir = tmp_path / "data"
+    (data_dir / "redis").mkdir(parents=True)
+    old = RedisServer(data_dir / "redis", binary=redis_62_server())
+    await old.start()
+    client = aioredis.Redis(port=old.port)
+    try:
+        assert (await client.info("server"))["redis_version"].startswith("6.2.")
+        await _write_kept_keys(client)
+    finally:
+        await client.aclose()
+    await old.shutdown()
+    assert (data_dir / "redis" / "appendonly.aof").is_file()
+
+    for _ in range(2):  # the upgrade, then a start from the multi-part AOF it wrote
+        with start_embedded(data_dir) as services:
+            client = aioredis.from_url(services.redis_url)
+            try:
+                assert int((await client.info("server"))["redis_version"].split(".")[0]) >= 7
+                await _check_kept_keys(client)
+            finally:
+                await client.aclose()
+        assert (data_dir / "redis" / "appendonlydir").is_dir()
+
+
+async def _write_kept_keys(client: aioredis.Redis) -> None:
+    await client.set("rb:kept", b"\x00\xffbytes")
+    await client.hset("rb:hash", mapping={"a": "1", "b": "2"})
+    await client.xadd("rb:stream", {"d": "event"}, id="5-1")
+    await client.xgroup_create("rb:stream", "drain", id="0")
+
+
+async def _check_kept_keys(client: aioredis.Redis) -> None:
+    assert await client.get("rb:kept") == b"\x00\xffbytes"
+    assert await client.hgetall("rb:hash") == {b"a": b"1", b"b": b"2"}
+    assert [entry_id for entry_id, _ in await client.xrange("rb:stream")] == [b"5-1"]
+    groups = await client.xinfo_groups("rb:stream")
+    assert [group["name"] for group in groups] == [b"drain"]

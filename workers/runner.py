@@ -10,7 +10,13 @@ import contextlib
 from app.accounting.drain import DrainOptions
 from app.db import create_sessionmaker
 from app.settings import Settings
-from app.wiring import broker_for, database_engine, redis_client
+from app.wiring import (
+    RedisTooOldError,
+    broker_for,
+    check_redis_version,
+    database_engine,
+    redis_client,
+)
 from workers.audit import run_audit
 from workers.drain import DrainContext, run_drain
 from workers.heartbeat import Heartbeat
@@ -20,8 +26,14 @@ __all__ = ["run_workers"]
 
 
 async def run_workers(settings: Settings, stop: asyncio.Event) -> None:
-    """Run every worker until ``stop`` is set, each on connections of its own."""
+    """Run every worker until ``stop`` is set, each on connections of its own; raises
+    :class:`~app.wiring.RedisTooOldError` at once on a Redis older than 7.0."""
     redis = redis_client(settings)
+    try:  # a Redis older than 7.0 ends the workers; one that is down is waited out as any outage
+        await check_redis_version(redis, settings)
+    except RedisTooOldError:
+        await redis.aclose()
+        raise
     # The drain blocks on XREADGROUP: a client of its own keeps that off the sweep's pool.
     drain_redis = redis_client(settings)
     engine = database_engine(settings)

@@ -1,12 +1,23 @@
-"""Wake-ups for long-polling trainers and generators: one Redis pub/sub subscription per process.
+"""Wake-ups for long-polling trainers, generators, version followers, reward workers and
+consumers' readers: Redis 7 sharded pub/sub, one shard channel per run.
 
-The scripts PUBLISH a run's tag (see app/keys.py) on the wake channel whenever units
-become ready (ingest, nack, expiry, an ack that returns units), the tag followed by
-``keys.WORK_WAKE`` when prompts or staleness budget became available to generators, and followed
-by ``keys.POLICY_WAKE`` when the policy version moved (it wakes every follower of it). Waiters
-join their run's line *before* they try, so a wake-up that lands between the try and the wait
-is never lost, and a wake-up reaches one waiter at a time (:class:`Waker`). Pub/sub is
-fire-and-forget, so waiters also re-check at a slow fallback interval (not a tight loop).
+The scripts SPUBLISH a run's tag (see app/keys.py) on the run's own channel
+(``keys.wake_channel``, ``<prefix>:{<run_id>}:wake``, in the slot of the run's keys)
+whenever units become ready (ingest, nack, expiry, an ack that returns units), the tag followed
+by ``keys.WORK_WAKE`` when prompts or staleness budget became available to generators, and
+followed by ``keys.POLICY_WAKE`` when the policy version moved (it wakes every follower of it);
+``keys.REWARD_WAKE`` and ``keys.CONSUMER_WAKE`` likewise. On a Redis Cluster a wake-up thus stays
+on the node that holds the run instead of crossing the cluster bus to every node, and reaches
+only the API processes where one of the run's requests waits: a process subscribes (SSUBSCRIBE)
+to a run's channel when the first of its requests joins the run's line, and unsubscribes
+:data:`LINGER_S` after the last one left (:class:`app.pubsub.ShardSubscriptions`).
+
+Waiters join their run's line, and the run's subscription is confirmed, *before* they try, so a
+wake-up that lands between the try and the wait is never lost, and a wake-up reaches one waiter
+at a time (:class:`Waker`). Pub/sub is fire-and-forget, so waiters also re-check at a slow
+fallback interval (not a tight loop), and a subscription that was lost, or made again by itself
+(a dropped connection; on a cluster, the run's slot moving to another master after a failover
+or a reshard), wakes the waiters it concerns to re-check at once.
 """
 
 from __future__ import annotations
@@ -22,11 +33,17 @@ from typing import TypeVar
 from redis.asyncio import Redis
 
 from app import keys
-from app.pubsub import Subscription
+from app.pubsub import READY_TIMEOUT_S, ShardSubscriptions
 
 log = logging.getLogger(__name__)
 
 FALLBACK_RECHECK_S = 1.0
+# How long a run's channel stays subscribed after its last waiter in this process left. A
+# trainer's or generator's next long poll usually follows its last within this (lease, work,
+# ack, lease again), and a waiter whose run is still subscribed tries at once, where one whose
+# run is not waits a round trip for SSUBSCRIBE first; a subscription held by nobody costs only
+# the messages no one waits for, which the scripts send only while someone long-polls the run.
+LINGER_S = 5.0
 
 # Kinds whose wake-up reaches every waiter of the run at once: each waits for its own answer
 # (a version other than the one it has; the items of its own consumer), which one waiter's try
@@ -57,45 +74,68 @@ class Waker:
     """
 
     def __init__(
-        self, redis: Redis, channel: str, prefix: str, fallback_s: float = FALLBACK_RECHECK_S
+        self,
+        redis: Redis,
+        prefix: str,
+        fallback_s: float = FALLBACK_RECHECK_S,
+        linger_s: float = LINGER_S,
     ) -> None:
-        self._redis = redis
         self._fallback_s = fallback_s
-        self._channel = channel
         self._prefix = prefix
         self._lines: dict[tuple[str, str], list[Ticket]] = {}
-        # Waiters fall back to re-checking while it is down.
-        self._subscription = Subscription(
+        self._subscriptions = ShardSubscriptions(
             redis,
-            channel,
-            lambda base: self.wake(*keys.run_of_wake(prefix, base)),
+            lambda message: self.wake(*keys.run_of_wake(prefix, message)),
+            on_again=lambda channel: self._recheck(keys.run_of_wake_channel(prefix, channel)),
+            on_lost=self._recheck,
+            linger_s=linger_s,
             name="broker-waker",
         )
 
     async def start(self) -> None:
-        # Subscribed before the first request is served, so no early wake-up is missed.
-        await self._subscription.start()
+        await self._subscriptions.start()
 
     async def stop(self) -> None:
-        await self._subscription.stop()
+        await self._subscriptions.stop()
+
+    def subscribed(self) -> set[str]:
+        """The run ids whose wake-ups this process listens to."""
+        return {keys.run_of_wake_channel(self._prefix, c) for c in self._subscriptions.channels()}
 
     @contextlib.contextmanager
-    def line(self, run_id: str, kind: str = "", size: int = 1) -> Iterator[Ticket]:
+    def line(
+        self, run_id: str, kind: str = "", size: int = 1, *, listen: bool = True
+    ) -> Iterator[Ticket]:
         """A place in the run's line for ``kind`` ('' for trainers, ``keys.WORK_WAKE`` for
-        generators) asking for ``size``; join it *before* the first try, so a wake-up that lands
-        between a try and the wait is never lost. Leaving passes on a wake-up this waiter got
-        but did not use."""
+        generators) asking for ``size``; join it, and await :meth:`listening`, *before* the
+        first try, so a wake-up that lands between a try and the wait is never lost. Leaving
+        passes on a wake-up this waiter got but did not use. A waiter that will not wait
+        (``listen`` false) does not subscribe to the run's wake-ups."""
         ticket = Ticket((run_id, kind), size)
         self._lines.setdefault(ticket.key, []).append(ticket)
+        channel = keys.wake_channel(self._prefix, run_id)
+        if listen:
+            self._subscriptions.hold(channel)
         try:
             yield ticket
         finally:
+            if listen:
+                self._subscriptions.release(channel)
             line = self._lines.get(ticket.key, [])
             line.remove(ticket)
             if not line:
                 self._lines.pop(ticket.key, None)
             if ticket.event.is_set():
                 self._wake_next(ticket.key)
+
+    async def listening(self, ticket: Ticket, at_most_s: float = READY_TIMEOUT_S) -> None:
+        """Returns once the wake-ups of the ticket's run reach this process (its channel's
+        subscription is confirmed: at once if it already was), or after ``at_most_s`` (and
+        never later than a fallback re-check would come), or at once while the subscriptions
+        are down (the waiter re-checks meanwhile)."""
+        channel = keys.wake_channel(self._prefix, ticket.key[0])
+        limit = min(at_most_s, self._fallback_s, READY_TIMEOUT_S)
+        await self._subscriptions.ready(channel, limit)
 
     def waiting(self, run_id: str, kind: str = "") -> int:
         """How many requests of this process stand in the run's line."""
@@ -128,6 +168,14 @@ class Waker:
                 ticket.event.set()
             return
         self._wake_next((run_id, kind))
+
+    def _recheck(self, run_id: str | None = None) -> None:
+        """Every waiter of ``run_id`` (of every run, for None) tries again: a subscription was
+        lost or made again, so a wake-up meant for them may have been lost."""
+        for (run, _), line in self._lines.items():
+            if run_id is None or run == run_id:
+                for ticket in line:
+                    ticket.event.set()
 
     def _wake_next(self, key: tuple[str, str]) -> None:
         if key[1] in BROADCAST:
@@ -169,7 +217,9 @@ async def long_poll(
     if it knows)."""
     started = time.monotonic()
     deadline = started + max(wait_s, 0.0)
-    with waker.line(run_id, kind, size) as ticket:
+    with waker.line(run_id, kind, size, listen=wait_s > 0) as ticket:
+        if wait_s > 0:
+            await waker.listening(ticket, wait_s)
         while True:
             waker.trying(ticket)
             remaining = deadline - time.monotonic()

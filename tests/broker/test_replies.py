@@ -129,7 +129,7 @@ async def call_common(redis: Redis, prefix: str, body: str) -> object:
     """Run ``body`` after the real prologue every broker script starts with."""
     src = lua_source("-- requires: replies\n" + body)
     return await redis.register_script(src)(
-        keys=[keys.run_key(prefix, "r")], args=[keys.wake_channel(prefix)]
+        keys=[keys.run_key(prefix, "r")], args=[keys.wake_channel(prefix, "r")]
     )
 
 

