@@ -218,6 +218,22 @@ def uvicorn_server(
     cmd += ["--log-level", "warning", "--no-access-log"]
     if factory:
         cmd.append("--factory")
+    with command_server(name, cmd, port, cwd=cwd, workdir=workdir, env=env) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def command_server(
+    name: str,
+    cmd: list[str],
+    port: int,
+    *,
+    cwd: Path,
+    workdir: Path,
+    env: dict[str, str] | None = None,
+) -> Iterator[Server]:
+    """The server ``cmd`` (listening on ``port``) in a subprocess, ready when ``/healthz``
+    answers; stopped with SIGINT (killed after 10 s)."""
     log_path = workdir / f"{name}.log"
     log = open(log_path, "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
@@ -350,6 +366,19 @@ def proc_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _TCK
+
+
+def tree_cpu_s(pid: int) -> float:
+    """:func:`proc_cpu_s` of a live process and of its live descendants: a server whose
+    requests a child process serves (granian's worker under its supervisor)."""
+    total = proc_cpu_s(pid)
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with (
+            contextlib.suppress(FileNotFoundError),
+            open(f"/proc/{pid}/task/{task}/children") as f,
+        ):
+            total += sum(tree_cpu_s(int(child)) for child in f.read().split())
+    return total
 
 
 def machine_cpu_s() -> tuple[float, float]:

@@ -451,3 +451,139 @@ def test_slow_rewards_quick_run_checks_every_trained_reward_and_compares_idle_sh
         assert printed[r["measure"]][1] == _shown(r["value"], r["unit"]), r["id"]
     verdict = "PASS" if target["ok"] else "MISS"
     assert printed[rows["slow_rewards.slow.idle"]["measure"]][7].endswith(verdict)
+
+
+LIBRARIES = ("msgspec", "ormsgpack", "granian")
+LIBRARY_CASES = [
+    f"ingest {body}: {what}"
+    for body in ("JSON, 1 rollout", "msgpack, 64 rollouts", "JSON, 64 rollouts")
+    for what in (
+        "parse_body, counts + pydantic vs counts + msgspec",
+        "without counts or limits: pydantic vs msgspec decode",
+    )
+] + [
+    "lease answer, 256 rollouts: render (msgpack.Packer) vs ormsgpack.packb",
+    "lease, 256 stored rollouts read back: msgpack.unpackb vs ormsgpack.unpackb",
+    "ingest msgpack, 64 rollouts, decode: counts + unpackb with limits vs ormsgpack",
+    *(
+        f"HTTP {app} app, {clients}: {what}"
+        for app in ("trivial", "naive")
+        for clients in ("1 client", "4 clients")
+        for what in ("wall time per request", "server CPU per request")
+    ),
+]
+
+
+def _libraries_missing() -> list[str]:
+    import importlib.util
+
+    return [name for name in LIBRARIES if importlib.util.find_spec(name) is None]
+
+
+def test_libraries_benchmark_reports_every_case_with_consistent_ratios() -> None:
+    """benchmarks/libraries.py at its tiny size: every case is timed for the broker's code (or
+    uvicorn) and the candidate library (the run stops if a candidate's result differs from the
+    broker's), and each ratio is the current figure over the candidate's; a wall-time row's
+    rate is the same figure as requests per second."""
+    if missing := _libraries_missing():
+        pytest.skip(f"benchmarks.libraries needs {', '.join(missing)} (pip install)")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.libraries", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    figure = r"([\d,]+\.\d) µs(?: \(([\d,]+) r/s\))?"
+    row = re.compile(rf"\| (.+?) \| {figure} \| {figure} \| ([\d.]+) \|")
+    rows = {m[1]: m for line in proc.stdout.splitlines() if (m := row.fullmatch(line))}
+    assert list(rows) == LIBRARY_CASES, proc.stdout
+    assert "cpu load: " in proc.stdout
+    for name, m in rows.items():
+        cur, cand = float(m[2].replace(",", "")), float(m[4].replace(",", ""))
+        ratio = float(m[6])
+        assert cur > 0 and cand > 0, name
+        # Figures are printed to 0.1 µs, ratios to 0.01: what the rounding leaves open.
+        low, high = (cur - 0.05) / (cand + 0.05), (cur + 0.05) / (cand - 0.05)
+        assert low - 0.005 <= ratio <= high + 0.005, (name, cur, cand, ratio)
+        assert (m[3] is None) == (m[5] is None) == ("wall time" not in name), name
+        for us, rate in ((cur, m[3]), (cand, m[5])):
+            if rate is not None:  # to the request per second
+                r = float(rate.replace(",", ""))
+                assert 1e6 / (us + 0.05) - 0.5 <= r <= 1e6 / (us - 0.05) + 0.5, (name, us, r)
+
+
+GOOD_ROLLOUT: dict[str, Any] = {
+    "rollout_id": "r1",
+    "policy_version": 0,
+    "response_ids": [1, 2, 3],
+    "logprobs": [-0.5, -0.1, -0.25],
+    "reward": 1.0,
+}
+REFUSED = [
+    {"rollout_id": "a b"},
+    {"rollout_id": "a{b"},
+    {"rollout_id": "a\x7fb"},
+    {"rollout_id": "ab\n"},  # Python's `$` would take it; the broker's pattern does not
+    {"rollout_id": ""},
+    {"rollout_id": "x" * 257},
+    {"rollout_id": "\u200bab"},  # a zero-width space: a format character
+    {"group_id": "é é"},
+    {"generator_id": "g\x00"},
+    {"policy_version": -1},
+    {"policy_version": True},
+    {"response_ids": [1, True]},
+    {"response_ids": [1.5]},
+    {"response_ids": None},
+    {"logprobs": ["0.1"]},
+    {"versions": [[0, 1, 2]]},
+    {"versions": []},
+    {"versions": [[0, -1]]},
+    {"finish_reason": "done"},
+    {"reward": "1.0"},
+    {"reward": 1e13},
+    {"metadata": {"a": [[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]}},  # 17 levels below the top
+    {"surplus": 1},
+]
+TAKEN = [
+    {"rollout_id": "été-1"},
+    {"rollout_id": "x" * 256, "group_id": "g#0.1", "generator_id": "gen-1"},
+    {"versions": [[0, 0]], "finish_reason": "length", "metadata": {"k": [1, "x", None]}},
+    {"reward": None, "loss_mask": [1, 0, 1]},
+]
+
+
+@pytest.mark.parametrize("fmt", ["json", "msgpack"])
+def test_msgspec_structs_of_the_libraries_benchmark_refuse_what_the_broker_refuses(
+    fmt: str,
+) -> None:
+    """The msgspec Structs benchmarks/libraries.py times against the broker's parse check what
+    its pydantic models check: each rollout below is refused by both or taken by both (and
+    then packs the same), so the two parses do the same work."""
+    if "msgspec" in _libraries_missing() or "ormsgpack" in _libraries_missing():
+        pytest.skip("benchmarks.lib_codecs needs msgspec and ormsgpack (pip install)")
+    import msgpack
+    import msgspec
+    import orjson
+
+    from app.errors import ValidationFailed
+    from benchmarks import lib_codecs
+
+    encode = msgpack.packb if fmt == "msgpack" else orjson.dumps
+    refused = [*REFUSED]
+    if fmt == "msgpack":  # JSON has no NaN
+        refused += [{"reward": math.nan}, {"metadata": {"a": math.inf}}]
+    for change in refused:
+        rollout = {k: v for k, v in {**GOOD_ROLLOUT, **change}.items() if v is not None}
+        body = encode({"rollouts": [rollout]})
+        with pytest.raises(ValidationFailed):
+            lib_codecs.broker_parse(body, fmt)
+        with pytest.raises(msgspec.ValidationError):
+            lib_codecs.msgspec_parse(body, fmt)
+        with pytest.raises(msgspec.ValidationError):
+            lib_codecs.msgspec_alone(body, fmt)
+    for change in TAKEN:
+        rollout = {k: v for k, v in {**GOOD_ROLLOUT, **change}.items() if v is not None}
+        lib_codecs.same_parse(encode({"rollouts": [rollout]}), fmt, 1024)
