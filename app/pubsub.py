@@ -23,6 +23,15 @@ READY_TIMEOUT_S = 5.0
 MAX_BACKOFF_S = 5.0
 
 
+async def wait_at_most(event: asyncio.Event, seconds: float) -> None:
+    """Returns once ``event`` is set or after ``seconds``; a cancellation always propagates.
+    (Python 3.11's ``asyncio.wait_for`` returns normally when the event is set in the same
+    instant as the cancellation, which a long poll then waits out.)"""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(max(seconds, 0.0)):
+            await event.wait()
+
+
 def _nothing() -> None:
     return None
 
@@ -54,8 +63,7 @@ class Subscription:
         """Subscribe; returns once subscribed (or the first attempt failed, or after
         :data:`READY_TIMEOUT_S`), so a request served after start-up misses no message."""
         self._task = asyncio.create_task(self._listen(), name=self._name)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._ready.wait(), timeout=READY_TIMEOUT_S)
+        await wait_at_most(self._ready, READY_TIMEOUT_S)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -162,8 +170,7 @@ class ShardSubscriptions:
         """Start listening; returns once up (or the first attempt failed, or after
         :data:`READY_TIMEOUT_S`)."""
         self._task = asyncio.create_task(self._listen(), name=self._name)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._started.wait(), timeout=READY_TIMEOUT_S)
+        await wait_at_most(self._started, READY_TIMEOUT_S)
 
     async def stop(self) -> None:
         tasks = [t for t in (self._task, *self._syncs) if t is not None]
@@ -201,8 +208,7 @@ class ShardSubscriptions:
         event = self._ready.get(channel)
         if event is None or event.is_set() or not self._up:
             return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout=max(at_most_s, 0.0))
+        await wait_at_most(event, at_most_s)
 
     def _expire(self, channel: str, mark: object | None) -> None:
         if channel in self._holders or self._idle.get(channel) is not mark:

@@ -33,7 +33,7 @@ from typing import TypeVar
 from redis.asyncio import Redis
 
 from app import keys
-from app.pubsub import READY_TIMEOUT_S, ShardSubscriptions
+from app.pubsub import READY_TIMEOUT_S, ShardSubscriptions, wait_at_most
 
 log = logging.getLogger(__name__)
 
@@ -190,8 +190,7 @@ class Waker:
         return min(at_most_s, self._fallback_s)
 
     async def wait(self, ticket: Ticket, at_most_s: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ticket.event.wait(), timeout=self.wait_window(at_most_s))
+        await wait_at_most(ticket.event, self.wait_window(at_most_s))
 
 
 @dataclass(frozen=True, slots=True)

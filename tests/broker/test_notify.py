@@ -7,6 +7,7 @@ pub/sub delivers in order."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 
 from redis.asyncio import Redis
@@ -14,7 +15,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from app import keys
 from app.broker.config import RunConfig
-from app.broker.notify import Ticket, Waker
+from app.broker.notify import Ticket, Try, Waker, long_poll
 from app.broker.store import RedisStore
 from tests.broker.test_store import packed
 
@@ -338,3 +339,25 @@ async def test_a_waiter_whose_subscription_drops_is_told_to_recheck_and_woken_ag
     finally:
         await waker.stop()
         await redis.aclose()
+
+
+async def test_a_cancelled_long_poll_ends_at_once_not_after_its_wait(redis):
+    """A request cancelled while it waits for a wake-up (its client gone, the server shutting
+    down) ends with the cancellation, even when a wake-up comes in the same instant: Python
+    3.11's ``asyncio.wait_for`` returned then as if no cancellation had come, and the poll
+    tried again and waited out its ``wait_s``."""
+    waker = Waker(redis, "rb", fallback_s=60.0)
+    tried = asyncio.Event()
+
+    async def attempt(_: Try) -> tuple[None, int]:
+        tried.set()
+        return None, 0  # nothing found: the poll waits
+
+    poll = asyncio.create_task(long_poll(waker, "r", "", 1, 2.0, attempt))
+    await tried.wait()
+    await asyncio.sleep(0)  # into its wait
+    waker.wake("r")  # a wake-up that lands with the cancellation must not undo it
+    poll.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await poll
+    assert poll.cancelled()
