@@ -293,27 +293,34 @@ def test_quick_run_reports_every_row_with_consistent_ratios_and_verdicts(tmp_pat
     assert f"targets: {passed} PASS, {len(targets) - passed} MISS" in proc.stdout
 
 
+def run_benchmark(module: str, *args: str, timeout: int = 120) -> str:
+    """The output of ``python -m benchmarks.<module> *args``, which must succeed; skipped
+    without a redis-server of version 7 or later to start."""
+    if find_redis_server() is None:
+        pytest.skip(f"benchmarks.{module} needs a redis-server of version 7 or later")
+    proc = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
 def test_layout_probe_runs_every_way_and_reports_ratios_against_raw() -> None:
     """benchmarks/layout.py at its tiny size: the raw ceiling, the broker's own scripts and the
     two bucket layouts each lease and ack on a private redis-server and give everything back
     (the probe checks that before it prints), and each ratio is raw's figure over the way's."""
-    if find_redis_server() is None:
-        pytest.skip("benchmarks.layout needs a redis-server of version 7 or later")
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.layout", "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    stdout = run_benchmark("layout", "--quick")
     rows = {}
-    for line in proc.stdout.splitlines():
+    for line in stdout.splitlines():
         m = re.fullmatch(r"\| (.+?) \| ([\d,]+) µs \| ×([\d.]+) \|", line)
         if m:
             rows[m[1]] = (int(m[2].replace(",", "")), float(m[3]))
-    assert list(rows) == ["raw", "broker", "bucket sketch", "bucket zsets"], proc.stdout
+    assert list(rows) == ["raw", "broker", "bucket sketch", "bucket zsets"], stdout
     raw_us = rows["raw"][0]
     assert raw_us > 0
     for name, (us, ratio) in rows.items():
@@ -326,19 +333,9 @@ def test_layout_probe_runs_every_way_and_reports_ratios_against_raw() -> None:
 def test_functions_benchmark_compares_the_library_with_the_same_code_as_a_script() -> None:
     """benchmarks/functions.py at its tiny size: each row's FCALL and EVALSHA figures come from
     Redis's own stats (both above zero, so both ways ran), and the saving is their difference."""
-    if find_redis_server() is None:
-        pytest.skip("benchmarks.functions needs a redis-server of version 7 or later")
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.functions", "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    stdout = run_benchmark("functions", "--quick")
     row = re.compile(r"\| (.+?) \| ([\d.]+) µs \| ([\d.]+) µs \| (-?[\d.]+) µs \|")
-    rows = {m[1]: m for line in proc.stdout.splitlines() if (m := row.fullmatch(line))}
+    rows = {m[1]: m for line in stdout.splitlines() if (m := row.fullmatch(line))}
     assert list(rows) == ["policy_view", "ingest, 1 rollout", "sweep, nothing to sweep"]
     for m in rows.values():
         fcall, evalsha, saved = float(m[2]), float(m[3]), float(m[4])
@@ -355,19 +352,9 @@ def test_consumers_benchmark_reports_each_setup_against_the_plain_trainer() -> N
     """benchmarks/consumers.py at a tiny size: every setup's lease + ack is timed on a private
     Redis and a broker (each lease must hand out a full batch, or the run stops), and each
     ratio is the row's latency over its baseline's."""
-    if find_redis_server() is None:
-        pytest.skip("benchmarks.consumers needs a redis-server of version 7 or later")
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.consumers", "--rounds", "2", "--tokens", "16"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    stdout = run_benchmark("consumers", "--rounds", "2", "--tokens", "16")
     rows, redis_rows = {}, {}
-    for line in proc.stdout.splitlines():
+    for line in stdout.splitlines():
         m = re.fullmatch(
             r"\| (.+?) \| ([\d,.]+) ms \| ([\d,]+) \| ×([\d.]+) \| ([\d,]+) µs \| ×([\d.]+) \|",
             line,
@@ -382,7 +369,7 @@ def test_consumers_benchmark_reports_each_setup_against_the_plain_trainer() -> N
         "trainer, 1 consumer (all pairs)",
         "trainer, beside a reader",
         "consumer reader",
-    ], proc.stdout
+    ], stdout
     assert rows["trainer, no consumers"][1] == 1.0
     for name, (ms, ratio) in rows.items():
         base = rows[base_name(name)]
