@@ -87,9 +87,13 @@ async def test_empty_run_is_204(api):
 
 
 # The app's long polls re-check only when woken (tests/conftest.py). Each test's long poll must
-# answer before a second one, on a run that gets nothing and with half the wait, ends: it was
-# woken by the ingest's pub/sub message, not answered by its last try at the deadline.
+# answer before a second one, on a run that gets nothing and with a quarter of the wait, ends:
+# it was woken by the ingest's pub/sub message, not answered by its last try at the deadline.
+# The second one is cancelled then, but a cancellation that lands as one of its Redis commands
+# completes can be lost (redis-py sends each under asyncio.wait_for, which on Python 3.11 then
+# returns as if none had come), and the poll runs out its wait: a quarter keeps that short.
 LONG_POLL_S = 20
+IDLE_S = LONG_POLL_S / 4
 
 
 async def test_long_poll_returns_when_rollouts_arrive(api, redis, prefix):
@@ -97,7 +101,7 @@ async def test_long_poll_returns_when_rollouts_arrive(api, redis, prefix):
     await make_run(api, "idle")
     waiting = asyncio.create_task(lease(api, "r1", 2, wait_s=LONG_POLL_S))
     await until_long_polling(redis, prefix, "r1")
-    idle = asyncio.create_task(lease(api, "idle", 1, wait_s=LONG_POLL_S / 2))
+    idle = asyncio.create_task(lease(api, "idle", 1, wait_s=IDLE_S))
     assert (await post(api, "r1", rollout("a"), rollout("b"))).json()["accepted"] == 2
     resp = await answered_before(waiting, idle)
     assert resp.status_code == 200, resp.text
@@ -109,7 +113,7 @@ async def test_long_poll_waits_for_the_whole_batch(api, redis, prefix):
     await make_run(api, "idle")
     waiting = asyncio.create_task(lease(api, "r1", 2, wait_s=LONG_POLL_S))
     await until_long_polling(redis, prefix, "r1")
-    idle = asyncio.create_task(lease(api, "idle", 1, wait_s=LONG_POLL_S / 2))
+    idle = asyncio.create_task(lease(api, "idle", 1, wait_s=IDLE_S))
     await post(api, "r1", rollout("a"))
     await post(api, "r1", rollout("b"))
     resp = await answered_before(waiting, idle)
