@@ -97,6 +97,10 @@ def redis_server(workdir: Path, url: str | None = None) -> Iterator[RedisTarget]
             str(workdir),
             "--protected-mode",
             "yes",
+            # A replica attached to it (the replicas section) is synced at once, not after
+            # Redis 7's default 5 s wait for more replicas to share the sync.
+            "--repl-diskless-sync-delay",
+            "0",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,

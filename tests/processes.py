@@ -57,6 +57,14 @@ def _ephemeral_low() -> int:
     return 32768
 
 
+# A replica that attaches is sent its first sync at once: Redis 7 waits 5 s by default
+# (repl-diskless-sync-delay) for more replicas to share a diskless sync, which here only makes
+# every test that attaches one 5 s slower. And a master pings its replicas every second, not
+# every 10 s (repl-ping-replica-period): a cluster lists a replica in CLUSTER SLOTS only once
+# its replication offset has moved, which on an idle master only that ping does.
+REPLICATION = ("--repl-diskless-sync-delay", "0", "--repl-ping-replica-period", "1")
+
+
 def free_port(*, bus: bool = False) -> int:
     """A free port below the ephemeral range, and with ``bus`` one whose cluster bus port
     (+10000) is free and below it too. A port the kernel hands out to outgoing connections can
@@ -135,6 +143,7 @@ class RedisServer:
             self.binary,
             *("--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir)),
             *("--appendonly", "yes", "--appendfsync", "always", "--save", ""),
+            *REPLICATION,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL,
         )
@@ -331,6 +340,7 @@ class RedisClusterServers:
                 *("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"),
                 *("--cluster-node-timeout", "1000", "--save", ""),
                 *(persistence or ("--appendonly", "no")),
+                *REPLICATION,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
