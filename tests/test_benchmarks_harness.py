@@ -343,6 +343,34 @@ def test_functions_benchmark_compares_the_library_with_the_same_code_as_a_script
         assert abs(evalsha - fcall - saved) <= 0.11, m[0]
 
 
+FEATURES = ["plain", "loss masks", "per-token versions", "rewards pending", "a consumer"]
+
+
+def test_features_benchmark_reports_each_feature_against_the_plain_run() -> None:
+    """benchmarks/features.py at a tiny size: every run's lease + ack (the ack measuring every
+    rollout's logprobs) is timed on a private Redis and a broker, each lease must hand out a
+    full batch (or the run stops), each ratio is the row's figure over the plain run's, and a
+    feature passes when both its ratios are at most 1.03."""
+    stdout = run_benchmark("features", "--rounds", "2", "--tokens", "16")
+    row = re.compile(
+        r"\| (.+?) \| ([\d,.]+) ms \| ×([\d.]+) \| ([\d,]+) µs \| ×([\d.]+) \| (\w*) \|"
+    )
+    rows = {m[1]: m for line in stdout.splitlines() if (m := row.fullmatch(line))}
+    assert list(rows) == FEATURES, stdout
+    plain_ms = float(rows["plain"][2].replace(",", ""))
+    plain_us = int(rows["plain"][4].replace(",", ""))
+    for name, m in rows.items():
+        ms, us = float(m[2].replace(",", "")), int(m[4].replace(",", ""))
+        assert ms > 0 and us > 0, name
+        # Figures are printed to 0.1 ms and 1 µs, ratios to 0.01: what the rounding leaves open.
+        for shown, x, base, half in ((m[3], ms, plain_ms, 0.05), (m[5], us, plain_us, 0.5)):
+            low, high = (x - half) / (base + half), (x + half) / (base - half)
+            assert low - 0.005 <= float(shown) <= high + 0.005, (name, shown)
+        worst = max(float(m[3]), float(m[5]))  # the latency's and Redis's ratios, both
+        want = "" if name == "plain" else ("PASS" if worst <= 1.03 else "MISS")
+        assert m[6] == want or abs(worst - 1.03) < 0.01, (name, m[6], worst)
+
+
 def base_name(row: str) -> str:
     """The row a consumers benchmark row is compared with."""
     return "trainer, beside a reader" if row == "consumer reader" else "trainer, no consumers"
