@@ -179,8 +179,27 @@ def hand_out(
 ) -> HandOut:
     """The mask, trained tokens and token lag of a stored rollout of ``n`` tokens handed out at
     version ``V``; with a token ``floor``, trained tokens sampled below it are masked too."""
-    if mask is None and versions is None and (floor is None or policy_version >= floor):
-        return HandOut(None, n, 0, n * (V - policy_version))  # every token trained, one version
+    if floor is None or policy_version >= floor:  # no token below the floor: nothing masked
+        if mask is None:  # every token trained: each segment's tokens by its offsets
+            segs = versions or [[0, policy_version]]
+            ends = [o for o, _ in segs[1:]] + [n]
+            lag = sum((end - o) * (V - v) for (o, v), end in zip(segs, ends, strict=True))
+            return HandOut(None, n, 0, lag)
+        if versions is None:  # one version: its trained tokens are the mask's ones
+            trained = int.from_bytes(mask, "big").bit_count()  # packbits pads with 0 bits
+            return HandOut(unpack_mask(mask, n), trained, 0, trained * (V - policy_version))
+    return _hand_out_arrays(mask, versions, policy_version, n, V, floor)
+
+
+def _hand_out_arrays(
+    mask: bytes | None,
+    versions: Segments | None,
+    policy_version: int,
+    n: int,
+    V: int,
+    floor: int | None,
+) -> HandOut:
+    """:func:`hand_out` in arrays: what a mask over several versions, or a floor, needs."""
     segs = versions or [[0, policy_version]]
     starts = np.array([o for o, _ in segs], dtype=np.int64)
     vers = np.array([v for _, v in segs], dtype=np.int64)

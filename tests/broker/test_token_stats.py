@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from app.broker import tokens
 from app.broker.acks import measure
 from app.broker.behaviour import BatchRow
 from app.broker.config import RunConfig
@@ -147,3 +148,36 @@ def test_hand_out_masks_exactly_the_tokens_below_the_floor():
     assert (kept.trained, kept.stale, kept.lag_sum) == (6, 0, 1 * 4 + 2 * 3 + 3 * 1)
     plain = hand_out(None, None, 2, 8, V=3, floor=2)
     assert (plain.mask, plain.trained, plain.stale, plain.lag_sum) == (None, 8, 0, 8)
+
+
+@st.composite
+def stored_tokens(draw: Any) -> tuple[Any, ...]:
+    """A stored rollout's mask (packed as ingest packs it) and versions, its policy_version (the
+    oldest version of a trained token), and a lease's V and token floor."""
+    n = draw(st.integers(1, 70))
+    bits = draw(st.none() | st.lists(st.integers(0, 1), min_size=n, max_size=n))
+    if bits is not None and not any(bits):
+        bits[draw(st.integers(0, n - 1))] = 1
+    cuts = sorted(set(draw(st.lists(st.integers(1, n - 1), max_size=4)) if n > 1 else []))
+    vers = sorted(draw(st.lists(st.integers(0, 9), min_size=len(cuts) + 1, max_size=len(cuts) + 1)))
+    versions = [[o, v] for o, v in zip([0, *cuts], vers, strict=True)]
+    trained = [i for i in range(n) if bits is None or bits[i]]
+    of = [next(v for o, v in reversed(versions) if o <= i) for i in range(n)]
+    policy_version = min(of[i] for i in trained)
+    mask = None if bits is None else np.packbits(np.array(bits, np.uint8)).tobytes()
+    V = draw(st.integers(max(vers), 12))
+    floor = draw(st.none() | st.integers(0, 12))
+    return mask, versions if len(versions) > 1 else None, policy_version, n, V, floor
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=stored_tokens())
+def test_the_hand_out_without_arrays_is_the_one_with_them(case):
+    """The shortcuts of a mask alone or versions alone (no array built but the mask handed out)
+    give what the array computation gives."""
+    got = hand_out(*case)
+    want = tokens._hand_out_arrays(*case)
+    assert (got.trained, got.stale, got.lag_sum) == (want.trained, want.stale, want.lag_sum)
+    assert (got.mask is None) == (want.mask is None)
+    if got.mask is not None:
+        assert got.mask.tolist() == want.mask.tolist()
