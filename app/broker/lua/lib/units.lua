@@ -236,7 +236,9 @@ local function retire_rollouts(u, reason, rows, uses, pk, att)
     RETIRED[reason] = items
     table.insert(RETIRED_ORDER, reason)
   end
-  local unscored = unscored_of(u, rows)
+  -- Only a unit never used can have rollouts awaiting a reward: one is handed out scored, and
+  -- a reward is never taken back. So an ack's retirements look nothing up.
+  local unscored = uses == 0 and unscored_of(u, rows) or nil
   GEN.forget(u)
   for i, row in ipairs(rows) do
     local item = { row[1], row[2], row[3], uses }
