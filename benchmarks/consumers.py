@@ -21,13 +21,12 @@ consumers change and the one the machine's noise touches least.
 
 from __future__ import annotations
 
-import argparse
+import functools
 import json
 import statistics
-import tempfile
 import time
 import uuid
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -35,7 +34,14 @@ import numpy as np
 import redis
 
 from app.broker.scripts import LIBRARY
-from benchmarks.measure_http import MSGPACK, ROOT, Conn, services
+from benchmarks.measure_http import (
+    MSGPACK,
+    Conn,
+    every_command_logged,
+    served,
+    timed_rounds,
+    turn_args,
+)
 from benchmarks.servers import Server
 
 JSON_BODY = {"content-type": "application/json"}
@@ -135,45 +141,36 @@ def run_rounds(
         make_run(conn, runs[name], consumers, n, tokens)
     reader = f"rd-{tag}"
     make_run(conn, reader, [{"name": "rm", "source": "received"}], n, tokens)
-    times: dict[str, list[float]] = {
-        **{f"trainer, {name}": [] for name in runs},
-        "trainer, beside a reader": [],
-        "consumer reader": [],
+    calls = {
+        f"trainer, {name}": functools.partial(lease_ack, conn, f"/v1/runs/{run}", batch)
+        for name, run in runs.items()
     }
-    rc.config_set("slowlog-log-slower-than", 0)
-    rc.config_set("slowlog-max-len", 1_000_000)
-    for round_ in range(rounds + 1):  # a first round to warm up, not counted
-        if round_ == 1:
-            rc.slowlog_reset()
-        got = {
-            f"trainer, {name}": lease_ack(conn, f"/v1/runs/{run}", batch)
-            for name, run in runs.items()
-        }
-        got["trainer, beside a reader"] = lease_ack(conn, f"/v1/runs/{reader}", batch)
-        got["consumer reader"] = lease_ack(conn, f"/v1/runs/{reader}/consumers/rm", batch)
-        if round_:
-            for name, s in got.items():
-                times[name].append(s)
+    calls["trainer, beside a reader"] = functools.partial(
+        lease_ack, conn, f"/v1/runs/{reader}", batch
+    )
+    calls["consumer reader"] = functools.partial(
+        lease_ack, conn, f"/v1/runs/{reader}/consumers/rm", batch
+    )
     rows = {f"trainer, {name}": run for name, run in runs.items()}
     rows |= {"trainer, beside a reader": reader, "consumer reader": reader}
-    redis_us = script_us(rc, rows)
-    rc.config_set("slowlog-log-slower-than", 10_000)
-    rc.config_set("slowlog-max-len", 128)
+    return timed_with_scripts(rc, rounds, calls, rows)
+
+
+def timed_with_scripts(
+    rc: redis.Redis, rounds: int, calls: dict[str, Callable[[], float]], runs: dict[str, str]
+) -> dict[str, tuple[float, float]]:
+    """Per call: its median seconds over ``rounds`` rounds taking turns (:func:`timed_rounds`),
+    and the median µs Redis spent in the lease and ack scripts of its run (``runs``, by the
+    call's name; :func:`script_us`)."""
+    with every_command_logged(rc):
+        times = timed_rounds(rc, rounds, calls)
+        redis_us = script_us(rc, runs)
     return {name: (statistics.median(v), redis_us[name]) for name, v in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.consumers", description=__doc__)
-    p.add_argument("--rounds", type=int, default=40)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--redis-url", help="use this Redis instead of a private redis-server")
-    p.add_argument("--app-dir", default=str(ROOT), help="the broker source tree to benchmark")
-    args = p.parse_args(argv)
-    with (
-        tempfile.TemporaryDirectory(prefix="rb-consumers-") as tmp,
-        services(Path(tmp), args.redis_url, Path(args.app_dir).resolve()) as (server, rc),
-    ):
+    args = turn_args("python -m benchmarks.consumers", __doc__, argv)
+    with served(args, "consumers") as (server, rc):
         rows = run_rounds(server, rc, args.rounds, args.batch, args.tokens)
     print(
         f"lease + ack of {args.batch} × {args.tokens:,}-token rollouts over HTTP (msgpack), "

@@ -22,21 +22,23 @@ the same run: a feature meets the target when both are at most 1.03.
 
 from __future__ import annotations
 
-import argparse
+import functools
 import json
-import statistics
-import tempfile
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
 import redis
 
-from benchmarks.consumers import GROUP, JSON_BODY, script_us
-from benchmarks.measure_http import MSGPACK, ROOT, Conn, services
+from benchmarks.consumers import GROUP, JSON_BODY, timed_with_scripts
+from benchmarks.measure_http import (
+    MSGPACK,
+    Conn,
+    served,
+    turn_args,
+)
 from benchmarks.servers import Server
 
 NEED = 1.03  # the most a feature may cost the plain path
@@ -113,34 +115,16 @@ def run_rounds(
     for i, (name, setup) in enumerate(setups(tokens).items()):
         runs[name] = f"f{i}-{tag}"
         acks[name] = make_run(conn, runs[name], setup, n, tokens)
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    rc.config_set("slowlog-log-slower-than", 0)
-    rc.config_set("slowlog-max-len", 1_000_000)
-    for round_ in range(rounds + 1):  # a first round to warm up, not counted
-        if round_ == 1:
-            rc.slowlog_reset()
-        for name, run in runs.items():
-            took = lease_ack(conn, run, batch, acks[name])
-            if round_:
-                times[name].append(took)
-    redis_us = script_us(rc, runs)
-    rc.config_set("slowlog-log-slower-than", 10_000)
-    rc.config_set("slowlog-max-len", 128)
-    return {name: (statistics.median(v), redis_us[name]) for name, v in times.items()}
+    calls = {
+        name: functools.partial(lease_ack, conn, run, batch, acks[name])
+        for name, run in runs.items()
+    }
+    return timed_with_scripts(rc, rounds, calls, runs)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.features", description=__doc__)
-    p.add_argument("--rounds", type=int, default=40)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--redis-url", help="use this Redis instead of a private redis-server")
-    p.add_argument("--app-dir", default=str(ROOT), help="the broker source tree to benchmark")
-    args = p.parse_args(argv)
-    with (
-        tempfile.TemporaryDirectory(prefix="rb-features-") as tmp,
-        services(Path(tmp), args.redis_url, Path(args.app_dir).resolve()) as (server, rc),
-    ):
+    args = turn_args("python -m benchmarks.features", __doc__, argv)
+    with served(args, "features") as (server, rc):
         rows = run_rounds(server, rc, args.rounds, args.batch, args.tokens)
     print(
         f"lease + ack (with logprobs) of {args.batch} × {args.tokens:,}-token rollouts over HTTP "

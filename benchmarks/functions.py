@@ -26,7 +26,7 @@ from redis.asyncio import Redis
 from app import keys
 from app.broker.config import RunConfig
 from app.broker.packing import pack_rollout
-from app.broker.scripts import _PARK_AWARE, _PARKED_GUARD, LIBRARY, lua_source
+from app.broker.scripts import LIBRARY, guarded, lua_source
 from app.broker.store import RedisStore
 from benchmarks.payloads import TOKENS
 from benchmarks.servers import redis_server
@@ -35,12 +35,12 @@ PREFIX = "rbfn"
 
 
 def eval_text(name: str) -> str:
-    """Script ``name`` as a script to EVAL: the library's main chunk for it, then its body."""
-    src = (Path(__file__).parents[1] / "app" / "broker" / "lua" / f"{name}.lua").read_text()
-    guard = "" if name in _PARK_AWARE else _PARKED_GUARD
-    head, _, body = src.partition("\n")
-    # In a function of its own, as in the library: the main chunk has the libraries' locals.
-    return lua_source(f"{head}\nreturn (function()\n{guard}\n{body}\nend)()")
+    """Script ``name`` as a script to EVAL: the libraries it requires and ``begin``, then its
+    body in a function of its own, as in the library (the main chunk holds the libraries'
+    locals)."""
+    body = guarded(name)
+    requires = next((x for x in body.splitlines() if x.startswith("-- requires:")), "")
+    return lua_source(f"{requires}\nreturn (function()\n{body}\nend)()")
 
 
 async def usec_per_call(r: Redis, command: str) -> float:

@@ -25,7 +25,7 @@ import statistics
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +166,57 @@ def services(
         finally:
             delete_keys(rc, list(rc.scan_iter(match=keys.every_key(prefix), count=2000)))
             rc.close()
+
+
+def turn_args(prog: str, doc: str | None, argv: list[str] | None) -> argparse.Namespace:
+    """The command line of a benchmark that takes turns between runs: rounds, batch, tokens,
+    and where its Redis and broker tree are."""
+    p = argparse.ArgumentParser(prog=prog, description=doc)
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--redis-url", help="use this Redis instead of a private redis-server")
+    p.add_argument("--app-dir", default=str(ROOT), help="the broker source tree to benchmark")
+    return p.parse_args(argv)
+
+
+@contextlib.contextmanager
+def served(args: argparse.Namespace, name: str) -> Iterator[tuple[Server, redis.Redis]]:
+    """:func:`services` for ``args`` of :func:`turn_args`, in a temporary folder."""
+    with (
+        tempfile.TemporaryDirectory(prefix=f"rb-{name}-") as tmp,
+        services(Path(tmp), args.redis_url, Path(args.app_dir).resolve()) as got,
+    ):
+        yield got
+
+
+@contextlib.contextmanager
+def every_command_logged(rc: redis.Redis) -> Iterator[None]:
+    """Redis's SLOWLOG keeps every command meanwhile (read it before the block ends: its usual
+    length is set back then)."""
+    rc.config_set("slowlog-log-slower-than", 0)
+    rc.config_set("slowlog-max-len", 1_000_000)
+    try:
+        yield
+    finally:
+        rc.config_set("slowlog-log-slower-than", 10_000)
+        rc.config_set("slowlog-max-len", 128)
+
+
+def timed_rounds(
+    rc: redis.Redis, rounds: int, calls: dict[str, Callable[[], float]]
+) -> dict[str, list[float]]:
+    """The seconds each call reports in ``rounds`` rounds taking turns, after a first round to
+    warm up, which is neither counted nor left in SLOWLOG."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for round_ in range(rounds + 1):
+        if round_ == 1:
+            rc.slowlog_reset()
+        for name, call in calls.items():
+            took = call()
+            if round_:
+                times[name].append(took)
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:

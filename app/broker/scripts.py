@@ -22,7 +22,7 @@ from importlib import resources
 
 from app import keys
 
-__all__ = ["LIBRARY", "SCRIPTS", "Library", "library", "lua_source"]
+__all__ = ["LIBRARY", "SCRIPTS", "Library", "guarded", "library", "lua_source"]
 
 SCRIPTS = (
     "create_run",
@@ -147,11 +147,16 @@ class Library:
     functions: dict[str, str]
 
 
-def _function(name: str, fname: str) -> str:
+def guarded(name: str) -> str:
+    """Script ``name`` as its function runs it after ``begin``: the parked-run guard (unless
+    the script handles a parked run itself), then the script."""
     guard = "" if name in _PARK_AWARE else _PARKED_GUARD
-    body = _scripts()[name]
+    return f"{guard}\n{_scripts()[name]}"
+
+
+def _function(name: str, fname: str) -> str:
     head = f"redis.register_function('{fname}', function(keys, args)\nbegin(keys, args)"
-    return f"{head}\n{guard}\n{body}\nend)\n"
+    return f"{head}\n{guarded(name)}\nend)\n"
 
 
 @functools.cache
