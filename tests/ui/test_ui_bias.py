@@ -79,16 +79,21 @@ async def test_page_shows_the_two_length_distributions_side_by_side(
         await until_shown(page, want)
         # Side by side: two charts in the card, level with each other, received on the left,
         # each with a bar per bucket either side has.
-        card = page.locator("#bias")
-        sides = card.locator(".bias-side")
-        assert await sides.count() == 2
-        left, right = [await sides.nth(i).bounding_box() for i in range(2)]
-        assert left is not None and right is not None
+        # The page redraws every card on each refresh, so the two sides are measured in one
+        # evaluation: locators taken one after another may meet a card already replaced.
+        sides = await page.locator("#bias").evaluate(
+            """card => [...card.querySelectorAll(".bias-side")].map(side => {
+                const box = side.getBoundingClientRect();
+                return { x: box.x, y: box.y, width: box.width, name: side.dataset.side,
+                         bars: side.querySelectorAll("svg g title").length };
+            })"""
+        )
+        assert len(sides) == 2
+        left, right = sides
         assert left["y"] == right["y"] and left["x"] + left["width"] <= right["x"]
-        assert await sides.nth(0).get_attribute("data-side") == "generated"
+        assert (left["name"], right["name"]) == ("generated", "trained")
         buckets = {k.rsplit(".", 1)[1] for k in bias if ".histogram." in k}
-        for i in range(2):
-            assert await sides.nth(i).locator("svg g title").count() == len(buckets)
+        assert left["bars"] == right["bars"] == len(buckets)
         shot = tmp_path / "ui-bias.png"
         await page.screenshot(path=str(shot), full_page=True)
         print(f"\nscreenshot of the page: {shot}")
