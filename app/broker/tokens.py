@@ -159,9 +159,9 @@ def unpack_mask(bits: bytes, n: int) -> U8Array:
     return np.unpackbits(np.frombuffer(bits, np.uint8), count=n)
 
 
-@dataclass(frozen=True, slots=True)
-class HandOut:
-    """A rollout's tokens as one lease hands them out."""
+class HandOut(NamedTuple):
+    """A rollout's tokens as one lease hands them out (a named tuple: a lease builds one per
+    rollout)."""
 
     mask: U8Array | None  # None: every token trained
     trained: int  # tokens with mask 1
@@ -181,7 +181,9 @@ def hand_out(
     version ``V``; with a token ``floor``, trained tokens sampled below it are masked too."""
     if floor is None or policy_version >= floor:  # no token below the floor: nothing masked
         if mask is None:  # every token trained: each segment's tokens by its offsets
-            segs = versions or [[0, policy_version]]
+            if versions is None:  # the plain rollout: one version, every token trained
+                return HandOut(None, n, 0, n * (V - policy_version))
+            segs = versions
             ends = [o for o, _ in segs[1:]] + [n]
             lag = sum((end - o) * (V - v) for (o, v), end in zip(segs, ends, strict=True))
             return HandOut(None, n, 0, lag)
