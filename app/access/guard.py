@@ -6,6 +6,7 @@ page may send: a state-changing request from another origin (its ``Origin`` or
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Collection
 from typing import Final
@@ -86,9 +87,12 @@ def refuse_web_pages(request: Request, changes_state: bool) -> None:
         )
 
 
-def served_host(host: str, allowed: Collection[str]) -> bool:
+@functools.lru_cache(maxsize=1024)
+def served_host(host: str, allowed: tuple[str, ...]) -> bool:
     """Whether a ``Host`` header (a name or address, and a port) names this broker (see
-    :func:`served_name`)."""
+    :func:`served_name`). Kept for the last 1,024 (header, names) asked: with auth off every
+    request asks, nearly always with the same header, and parsing it cost a one-rollout ingest
+    about 4 % of its CPU."""
     if "@" in host:
         return False
     try:

@@ -13,6 +13,7 @@ import pytest
 from pydantic import SecretStr
 
 from app.access import policy
+from app.access.guard import served_host
 from app.access.startup import served_on
 from app.main import create_app
 from app.settings import Settings
@@ -150,3 +151,13 @@ def test_the_allowed_hosts_are_names(monkeypatch: pytest.MonkeyPatch):
     for wrong in ("rb.lan:8000", "http://rb.lan", "rb.lan/x", "-rb", "a b"):
         with pytest.raises(ValueError, match="not a host name"):
             Settings(allowed_hosts=wrong)
+
+
+def test_a_host_is_judged_against_the_names_it_is_asked_with():
+    """served_host keeps its answers: one kept for a host under some names is not the answer
+    for it under others."""
+    for _ in range(2):
+        assert not served_host("rb.lan:8000", ())
+        assert served_host("rb.lan:8000", ("rb.lan",))
+        assert served_host("10.1.2.3:8000", ())
+        assert not served_host("10.1.2.3@evil.example", ("evil.example",))
