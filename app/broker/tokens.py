@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import operator
 from bisect import bisect_right
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
