@@ -76,14 +76,17 @@ class Outline:
     deepest: int = 0
 
 
-_NAMED = 16
+_NAMED = 16  # top-level keys whose values are counted by name
 
-_OPEN, _CLOSE, _COMMA = 1, 2, 3
-_CODE = np.zeros(256, np.uint8)  # what each byte is to the structure, outside strings
+_OPEN, _CLOSE, _COMMA, _QUOTE, _BACKSLASH = 1, 2, 3, 4, 5
+_CODE = np.zeros(256, np.uint8)  # each byte's kind: structure (outside strings), quote, backslash
 _CODE[[ord("["), ord("{")]] = _OPEN
 _CODE[[ord("]"), ord("}")]] = _CLOSE
 _CODE[ord(",")] = _COMMA
-_STEP = np.array([0, 1, -1, 0], np.int32)  # top-level keys whose values are counted by name
+_CODE[ord('"')] = _QUOTE
+_CODE[ord("\\")] = _BACKSLASH
+_KINDS = bytes(_CODE.tolist())  # the same as a bytes.translate table
+_STEP = np.array([0, 1, -1, 0, 0, 0], np.int32)  # the change of depth at each kind
 
 
 def json_outline(body: bytes | bytearray) -> Outline:
@@ -92,8 +95,9 @@ def json_outline(body: bytes | bytearray) -> Outline:
     out = Outline()
     state = _State()
     for at in range(0, len(body), _WINDOW):
-        a = np.frombuffer(body, np.uint8, min(_WINDOW, len(body) - at), at)
-        if not state.window(body, a, at, out):
+        # Each byte's kind (bytes.translate is a quicker table lookup than numpy's indexing).
+        codes = np.frombuffer(body[at : at + _WINDOW].translate(_KINDS), np.uint8)
+        if not state.window(body, codes, at, out):
             break
     state.close(out)
     return out
@@ -110,40 +114,49 @@ class _State:
         self.open_items = np.zeros(MAX_DEPTH + 2, np.int64)  # commas so far, by level
         self.open_named: dict[int, str | None] = {}  # level 2: the key of the open value
 
-    def _quotes(self, a: np.ndarray) -> np.ndarray:
-        """Per byte, 1 where a quote opens or closes a string."""
-        q = a == 0x22
-        bs = a == 0x5C
-        if self.backslashes or bs.any():
-            idx = np.arange(a.size)
-            last_other = np.maximum.accumulate(np.where(bs, -1, idx))
-            pos = np.flatnonzero(q)
-            before = last_other[np.maximum(pos - 1, 0)]
-            # the backslashes just before each quote (all of the window's: add the carried ones)
-            run = np.where(before == -1, pos + self.backslashes, pos - 1 - before)
-            run = np.where(pos == 0, self.backslashes, run)
-            q[pos[run % 2 == 1]] = False
-            tail = a.size - 1 - int(last_other[-1])
-            self.backslashes = tail + (self.backslashes if last_other[-1] == -1 else 0)
-        else:
-            self.backslashes = 0
-        quotes: np.ndarray = q.view(np.uint8)
-        return quotes
+    def _strings(self, ev: np.ndarray, kind: np.ndarray, size: int) -> np.ndarray:
+        """Of a window's events (positions ``ev`` of its quotes, backslashes and structure,
+        ``kind`` of each), which are outside strings: a quote opens or closes one unless a
+        backslash run of odd length is just before it. Only the events are looked at, never
+        the bytes between them (``ev`` is never empty)."""
+        bs = kind == _BACKSLASH
+        quote = kind == _QUOTE
+        if bs.any() or self.backslashes:
+            # Runs of adjacent backslashes, each event's length of the run so far; a run at the
+            # window's start continues the one the last window ended with.
+            idx = np.arange(ev.size)
+            prev_adjacent = np.zeros(ev.size, bool)
+            prev_adjacent[1:] = bs[:-1] & (ev[1:] == ev[:-1] + 1)
+            first = np.maximum.accumulate(np.where(bs & ~prev_adjacent, idx, 0))
+            run = idx - first + 1
+            run[bs & (ev[first] == 0)] += self.backslashes
+            before = np.zeros(ev.size, np.int64)  # the backslashes just before each event
+            before[1:] = np.where(prev_adjacent[1:], run[:-1], 0)
+            if ev[0] == 0:
+                before[0] = self.backslashes
+            quote &= before % 2 == 0
+            tail = bool(bs[-1]) and int(ev[-1]) == size - 1
+            self.backslashes = int(run[-1]) if tail else 0
+        if not (self.in_string or quote.any()):
+            return kind <= _COMMA
+        parity = np.cumsum(quote, dtype=np.int32)
+        if self.in_string:
+            parity += 1
+        self.in_string = bool(parity[-1] & 1)
+        return ((parity & 1) == 0) & (kind <= _COMMA)
 
-    def window(self, body: bytes | bytearray, a: np.ndarray, at: int, out: Outline) -> bool:
-        """Count one window; False once the structure has ended or broken."""
-        code = _CODE[a]
-        quotes = self._quotes(a)
-        if self.in_string or quotes.any():
-            parity = np.cumsum(quotes, dtype=np.int32)
-            if self.in_string:
-                parity += 1
-            self.in_string = bool(parity[-1] & 1)
-            code[(parity & 1).astype(bool)] = 0  # inside a string
-        ev = np.flatnonzero(code)
+    def window(self, body: bytes | bytearray, codes: np.ndarray, at: int, out: Outline) -> bool:
+        """Count one window, given the kind of each of its bytes (``_KINDS``); False once the
+        structure has ended or broken."""
+        ev = np.flatnonzero(codes != 0)  # a boolean array's are found several times quicker
+        if not ev.size:
+            self.backslashes = 0
+            return True
+        kind = codes[ev]
+        outside = self._strings(ev, kind, codes.size)
+        ev, kind = ev[outside], kind[outside]
         if not ev.size:
             return True
-        kind = code[ev]
         depth = self.depth + np.cumsum(_STEP[kind], dtype=np.int32)
         level = depth + (kind == _CLOSE)  # a close belongs to the level it ends
         broken = np.flatnonzero((level < 1) | (level > MAX_DEPTH + 1))

@@ -11,6 +11,9 @@ from typing import Any
 import httpx
 import msgpack
 import pytest
+from hypothesis import example, given
+from hypothesis import settings as examples
+from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from app.api import _codec as codec
@@ -216,6 +219,62 @@ def test_the_counts_of_a_body_are_those_of_its_parse(doc, window, monkeypatch):
     assert got.containers == len(found)
     assert got.deepest == max(d for d, _ in found)
     assert got.widest == max(max(n for d, n in found if d != 2), 1)
+
+
+def _counted_byte_by_byte(body: bytes) -> tuple[int, int, int]:
+    """The outline's containers, deepest level and most items of any list or object (named
+    fields or not), by a walk over the body a byte at a time: a quote opens or closes a string
+    unless an odd run of backslashes is just before it; outside strings a bracket or brace
+    opens or closes a level, and a comma parts the items of the one open; the count stops at a
+    close with nothing open, a comma outside every list or object, or nesting deeper than
+    MAX_DEPTH + 1 (that level counted as the deepest). A list or object counts its commas plus
+    one, so far, wherever the count stops."""
+    in_string, backslashes, containers, deepest = False, 0, 0, 0
+    open_items: list[int] = []
+    counts: list[int] = []
+    for byte in body:
+        if byte == 0x5C:
+            backslashes += 1
+            continue
+        escaped, backslashes = backslashes % 2 == 1, 0
+        if byte == 0x22 and not escaped:
+            in_string = not in_string
+        elif in_string:
+            continue
+        elif byte in b"[{":
+            if len(open_items) + 1 > outline.MAX_DEPTH + 1:
+                deepest = max(deepest, len(open_items) + 1)
+                break
+            open_items.append(0)
+            containers += 1
+            deepest = max(deepest, len(open_items))
+        elif byte in b"]}":
+            if not open_items:
+                break
+            counts.append(open_items.pop() + 1)
+        elif byte == ord(","):
+            if not open_items:
+                break
+            open_items[-1] += 1
+    counts += [n + 1 for n in open_items]
+    return containers, deepest, max(counts, default=0)
+
+
+@examples(max_examples=400, deadline=None)
+@given(
+    body=st.lists(st.sampled_from([b"[", b"]", b"{", b"}", b",", b'"', b"\\", b"\\", b"a"]))
+    .map(b"".join),
+    window=st.integers(1, 9),
+)
+@example(body=b'["a\\\\",1]', window=4)  # two backslashes across windows: the quote ends it
+def test_any_bytes_are_counted_as_a_walk_over_them_counts_them(body, window):
+    """Whatever the syntax, and in windows of any size (a string, a backslash run or a level
+    may straddle several): the outline's counts are those of a walk a byte at a time."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(outline, "_WINDOW", window)
+        got = outline.json_outline(body)
+    most = max([got.widest, *got.fields.values()])
+    assert (got.containers, got.deepest, most) == _counted_byte_by_byte(body)
 
 
 def test_a_msgpack_body_holds_its_container_budget_and_not_one_more():
