@@ -143,7 +143,8 @@ class _State:
         if self.in_string:
             parity += 1
         self.in_string = bool(parity[-1] & 1)
-        return ((parity & 1) == 0) & (kind <= _COMMA)
+        outside: np.ndarray = ((parity & 1) == 0) & (kind <= _COMMA)
+        return outside
 
     def window(self, body: bytes | bytearray, codes: np.ndarray, at: int, out: Outline) -> bool:
         """Count one window, given the kind of each of its bytes (``_KINDS``); False once the

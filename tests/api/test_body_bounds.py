@@ -262,8 +262,9 @@ def _counted_byte_by_byte(body: bytes) -> tuple[int, int, int]:
 
 @examples(max_examples=400, deadline=None)
 @given(
-    body=st.lists(st.sampled_from([b"[", b"]", b"{", b"}", b",", b'"', b"\\", b"\\", b"a"]))
-    .map(b"".join),
+    body=st.lists(st.sampled_from([b"[", b"]", b"{", b"}", b",", b'"', b"\\", b"\\", b"a"])).map(
+        b"".join
+    ),
     window=st.integers(1, 9),
 )
 @example(body=b'["a\\\\",1]', window=4)  # two backslashes across windows: the quote ends it
