@@ -308,8 +308,10 @@ def within_bounds(body: Body, rules: Counts, widest: int) -> bool:
     in strings are counted too, so each count bounds from above). True only when those bounds
     already meet the rules: a one-rollout ingest's body does, and its outline would cost about a
     tenth of its request (benchmarks/README.md, "Libraries on the hot paths")."""
-    opens = body.count(b"[") + body.count(b"{")
-    if opens > MAX_DEPTH:  # container_budget() is never below 65,536: far above MAX_DEPTH
+    # container_budget() is never below 65,536, far above MAX_DEPTH. A body of many lists (an
+    # ingest of more than one rollout, an ack) is told by its first count.
+    lists = body.count(b"[")
+    if lists > MAX_DEPTH or lists + body.count(b"{") > MAX_DEPTH:
         return False
     items = body.count(b",") + 1
     if items > widest:
