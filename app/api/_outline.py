@@ -310,10 +310,12 @@ def within_bounds(body: Body, rules: Counts, widest: int) -> bool:
     tenth of its request (benchmarks/README.md, "Libraries on the hot paths")."""
     # container_budget() is never below 65,536, far above MAX_DEPTH. A body of many lists (an
     # ingest of more than one rollout, an ack) is told by its first count.
-    lists = body.count(b"[")
-    if lists > MAX_DEPTH or lists + body.count(b"{") > MAX_DEPTH:
+    # numpy counts a byte several times quicker than bytes.count.
+    codes = np.frombuffer(body, np.uint8)
+    lists = int(np.count_nonzero(codes == ord("[")))
+    if lists > MAX_DEPTH or lists + int(np.count_nonzero(codes == ord("{"))) > MAX_DEPTH:
         return False
-    items = body.count(b",") + 1
+    items = int(np.count_nonzero(codes == ord(","))) + 1
     if items > widest:
         return False
     try:
