@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import struct
 import time
 import uuid
 from collections import Counter
@@ -12,6 +13,7 @@ from collections import Counter
 import msgpack
 import pytest
 
+from app import keys
 from app.broker.config import RunConfig
 from app.broker.packing import pack_rollout, unpack_rollouts
 from app.broker.store import Lease, RedisStore, StoreError
@@ -420,3 +422,38 @@ async def test_evicted_is_the_stale_retirements_of_every_bounded_step(store):
     assert await store.set_policy("r", 1, limit=10) == (1, 50)
     assert sorted(await retired(store)) == ["incomplete_group", "stale"]
     assert len((await retired(store))["stale"]) == 50
+
+
+def _as_text_record(record: bytes) -> bytes:
+    """A binary unit record (lua/lib/units.lua) in the text form of earlier versions."""
+    fmt = "<Bddiiidi"
+    _, v, seq, uses, k, n, kl, att = struct.unpack_from(fmt, record)
+    pk = record[struct.calcsize(fmt) :].decode()
+    fields = [int(v), int(seq), uses, k, n, "" if math.isnan(kl) else f"{kl:.17g}"]
+    return ",".join(str(x) for x in [*fields, "" if att < 0 else att, pk]).encode()
+
+
+async def test_unit_records_of_an_earlier_version_are_read_and_rewritten(store, prefix):
+    """A run whose unit records are in the text form of earlier versions keeps its uses and its
+    measured KLs exactly (one ulp above a tightened kl_max still counts as above it), and each
+    record is written in the binary form when its unit next changes."""
+    cfg = await new_run(store, max_reuse=3, kl_max=0.06)
+    await store.ingest("r", [packed("a"), packed("b"), packed("c")])
+    await ack(store, await lease(store, 3), kl=[("a", math.nextafter(0.05, 1.0)), ("b", 0.05)])
+    units = keys.run_key(prefix, "r", keys.UNITS)
+    for u, record in (await store.redis.hgetall(units)).items():
+        assert record[:1] == b"\x01"
+        await store.redis.hset(units, u, _as_text_record(record))
+    tightened = cfg.model_copy(update={"kl_max": 0.05})
+    assert await store.replace_config("r", cfg.canonical_json(), tightened) == "replaced"
+    got = await lease(store, 3, partial=True)
+    assert sorted(ids(got)) == ["b", "c"] and {r.uses for r in got.rollouts} == {1}
+    assert await retired(store) == {"kl": ["a"]}
+    await ack(store, got)
+    records = await store.redis.hgetall(units)
+    assert sorted(records) == [b"r:b", b"r:c"]
+    assert all(r[:1] == b"\x01" for r in records.values())
+    # Their third use retires them, the first counted from the text records.
+    assert (await ack(store, await lease(store, 2)))[0] == "acked"
+    assert await lease(store, 1) == 0
+    assert sorted((await retired(store))["max_reuse"]) == ["b", "c"]

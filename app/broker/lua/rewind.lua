@@ -105,7 +105,7 @@ for i = 1, #order, 1000 do
         note_pass('rewound', nil, r.pk, r.att, 'b', tonumber(pf[3]))
       end
       set_unit(u, r)
-      patched[u] = unit_text(r)
+      patched[u] = unit_record(r)
     elseif x.top - x.n <= 0 then  -- retired, and none of its uses stands
       local pf = x.r.pk and pass_fields(x.r.pk)
       if pf then
