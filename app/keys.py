@@ -42,7 +42,7 @@ __all__ = [
 RUN = "run"  # hash: config, version, status, floor, counters; the key every script is given
 EVENTS = "events"  # stream: accounting events
 DEAD = "dead"  # stream: events the accounting drain could not apply
-QUEUE = "q"  # zset: ready units by arrival seq
+QUEUE = "q"  # zset of layout 3 runs: ready units by arrival seq (load_run() removes it)
 VERSIONS = "vs"  # zset: versions that have ready units, score = version
 OPEN = "open"  # zset: incomplete groups by creation ms
 OPEN_VERSIONS = "ov"  # zset: incomplete groups by (oldest) version

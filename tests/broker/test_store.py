@@ -457,3 +457,38 @@ async def test_unit_records_of_an_earlier_version_are_read_and_rewritten(store, 
     assert (await ack(store, await lease(store, 2)))[0] == "acked"
     assert await lease(store, 1) == 0
     assert sorted((await retired(store))["max_reuse"]) == ["b", "c"]
+
+
+async def test_a_random_lease_draws_from_every_version_up_to_its_own(store):
+    """Each version's ready units are drawn from in proportion to their number, none above the
+    lease's version: with 2,000 of version 0 and 40 of version 1, a lease of 10 draws at most
+    2 of version 1 (a draw of as many from each version would draw more in most leases), and
+    30 leases draw some (none: a chance below 1e-5)."""
+    await new_run(store, order="random", max_staleness=5)
+    await store.set_policy("r", 2)
+    for v, n in ((0, 2000), (1, 40), (2, 40)):
+        for i in range(0, n, 500):
+            await store.ingest("r", [packed(f"v{v}.{j}", v) for j in range(i, min(i + 500, n))])
+    drawn: Counter[str] = Counter()
+    for _ in range(30):
+        got = await lease(store, 10, version=1)
+        per = Counter(x.split(".")[0] for x in ids(got))
+        assert per["v1"] <= 2 and set(per) <= {"v0", "v1"}, per
+        drawn += per
+        assert (await store.nack("r", got.batch_id))[0] == "nacked"
+    assert set(drawn) == {"v0", "v1"}
+    assert "v2" in {x.split(".")[0] for x in ids(await lease(store, 100))}
+
+
+async def test_a_run_of_layout_3_loses_its_arrival_index_and_keeps_its_units(store, prefix):
+    """Layout 3 also kept every ready unit in P:{R}:q, which nothing reads now: the first call
+    that loads the run removes it and marks the run layout 4."""
+    await new_run(store)
+    await store.ingest("r", [packed("a"), packed("b")])
+    run, queue = keys.run_key(prefix, "r"), keys.run_key(prefix, "r", keys.QUEUE)
+    assert await store.redis.hget(run, "lay") == b"4"
+    await store.redis.hset(run, "lay", "3")
+    await store.redis.zadd(queue, {"r:a": 1, "r:b": 2})
+    assert sorted(ids(await lease(store, 2))) == ["a", "b"]
+    assert await store.redis.hget(run, "lay") == b"4"
+    assert await store.redis.exists(queue) == 0

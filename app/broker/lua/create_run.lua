@@ -13,7 +13,7 @@ if f[1] then
 end
 -- 'lay' names the layout of the run's units (docs/design.md), for a later one to recognise.
 redis.call('HSET', RUN, 'id', ARGV[2], 'cfg', ARGV[3], 'ver', 0, 'st', 'open', 'created', ARGV[4],
-  'floor', 0, 'seq', 0, 'live', 0, 'leased', 0, 'batches', 0, 'tok', 0, 'lay', '3')
+  'floor', 0, 'seq', 0, 'live', 0, 'leased', 0, 'batches', 0, 'tok', 0, 'lay', '4')
 run_snapshot('created')
 audit(ARGV[5])
 return ok('created')

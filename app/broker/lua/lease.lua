@@ -103,9 +103,24 @@ if order == 'fifo' then -- lowest version first, fewer uses then arrival within 
     if full() then break end
   end
 elseif order == 'random' then
-  local sample = redis.call('ZRANDMEMBER', Q, math.min(scan_limit, 2 * N + 32))
+  -- A draw from the ready units of every version up to V, from each in proportion to the units
+  -- it holds (rounded up: one at least from each).
+  local want = math.min(scan_limit, 2 * N + 32)
+  local versions = redis.call('ZRANGEBYSCORE', VS, '-inf', I(V))
+  local sizes, total = {}, 0
+  for i, v in ipairs(versions) do
+    sizes[i] = redis.call('ZCARD', qvkey(v))
+    total = total + sizes[i]
+  end
+  local sample = {}
+  for i, v in ipairs(versions) do
+    if sizes[i] > 0 then
+      local k = math.ceil(want * sizes[i] / total)
+      for _, u in ipairs(redis.call('ZRANDMEMBER', qvkey(v), k)) do table.insert(sample, u) end
+    end
+  end
   -- ZRANDMEMBER picks a random subset but returns a small set whole, and often a subset, in
-  -- index order: shuffle it. The caller seeds the PRNG (script PRNGs restart from a fixed
+  -- index order: shuffle the draw. The caller seeds the PRNG (script PRNGs restart from a fixed
   -- seed on some Redis versions, which would make every lease draw the same sequence).
   math.randomseed(tonumber(ARGV[9]))
   for i = #sample, 2, -1 do

@@ -154,9 +154,11 @@ while retire_awaiting('(' .. I(W), '+inf', rewound, 1000) == 0 do end
 for _, u in ipairs(redis.call('ZRANGEBYSCORE', XV, '(' .. I(W), '+inf')) do
   -- Ready or awaiting ones only: the leases that held one ended above, and what they retired
   -- is gone.
-  local ready = redis.call('ZSCORE', Q, u) ~= false
-  if ready or (awaiting_on() and redis.call('HEXISTS', AUN, u) == 1) then
-    retire_unit(u, 'rewound', parse_unit(redis.call('HGET', US, u)), ready)
+  local rec = redis.call('HGET', US, u)
+  local r = rec and parse_unit(rec)
+  local ready = r and is_ready(u, r.v)
+  if ready or (r and awaiting_on() and redis.call('HEXISTS', AUN, u) == 1) then
+    retire_unit(u, 'rewound', r, ready)
   end
 end
 for _, u in ipairs(redis.call('ZRANGE', OPEN, 0, -1)) do

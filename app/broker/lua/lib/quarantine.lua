@@ -18,12 +18,13 @@ function GEN.retire_of(gen)
     end
     if mine then
       local rec = redis.call('HGET', US, u)
-      if not rec then
+      local r = rec and parse_unit(rec)
+      if not r then
         retire_open(u, 'quarantined')
-      elseif redis.call('ZSCORE', Q, u) then
-        retire_unit(u, 'quarantined', parse_unit(rec), true)
+      elseif is_ready(u, r.v) then
+        retire_unit(u, 'quarantined', r, true)
       elseif redis.call('HEXISTS', AUN, u) == 1 then
-        retire_unit(u, 'quarantined', parse_unit(rec), false)
+        retire_unit(u, 'quarantined', r, false)
       end
     end
   end

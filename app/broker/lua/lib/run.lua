@@ -4,8 +4,12 @@
 local R, CFG
 per_call(function() R, CFG = nil, nil end)
 local function load_run()
-  local f = redis.call('HMGET', RUN, 'cfg', 'ver', 'st', 'floor')
+  local f = redis.call('HMGET', RUN, 'cfg', 'ver', 'st', 'floor', 'lay')
   if not f[1] then return false end
+  if f[5] == '3' then  -- layout 3 kept every ready unit in Q too, which nothing reads now
+    redis.call('UNLINK', Q)
+    redis.call('HSET', RUN, 'lay', '4')
+  end
   CFG = cjson.decode(f[1])
   R = { ver = tonumber(f[2]), st = f[3], floor = tonumber(f[4]), cfg = f[1] }
   return true

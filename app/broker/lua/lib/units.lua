@@ -10,7 +10,8 @@
 -- and write the records of a whole batch in one command each; a group still filling keeps a
 -- hash of its own (ukey: need,
 -- have, v, seq, rmin, rmax, pk, att) until it completes. A ready unit is also in the ready
--- indexes: Q (by arrival seq), and qv(v) (by arrival seq) with its version in VS.
+-- index of its version, qv(v) (by uses · 2^38 + arrival seq), with its version in VS. (Runs of
+-- layout 3 also kept every ready unit in Q, by arrival seq; load_run() removes it.)
 
 local function qv(v) return qvkey(I(v)) end
 
@@ -73,9 +74,11 @@ per_call(function()
   RETIRED, RETIRED_ORDER, RETIRED_N, LIVE_DELTA = {}, {}, 0, 0
 end)
 
+-- Whether the complete unit u, of version v, is ready (not leased nor awaiting rewards).
+local function is_ready(u, v) return redis.call('ZSCORE', qv(v), u) ~= false end
+
 -- Take a ready unit out of the ready indexes; a version whose index empties leaves VS.
 local function unready(u, v)
-  redis.call('ZREM', Q, u)
   local k = qv(v)
   redis.call('ZREM', k, u)
   if redis.call('EXISTS', k) == 0 then redis.call('ZREM', VS, I(v)) end
@@ -83,14 +86,12 @@ end
 
 -- unready() for many units { {u, v}, ... } at once: one ZREM per index.
 local function unready_many(units)
-  local all, by_v = {}, {}
+  local by_v = {}
   for _, x in ipairs(units) do
-    table.insert(all, x[1])
     local l = by_v[x[2]]
     if not l then l = {} by_v[x[2]] = l end
     table.insert(l, x[1])
   end
-  each_chunk(all, 1000, function(...) redis.call('ZREM', Q, ...) end)
   for v, l in pairs(by_v) do
     each_chunk(l, 1000, function(...) redis.call('ZREM', qv(v), ...) end)
     if redis.call('EXISTS', qv(v)) == 0 then redis.call('ZREM', VS, I(v)) end
@@ -101,7 +102,7 @@ end
 -- (nil: none). Its version's index orders fewer uses first, then arrival (SPEC `order`): its
 -- score is uses · 2^38 + seq, exact as a double for max_reuse ≤ 10,000 and 2^38 units a run.
 local function make_ready(u, v, seq, uses)
-  table.insert(READY, { u, v, seq, (uses or 0) * 274877906944 + seq })
+  table.insert(READY, { u, v, (uses or 0) * 274877906944 + seq })
   WOKE = true
 end
 
@@ -120,14 +121,12 @@ local function flush_units()
     US_SET = {}
   end
   if #READY == 0 then return end
-  local q, by_v = {}, {}
+  local by_v = {}
   for _, x in ipairs(READY) do
-    table.insert(q, x[3]) table.insert(q, x[1])
     local l = by_v[x[2]]
     if not l then l = {} by_v[x[2]] = l end
-    table.insert(l, I(x[4])) table.insert(l, x[1])
+    table.insert(l, I(x[3])) table.insert(l, x[1])
   end
-  each_chunk(q, 1000, function(...) redis.call('ZADD', Q, ...) end)
   for v, l in pairs(by_v) do
     each_chunk(l, 1000, function(...) redis.call('ZADD', qv(v), ...) end)
     redis.call('ZADD', VS, I(v), I(v))
