@@ -74,16 +74,17 @@ async def clear() -> dict[str, int]:
 # -- the HTTP floor: the broker's lease and ack requests, answered from memory ------------------
 # Same paths, bodies and sizes as the broker's msgpack lease and ack, with no work behind them:
 # what one uvicorn process on this machine costs just to move a batch out and its ack back in.
-_canned: dict[int, bytes] = {}
+# The run id names the rollouts' length: "canned" 1,024 tokens, "canned-<n>" n tokens.
+_canned: dict[tuple[int, int], bytes] = {}
 
 
-def _canned_batch(size: int) -> bytes:
-    if size not in _canned:
+def _canned_batch(size: int, tokens: int) -> bytes:
+    if (size, tokens) not in _canned:
         import msgpack
 
         from benchmarks.payloads import make_payload
 
-        p = make_payload()
+        p = make_payload(tokens=tokens)
         item = {
             "group_id": None,
             "policy_version": 0,
@@ -96,7 +97,7 @@ def _canned_batch(size: int) -> bytes:
             "uses": 0,
             "lag": 0,
         }
-        _canned[size] = msgpack.packb(
+        _canned[size, tokens] = msgpack.packb(
             {
                 "batch_id": "canned",
                 "policy_version": 0,
@@ -105,12 +106,14 @@ def _canned_batch(size: int) -> bytes:
             },
             use_bin_type=True,
         )
-    return _canned[size]
+    return _canned[size, tokens]
 
 
 @app.get("/v1/runs/{run_id}/batch")
 async def canned_lease(run_id: str, size: int) -> Response:
-    return Response(_canned_batch(size), media_type="application/msgpack")
+    _, _, tokens = run_id.partition("-")
+    batch = _canned_batch(size, int(tokens) if tokens else 1024)
+    return Response(batch, media_type="application/msgpack")
 
 
 @app.post("/v1/runs/{run_id}/batches/{batch_id}/ack")

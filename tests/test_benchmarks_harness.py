@@ -60,6 +60,7 @@ def expected_rows() -> list[str]:
     ]
     rows += [f"long.ingest.msgpack.{s.long_per_req}.p{n}" for n in (1, 4)]
     rows += ["long.ingest.json.1.p1", f"long.lease_ack.msgpack.{s.long_batch}"]
+    rows += [f"http_floor.long.lease_ack.{s.long_batch}"]
     rows += [
         f"{toggle}.{case}.{side}"
         for toggle in ("auth", "metrics")

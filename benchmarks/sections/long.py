@@ -56,6 +56,9 @@ def long_rows(b: Bench) -> list[Row]:
         b.raw_clear()
         b.say(f"long: naive dict, batches of {size} pops (#{rep + 1})")
         keep("naive_pop", long_naive_pop(b, size, s.long_naive_s))
+        b.say(f"long: lease+ack floor, canned answers over HTTP, batches of {size} (#{rep + 1})")
+        canned = f"canned-{tokens}"
+        keep("floor", b.lease_ack(canned, size, 1, s.long_lease_s, server=b.naive, tokens=tokens))
         run = b.new_run("long-lease", max_reuse=1)
         b.say(f"long: filling {s.long_fill:,} rollouts (#{rep + 1})")
         b.fill(run, s.long_fill, "lf", size, tokens=LONG_TOKENS)
@@ -91,6 +94,19 @@ def long_rows(b: Bench) -> list[Row]:
         row.target(">1× naive", row.vs_naive, 1.0)
         rows.append(row)
     g, raw = best_rate(got["lease"]), best_rate(got["raw_read"]).rate
+    floor = best_rate(got["floor"]).rate
+    floor_row = Row(
+        f"http_floor.long.lease_ack.{size}",
+        LONG_SECTION,
+        "HTTP floor of 32,768-token rollouts: the same msgpack lease and ack, answered canned "
+        "from memory (no broker)",
+        floor,
+        "rollouts/s",
+        raw=raw,
+        tokens_per_s=floor * tokens,
+        note=f"{mb_s(floor)} of raw arrays: what one uvicorn process and the trainer's client "
+        "cost to move the bytes alone",
+    )
     row = Row(
         f"long.lease_ack.msgpack.{size}",
         LONG_SECTION,
@@ -102,11 +118,12 @@ def long_rows(b: Bench) -> list[Row]:
         naive=best_rate(got["naive_pop"]).rate,
         tokens_per_s=g.rate * tokens,
         note=f"{mb_s(g.rate)} of raw arrays, raw Redis {mb_s(raw)}; {g.ops} batches; "
-        f"lease p50 {percentile(g.latencies, 50) * 1e3:.1f} ms",
+        f"lease p50 {percentile(g.latencies, 50) * 1e3:.1f} ms; {g.rate / floor:.2f}× the HTTP "
+        "floor",
     )
     row.target(f"≥{LONG_NEED}× raw", row.vs_raw, LONG_NEED)
     row.target(">1× naive", row.vs_naive, 1.0)
-    return [*rows, row]
+    return [*rows, row, floor_row]
 
 
 def long_ingest(b: Bench, run: str, fmt: str, per_req: int, procs: int, duration: float) -> Group:
