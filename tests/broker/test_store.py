@@ -492,3 +492,21 @@ async def test_a_run_of_layout_3_loses_its_arrival_index_and_keeps_its_units(sto
     assert sorted(ids(await lease(store, 2))) == ["a", "b"]
     assert await store.redis.hget(run, "lay") == b"4"
     assert await store.redis.exists(queue) == 0
+
+
+async def test_a_batch_leased_before_the_binary_records_is_acked_after_them(store, prefix):
+    """A batch keeps each unit's record as it was at lease time: one leased by an earlier
+    version, text records and all, is acked by this one, and its units come back with one use."""
+    await new_run(store, max_reuse=3)
+    await store.ingest("r", [packed("a"), packed("b")])
+    got = await lease(store, 2)
+    batch = keys.run_key(prefix, "r", keys.BATCH + got.batch_id)
+    # Unit id, its record at lease time, its rollout count, per unit, as Lua strings.
+    units = msgpack.unpackb(await store.redis.hget(batch, "units"), raw=True)
+    for i in range(0, len(units), 3):
+        assert units[i + 1][:1] == b"\x01"
+        units[i + 1] = _as_text_record(units[i + 1])
+    await store.redis.hset(batch, "units", msgpack.packb(units, use_bin_type=False))
+    assert (await ack(store, got))[0] == "acked"
+    again = await lease(store, 2)
+    assert sorted(ids(again)) == ["a", "b"] and {r.uses for r in again.rollouts} == {1}
