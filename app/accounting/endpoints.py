@@ -97,7 +97,7 @@ async def list_prompts(
     session: Session,
     accounting: Accounting,
     state: Annotated[
-        Literal["queued", "in_flight", "done", "failed", "skipped"] | None,
+        Literal["queued", "in_flight", "done", "failed", "skipped", "cancelled"] | None,
         Query(description="Only the passes in this state; all when absent"),
     ] = None,
     pool: Annotated[

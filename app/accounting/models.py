@@ -149,12 +149,14 @@ class RunTotals(_Totals, Base):
     kl_coef_seq: Mapped[int | None] = mapped_column(BigInteger)
     # The bias figures (SPEC "Accounting"): rewards of the rollouts received (posted with one,
     # or scored later) and of the samples consumed, counted and summed; their lengths are in
-    # length_counts. Prompt passes skipped (a pool of weight 0): a final state of the ledger.
+    # length_counts. Prompt passes skipped (a pool of weight 0) and cancelled (their run closed):
+    # final states of the ledger.
     reward_generated_n: Mapped[int] = _count()
     reward_generated_sum: Mapped[float] = _sum()
     reward_trained_n: Mapped[int] = _count()
     reward_trained_sum: Mapped[float] = _sum()
     prompts_skipped: Mapped[int] = _count()
+    prompts_cancelled: Mapped[int] = _count()
 
 
 class VersionTotals(_Totals, Base):

@@ -10,9 +10,10 @@ from app.events import EventError
 
 __all__ = ["MAX_PASSES", "PASS_RANK", "PassCounts", "PassState", "pass_state"]
 
-# A pass's states within one attempt: queued < in_flight < done = failed = skipped (all final;
-# skipped: queued in a difficulty pool of weight 0, its pass over without generation).
-PASS_RANK = {"queued": 0, "in_flight": 1, "done": 2, "failed": 2, "skipped": 2}
+# A pass's states within one attempt: queued < in_flight < done = failed = skipped = cancelled
+# (all final; skipped: queued in a difficulty pool of weight 0, its pass over without generation;
+# cancelled: its run closed before it was over).
+PASS_RANK = {"queued": 0, "in_flight": 1, "done": 2, "failed": 2, "skipped": 2, "cancelled": 2}
 
 # More passes than this in one `registered` item is not a real run's epochs but a broken event;
 # folding it would build that many rows in memory.
@@ -57,6 +58,7 @@ class PassCounts:
     prompts_done: int = 0
     prompts_failed: int = 0
     prompts_skipped: int = 0
+    prompts_cancelled: int = 0
     prompts_retried: int = 0
 
     def move(self, old: PassState | None, new: PassState) -> None:

@@ -349,11 +349,12 @@ def _checked(
             registered=totals.prompts_registered,
             queued=totals.prompts_queued,
             in_flight=totals.prompts_in_flight,
-            # Skipped passes are over too: in done, so that the passes still add up.
-            done=totals.prompts_done + totals.prompts_skipped,
+            # Skipped and cancelled passes are over too: in done, so that the passes still add up.
+            done=totals.prompts_done + totals.prompts_skipped + totals.prompts_cancelled,
             failed=totals.prompts_failed,
             retried=totals.prompts_retried,
             skipped=totals.prompts_skipped,
+            cancelled=totals.prompts_cancelled,
             pools=pools,
         ),
         partials=PartialCounts(

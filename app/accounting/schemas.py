@@ -81,20 +81,25 @@ class PoolCounts(BaseModel):
 class PromptCounts(BaseModel):
     """Prompt passes of a run that takes its work from the broker (a prompt queued for
     ``epochs`` passes counts ``epochs`` times); once drained, ``registered == queued +
-    in_flight + done + failed`` (``done`` counts the ``skipped`` passes too)."""
+    in_flight + done + failed`` (``done`` counts the ``skipped`` and ``cancelled`` passes too)."""
 
     registered: int = Field(description="Passes of the registered prompts")
     queued: int = Field(description="Passes waiting to be handed out (again)")
     in_flight: int = Field(description="Passes in a generator's work lease")
     done: int = Field(
         description="Passes whose group reached a gradient or retired zero_variance, and the "
-        "skipped ones (so that registered == queued + in_flight + done + failed)"
+        "skipped and cancelled ones (so that registered == queued + in_flight + done + failed)"
     )
     failed: int = Field(description="Passes that ran out of attempts")
     retried: int = Field(description="Attempts after the first, summed over the passes")
     skipped: int = Field(
         description="Of done, the passes skipped without generation: queued in a difficulty "
         "pool of weight 0",
+    )
+    cancelled: int = Field(
+        default=0,
+        description="Of done, the passes cancelled without generation: queued, or on their way "
+        "back to the queue, when their run closed",
     )
     pools: PoolCounts | None = Field(
         description="Queued passes per difficulty pool (easy + normal + hard == queued); null "
@@ -414,7 +419,7 @@ class PromptPassRecord(BaseModel):
     prompt_id: str
     pass_: int = Field(alias="pass", description="1 .. the prompt's epochs")
     attempt: int = Field(description="1 for the first hand-out; one more each time it came back")
-    state: str = Field(description="queued, in_flight, done, failed or skipped")
+    state: str = Field(description="queued, in_flight, done, failed, skipped or cancelled")
     tries: int = Field(
         description="Attempts whose group retired unused, whose lease expired or that a stale "
         "rollout ended"

@@ -41,7 +41,9 @@ class PassItem:
     prompt_id: str = wire("text")
     pass_: int = wire("int", key="pass", minimum=1)
     attempt: int = wire("int", minimum=1, note="the attempt this state belongs to")
-    state: str = wire("text", note="`queued`, `in_flight`, `done`, `failed`, `skipped`")
+    state: str = wire(
+        "text", note="`queued`, `in_flight`, `done`, `failed`, `skipped`, `cancelled`"
+    )
     tries: int = wire("int", minimum=0, note="attempts that retired unused or expired")
 
 
@@ -55,7 +57,8 @@ class PassesChanged:
         "that completed it: `in_flight` at a later attempt while its group is buffered, else "
         "`queued`; or it ended the pass's work lease, taken above `W`: `queued`; neither is a "
         "try), `skipped` (queued in a pool of weight 0: `skipped`, its pass over without "
-        "generation)",
+        "generation), `closed` (queued when its run closed: `cancelled`); a pass of a closed "
+        "run that would go back to the queue is `cancelled` under the cause that ended it",
     )
     lease_id: str | None = wire("text", optional=True, note="the work lease, when one")
     items: tuple[PassItem, ...] = wire("items", of=PassItem)
@@ -97,6 +100,7 @@ class PartialsChanged:
         optional=True,
         note="`dropped`: `stale` / `kl_flush` (too stale when handed out), `unused` (its group "
         "completed without it), `failed` (its pass failed), `skipped` (its pass was skipped), "
+        "`cancelled` (its pass was cancelled: the run closed), "
         "`rewound` (a token sampled above the run's version when handed out, after a rewind)",
     )
     lease_id: str | None = wire("text", optional=True, note="the work lease, when one")

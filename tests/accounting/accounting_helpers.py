@@ -1096,10 +1096,11 @@ class RunSim:
                 "registered": self.prompts_registered,
                 "queued": states["queued"],
                 "in_flight": states["in_flight"],
-                "done": states["done"],
+                "done": states["done"] + states["cancelled"],
                 "failed": states["failed"],
                 "retried": sum(p.attempt - 1 for p in self.passes.values()),
                 "skipped": 0,
+                "cancelled": states["cancelled"],
                 "pools": None,
             },
             "partials": {

@@ -447,7 +447,7 @@ async def test_a_prompt_lost_to_a_stale_rollout_is_queued_in_the_ledger_as_live(
     assert acc["pending_events"] == 0 and acc["dead_letters"] == 0
     assert acc["prompts"] == {
         "registered": 3, "queued": 3, "in_flight": 0, "done": 0, "failed": 0, "retried": 1,
-        "skipped": 0, "pools": None,
+        "skipped": 0, "cancelled": 0, "pools": None,
     }  # fmt: skip
     assert acc["rejected"] == {"stale": 1}
 
@@ -487,6 +487,6 @@ async def test_prompt_events_that_cannot_be_applied_are_dead_lettered(
     got = (await accounting_api.get(f"/v1/runs/{run_id}/accounting")).json()
     assert got["prompts"] == {
         "registered": 1, "queued": 1, "in_flight": 0, "done": 0, "failed": 0, "retried": 0,
-        "skipped": 0, "pools": None,
+        "skipped": 0, "cancelled": 0, "pools": None,
     }  # fmt: skip
     assert got["wait"] == {"generator_s": 0.0, "trainer_s": 0.03, "reward_s": 0.0}

@@ -16,6 +16,7 @@
 local WAITS_FOR = {
   live = 'rollouts are still buffered or leased',
   work = 'work leases are still live',
+  prompts = 'prompt passes are still queued (the next sweep cancels them)',
   events = 'the accounting has not applied all its events yet',
   consumers = "what its consumers held was dropped now; the accounting has not applied it yet",
 }

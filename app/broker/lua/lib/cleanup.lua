@@ -1,6 +1,7 @@
 -- requires: batches, rewards
 -- Bounded clean-up of a run: expired batches, work and reward leases, timed-out groups, and units
--- below the version floor (everything buffered, in a closed run).
+-- below the version floor (everything buffered, in a closed run, whose queued prompt passes are
+-- also cancelled).
 
 -- End a live work lease (state `st`: 'e'xpired, 'r'eturned by a rewind): its passes still in
 -- flight go back to the queue (`cause`; a try when `counts`), and a partial group of theirs
@@ -84,5 +85,7 @@ local function sweep(limit)
 
   budget = retire_below(budget)
   if budget <= 0 then more = 1 end
+  -- A closed run hands out no more work: its queued passes are cancelled.
+  if R.st == 'closed' and budget > 0 and cancel_queued(budget) == budget then more = 1 end
   return more
 end

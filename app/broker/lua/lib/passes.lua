@@ -1,10 +1,12 @@
 -- requires: admission, pass_keys, partials, pools
 -- Prompt passes and work leases. A pass '<prompt_id>#<pass>' is queued ('q'), handed out in a
--- work lease ('w'), its group complete and buffered or leased ('b'), done ('d') or failed ('f').
+-- work lease ('w'), its group complete and buffered or leased ('b'), done ('d'), failed ('f'),
+-- skipped ('s': queued in a pool of weight 0) or cancelled ('c': its run closed first).
 -- Its attempt 'att' names the group a generator posts: '<prompt_id>#<pass>.<att>'. What passes
 -- went through is written as 'passes' events by finish() (emit_passes).
 local PASS_STATE = {
   q = 'queued', w = 'in_flight', b = 'in_flight', d = 'done', f = 'failed', s = 'skipped',
+  c = 'cancelled',
 }
 local WORK_STATE = { l = 'live', c = 'complete', r = 'returned', e = 'expired' }
 local PASS_EVENTS  -- { {cause, lease_id or false, items}, ... } in order, for finish()
@@ -49,10 +51,31 @@ local function work_settled(lid)
   end
 end
 
+-- A pass of a closed run that is not in the queue (taken out of it, or never put back) ends
+-- without generation: cancelled, its partials dropped.
+local function cancel_pass(pk, att, tries, cause, lease_id)
+  redis.call('HSET', ppkey(pk), 'st', 'c', 'tries', tries)
+  redis.call('HDEL', ppkey(pk), 'lease')
+  note_pass(cause, lease_id, pk, att, 'c', tries)
+  drop_partials(pk, 'cancelled', lease_id)
+end
+
+-- Up to `limit` queued passes of a closed run are cancelled; returns how many.
+local function cancel_queued(limit)
+  local pks = redis.call('ZRANGE', PQ, 0, limit - 1)
+  for _, pk in ipairs(pks) do
+    POOL.dequeue(pk)
+    local f = pass_fields(pk)
+    cancel_pass(pk, tonumber(f[2]), tonumber(f[3]), 'closed', nil)
+  end
+  return #pks
+end
+
 -- An attempt ended without its group reaching a gradient: the pass goes back to the queue at
 -- the next attempt, ahead of fresh passes, or is failed once `counts` (a try that retired unused
--- or expired, not a return) brings its tries to max_attempts. `f` = pass_fields(pk). The
--- partials the attempt was handed out with go back with the pass, or are dropped with it.
+-- or expired, not a return) brings its tries to max_attempts. In a closed run it is cancelled
+-- instead of queued. `f` = pass_fields(pk). The partials the attempt was handed out with go back
+-- with the pass, or are dropped with it.
 local function requeue(pk, f, cause, lease_id, counts)
   if f[1] == 'w' then work_settled(f[4]) end
   release()
@@ -63,6 +86,8 @@ local function requeue(pk, f, cause, lease_id, counts)
     redis.call('HDEL', ppkey(pk), 'lease')
     note_pass(cause, lease_id, pk, att, 'f', tries)
     drop_partials(pk, 'failed', lease_id)
+  elseif R.st == 'closed' then
+    cancel_pass(pk, att, tries, cause, lease_id)
   else
     partials_back(pk, lease_id)
     att = att + 1

@@ -1,7 +1,8 @@
 -- requires: run
 -- What a closed run still waits for before it costs the workers nothing (and may be deleted),
 -- or nil when it has settled: nothing buffered, leased, in an open group or in a live work or
--- reward lease, and every event of its stream read and acknowledged by the accounting consumer group.
+-- reward lease, no prompt pass queued, and every event of its stream read and acknowledged by
+-- the accounting consumer group.
 
 -- Stream ids 'ms-seq' in order (ms is exact as a double up to 2^53).
 local function stream_id_le(a, b)
@@ -32,7 +33,7 @@ local function undrained(group)
 end
 
 -- nil, or 'open' | 'live' (rollouts buffered, leased or in open groups) | 'work' (live work
--- leases) | 'events'. Needs load_run().
+-- leases) | 'prompts' (passes still queued) | 'events'. Needs load_run().
 local function unsettled(group)
   if R.st ~= 'closed' then return 'open' end
   local f = redis.call('HMGET', RUN, 'live', 'leased')
@@ -42,5 +43,6 @@ local function unsettled(group)
     return 'live'
   end
   if redis.call('ZCARD', WLEASES) > 0 then return 'work' end
+  if redis.call('ZCARD', PQ) > 0 then return 'prompts' end
   return undrained(group)
 end
