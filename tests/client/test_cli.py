@@ -20,6 +20,7 @@ from rollout_broker_client import (
     ValidationFailed,
 )
 from rollout_broker_client._wire import parse_accounting
+from rollout_broker_client.cli.app import build
 from typer.testing import CliRunner
 
 from app.cli import cli
@@ -31,8 +32,8 @@ from tests.services import fresh_database, url_of_database
 runner = CliRunner()
 
 
-def invoke(server: LiveServer | None, *args: str) -> tuple[int, str, str]:
-    env = {"COLUMNS": "160", "NO_COLOR": "1"}
+def invoke(server: LiveServer | None, *args: str, columns: int = 160) -> tuple[int, str, str]:
+    env = {"COLUMNS": str(columns), "NO_COLOR": "1"}
     if server is not None:
         env["BROKER_URL"] = server.url
     result = runner.invoke(cli, list(args), env=env)
@@ -169,6 +170,70 @@ def test_accounting_of_a_deleted_run(live_server: LiveServer, trained_run: str) 
     code, out, err = invoke(live_server, "accounting", trained_run, "--json")
     assert code == 0, err
     assert json.loads(out)["rollouts_received"] == 4
+
+
+@pytest.mark.slow
+def test_the_advice_for_a_deleted_run_can_be_followed(live_server: LiveServer) -> None:
+    """A deleted run's id is refused to ``runs create`` (its accounting keeps it) and not found
+    by the commands of live runs: the advice names ``runs list`` and the accounting, which
+    answer, never ``runs config``, which would not find the run either."""
+    run = rid()
+    with BrokerClient(live_server.url) as broker:
+        broker.create_run(run)
+        broker.close_run(run)
+        broker.wait_for_accounting(run, timeout_s=20)
+        broker.delete_run(run)
+    code, out, err = invoke(live_server, "runs", "create", run, "-c", "max_reuse=2")
+    assert code == 1 and out == ""
+    line = _one_line(err)
+    assert line.startswith(f"error: RunConflict: run '{run}' was deleted"), line
+    assert line.endswith(
+        "; pick another run id: `rollout-broker runs list` shows the runs there are, "
+        f"`rollout-broker accounting {run}` the deleted run's accounting"
+    ), line
+    for args in (["runs", "show", run], ["runs", "config", run, "-c", "max_reuse=2"]):
+        code, out, err = invoke(live_server, *args)
+        assert code == 1 and out == ""
+        line = _one_line(err)
+        assert line.startswith(f"error: RunNotFound: no run '{run}'"), line
+        assert line.endswith(
+            "; it may have been deleted: `rollout-broker runs list` shows the runs there are"
+        ), line
+
+    # The advice, followed.
+    code, out, err = invoke(live_server, "runs", "list", "--json")
+    assert code == 0, err
+    assert run not in [r["run_id"] for r in json.loads(out)]
+    code, out, err = invoke(live_server, "accounting", run)
+    assert code == 0 and f"Accounting of {run} (deleted)" in out, err
+
+    # The accounting is kept for deleted runs: a run it does not find never was one.
+    never = rid()
+    code, _, err = invoke(live_server, "accounting", never)
+    line = _one_line(err)
+    assert code == 1 and line.startswith(f"error: RunNotFound: run '{never}'"), line
+    assert line.endswith("; `rollout-broker runs list` shows the runs there are"), line
+
+    # The client's own command line names itself in its advice.
+    env = {"BROKER_URL": live_server.url, "COLUMNS": "160", "NO_COLOR": "1"}
+    result = runner.invoke(build(), ["runs", "create", run], env=env)
+    assert result.exit_code == 1
+    assert "`rollout-broker-ctl runs list`" in _one_line(result.stderr)
+
+
+@pytest.mark.slow
+def test_a_url_with_the_api_prefix_is_refused_in_one_line(live_server: LiveServer) -> None:
+    """The broker's API is under /v1, which the client adds itself: given in the URL too, every
+    request met a bare 404 (``error: NotFound: Not Found``)."""
+    for url in (f"{live_server.url}/v1", f"{live_server.url}/v1/"):
+        code, out, err = invoke(None, "runs", "list", "--url", url)
+        assert code == 2 and out == ""
+        assert _one_line(err) == (
+            f"error: --url {url} ends in /v1, the API's prefix: give the broker's base URL "
+            f"without it, {live_server.url}"
+        )
+    code, _, err = invoke(None, "runs", "list", "--url", live_server.url)
+    assert code == 0, err
 
 
 @pytest.mark.slow

@@ -206,3 +206,49 @@ def test_a_bad_command_line_is_status_2() -> None:
     assert code == 2 and out == ""
     code, _, err = invoke("--url", UNREACHABLE, "runs", "show", "..")
     assert code == 2 and "is not a run id" in err
+
+
+PREFIXED = f"{UNREACHABLE}/v1"
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "given_as", "url"),
+    [
+        (["--url", PREFIXED, "runs", "list"], {}, "--url", PREFIXED),
+        (["runs", "list"], {"BROKER_URL": f"{PREFIXED}/"}, "BROKER_URL", f"{PREFIXED}/"),
+        (["accounting", "r", "--url", PREFIXED], {"BROKER_URL": UNREACHABLE}, "--url", PREFIXED),
+        (["watch", "r", "--count", "1"], {"BROKER_URL": PREFIXED}, "BROKER_URL", PREFIXED),
+    ],
+    ids=["global --url", "BROKER_URL", "the command's --url", "watch"],
+)
+def test_a_url_with_the_api_prefix_is_refused_before_any_request(
+    args: list[str], env: dict[str, str | None], given_as: str, url: str
+) -> None:
+    """The client adds /v1 itself: the URL is the broker's base URL, and the one line says
+    where the wrong one came from and what the right one is."""
+    code, out, err = invoke(*args, env=env)
+    assert code == 2 and out == ""
+    assert err == (
+        f"error: {given_as} {url} ends in /v1, the API's prefix: give the broker's base URL "
+        f"without it, {UNREACHABLE}\n"
+    )
+
+
+def test_only_a_path_ending_in_v1_is_the_api_prefix() -> None:
+    code, _, err = invoke("--url", f"{UNREACHABLE}/api/v1/", "runs", "list")
+    assert code == 2 and err.endswith(f"without it, {UNREACHABLE}/api\n"), err
+    for path in ("/v10", "/v1x", "/v1/runs", "/api"):
+        code, _, err = invoke("--url", f"{UNREACHABLE}{path}", "runs", "list")
+        assert code == 1 and err.startswith(f"error: cannot reach the broker at {UNREACHABLE}"), (
+            path,
+            err,
+        )
+
+
+def test_a_url_with_the_api_prefix_stops_only_the_operator_commands() -> None:
+    """``--version`` and the server's own commands do not use the URL."""
+    env: dict[str, str | None] = {"BROKER_URL": PREFIXED, "BROKER_REDIS_URL": None}
+    code, out, _ = invoke("--version", env=env)
+    assert (code, out) == (0, f"rollout-broker {app.__version__}\n")
+    code, _, err = invoke("worker", env=env)
+    assert code == 2 and "BROKER_REDIS_URL" in err and "/v1" not in err

@@ -12,7 +12,7 @@ import typer
 
 from rollout_broker_client import DEFAULT_URL, __version__
 from rollout_broker_client.cli import commands, watch
-from rollout_broker_client.cli.common import TOKEN_HELP, URL_HELP, GlobalOptions
+from rollout_broker_client.cli.common import PROG, TOKEN_HELP, URL_HELP, GlobalOptions
 
 HELP = (
     "Rollout Broker's operator commands: runs, policy versions, batches, consumers, the "
@@ -72,7 +72,13 @@ def _global_options(name: str, version: str) -> Callable[..., None]:
         ] = False,
     ) -> None:
         # Runs before every command: the operator commands take the broker's URL and the token
-        # from here unless given their own (serve, worker and migrate ignore them).
-        ctx.obj = GlobalOptions(url=url, token=token)
+        # from here unless given their own (serve, worker and migrate ignore them), and check
+        # the URL only then.
+        source = ctx.get_parameter_source("url")
+        from_env = source is not None and source.name == "ENVIRONMENT"
+        ctx.obj = GlobalOptions(
+            url=url, token=token, url_from="BROKER_URL" if from_env else "--url"
+        )
+        PROG.set(name)
 
     return options

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Annotated, Literal, cast
 
 import typer
 
-from rollout_broker_client import RunConflict, RunNotFound
+from rollout_broker_client import BrokerClient, RunConflict, RunNotFound
 from rollout_broker_client.cli.common import (
+    PROG,
     AsJson,
     RunArg,
     Token,
@@ -97,11 +98,25 @@ def runs_create(
         try:
             run = broker.create_run(run_id, cfg)
         except RunConflict as err:
-            raise fail(
-                f"{err.error}: {err.detail}; change its config with "
-                f"`rollout-broker runs config {run_id} -c KEY=VALUE`"
-            ) from None
+            if run_id is None:  # an id of the broker's choosing
+                raise
+            raise fail(f"{err.error}: {err.detail}; {_conflict_advice(broker, run_id)}") from None
     show(run, as_json, run_detail)
+
+
+def _conflict_advice(broker: BrokerClient, run_id: str) -> str:
+    """What to do about a run id that ``runs create`` was refused: change the config of the
+    run that has it, or, when that run was deleted (its accounting keeps the id), pick another
+    id."""
+    name = PROG.get()
+    try:
+        broker.get_run(run_id)
+    except RunNotFound:
+        return (
+            f"pick another run id: `{name} runs list` shows the runs there are, "
+            f"`{name} accounting {run_id}` the deleted run's accounting"
+        )
+    return f"change its config with `{name} runs config {run_id} -c KEY=VALUE`"
 
 
 @runs_cli.command("config")
@@ -374,7 +389,7 @@ def accounting(
             "they cannot be used together: give one",
             param_hint="'--versions' / '--training' / '--generators'",
         )
-    with connect(url, token) as broker:
+    with connect(url, token, reads_deleted=True) as broker:
         if generators:
             show(broker.accounting_generators(run_id), as_json, generators_table)
             return
@@ -401,7 +416,7 @@ def accounting(
 
 
 # The states of a prompt pass (the client's PromptStateName), spelled here for typer to read.
-PassState = Literal["queued", "in_flight", "done", "failed", "skipped"]
+PassState = Literal["queued", "in_flight", "done", "failed", "skipped", "cancelled"]
 Pool = Literal["easy", "normal", "hard"]
 
 
@@ -423,7 +438,7 @@ def prompts(
 ) -> None:
     """A run's prompt passes (runs whose generators take work from the broker): each one's
     state, attempt and tries, in prompt order (from the accounting; may trail by a second)."""
-    with connect(url, token) as broker:
+    with connect(url, token, reads_deleted=True) as broker:
         counts = None if as_json else broker.accounting(run_id).prompts
         page_size = min(limit + 1, 1000) if limit else 1000
         found = broker.prompt_states(run_id, state, page_size=page_size, pool=pool)

@@ -1,5 +1,6 @@
 """What the operator commands share: the global options, the client of one command with its
-errors as one line, the run id check, and output as JSON or for a person."""
+errors as one line, the checks of a run id and of the broker's URL, and output as JSON or for a
+person."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import contextlib
 import dataclasses
 import json
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import typer
 
@@ -20,6 +23,7 @@ from rollout_broker_client import (
     BrokerUnreachable,
     Forbidden,
     Retry,
+    RunNotFound,
     Unauthorized,
 )
 from rollout_broker_client.protocol import is_run_id
@@ -27,7 +31,7 @@ from rollout_broker_client.protocol import is_run_id
 if TYPE_CHECKING:
     from rich.console import Console
 
-URL_HELP = "Broker API base URL"
+URL_HELP = "The broker's base URL, without the API's prefix /v1"
 TOKEN_HELP = (
     "Bearer token for a broker with auth on; BROKER_TOKEN keeps it off the command line, "
     "where other users of the machine can read it"
@@ -37,10 +41,12 @@ TOKEN_HELP = (
 @dataclasses.dataclass(frozen=True)
 class GlobalOptions:
     """The options given before the command's name (``--url``, ``--token``), kept as the
-    object of the command line's context for the commands to find."""
+    object of the command line's context for the commands to find, with where the URL came
+    from (``url_from``: ``--url`` or ``BROKER_URL``)."""
 
     url: str = DEFAULT_URL
     token: str | None = None
+    url_from: str = "--url"
 
 
 def _global(ctx: typer.Context) -> GlobalOptions:
@@ -48,8 +54,34 @@ def _global(ctx: typer.Context) -> GlobalOptions:
     return found if found is not None else GlobalOptions()
 
 
+# The name of the command line running (rollout-broker or rollout-broker-ctl), for advice that
+# names another of its commands; the global options, which run before every command, set it.
+PROG: ContextVar[str] = ContextVar("PROG", default="rollout-broker-ctl")
+
+
+def check_url(url: str, given_as: str) -> str:
+    """``url``, refused when its path ends in ``/v1``: that is the API's prefix, which the
+    client adds itself (a request would go to ``/v1/v1/...`` and meet a bare 404)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # not a URL at all: the client says so when it is used
+        return url
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        base = urlunsplit(parts._replace(path=path.removesuffix("/v1")))
+        raise fail(
+            f"{given_as} {url} ends in /v1, the API's prefix: give the broker's base URL "
+            f"without it, {base}",
+            code=2,
+        )
+    return url
+
+
 def _url_or_global(ctx: typer.Context, value: str | None) -> str:
-    return value or _global(ctx).url
+    if value:
+        return check_url(value, "--url")
+    options = _global(ctx)
+    return check_url(options.url, options.url_from)
 
 
 def _token_or_global(ctx: typer.Context, value: str | None) -> str | None:
@@ -106,11 +138,19 @@ def console() -> Console:
 
 @contextlib.contextmanager
 def connect(
-    url: str | None, token: str | None = None, retry: Retry | None = None
+    url: str | None,
+    token: str | None = None,
+    retry: Retry | None = None,
+    *,
+    reads_deleted: bool = False,
 ) -> Iterator[BrokerClient]:
     """A client for one command; broker errors become one line on stderr and exit status 1.
     A request is sent again a few times, for a second or so, before the broker counts as
-    unreachable: an operator waits for an answer, not for a minute of retries."""
+    unreachable: an operator waits for an answer, not for a minute of retries.
+
+    A run not found is told where to look for the runs there are; ``reads_deleted`` is for a
+    command that reads deleted runs too (their accounting), so whose run not found was never
+    one, rather than perhaps deleted."""
     try:
         client = BrokerClient(url, retry=retry or Retry(retries=3), token=token)
     except ValueError as err:  # a token that cannot be sent; the message does not quote it
@@ -127,6 +167,10 @@ def connect(
             f"{err.error}: {err.detail}; pass --token or set BROKER_TOKEN to a token allowed to "
             "do this"
         ) from None
+    except RunNotFound as err:
+        runs = f"`{PROG.get()} runs list` shows the runs there are"
+        advice = runs if reads_deleted else f"it may have been deleted: {runs}"
+        raise fail(f"{err.error}: {err.detail}; {advice}") from None
     except BrokerHTTPError as err:
         raise fail(f"{err.error}: {err.detail}") from None
     except BrokerUnreachable as err:

@@ -1,10 +1,11 @@
 """The rich tables of the operator commands: runs, the accounting (with the ledger's check),
-prompt passes, tokens and the audit log."""
+prompt passes, tokens and the audit log. A time is never wrapped nor cut, at 80 columns and
+wider: the ids and texts beside it fold onto more lines instead."""
 
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ def reward_wait_note(acc: Accounting) -> str:
 
 def prompt_line(p: PromptCounts) -> str:
     skipped = f", of them skipped {p.skipped:,}" if p.skipped else ""
+    skipped += f", of them cancelled {p.cancelled:,}" if p.cancelled else ""
     pools = f"; queued by pool: {pool_line(p.pools)}" if p.pools is not None else ""
     return (
         f"queued {p.queued:,}, in flight {p.in_flight:,}, done {p.done:,}{skipped}, "
@@ -110,20 +112,61 @@ def masked_note(acc: Accounting | VersionAccounting) -> str:
     return f"{of} of generated: posted with loss_mask 0, never trained"
 
 
+# The width of a time as _when writes it: 2026-12-06T15:45:55Z.
+WHEN_WIDTH = 20
+
+
 def _when(at: datetime | None) -> str:
-    return at.isoformat(timespec="seconds") if at is not None else "–"
+    """A time to the second in UTC, ``2026-12-06T15:45:55Z``: one word, so that wrapping a
+    cell never splits it."""
+    if at is None:
+        return "–"
+    if at.tzinfo is None:  # of no zone: shown as it is
+        return at.isoformat(timespec="seconds")
+    return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _when_column(table: Table, header: str) -> None:
+    """A column of times that the table never narrows: the others give way."""
+    table.add_column(header, no_wrap=True, min_width=WHEN_WIDTH)
+
+
+def _narrow(title: str, caption: str | None = None) -> Table:
+    """A table of many columns, narrow enough for 80: the box's own blank separates them."""
+    from rich import box
+    from rich.table import Table
+
+    return Table(
+        title=title,
+        caption=caption,
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+        padding=0,
+        show_edge=False,
+    )
+
+
+def _detail(title: str) -> Table:
+    """A table of one field a line: a value too long for the line folds onto more."""
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value", overflow="fold")
+    return table
 
 
 # -- runs ------------------------------------------------------------------------------------------
 
 
 def run_table(runs: list[Run]) -> RenderableType:
-    from rich.table import Table
-
-    table = Table(title="Runs")
-    for col in ("run_id", "status", "version", "group_size", "max_staleness", "max_reuse"):
-        table.add_column(col, justify="left" if col in ("run_id", "status") else "right")
-    table.add_column("created_at")
+    table = _narrow("Runs")
+    table.add_column("run_id", overflow="fold")
+    table.add_column("status", no_wrap=True)
+    # The config's fields, their names on two lines: 80 columns hold the table then.
+    for header in ("version", "group\nsize", "max\nstaleness", "max\nreuse"):
+        table.add_column(header, justify="right", no_wrap=True)
+    _when_column(table, "created_at")
     for r in runs:
         c = r.config
         table.add_row(
@@ -133,31 +176,23 @@ def run_table(runs: list[Run]) -> RenderableType:
             str(c.get("group_size", "")),
             str(c.get("max_staleness", "")),
             str(c.get("max_reuse", "")),
-            r.created_at.isoformat(timespec="seconds"),
+            _when(r.created_at),
         )
     return table
 
 
 def run_detail(run: Run) -> RenderableType:
-    from rich.table import Table
-
-    table = Table(title=f"Run {run.run_id}", show_header=False)
-    table.add_column("field", style="bold")
-    table.add_column("value")
+    table = _detail(f"Run {run.run_id}")
     table.add_row("status", run.status)
     table.add_row("policy_version", str(run.policy_version))
-    table.add_row("created_at", run.created_at.isoformat())
+    table.add_row("created_at", _when(run.created_at))
     for key, value in sorted(run.config.items()):
         table.add_row(key, json.dumps(value))
     return table
 
 
 def consumer_detail(c: ConsumerInfo) -> RenderableType:
-    from rich.table import Table
-
-    table = Table(title=f"Consumer {c.name}", show_header=False)
-    table.add_column("field", style="bold")
-    table.add_column("value")
+    table = _detail(f"Consumer {c.name}")
     rows: list[tuple[str, object]] = [
         ("kind", c.kind),
         ("source", c.source),
@@ -228,9 +263,13 @@ def _prompt_rows(table: Table, p: PromptCounts) -> None:
     table.add_row("registered", fmt(p.registered), "")
     table.add_row("queued", fmt(p.queued), "waiting for a generator")
     table.add_row("in flight", fmt(p.in_flight), "in work leases, or groups not yet used")
-    table.add_row("done", fmt(p.done), "reached a gradient (or retired zero_variance), or skipped")
+    table.add_row(
+        "done", fmt(p.done), "reached a gradient (or retired zero_variance), skipped or cancelled"
+    )
     if p.skipped:
         table.add_row("  of them skipped", fmt(p.skipped), "in a difficulty pool of weight 0")
+    if p.cancelled:
+        table.add_row("  of them cancelled", fmt(p.cancelled), "their run closed first")
     table.add_row("failed", fmt(p.failed), "ran out of attempts")
     table.add_row("retried", fmt(p.retried), "attempts after the first")
     if p.pools is not None:
@@ -500,10 +539,10 @@ def generators_table(rows: list[GeneratorAccounting]) -> RenderableType:
         padding=0,
         show_edge=False,
     )
-    cols = ("generator", "rollouts", "samples", "KL mean", "KL max", "IS mean", "clip", "masked")
-    for col in cols:
-        table.add_column(col, justify="left" if col == "generator" else "right")
-    table.add_column("seen", justify="right")
+    table.add_column("generator", overflow="fold")
+    for col in ("rollouts", "samples", "KL mean", "KL max", "IS mean", "clip", "masked"):
+        table.add_column(col, justify="right")
+    table.add_column("seen", justify="right", no_wrap=True)
     table.add_column("Q", justify="center")
     for g in rows:
         table.add_row(
@@ -552,13 +591,16 @@ def prompts_table(
 
 
 def tokens_table(rows: list[AccessToken]) -> RenderableType:
-    """The tokens, newest first, revoked ones marked; never a secret (the broker has none)."""
-    from rich import box
-    from rich.table import Table
-
-    table = Table(title="Tokens", box=box.SIMPLE_HEAD, title_justify="left")
-    for col in ("token_id", "name", "scopes", "runs", "created_at", "created_by", "status"):
-        table.add_column(col)
+    """The tokens, newest first, revoked ones marked with the time, under it; never a secret
+    (the broker has none)."""
+    table = _narrow("Tokens")
+    for col in ("token_id", "name", "scopes", "runs"):
+        table.add_column(col, overflow="fold")
+    _when_column(table, "created_at")
+    table.add_column("created_by", overflow="fold")
+    # "revoked" with its time under it: a column of times only when a token is revoked.
+    revoked = any(t.revoked for t in rows)
+    table.add_column("status", no_wrap=True, min_width=WHEN_WIDTH if revoked else None)
     for t in rows:
         table.add_row(
             t.token_id,
@@ -567,23 +609,23 @@ def tokens_table(rows: list[AccessToken]) -> RenderableType:
             "all" if t.runs is None else ",".join(t.runs),
             _when(t.created_at),
             t.created_by or "–",
-            f"revoked {_when(t.revoked_at)}" if t.revoked else "active",
+            f"revoked\n{_when(t.revoked_at)}" if t.revoked else "active",
         )
     return table
 
 
 def audit_table(rows: list[AuditEntry], more: bool) -> RenderableType:
-    from rich import box
-    from rich.table import Table
-
-    table = Table(
-        title="Audit log, newest first",
+    table = _narrow(
+        "Audit log, newest first",
         caption=f"{len(rows):,} shown; more with --limit (0: all)" if more else None,
-        box=box.SIMPLE_HEAD,
-        title_justify="left",
     )
-    for col in ("id", "at", "actor", "token_id", "action", "run_id", "detail"):
-        table.add_column(col, justify="right" if col == "id" else "left")
+    table.add_column("id", justify="right", no_wrap=True)
+    _when_column(table, "at")
+    for col in ("actor", "token_id"):
+        table.add_column(col, overflow="fold")
+    table.add_column("action", no_wrap=True)
+    for col in ("run_id", "detail"):
+        table.add_column(col, overflow="fold")
     for e in rows:
         table.add_row(
             str(e.id),
