@@ -123,7 +123,9 @@ async def expected_figures(http: httpx.AsyncClient, selected: str) -> dict[str, 
     versions = (await http.get(base + "/accounting/versions")).json()
     training = await http.get(base + "/accounting/training")
     want: dict[str, Any] = dict(flatten(acc))
-    want["retired_total"] = sum(acc["retired"].values())
+    used_up = acc["retired"].get("max_reuse", 0)  # trained max_reuse times; the rest: wasted
+    want["retired_used_up"] = used_up
+    want["retired_wasted"] = sum(acc["retired"].values()) - used_up
     want["rejected_total"] = sum(acc["rejected"].values())
     want["ledger_live"] = "ok"
     if "rewards" in acc:  # the mean wait for a reward, per rollout scored
