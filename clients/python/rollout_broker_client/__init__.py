@@ -17,12 +17,12 @@ variable) as a bearer token::
         with broker.writer("demo") as w:
             w.add(*[Rollout(f"p0-{k}", 0, tokens[k], rewards[k], logprobs[k], group_id="p0")
                     for k in range(4)])
-        with broker.lease("demo", size=4, wait_s=5) as batch:
-            if batch is not None:
-                batch.ack_with([policy_logprobs(r) for r in batch])
+        with broker.lease("demo", size=4, wait_s=5) as batch:  # empty if none came
+            batch.ack_with([policy_logprobs(r) for r in batch])
         print(broker.wait_for_accounting("demo").samples_consumed)
 """
 
+from rollout_broker_client._arrays import PackedArrays, TrainArrays
 from rollout_broker_client._asgi import SyncASGITransport
 from rollout_broker_client._async import (
     AsyncBrokerClient,
@@ -201,6 +201,7 @@ __all__ = [
     "NewToken",
     "NotFound",
     "OverCapacity",
+    "PackedArrays",
     "Pair",
     "PairRule",
     "Partial",
@@ -237,6 +238,7 @@ __all__ = [
     "ServerError",
     "SyncASGITransport",
     "TokenNotFound",
+    "TrainArrays",
     "TrainingVersion",
     "Unauthorized",
     "Unavailable",

@@ -12,6 +12,8 @@ from typing import Any, Literal, TypedDict
 import numpy as np
 import numpy.typing as npt
 
+from rollout_broker_client._arrays import PackedArrays, PaddingSide, TrainArrays, pack, pad
+
 __all__ = [
     "AccessToken",
     "Accounting",
@@ -297,7 +299,7 @@ class ScoreResult:
     retired: list[str] = field(default_factory=list)
 
 
-PromptStateName = Literal["queued", "in_flight", "done", "failed", "skipped"]
+PromptStateName = Literal["queued", "in_flight", "done", "failed", "skipped", "cancelled"]
 PoolName = Literal["easy", "normal", "hard"]
 
 
@@ -482,6 +484,45 @@ class Batch:
             out.setdefault(r.group_id or r.rollout_id, []).append(r)
         return out
 
+    def padded(
+        self,
+        pad_id: int = 0,
+        *,
+        max_length: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        padding_side: PaddingSide = "right",
+        scale_by_std: bool = True,
+        eps: float = 1e-6,
+    ) -> TrainArrays[npt.NDArray[Any]]:
+        """The batch as padded rows for a trainer, one per rollout in batch order: input ids,
+        attention mask, position ids, loss mask, behaviour logprobs, token versions, rewards
+        and GRPO advantages (see :class:`TrainArrays`; ``.to_torch()`` for tensors).
+
+        Rows are as wide as the longest sequence (prompt and response), rounded up to a
+        multiple of ``pad_to_multiple_of``, and padded with ``pad_id`` on ``padding_side``. A
+        sequence longer than ``max_length`` raises ValueError naming its rollout: it is never
+        cut. ``max_length=n, pad_to_multiple_of=n`` gives rows of exactly ``n`` tokens.
+        Advantages are divided by their group's std plus ``eps``, or not with
+        ``scale_by_std=False`` (Dr. GRPO)."""
+        return pad(
+            self.rollouts,
+            pad_id,
+            max_length=max_length,
+            pad_to_multiple_of=pad_to_multiple_of,
+            padding_side=padding_side,
+            scale_by_std=scale_by_std,
+            eps=eps,
+        )
+
+    def packed(
+        self, *, scale_by_std: bool = True, eps: float = 1e-6
+    ) -> PackedArrays[npt.NDArray[Any]]:
+        """The batch packed into one row without padding, for variable-length attention
+        (flash-attn's ``varlen`` functions): the per-token arrays of :meth:`padded`
+        concatenated, with ``cu_seqlens`` and ``max_seqlen`` (see :class:`PackedArrays`;
+        ``.to_torch()`` for tensors)."""
+        return pack(self.rollouts, scale_by_std=scale_by_std, eps=eps)
+
     def ack_with(
         self,
         logprobs: LogprobsArg | None = None,
@@ -641,10 +682,11 @@ class PromptCounts:
     registered: int = 0
     queued: int = 0
     in_flight: int = 0
-    done: int = 0  # the skipped passes too
+    done: int = 0  # the skipped and cancelled passes too
     failed: int = 0
     retried: int = 0
     skipped: int = 0  # of done: skipped without generation (a difficulty pool of weight 0)
+    cancelled: int = 0  # of done: cancelled without generation (their run closed)
     # Queued passes per difficulty pool ({"easy", "normal", "hard"}); None without difficulty.
     pools: dict[str, int] | None = None
 
