@@ -454,7 +454,7 @@ def train(
         try:
             while version < args.steps and time.monotonic() - t0 < args.seconds:
                 with broker.lease(run_id, size=size, wait_s=2.0) as batch:
-                    if batch is None:
+                    if not batch:  # nothing came within wait_s
                         continue
                     started = time.monotonic()
                     theta, stats = grpo_step(theta, batch, args.lr, args.clip)

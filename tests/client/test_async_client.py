@@ -56,7 +56,7 @@ async def test_round_trip_keeps_arrays_exact(api: httpx.AsyncClient, fmt: str) -
     assert (w.accepted, w.duplicates, w.requests, w.rejected) == (6, 0, 1, [])
 
     async with broker.lease("rt", size=6) as batch:
-        assert batch is not None
+        assert batch
         by_id = {r.rollout_id: r for r in batch}
         for s in sent:
             got = by_id[s.rollout_id]
@@ -116,7 +116,7 @@ async def test_lease_nacks_when_the_block_raises(broker: AsyncBrokerClient) -> N
     await broker.post_rollouts("nack", group("n", 2))
     with pytest.raises(ZeroDivisionError):
         async with broker.lease("nack", size=2) as batch:
-            assert batch is not None
+            assert batch
             leased_id = batch.batch_id
             1 / 0  # noqa: B018
     back = await broker.lease_batch("nack", 2)
@@ -127,11 +127,22 @@ async def test_lease_nacks_when_the_block_raises(broker: AsyncBrokerClient) -> N
     assert err.value.status == 409 and "nacked" in err.value.detail
 
 
-async def test_nothing_to_lease_is_none(broker: AsyncBrokerClient) -> None:
-    await broker.create_run("empty")
-    async with broker.lease("empty", size=4, wait_s=0) as batch:
-        assert batch is None
-    assert await broker.lease_batch("empty", 4, wait_s=0.0) is None
+async def test_nothing_to_lease_is_an_empty_batch(
+    wired: AsyncBrokerClient, recorder: Recorder
+) -> None:
+    await wired.create_run("empty")
+    async with wired.lease("empty", size=4, wait_s=0) as batch:
+        assert len(batch) == 0 and not batch and list(batch) == [] and batch.batch_id == ""
+        batch.ack_with([r.logprobs for r in batch], step=1)  # harmless
+        measured = await batch.measure({})
+        assert measured.weights == {} and measured.stats.kl_mean is None
+    assert batch.ack_result is None
+    with pytest.raises(ZeroDivisionError):
+        async with wired.lease("empty", size=4) as batch:
+            1 / 0  # noqa: B018
+    sent = [f"{q.method} {q.url.path}" for q, _, _ in recorder.exchanges]
+    assert sent == ["POST /v1/runs", "GET /v1/runs/empty/batch", "GET /v1/runs/empty/batch"]
+    assert await wired.lease_batch("empty", 4, wait_s=0.0) is None  # the request alone: None
 
 
 async def test_errors_are_named_and_carry_detail(broker: AsyncBrokerClient) -> None:
@@ -150,10 +161,10 @@ async def test_errors_are_named_and_carry_detail(broker: AsyncBrokerClient) -> N
         await broker.set_policy("e1", 1)
     assert vc.value.error == "VersionConflict" and "below" in vc.value.detail
 
-    bad = Rollout("bad", 0, [1, 2], 1.0, logprobs=[-0.1, 0.5])  # a positive logprob
+    bad = Rollout("bad", 0, [], 1.0)  # an empty response
     with pytest.raises(ValidationFailed) as vf:
         await broker.post_rollouts("e1", [bad])
-    assert vf.value.status == 422 and "≤ 0" in vf.value.detail
+    assert vf.value.status == 422 and "response_ids is empty" in vf.value.detail
 
     with pytest.raises(ValueError, match="between 0 and"):
         await broker.post_rollouts("e1", [Rollout("neg", 0, [-1], 1.0)])
@@ -183,7 +194,7 @@ async def test_writer_waits_out_backpressure(
 
     async def train_one_batch() -> None:  # runs right after the broker answered 429
         async with trainer.lease("bp", size=2) as batch:
-            assert batch is not None
+            assert batch
             freed.append(len(batch))
 
     recorder.on_429 = train_one_batch

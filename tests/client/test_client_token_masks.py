@@ -29,7 +29,7 @@ def test_masks_and_versions_go_out_and_come_back_as_arrays(settings: Settings) -
         assert broker.post_rollouts("turns", [sent]).accepted == 1
         broker.set_policy("turns", 2)  # the version-0 tokens are now too stale to train on
         with broker.lease("turns", size=1) as batch:
-            assert batch is not None
+            assert batch
             [r] = batch.rollouts
             np.testing.assert_array_equal(r.mask, [0, 0, 0, 0, 1, 1])
             np.testing.assert_array_equal(r.token_versions, [0, 0, 0, 0, 1, 1])

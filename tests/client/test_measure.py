@@ -56,7 +56,7 @@ async def test_async_measure_then_an_ack_without_logprobs(api: httpx.AsyncClient
         await broker.create_run("m", {"kl_coef": 0.1, "kl_max": 10.0, "kl_flush": 10.0})
         await broker.post_rollouts("m", _rollouts())
         async with broker.lease("m", size=3) as batch:
-            assert batch is not None
+            assert batch
             order = [r.rollout_id for r in batch]
             # A sequence in batch order, as ack_with takes it.
             m = await batch.measure([np.array(NEW[rid], np.float32) for rid in order])
@@ -73,7 +73,7 @@ async def test_a_measure_missing_a_rollout_is_refused(api: httpx.AsyncClient) ->
         await broker.create_run("m")
         await broker.post_rollouts("m", _rollouts())
         async with broker.lease("m", size=3) as batch:
-            assert batch is not None
+            assert batch
             with pytest.raises(BrokerHTTPError) as err:
                 await batch.measure({"a": NEW["a"]})
             assert err.value.status == 422
@@ -91,7 +91,7 @@ def test_sync_measure_in_process(settings: Settings) -> None:
         broker.create_run("m", {"kl_coef": 0.1, "kl_max": 10.0, "kl_flush": 10.0})
         broker.post_rollouts("m", _rollouts())
         with broker.lease("m", size=3) as batch:
-            assert batch is not None
+            assert batch
             order = [r.rollout_id for r in batch]
             m = batch.measure({rid: NEW[rid] for rid in order})
             _check(m, order)

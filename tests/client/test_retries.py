@@ -5,6 +5,8 @@ answered in the broker's stead by the :class:`Recorder`, the rest by the app in-
 from __future__ import annotations
 
 import json
+import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -94,6 +96,104 @@ def test_the_policy_retries_lost_answers_only_of_idempotent_calls() -> None:
     assert Retry(deadline_s=None).pause(_call(), 10_000, 1e9, error=refused) is not None
 
 
+def test_a_broker_that_never_answered_gets_first_contact_s() -> None:
+    retry = Retry(deadline_s=60.0, backoff_s=0.5, max_backoff_s=0.5, first_contact_s=10.0)
+    req = httpx.Request("GET", "http://b/x")
+    refused = httpx.ConnectError("refused", request=req)
+    timed_out = httpx.ConnectTimeout("timed out", request=req)
+    lost = httpx.ReadError("connection reset", request=req)
+    for error in (refused, timed_out):
+        assert not retry.first_contact_over(error, 5.0, 0.5)
+        assert retry.first_contact_over(error, 9.8, 0.5)  # the next attempt after 10 s
+        assert retry.pause(_call(), 3, 59.0, error=error) is not None  # once answered: 60 s
+    # Something took the connection: the broker's outages get the whole deadline.
+    assert not retry.first_contact_over(lost, 9.8, 0.5)
+    lifted = Retry(deadline_s=60.0, backoff_s=0.5, max_backoff_s=0.5, first_contact_s=None)
+    assert not lifted.first_contact_over(refused, 59.0, 0.5)
+    assert Retry().first_contact_s == 10.0
+
+
+def test_a_url_the_client_cannot_send_to_is_not_retried(caplog: pytest.LogCaptureFixture) -> None:
+    req = httpx.Request("GET", "http://b/x")
+    no_scheme = httpx.UnsupportedProtocol("missing an 'http://'", request=req)
+    assert Retry(deadline_s=None).pause(_call(), 0, 0.0, error=no_scheme) is None
+    with (
+        caplog.at_level(logging.WARNING, logger="rollout_broker.client"),
+        BrokerClient("broker:8000", retry=Retry(retries=3, backoff_s=0.001)) as client,
+        pytest.raises(BrokerUnreachable, match="broker:8000/v1/runs: UnsupportedProtocol"),
+    ):
+        client.list_runs()
+    assert not caplog.records  # raised at the first attempt, none resent
+
+
+def _flaky_broker(answering: list[bool], seen: list[str]) -> httpx.MockTransport:
+    """A broker that refuses connections, but answers while ``answering[0]``."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        if not answering[0]:
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(200, json={})
+
+    return httpx.MockTransport(handle)
+
+
+FIRST_CONTACT = Retry(deadline_s=None, retries=3, backoff_s=0.001, first_contact_s=0.0)
+
+
+def _check_first_contact_logs(caplog: pytest.LogCaptureFixture, seen: list[str]) -> None:
+    resends = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r.getMessage().split(";")[0] for r in resends] == [
+        "GET http://broker:8000/v1/runs/r: ConnectError: connection refused"
+    ] * 3
+    assert [r.getMessage().split(" s ")[1] for r in resends] == [
+        "(attempt 2)",
+        "(attempt 3)",
+        "(attempt 4)",
+    ]
+    assert seen == ["/v1/runs/r", "/healthz", *["/v1/runs/r"] * 4]
+
+
+def test_the_blocking_client_of_a_broker_never_reached_fails_fast(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    answering, seen = [False], []
+    http = httpx.Client(transport=_flaky_broker(answering, seen))
+    client = BrokerClient("http://broker:8000", http=http, retry=FIRST_CONTACT)
+    with caplog.at_level(logging.WARNING, logger="rollout_broker.client"):
+        with pytest.raises(BrokerUnreachable, match="never answered this client") as first:
+            client.get_run("r")  # first_contact_s=0: the first failure is the last
+        assert "http://broker:8000/v1/runs/r" in str(first.value)
+        assert not caplog.records
+        answering[0] = True
+        assert client.healthz()
+        answering[0] = False  # it answered once: its outage is ridden out, up to retries=3
+        with pytest.raises(BrokerUnreachable, match="4 attempts") as later:
+            client.get_run("r")
+    assert "never answered" not in str(later.value)
+    _check_first_contact_logs(caplog, seen)
+
+
+async def test_the_async_client_of_a_broker_never_reached_fails_fast(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    answering, seen = [False], []
+    http = httpx.AsyncClient(transport=_flaky_broker(answering, seen))
+    client = AsyncBrokerClient("http://broker:8000", http=http, retry=FIRST_CONTACT)
+    with caplog.at_level(logging.WARNING, logger="rollout_broker.client"):
+        with pytest.raises(BrokerUnreachable, match="never answered this client"):
+            await client.get_run("r")
+        assert not caplog.records
+        answering[0] = True
+        assert await client.healthz()
+        answering[0] = False
+        with pytest.raises(BrokerUnreachable, match="4 attempts") as later:
+            await client.get_run("r")
+    assert "never answered" not in str(later.value)
+    _check_first_contact_logs(caplog, seen)
+    await http.aclose()
+
+
 def test_every_request_of_the_client_is_safe_to_resend() -> None:
     api = Api()
     calls: list[Call[Any]] = [
@@ -132,6 +232,20 @@ async def test_outage_answers_are_waited_out_as_retry_after_says(
     assert waited >= 0.6  # three times the Retry-After of 0.2 s
 
 
+async def test_each_resend_is_logged_with_its_url_error_and_pause(
+    quick: AsyncBrokerClient, recorder: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    await quick.create_run("logged")
+    recorder.answer["GET /v1/runs/logged"] = [503, 502]
+    with caplog.at_level(logging.WARNING, logger="rollout_broker.client"):
+        assert (await quick.get_run("logged")).run_id == "logged"
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert [re.sub(r"in [0-9.]+ s", "in _ s", line) for line in lines] == [
+        "GET http://broker/v1/runs/logged: 503 Unavailable: canned; resending in _ s (attempt 2)",
+        "GET http://broker/v1/runs/logged: 502 HTTP502: canned; resending in _ s (attempt 3)",
+    ]
+
+
 async def test_a_call_gives_up_at_its_deadline(recorder: Recorder) -> None:
     http = httpx.AsyncClient(transport=recorder, base_url="http://broker")
     retry = Retry(deadline_s=0.5, backoff_s=0.02, max_backoff_s=0.05)
@@ -161,7 +275,7 @@ async def test_trainer_and_generator_calls_are_retried_through_an_outage(
     recorder.answer["GET /batch"] = [503, 504]
     recorder.answer["POST /ack"] = [503, 502]
     async with quick.lease("out", 2) as batch:
-        assert batch is not None
+        assert batch
     assert batch.ack_result is not None and batch.ack_result.consumed == 2
     lease_ids = {
         q.url.params["batch_id"] for q, _ in recorder.answered if q.url.path.endswith("/batch")
@@ -172,7 +286,7 @@ async def test_trainer_and_generator_calls_are_retried_through_an_outage(
     recorder.answer["POST /nack"] = [503]
     with pytest.raises(RuntimeError, match="trainer failed"):
         async with quick.lease("out", 2) as second:
-            assert second is not None
+            assert second
             raise RuntimeError("trainer failed")
 
     recorder.answer["POST /work"] = [503]

@@ -59,7 +59,7 @@ def test_generator_and_trainer_over_the_network(sync_broker: BrokerClient) -> No
     assert (w.accepted, w.requests) == (12, 2)
 
     with sync_broker.lease(run, size=8, wait_s=1.0, trainer_id="t0") as batch:
-        assert batch is not None
+        assert batch
         grouped = batch.groups()
         assert len(grouped) == 2 and all(len(m) == 4 for m in grouped.values())  # whole groups
         batch.ack_with([np.full(4, -1.1, dtype=np.float32) for _ in batch], step=0)
@@ -67,7 +67,7 @@ def test_generator_and_trainer_over_the_network(sync_broker: BrokerClient) -> No
     assert batch.ack_result.stats.kl_max == pytest.approx(np.exp(-0.1) - 1 + 0.1, rel=1e-4)
 
     with pytest.raises(KeyError), sync_broker.lease(run, size=4) as failing:
-        assert failing is not None
+        assert failing
         raise KeyError("the trainer crashed")
     left = sync_broker.lease_batch(run, size=12, partial=True)
     assert left is not None and len(left) == 12  # the nacked group went back
@@ -118,7 +118,7 @@ def test_accounting_over_the_network(sync_broker: BrokerClient) -> None:
     sync_broker.create_run(run, {"group_size": 2, "max_reuse": 1})
     sync_broker.post_rollouts(run, [r for g in groups(3, 2) for r in g])
     with sync_broker.lease(run, size=4) as batch:
-        assert batch is not None
+        assert batch
     acc = sync_broker.wait_for_accounting(run, timeout_s=20)
     assert (acc.rollouts_received, acc.groups_received) == (6, 3)
     assert (acc.buffered, acc.leased, acc.samples_consumed) == (2, 0, 4)
@@ -134,13 +134,13 @@ def test_training_accounting_over_the_network(sync_broker: BrokerClient) -> None
     old = [-1.0, -0.5, -0.25]  # exact in float32, and so are the shifted logprobs below
     sync_broker.post_rollouts(run, [Rollout(f"a{i}", 0, [1, 2, 3], 0.0, old) for i in range(2)])
     with sync_broker.lease(run, size=2) as batch:
-        assert batch is not None
+        assert batch
         # The policy moved by 0.25 on every token of one rollout, not at all on the other's.
         batch.ack_with([[x + 0.25 for x in old], old])
     sync_broker.set_policy(run, 1)
     sync_broker.post_rollouts(run, [Rollout("b", 0, [1, 2], 0.0)])
     with sync_broker.lease(run, size=1) as batch:  # acked with nothing: counted, not measured
-        assert batch is not None
+        assert batch
     sync_broker.wait_for_accounting(run, timeout_s=20)
 
     rows = sync_broker.accounting_training(run)
@@ -170,11 +170,31 @@ def test_sync_client_in_process(settings: Settings) -> None:
         broker.create_run("inproc")
         broker.post_rollouts("inproc", [Rollout("a", 0, np.array([5, 6]), 1.0, [-0.2, -0.3])])
         with broker.lease("inproc", size=1) as batch:
-            assert batch is not None
+            assert batch
             np.testing.assert_array_equal(batch.rollouts[0].response_ids, [5, 6])
             batch.ack_with({"a": [-0.2, -0.3]})
         assert batch.ack_result is not None
         assert batch.ack_result.stats.kl_mean == pytest.approx(0.0, abs=1e-7)
+
+
+def test_nothing_to_lease_is_an_empty_batch() -> None:
+    sent: list[str] = []
+
+    def broker(request: httpx.Request) -> httpx.Response:
+        sent.append(f"{request.method} {request.url.path}")
+        return httpx.Response(204)  # nothing qualified
+
+    http = httpx.Client(transport=httpx.MockTransport(broker), base_url="http://broker")
+    with BrokerClient(http=http) as client:
+        with client.lease("r", size=4, wait_s=0) as batch:
+            assert len(batch) == 0 and not batch and list(batch) == [] and batch.batch_id == ""
+            batch.ack_with([r.logprobs for r in batch], step=1)  # harmless
+            assert batch.measure([]).weights == {}
+        assert batch.ack_result is None
+        with pytest.raises(KeyError), client.lease("r", size=4) as batch:
+            raise KeyError("the trainer failed")
+        assert client.lease_batch("r", 4) is None  # the request alone: None
+    assert sent == ["GET /v1/runs/r/batch"] * 3  # neither an ack nor a nack
 
 
 @pytest.mark.slow

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
+from redis.asyncio import Redis
 from rollout_broker_client import (
     AsyncBrokerClient,
     AsyncWork,
@@ -29,6 +31,7 @@ from rollout_broker_client._wire import Api, parse_accounting, parse_prompt_stat
 from app.main import create_app
 from app.settings import Settings
 from tests.client.recorder import Recorder
+from workers.drain import DrainContext, drain_once
 
 
 def group(k: int = 2) -> list[dict[str, object]]:
@@ -299,6 +302,20 @@ async def test_the_same_lease_id_is_the_same_lease_until_it_is_over(
     assert err.value.status == 409 and "returned" in err.value.detail
     with pytest.raises(WorkLeaseNotFound):
         await broker.return_work("same", "no-such-lease")
+
+
+@pytest.mark.one_node  # the client's reading of the ledger; the scripts have their own tests
+async def test_closing_a_run_cancels_its_queued_prompts_in_the_accounting(
+    broker: AsyncBrokerClient, redis: Redis, prefix: str, sessionmaker: Any
+) -> None:
+    await setup_run(broker, "closing", 3)
+    await broker.close_run("closing")
+    await drain_once(DrainContext.create(redis, sessionmaker, prefix, consumer="test-drain"))
+    prompts = (await broker.accounting("closing")).prompts
+    assert (prompts.cancelled, prompts.done, prompts.queued) == (3, 3, 0)
+    assert prompts.unaccounted == 0
+    cancelled = [p async for p in broker.prompt_states("closing", "cancelled")]
+    assert [(p.prompt_id, p.state) for p in cancelled] == [(f"q{i}", "cancelled") for i in range(3)]
 
 
 async def test_the_loop_ends_with_run_closed(broker: AsyncBrokerClient) -> None:

@@ -10,7 +10,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Generic, Literal, Protocol, Self, TypeVar, Unpack
 
@@ -41,6 +41,7 @@ from rollout_broker_client._models import (
     IngestResult,
     LogprobsArg,
     Measurement,
+    MeasureStats,
     NewToken,
     PairRule,
     Partial,
@@ -72,9 +73,11 @@ from rollout_broker_client._wire import (
     PromptLike,
     Retry,
     RolloutLike,
+    answer_text,
     check,
     parse_audit_entry,
     parse_prompt_state,
+    rejections_text,
     unreachable,
 )
 
@@ -97,6 +100,7 @@ T = TypeVar("T")
 E = TypeVar("E", bound=BrokerError)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+_MEASURED_KEPT = 256  # batches a client remembers having measured, for the warning of its ack
 
 
 class AsyncBrokerClient:
@@ -149,6 +153,12 @@ class AsyncBrokerClient:
         # was left without settling them, given back before the next request.
         self._works: set[_Open] = set()
         self._abandoned: list[_Open] = []
+        # Whether the broker has ever answered: until it has, Retry.first_contact_s applies.
+        self._contacted = False
+        # Batches measured lately, whose ack may carry no logprobs; the warning of an ack
+        # that carries nothing to measure with, given once.
+        self._measured: dict[str, None] = {}
+        self._warned_bare_ack = False
 
     async def __aenter__(self) -> AsyncBrokerClient:
         return self
@@ -172,18 +182,20 @@ class AsyncBrokerClient:
 
     async def send(self, call: Call[T]) -> T:
         """Send one request, retrying as :class:`Retry` allows; returns the parsed answer.
-        When the retries run out, raises the last error: :class:`BrokerUnreachable` without an
-        answer, else the exception of the broker's answer (:class:`Unavailable`...)."""
+        Each resend is logged at WARNING, with the URL, the error and the pause. When the
+        retries run out, raises the last error: :class:`BrokerUnreachable` without an answer,
+        else the exception of the broker's answer (:class:`Unavailable`...)."""
         if self._abandoned:
             await self._give_back_abandoned()
         headers = call.headers if self._token is None else {**call.headers, **self._token.header()}
+        url = self.base_url + call.path
         attempt = 0
         started = time.monotonic()
         while True:
             try:
                 resp = await self._http.request(
                     call.method,
-                    self.base_url + call.path,
+                    url,
                     params=call.params,
                     content=call.content,
                     headers=headers,
@@ -192,19 +204,36 @@ class AsyncBrokerClient:
             except httpx.TransportError as exc:
                 elapsed = time.monotonic() - started
                 pause = self.retry.pause(call, attempt, elapsed, error=exc)
+                contacted = self._contacted
+                # A wrong URL, or a broker not started: said soon, not after deadline_s.
+                over = pause is not None and self.retry.first_contact_over(exc, elapsed, pause)
+                if over and not contacted:
+                    pause = None
                 if pause is None:
-                    err = unreachable(call, self.base_url, exc, attempt + 1, elapsed)
+                    err = unreachable(
+                        call, self.base_url, exc, attempt + 1, elapsed, contacted=contacted
+                    )
                     raise self._scrubbed(err) from exc
-                why = type(exc).__name__
+                why = f"{type(exc).__name__}: {exc or 'no answer'}"
             else:
+                self._contacted = True
                 pause = self.retry.pause(call, attempt, time.monotonic() - started, response=resp)
                 if pause is None:
                     try:
                         return call.read(resp, check(resp))
                     except BrokerError as err:
                         raise self._scrubbed(err) from None
-                why = f"status {resp.status_code}"
-            log.info("%s %s: %s; resending in %.2f s", call.method, call.path, why, pause)
+                why = answer_text(resp)
+            if self._token is not None:
+                why = self._token.scrub(why)
+            log.warning(
+                "%s %s: %s; resending in %.2f s (attempt %d)",
+                call.method,
+                url,
+                why,
+                pause,
+                attempt + 2,
+            )
             await asyncio.sleep(pause)
             attempt += 1
 
@@ -305,8 +334,14 @@ class AsyncBrokerClient:
     # -- generators -----------------------------------------------------------------------
     async def post_rollouts(self, run_id: str, rollouts: Sequence[RolloutLike]) -> IngestResult:
         """One ingest request. Raises :class:`OverCapacity` when the run is full; the
-        :meth:`writer` waits instead."""
-        return await self.send(self.api.post_rollouts(run_id, rollouts))
+        :meth:`writer` waits instead. Every rollout is checked before anything is sent (token
+        ids, logprobs finite and ≤ 0, one per response token, a finite reward or None): a
+        ValueError or TypeError names the rollout and the field. Rollouts the broker rejects one
+        by one (``stale``, ``future_version``...) are in the answer's ``rejected`` and logged at
+        WARNING, one line for the request."""
+        result = await self.send(self.api.post_rollouts(run_id, rollouts))
+        _log_rejected(run_id, len(rollouts), result)
+        return result
 
     def writer(
         self,
@@ -525,7 +560,8 @@ class AsyncBrokerClient:
         partial: bool = False,
         trainer_id: str | None = None,
     ) -> AsyncLease:
-        """A lease as an async context manager; see :class:`AsyncLease`."""
+        """A lease as an async context manager, whose batch is empty when none qualified
+        within ``wait_s``; see :class:`AsyncLease`."""
         return AsyncLease(
             self,
             run_id,
@@ -546,7 +582,24 @@ class AsyncBrokerClient:
         step: int | None = None,
     ) -> AckResult:
         """Acknowledge a batch: every rollout gains a use. ``logprobs`` are the current
-        policy's on the same tokens, by rollout_id; a repeated ack returns the same answer."""
+        policy's on the same tokens, by rollout_id; a repeated ack returns the same answer.
+
+        An ack with neither ``logprobs`` nor ``kl``, of a batch this client has not measured,
+        leaves the broker nothing to measure KL or importance ratios with: the answer's
+        statistics are None and the KL rules (``kl_max``, ``kl_flush``) never act. The first
+        such ack of a client logs a WARNING saying so."""
+        if not (logprobs or kl or self._warned_bare_ack or batch_id in self._measured):
+            self._warned_bare_ack = True
+            log.warning(
+                "the ack of batch %s of run %s carries no logprobs (nor KL values), so the "
+                "broker can measure neither KL nor importance ratios: kl_mean and the other "
+                "statistics stay empty and kl_max and kl_flush never act. Give the current "
+                "policy's logprobs on the batch's tokens with batch.ack_with(logprobs) inside "
+                "the lease's block or ack(..., logprobs=...), or measure the batch before the "
+                "update. Logged once per client.",
+                batch_id,
+                run_id,
+            )
         return await self.send(self.api.ack(run_id, batch_id, logprobs=logprobs, kl=kl, step=step))
 
     async def measure(
@@ -561,7 +614,11 @@ class AsyncBrokerClient:
         rollout's tokens, by rollout_id, from its forward pass before the update. The answer
         has the correction's weights (in ``order``, the batch's rollout ids, if given); the
         broker keeps the logprobs, so the batch's ack may then carry none."""
-        return await self.send(self.api.measure(run_id, batch_id, logprobs, order))
+        result = await self.send(self.api.measure(run_id, batch_id, logprobs, order))
+        self._measured[batch_id] = None
+        if len(self._measured) > _MEASURED_KEPT:
+            del self._measured[next(iter(self._measured))]
+        return result
 
     async def nack(self, run_id: str, batch_id: str) -> int:
         """Give a batch back unused; returns how many rollouts went back."""
@@ -718,7 +775,8 @@ class AsyncRolloutWriter:
     outages (``503``), up to its deadline. A ``429`` is backpressure: the writer waits the
     ``Retry-After`` seconds and sends again, for up to ``max_backpressure_s`` in all (None:
     without limit), then raises :class:`OverCapacity`. Per-rollout rejections (``stale``, ...)
-    are not errors: they are collected in :attr:`rejected`.
+    are not errors: they are collected in :attr:`rejected` and logged at WARNING, one line for
+    each request that had some.
 
     No rollout is dropped before the broker has accepted it. When a flush fails, the error
     raised carries in ``err.unsent`` every rollout not accepted, and they stay buffered for the
@@ -746,6 +804,7 @@ class AsyncRolloutWriter:
         self.linger_s = linger_s
         self.max_backpressure_s = max_backpressure_s
         self._groups: list[list[RolloutLike]] = []  # one per add() call, oldest first
+        self._docs: list[list[dict[str, Any]]] = []  # their wire forms, checked on add()
         self._pending = 0
         self._since = 0.0
         self.accepted = 0
@@ -779,12 +838,17 @@ class AsyncRolloutWriter:
 
     async def add(self, *rollouts: RolloutLike) -> IngestResult | None:
         """Buffer rollouts; returns the ingest answer if this call sent a request (the last
-        one, when the buffer held more than ``batch_size`` after a failed flush)."""
+        one, when the buffer held more than ``batch_size`` after a failed flush). The rollouts
+        are checked first, as :meth:`AsyncBrokerClient.post_rollouts` checks them: a bad one
+        raises a ValueError or TypeError naming it and the field, and none of this call's
+        rollouts is buffered."""
         if not rollouts:
             return None
+        docs = self.client.api.rollout_docs(rollouts)
         if not self._groups:
             self._since = time.monotonic()
         self._groups.append(list(rollouts))
+        self._docs.append(docs)
         self._pending += len(rollouts)
         due = self.linger_s is not None and time.monotonic() - self._since >= self.linger_s
         if self._pending >= self.batch_size or due:
@@ -801,22 +865,22 @@ class AsyncRolloutWriter:
             while taken < len(self._groups) and size + len(self._groups[taken]) <= self.batch_size:
                 size += len(self._groups[taken])
                 taken += 1
-            chunk = [r for g in self._groups[:taken] for r in g]
+            chunk = [d for g in self._docs[:taken] for d in g]
             try:
                 result = await self._send(chunk)
             except BrokerError as err:
                 err.unsent = self.unsent
                 if _refused_whole(err):
-                    del self._groups[:taken]
+                    del self._groups[:taken], self._docs[:taken]
                     self._pending -= size
                 raise
-            del self._groups[:taken]
+            del self._groups[:taken], self._docs[:taken]
             self._pending -= size
             self._since = time.monotonic()
         return result
 
-    async def _send(self, chunk: Sequence[RolloutLike]) -> IngestResult:
-        call = self.client.api.post_rollouts(self.run_id, chunk)
+    async def _send(self, chunk: Sequence[dict[str, Any]]) -> IngestResult:
+        call = self.client.api.ingest(self.run_id, chunk)
         waited = 0.0
         while True:
             try:
@@ -835,6 +899,7 @@ class AsyncRolloutWriter:
         self.accepted += result.accepted
         self.duplicates += result.duplicates
         self.rejected.extend(result.rejected)
+        _log_rejected(self.run_id, len(chunk), result)
         return result
 
     async def close(self) -> None:
@@ -846,9 +911,24 @@ def _refused_whole(err: BrokerError) -> bool:
     return isinstance(err, BrokerHTTPError) and 400 <= err.status < 500 and err.status != 429
 
 
+def _log_rejected(run_id: str, sent: int, result: IngestResult) -> None:
+    """One WARNING line for the rollouts of an ingest request the broker rejected."""
+    if result.rejected:
+        log.warning(
+            "run %s: the broker rejected %d of %d rollouts posted (%s)",
+            run_id,
+            len(result.rejected),
+            sent,
+            rejections_text(result.rejected),
+        )
+
+
 @dataclasses.dataclass(slots=True)
 class AsyncLeasedBatch(Batch):
-    """A batch leased through :class:`AsyncLease`, which can also be measured."""
+    """A batch leased through :class:`AsyncLease`, which can also be measured. It is empty when
+    nothing qualified within the lease's ``wait_s``: no rollouts (``len`` 0, false), ``batch_id``
+    ``""``, ``policy_version`` -1 and ``lease_expires_at`` the moment of the answer; its
+    :meth:`ack_with` and :meth:`measure` send nothing, and leaving the lease acks nothing."""
 
     _client: AsyncBrokerClient | None = dataclasses.field(default=None, repr=False)
     _run_id: str = dataclasses.field(default="", repr=False)
@@ -857,7 +937,13 @@ class AsyncLeasedBatch(Batch):
         """The correction of this batch from the trainer's logprobs before the update (a
         mapping by rollout_id, or a sequence in batch order, one array per rollout); the
         broker keeps them, so the ack on leaving may carry none (:meth:`ack_with` not called,
-        or called without logprobs). Weights come back in batch order."""
+        or called without logprobs). Weights come back in batch order. An empty batch
+        measures nothing: no weights, every figure None."""
+        if not self.rollouts:
+            self._by_id(logprobs)  # the same ValueError as any batch for values not its own
+            return Measurement(
+                {}, {}, MeasureStats(*(None for _ in dataclasses.fields(MeasureStats)))
+            )
         if self._client is None:
             raise RuntimeError("this batch was not leased through a client")
         order = [r.rollout_id for r in self.rollouts]
@@ -866,14 +952,17 @@ class AsyncLeasedBatch(Batch):
 
 
 class AsyncLease:
-    """``async with client.lease(run_id, size) as batch:`` leases a batch (``batch`` is None when
-    nothing qualified within ``wait_s``; leaving the block then does nothing).
+    """``async with client.lease(run_id, size) as batch:`` leases a batch. When nothing
+    qualified within ``wait_s``, ``batch`` is empty (no rollouts, so ``len(batch) == 0`` and
+    ``not batch``; see :class:`AsyncLeasedBatch`) and leaving the block sends nothing.
 
     Leave the block normally and the batch is acked with what :meth:`Batch.ack_with` set (the
     current policy's logprobs, or KL values, and the step); the answer is in
-    ``batch.ack_result``, and an ack that fails (say :class:`LeaseExpired`) raises. Leave it with
-    an exception and the batch is nacked, its rollouts going back unused, and the exception goes
-    on (a failing nack is logged: the lease then simply expires).
+    ``batch.ack_result``, and an ack that fails (say :class:`LeaseExpired`) raises. An ack that
+    carries neither, of a batch not measured, is logged (once per client): the broker has
+    nothing to measure KL with. Leave it with an exception and the batch is nacked, its
+    rollouts going back unused, and the exception goes on (a failing nack is logged: the lease
+    then simply expires).
     """
 
     def __init__(
@@ -897,14 +986,17 @@ class AsyncLease:
             partial=partial,
             trainer_id=trainer_id,
         )
-        self.batch: AsyncLeasedBatch | None = None
+        self.batch: AsyncLeasedBatch | None = None  # once the block is entered
 
-    async def __aenter__(self) -> AsyncLeasedBatch | None:
+    async def __aenter__(self) -> AsyncLeasedBatch:
         got = await self.client.send(self._call)
-        if got is not None:
+        if got is None:
+            batch = AsyncLeasedBatch("", -1, datetime.now(UTC), [], _run_id=self.run_id)
+        else:
             fields = {f.name: getattr(got, f.name) for f in dataclasses.fields(Batch)}
-            self.batch = AsyncLeasedBatch(**fields, _client=self.client, _run_id=self.run_id)
-        return self.batch
+            batch = AsyncLeasedBatch(**fields, _client=self.client, _run_id=self.run_id)
+        self.batch = batch
+        return batch
 
     async def __aexit__(
         self,
@@ -913,7 +1005,7 @@ class AsyncLease:
         tb: TracebackType | None,
     ) -> None:
         batch = self.batch
-        if batch is None:
+        if batch is None or not batch.batch_id:  # nothing was leased
             return
         if exc_type is None:
             args = batch.pending_ack()

@@ -209,27 +209,68 @@ def _ids(value: npt.ArrayLike, what: str, rid: str) -> Int32Array:
     return arr.astype("<i4", copy=False)
 
 
-def _floats(value: npt.ArrayLike, what: str, rid: str) -> Float32Array:
-    arr = np.asarray(value, dtype="<f4")
+_F32_MIN = float(np.finfo(np.float32).min)
+MAX_REWARD = 1e12  # the broker's bound on a reward's magnitude
+
+
+def _logprobs(value: npt.ArrayLike, rid: str, tokens: int) -> Float32Array:
+    """Behaviour logprobs as the broker takes them (SPEC "Rollouts"): one per response token,
+    finite, at most 0 and within float32's range."""
+    arr = np.asarray(value)
     if arr.ndim != 1:
-        raise ValueError(f"rollout {rid!r}: {what} must be one-dimensional, not {arr.shape}")
-    return arr
+        raise ValueError(f"rollout {rid!r}: logprobs must be one-dimensional, not {arr.shape}")
+    if arr.dtype.kind not in "fiu":
+        try:
+            arr = arr.astype(np.float64)
+        except (TypeError, ValueError):
+            raise TypeError(f"rollout {rid!r}: logprobs must be numbers, not {arr.dtype}") from None
+    if arr.size != tokens:
+        raise ValueError(f"rollout {rid!r}: {arr.size} logprobs for {tokens} response tokens")
+    if arr.size:
+        top, low = float(arr.max()), float(arr.min())
+        if not (top <= 0.0 and low >= _F32_MIN):  # a NaN fails both
+            if not np.isfinite(arr).all():
+                raise ValueError(f"rollout {rid!r}: logprobs must be finite (no NaN or Infinity)")
+            if top > 0.0:
+                raise ValueError(
+                    f"rollout {rid!r}: logprobs must be ≤ 0 (they are log-probabilities), not {top}"
+                )
+            raise ValueError(f"rollout {rid!r}: logprobs are out of float32 range ({low})")
+    return arr.astype("<f4", copy=False)
+
+
+def _reward(value: Any, rid: str) -> float:
+    """A posted rollout's reward as a float: finite and within the broker's bound."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"rollout {rid!r}: reward must be a number (or None: unscored), not "
+            f"{type(value).__name__}"
+        ) from None
+    if not math.isfinite(v):
+        raise ValueError(f"rollout {rid!r}: reward must be finite (or None: unscored), not {v}")
+    if abs(v) > MAX_REWARD:
+        raise ValueError(f"rollout {rid!r}: reward must be within ±{MAX_REWARD:g}, not {v}")
+    return v
 
 
 def rollout_doc(r: RolloutLike, binary: bool) -> dict[str, Any]:
-    """The wire form of one rollout; arrays as little-endian bytes when ``binary``."""
+    """The wire form of one rollout; arrays as little-endian bytes when ``binary``. Token ids,
+    logprobs and the reward are checked as the broker checks them (a ValueError or TypeError
+    naming the rollout and the field), since one bad rollout makes it refuse a whole request."""
     src: Mapping[str, Any] = _as_mapping(r)
     rid = str(src["rollout_id"])
     doc: dict[str, Any] = {"rollout_id": rid, "policy_version": int(src["policy_version"])}
     if src.get("reward") is not None:  # absent: the rollout awaits its reward
-        doc["reward"] = float(src["reward"])
+        doc["reward"] = _reward(src["reward"], rid)
     resp = _ids(src["response_ids"], "response_ids", rid)
     doc["response_ids"] = resp.tobytes() if binary else resp.tolist()
     if src.get("prompt_ids") is not None:
         prompt = _ids(src["prompt_ids"], "prompt_ids", rid)
         doc["prompt_ids"] = prompt.tobytes() if binary else prompt.tolist()
     if src.get("logprobs") is not None:
-        lp = _floats(src["logprobs"], "logprobs", rid)
+        lp = _logprobs(src["logprobs"], rid, resp.size)
         doc["logprobs"] = lp.tobytes() if binary else lp.astype(np.float64).tolist()
     if src.get("loss_mask") is not None:
         mask = np.asarray(src["loss_mask"]).astype("u1")
@@ -562,9 +603,6 @@ def parse_score(body: Any) -> ScoreResult:
     )
 
 
-MAX_REWARD = 1e12  # the broker's bound on a reward's magnitude
-
-
 def reward_values(rewards: Mapping[str, Any]) -> dict[str, float]:
     """Rewards by rollout_id as finite floats; anything else is refused before it is sent, so a
     bad score never costs a round trip or half a request."""
@@ -625,6 +663,7 @@ def _prompt_counts(value: Any) -> PromptCounts:
         **{k: int(v.get(k, 0)) for k in ("registered", "queued", "in_flight", "done", "failed")},
         retried=int(v.get("retried", 0)),
         skipped=int(v.get("skipped", 0)),
+        cancelled=int(v.get("cancelled", 0)),
         pools=None if v.get("pools") is None else _counts(v["pools"]),
     )
 
@@ -903,9 +942,17 @@ class Api:
 
     # generators
     def post_rollouts(self, run_id: str, rollouts: Sequence[RolloutLike]) -> Call[IngestResult]:
+        return self.ingest(run_id, self.rollout_docs(rollouts))
+
+    def rollout_docs(self, rollouts: Iterable[RolloutLike]) -> list[dict[str, Any]]:
+        """The wire form of rollouts in the body format of ingest, checked before anything is
+        sent (see :func:`rollout_doc`)."""
         binary = self.fmt == "msgpack"
-        doc = {"rollouts": [rollout_doc(r, binary) for r in rollouts]}
-        content, headers = self._body(doc, self.fmt)
+        return [rollout_doc(r, binary) for r in rollouts]
+
+    def ingest(self, run_id: str, docs: Sequence[dict[str, Any]]) -> Call[IngestResult]:
+        """An ingest request of rollouts already in their wire form (:meth:`rollout_docs`)."""
+        content, headers = self._body({"rollouts": list(docs)}, self.fmt)
         return Call(
             "POST",
             _p(run_id) + "/rollouts",
@@ -1282,19 +1329,27 @@ class Retry:
     ``rollout_id``, a lease by the ``batch_id`` and a work or reward lease by the ``lease_id``
     the client chose, a score by its value, ...) but the creation of a token. Not retried: any
     other status, ``500`` included (a bug, not an outage), ``401`` and ``403`` (the token will
-    not do better a second time), and ``429``, which the writer waits out on its own terms.
+    not do better a second time), ``429``, which the writer waits out on its own terms, and a
+    URL the client cannot send to (no ``http://`` or ``https://``).
 
     The waits grow exponentially from ``backoff_s`` to ``max_backoff_s``, jittered (each is 50
     to 100 % of its step), and are at least the ``Retry-After`` the broker or a proxy sent. A
     request gives up (and its error is raised) when its next attempt would start more than
     ``deadline_s`` after its first, plus the long poll's own wait (``wait_s``), or after
     ``retries`` resends; None lifts either limit.
+
+    ``first_contact_s`` is the deadline instead while the broker has never answered the client
+    (a wrong URL, a broker not started: connection refused, a failed DNS lookup, a connect
+    timeout): such a request gives up with :class:`BrokerUnreachable` when its next attempt would
+    start more than ``first_contact_s`` after its first. Once the broker has answered the client
+    (any status), ``deadline_s`` rides out its outages. None: ``deadline_s`` from the start.
     """
 
     deadline_s: float | None = 60.0
     retries: int | None = None
     backoff_s: float = 0.1
     max_backoff_s: float = 5.0
+    first_contact_s: float | None = 10.0
 
     def delay(self, attempt: int) -> float:
         """The backoff before resend number ``attempt + 1``."""
@@ -1312,9 +1367,12 @@ class Retry:
     ) -> float | None:
         """Seconds to wait before resending ``call`` after its attempt number ``attempt``
         (from 0) failed with ``error`` or answered ``response``, ``elapsed_s`` after the first
-        attempt began; None to give up."""
+        attempt began; None to give up. A client whose broker has never answered also asks
+        :meth:`first_contact_over`."""
         retry_after: float | None = None
         if error is not None:
+            if isinstance(error, httpx.UnsupportedProtocol | httpx.LocalProtocolError):
+                return None  # the request itself is wrong: sending it again cannot help
             never_sent = isinstance(
                 error, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout
             )
@@ -1337,11 +1395,53 @@ class Retry:
             return None
         return wait
 
+    def first_contact_over(
+        self, error: httpx.TransportError, elapsed_s: float, wait: float
+    ) -> bool:
+        """Whether a request of a client whose broker has never answered it gives up, rather
+        than wait ``wait`` seconds: its connection could not be made (``error``) and its next
+        attempt would start more than ``first_contact_s`` after its first, ``elapsed_s`` ago."""
+        no_contact = isinstance(error, httpx.ConnectError | httpx.ConnectTimeout)
+        limit = self.first_contact_s
+        return no_contact and limit is not None and elapsed_s + wait > limit
+
 
 def unreachable(
-    call: Call[Any], base_url: str, exc: httpx.TransportError, attempts: int, elapsed_s: float
+    call: Call[Any],
+    base_url: str,
+    exc: httpx.TransportError,
+    attempts: int,
+    elapsed_s: float,
+    *,
+    contacted: bool = True,
 ) -> BrokerUnreachable:
     tries = "" if attempts == 1 else f" ({attempts} attempts in {elapsed_s:.1f} s)"
+    hint = "" if contacted else "; the broker never answered this client: check its URL"
     return BrokerUnreachable(
-        f"{call.method} {base_url}{call.path}: {type(exc).__name__}: {exc or 'no answer'}{tries}"
+        f"{call.method} {base_url}{call.path}: {type(exc).__name__}: {exc or 'no answer'}"
+        f"{tries}{hint}"
     )
+
+
+def answer_text(resp: httpx.Response) -> str:
+    """An answer that will be retried, for a log line: its status and, when the broker sent
+    it, the error's name and detail."""
+    try:
+        body = decode(resp)
+    except ValueError:  # msgpack's errors are ValueErrors
+        body = None
+    if isinstance(body, Mapping) and isinstance(body.get("error"), str):
+        return f"{resp.status_code} {body['error']}: {str(body.get('detail', ''))[:200]}"
+    return f"{resp.status_code} {resp.reason_phrase}"
+
+
+def rejections_text(rejected: Sequence[Rejection], shown: int = 5) -> str:
+    """Rollouts the broker rejected one by one, for a log line: how many for each reason and
+    the first ``shown`` ids."""
+    reasons: dict[str, int] = {}
+    for r in rejected:
+        reasons[r.reason] = reasons.get(r.reason, 0) + 1
+    by_reason = ", ".join(f"{reason}: {n}" for reason, n in sorted(reasons.items()))
+    ids = ", ".join(repr(r.rollout_id) for r in rejected[:shown])
+    more = f" and {len(rejected) - shown} more" if len(rejected) > shown else ""
+    return f"{by_reason}; ids {ids}{more}"
