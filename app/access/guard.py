@@ -38,6 +38,12 @@ async def guard(request: Request) -> None:
         return
     tokens: TokenCache | None = getattr(request.app.state, "tokens", None)
     if tokens is None:  # auth off
+        if rule.needs_auth:
+            raise Forbidden(
+                "auth is off, so tokens cannot be created: one made now would belong to nobody "
+                "and become valid when auth is turned on; turn auth on (BROKER_AUTH=on, with "
+                "BROKER_ADMIN_TOKEN) and create tokens with an admin token"
+            )
         refuse_web_pages(request, rule.changes_state)
         request.state.caller = ANONYMOUS
         return

@@ -41,14 +41,17 @@ class Rule(NamedTuple):
     changes_state: bool
     """Whether the route changes anything (a lease does, though it is a GET): with auth off, a
     web page of another origin may not call it (SPEC "Access control", the Origin rule)."""
+    needs_auth: bool = False
+    """Whether the route is refused outright with auth off: creating a token. A token made then
+    would come from nobody and become valid the day auth is turned on."""
 
 
 def reading(need: Need) -> Rule:
     return Rule(need, changes_state=False)
 
 
-def changing(need: Need) -> Rule:
-    return Rule(need, changes_state=True)
+def changing(need: Need, *, needs_auth: bool = False) -> Rule:
+    return Rule(need, changes_state=True, needs_auth=needs_auth)
 
 
 ROUTES: Final[dict[tuple[str, str], Rule]] = {
@@ -92,7 +95,7 @@ ROUTES: Final[dict[tuple[str, str], Rule]] = {
     ("GET", "/v1/runs/{run_id}/accounting/generators"): reading(Scope.OPERATE),
     ("GET", "/v1/runs/{run_id}/batches"): reading(Scope.OPERATE),
     ("GET", "/v1/runs/{run_id}/accounting/dead-letters"): reading(Scope.OPERATE),
-    ("POST", "/v1/tokens"): changing(Scope.ADMIN),
+    ("POST", "/v1/tokens"): changing(Scope.ADMIN, needs_auth=True),
     ("GET", "/v1/tokens"): reading(Scope.ADMIN),
     ("DELETE", "/v1/tokens/{token_id}"): changing(Scope.ADMIN),
     ("GET", "/v1/audit"): reading(Scope.OPERATE),

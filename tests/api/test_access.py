@@ -552,7 +552,7 @@ async def test_with_auth_off_a_foreign_web_page_cannot_change_anything(api):
             ("POST", "/v1/runs/laptop/batches/b1/nack"),
             ("POST", "/v1/runs/laptop/policy"),
             ("DELETE", "/v1/runs/laptop"),
-            ("POST", "/v1/tokens"),
+            ("DELETE", "/v1/tokens/" + "0" * tokens.ID_HEX),
         ):
             resp = await api.request(
                 method, path, headers={"origin": origin, **form}, content=b"a=1"
@@ -603,6 +603,21 @@ async def test_an_action_is_in_the_log_when_it_answers_and_reading_writes_nothin
     ]
     assert (await app_client.get("/v1/audit?run_id=w-2", headers=ops)).status_code == 200
     assert await stored() == before
+
+
+async def test_with_auth_off_no_token_can_be_made(api, sessionmaker):
+    """A token made with auth off would belong to nobody and become valid when auth is turned on
+    against the same database: it is refused, with the way to make one."""
+    body = {"name": "gen", "scopes": ["generate"]}
+    for headers in ({}, {"authorization": "Bearer whatever"}):
+        resp = await api.post("/v1/tokens", json=body, headers=headers)
+        detail = assert_error(resp, 403, "Forbidden")
+        assert "auth is off" in detail and "BROKER_AUTH=on" in detail
+    async with sessionmaker() as session:
+        assert await session.scalar(select(func.count()).select_from(ApiToken)) == 0
+        assert await session.scalar(select(func.count()).select_from(AuditEntry)) == 0
+    # Listing (and revoking what an earlier release made) still answers.
+    assert (await api.get("/v1/tokens")).json() == {"tokens": []}
 
 
 async def test_with_auth_off_the_audit_log_names_the_caller_anonymous(api):
