@@ -75,6 +75,7 @@ async def test_run_known_only_to_redis_reads_as_zeros(
             "failed": 0,
             "retried": 0,
             "skipped": 0,
+            "cancelled": 0,
             "pools": None,
         },
         "partials": {

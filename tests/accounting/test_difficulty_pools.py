@@ -193,6 +193,7 @@ async def test_skipped_passes_and_queued_pools_in_the_accounting(
         "failed": 1,
         "retried": 0,
         "skipped": 2,
+        "cancelled": 0,
         "pools": pools,
     }
     assert prompts["registered"] == sum(

@@ -250,7 +250,7 @@ async def test_the_drain_counts_a_redelivered_rewind_once_and_the_api_shows_it(
     assert once["dropped"] == 1
     assert once["prompts"] == {
         "registered": 2, "queued": 1, "in_flight": 1, "done": 0, "failed": 0, "retried": 2,
-        "skipped": 0, "pools": None,
+        "skipped": 0, "cancelled": 0, "pools": None,
     }  # fmt: skip
     received, buffered, leased = once["flow"]
     assert received == buffered + leased + 2
@@ -326,7 +326,7 @@ async def test_a_rewind_of_the_broker_is_accounted_exactly(
     assert (before["prompts"]["done"], after["prompts"]["done"]) == (4, 0)
     assert after["prompts"] == {
         "registered": 5, "queued": 5, "in_flight": 0, "done": 0, "failed": 0,
-        "retried": before["prompts"]["retried"] + 6, "skipped": 0, "pools": None,
+        "retried": before["prompts"]["retried"] + 6, "skipped": 0, "cancelled": 0, "pools": None,
     }  # fmt: skip
     for acc in (before, after):
         assert acc["rollouts_received"] == (

@@ -148,6 +148,7 @@ async def test_prompts_of_a_sigkilled_generator_come_back_and_are_trained(
         "failed": 0,
         "retried": 2,
         "skipped": 0,
+        "cancelled": 0,
         "pools": None,
     }
     assert acc["samples_consumed"] == acc["rollouts_received"] == 8
