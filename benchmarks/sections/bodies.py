@@ -30,6 +30,11 @@ def healthz_poll(
     expect(*http.call("GET", "/healthz")[:2], 200)
     res = Result()
     barrier.wait()
+    # The wait may outlast the server's keep-alive timeout (the other side builds a body of tens
+    # of MiB first), which closes an idle connection: probe on a fresh one, opened now.
+    http.close()
+    http = Http(address)
+    expect(*http.call("GET", "/healthz")[:2], 200)
     res.t0 = time.perf_counter()
     deadline = res.t0 + duration
     while res.ops < max_ops and time.perf_counter() < deadline:
