@@ -431,7 +431,7 @@ async def test_page_shows_the_accounting_of_a_live_broker_and_follows_it(
         await page.route("**/v1/runs/*/accounting", doctored)
         await page.locator('.check.bad [data-field="dead_letters"][data-value="3"]').wait_for()
         await page.locator('[data-field="ledger_live"][data-value="mismatch"]').wait_for()
-        await page.unroute("**/v1/runs/*/accounting")
+        await page.unroute_all(behavior="wait")  # a poll being doctored is let finish
 
         # So is one whose rollouts awaiting a reward disagree with the live state's.
         await page.locator('[data-field="ledger_live"][data-value="ok"]').wait_for()
@@ -477,8 +477,8 @@ async def test_page_shows_the_accounting_of_a_live_broker_and_follows_it(
             await page.route("**/v1/runs/*/accounting", doctor)
             try:
                 await until_shown(page, shown)
-            finally:  # before the broker stops, should the page not show them
-                await page.unroute("**/v1/runs/*/accounting")
+            finally:  # before the broker stops, should the page not show them; a poll being
+                await page.unroute_all(behavior="wait")  # doctored is let finish
         await until_shown(page, want)
 
         # A broker without the training figures (404) shows n/a there and the rest as before.

@@ -106,9 +106,9 @@ async def test_page_shows_the_two_length_distributions_side_by_side(
         assert await ks.get_attribute("class") == "over"
 
         # A broker that does not report them: n/a there, the rest as before.
-        await page.unroute("**/v1/runs/*/accounting")
+        await page.unroute_all(behavior="wait")
         await page.route("**/v1/runs/*/accounting", doctor(lambda body: body.pop("bias")))
         await until_shown(page, without | {"bias": "n/a"})
-        await page.unroute("**/v1/runs/*/accounting")
+        await page.unroute_all(behavior="wait")
         await until_shown(page, want)
         assert wrong == [], wrong

@@ -100,9 +100,9 @@ async def test_page_shows_each_consumer(
     await until_shown(page, without | shown_consumers(CONSUMERS))
 
     # A broker that does not report them: n/a there, the rest as before.
-    await page.unroute("**/v1/runs/*/accounting")
+    await page.unroute_all(behavior="wait")
     await page.route("**/v1/runs/*/accounting", doctor(lambda body: body.pop("consumers")))
     await until_shown(page, without | {"consumers": "n/a"})
-    await page.unroute("**/v1/runs/*/accounting")
+    await page.unroute_all(behavior="wait")
     await until_shown(page, want)
     assert wrong == [], wrong
