@@ -80,7 +80,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
@@ -662,18 +662,20 @@ def own_broker(admin_token: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def role_tokens(url: str, admin_token: str, prefix: str) -> Iterator[Roles]:
-    """One token per role, limited to this example's runs, created with the admin token and
-    revoked on the way out."""
+def role_tokens(
+    url: str, admin_token: str, prefix: str, scopes: Mapping[str, Scope]
+) -> Iterator[dict[str, str]]:
+    """One token per role (``scopes``: each role's scope), limited to the runs named
+    ``<prefix>-*``, created with the admin token and revoked on the way out."""
     runs = [f"{prefix}-*"]
     with BrokerClient(url, token=admin_token) as admin:
         made = {
             role: admin.create_token(f"{prefix}-{role}", [scope], runs)
-            for role, scope in ROLE_SCOPES.items()
+            for role, scope in scopes.items()
         }
         print("tokens: " + ", ".join(f"{t.name} ({t.scopes[0]})" for t in made.values()))
         try:
-            yield Roles(**{role: t.token for role, t in made.items()})
+            yield {role: t.token for role, t in made.items()}
         finally:
             for t in made.values():
                 admin.revoke_token(t.token_id)
@@ -716,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             admin_token = secrets.token_urlsafe(32)
             url = stack.enter_context(own_broker(admin_token))
-            roles = stack.enter_context(role_tokens(url, admin_token, prefix))
+            roles = Roles(**stack.enter_context(role_tokens(url, admin_token, prefix, ROLE_SCOPES)))
         modes = {"both": BOTH, "all": tuple(MODES)}.get(args.mode, (args.mode,))
         for mode in modes:
             summaries[mode] = train(args, url, mode, prefix, roles)

@@ -55,7 +55,7 @@ With no ``--url`` it starts ``rollout-broker serve`` itself (against ``BROKER_RE
 
     pip install -e '.[examples]'          # torch
     python examples/tool_calc.py          # about 3 minutes on 2 cores
-    python examples/tool_calc.py --quick  # the features in under a minute, too short to learn
+    python examples/tool_calc.py --quick  # under a minute: every feature, and the first lesson
 
 That broker has auth on, and each role a token limited to the example's runs: ``setup``
 (``operate``: the run, its prompts, the consumer, the accounting), ``trainer`` and
@@ -84,7 +84,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.synchronize import Event
 from pathlib import Path
@@ -94,7 +94,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 import torch.nn.functional as F
-from async_grpo import own_broker  # the same `rollout-broker serve` on a free port
+from async_grpo import (  # the same `rollout-broker serve` on a free port, tokens per role
+    own_broker,
+    role_tokens,
+)
 from rollout_broker_client import (
     BrokerClient,
     BrokerError,
@@ -665,6 +668,11 @@ def trainer_main(s: Settings, incarnation: int, resume: bool) -> None:
                     if not batch:
                         continue
                     figures = train_step(s, policy, optimizer, batch)
+                    # What this ack will count, written first: a kill between the ack and the
+                    # history line below leaves a step the broker counted and the history lacks.
+                    acking = {"trainer": incarnation, "version": version + 1}
+                    acking["trained_tokens"] = figures["trained_tokens"]
+                    write_json(s.path(f"acking-t{incarnation}.json"), acking)
                     batch.ack_with(step=version)  # no logprobs: the measured ones serve
             except LeaseExpired:  # too late to ack: the step happened, the broker says not
                 continue
@@ -840,6 +848,7 @@ def run(s: Settings, seconds: float) -> dict[str, Any]:
         "config": config,
         "seconds": elapsed,
         "history": history,
+        "acking": [json.loads(p.read_text()) for p in sorted(Path(s.workdir).glob("acking-*"))],
         "killed": killed,
         "rewind": json.loads(rewind.read_text()) if rewind.exists() else None,
         "processes": {
@@ -983,22 +992,6 @@ def report(out: dict[str, Any], log_every: int) -> None:
 # -- tokens and the command line -------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def role_tokens(url: str, admin_token: str, prefix: str) -> Iterator[Roles]:
-    """A token per role, limited to this example's runs, revoked on the way out."""
-    with BrokerClient(url, token=admin_token) as admin:
-        made = {
-            role: admin.create_token(f"{prefix}-{role}", [scope], [f"{prefix}-*"])
-            for role, scope in ROLE_SCOPES.items()
-        }
-        print("tokens: " + ", ".join(f"{t.name} ({t.scopes[0]})" for t in made.values()))
-        try:
-            yield Roles(**{role: t.token for role, t in made.items()})
-        finally:
-            for t in made.values():
-                admin.revoke_token(t.token_id)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default=os.environ.get("BROKER_URL"), help="broker to use")
@@ -1022,14 +1015,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             admin_token = secrets.token_urlsafe(32)
             url = stack.enter_context(own_broker(admin_token))
-            roles = stack.enter_context(role_tokens(url, admin_token, prefix))
+            roles = Roles(**stack.enter_context(role_tokens(url, admin_token, prefix, ROLE_SCOPES)))
         s = Settings(
             url=url,
             run_id=f"{prefix}-run",
             roles=roles,
             workdir=stack.enter_context(tempfile.TemporaryDirectory(prefix="tool-calc-")),
             seed=args.seed,
-            steps=args.steps or (12 if quick else 100),
+            steps=args.steps or (30 if quick else 100),
             group=8 if quick else 16,
             groups_per_step=4 if quick else 8,
             max_prompts=2 if quick else 4,

@@ -6,50 +6,27 @@ each role works with a token of its own scope."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.client.live import REPO, broker_env
-from tests.services import fresh_database, redis_prefix
+from tests.example_runs import example_summary
 
-pytestmark = pytest.mark.slow  # two runs of 30 steps, each with its generator processes
+# Two runs of 30 steps, each with its generator processes: once for every test here.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("grpo")]
 
 STEPS = 30
 GROUPS_PER_STEP, GROUP = 4, 8  # the example's defaults: a batch is 4 groups of 8 responses
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("grpo") / "summary.json"
-    with redis_prefix() as prefix, fresh_database() as db:
-        # No --url: the example starts `rollout-broker serve` itself, on the BROKER_* services.
-        proc = subprocess.run(
-            [
-                sys.executable,
-                str(REPO / "examples" / "async_grpo.py"),
-                "--steps",
-                str(STEPS),
-                "--json-out",
-                str(out),
-            ],
-            cwd=REPO,
-            env=broker_env(prefix, db),
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    summary: dict[str, Any] = json.loads(Path(out).read_text())
-    summary["stdout"] = proc.stdout
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    summary = example_summary(
+        "async_grpo.py", ["--steps", str(STEPS)], tmp_path_factory.mktemp("grpo")
+    )
     for mode in ("free", "work"):
-        assert summary["runs"][mode]["accounting"] is not None, proc.stdout
-    yield summary
+        assert summary["runs"][mode]["accounting"] is not None, summary["stdout"]
+    return summary
 
 
 def accounting(run: dict[str, Any], mode: str) -> dict[str, Any]:
