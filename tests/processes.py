@@ -225,6 +225,16 @@ class Process:
             await self.proc.wait()
             self.kills += 1
 
+    @property
+    def exited(self) -> int | None:
+        """The exit code of a process that ended (a negative signal number), else None."""
+        return None if self.proc is None else self.proc.returncode
+
+    def tail(self, chars: int = 4000) -> str:
+        """The end of the process's log."""
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return text[-chars:]
+
     async def stop(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
             self.proc.terminate()

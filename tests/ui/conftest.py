@@ -88,6 +88,11 @@ async def live_broker(
         await api.start()
         async with httpx.AsyncClient(base_url=api.url, headers=headers, timeout=10.0) as http:
             yield LiveBroker(api.url, http, api, worker)
+    except Exception as err:  # what the broker's processes said goes with the failure
+        for process in (api, worker):
+            state = "running" if process.exited is None else f"exited {process.exited}"
+            err.add_note(f"--- {process.log.name} ({state}), its end:\n{process.tail()}")
+        raise
     finally:
         await api.stop()
         await worker.stop()
