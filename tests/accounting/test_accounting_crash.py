@@ -28,6 +28,7 @@ from tests.crashing_worker import CRASH_EXIT_CODE
 from tests.services import RedisBackend
 
 REPO = Path(__file__).resolve().parents[2]
+ROUNDS = 10  # a worker started and killed in each; every fourth dies between commit and XACK
 
 
 async def _applied(sm: async_sessionmaker[AsyncSession], run_ids: list[str]) -> int:
@@ -125,7 +126,7 @@ async def test_sigkill_many_times_loses_and_doubles_nothing(
         return n
 
     # Events held back for the crash-after-commit rounds, so those always have work.
-    reserve = 4 * 30
+    reserve = len(range(1, ROUNDS, 4)) * 30
 
     async def produce() -> None:
         # Paced so that production goes on during the kills; the reserve once told to hurry.
@@ -171,7 +172,7 @@ async def test_sigkill_many_times_loses_and_doubles_nothing(
     producer = asyncio.create_task(produce())
     kills = window_crashes = 0
     try:
-        for round_no in range(14):
+        for round_no in range(ROUNDS):
             if round_no % 4 == 1:
                 # Die right after a commit, before the XACK (with work to do, so it commits).
                 assert await produce_chunk(30) > 0, "workload too small for the kill rounds"
@@ -210,7 +211,7 @@ async def test_sigkill_many_times_loses_and_doubles_nothing(
             producer.cancel()
         _reap(spawned)
 
-    assert kills >= 10 and window_crashes >= 3
+    assert kills >= 7 and window_crashes >= 3
     assert sum(len(v) for v in produced.values()) == total
 
     # A last worker, left alone, catches up; then stops cleanly on SIGTERM.

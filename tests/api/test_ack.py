@@ -367,6 +367,7 @@ async def test_batch_of_another_run_is_404(api):
     assert (await ack(api, "r1", batch["batch_id"])).status_code == 200
 
 
+@pytest.mark.one_node  # checked against the batch as any ack reads it: a cluster adds nothing
 @pytest.mark.parametrize(
     "body",
     [
@@ -410,6 +411,7 @@ async def test_invalid_ack_is_422_and_the_batch_stays_live(api, redis, prefix, b
     )
 
 
+@pytest.mark.one_node  # refused in the parse, before any call to Redis: a cluster adds nothing
 @pytest.mark.parametrize(
     "raw",
     [

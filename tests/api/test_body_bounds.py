@@ -134,6 +134,7 @@ async def test_a_registration_of_too_many_prompts_is_refused_by_its_count(api, w
     assert work.parses == [] and work.errors == []
 
 
+@pytest.mark.one_node  # refused in the parse, before any call to Redis: a cluster adds nothing
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "item by item"])
 async def test_invalid_prompts_stop_the_parse_at_the_first(api, work, fmt, streamed, monkeypatch):

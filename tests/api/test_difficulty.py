@@ -169,6 +169,7 @@ async def test_prompt_history_is_kept_without_difficulty_and_used_when_it_comes(
     assert await pools(redis, prefix, "r1") == {"easy": {"p1#2"}, "normal": set(), "hard": {"p2#2"}}
 
 
+@pytest.mark.one_node  # refused in the parse, before any call to Redis: a cluster adds nothing
 @pytest.mark.parametrize(
     ("value", "what"),
     [

@@ -309,6 +309,7 @@ def _echoes_non_finite(detail: str) -> bool:
     return any(s in detail for s in ("NaN,", "NaN]", "NaN}", "Infinity,", "Infinity]", "Infinity}"))
 
 
+@pytest.mark.one_node  # refused in the parse, before any call to Redis: a cluster adds nothing
 @pytest.mark.parametrize(
     ("body", "mentions"), [c[1:] for c in MALFORMED_JSON], ids=[c[0] for c in MALFORMED_JSON]
 )
@@ -372,6 +373,7 @@ MALFORMED_MSGPACK = [
 ]
 
 
+@pytest.mark.one_node  # refused in the parse, before any call to Redis: a cluster adds nothing
 @pytest.mark.parametrize(
     ("body", "mentions"),
     [c[1:] for c in MALFORMED_MSGPACK],
@@ -626,6 +628,7 @@ async def test_msgpack_metadata_with_bytes_does_not_break_leasing(api):
     assert got.status_code == 200, got.text
 
 
+@pytest.mark.one_node  # refused in the parse, before any call to Redis: a cluster adds nothing
 @pytest.mark.parametrize(
     "fields",
     [

@@ -123,7 +123,7 @@ BOUNDS = st.tuples(
 
 
 @pytest.mark.parametrize(("level", "mode"), PAIRS)
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(batch=st.lists(rollouts(), min_size=1, max_size=8), bounds=BOUNDS)
 def test_matches_the_float64_recompute(level, mode, batch, bounds):
     check(batch, Correction(level=level, mode=mode, low=bounds[0], high=bounds[1]))
@@ -250,7 +250,7 @@ def test_the_config_model_has_the_spec_default_and_refuses_bad_bounds():
 
 
 @pytest.mark.parametrize(("level", "mode"), PAIRS)
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(batch=st.lists(rollouts(), min_size=1, max_size=8), bounds=BOUNDS)
 def test_the_acks_zero_weights_are_the_corrections(level, mode, batch, bounds):
     """The ack counts each rollout's trained tokens weighing 0 (its per-generator sums) through
