@@ -4,16 +4,14 @@ and session factories, and the Alembic schema helpers. The accounting and access
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import functools
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from sqlalchemy import MetaData
+from sqlalchemy import MetaData, inspect, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
@@ -24,6 +22,12 @@ from sqlalchemy.ext.asyncio import (
 from sqlalchemy.orm import DeclarativeBase
 from sqlalchemy.pool import NullPool
 
+if TYPE_CHECKING:
+    from alembic.config import Config
+
+# Alembic is imported where a migration runs, not here: importing it costs every API and worker
+# process about a quarter of a second at start, where only the head check below is needed.
+
 __all__ = [
     "MIGRATIONS_DIR",
     "NAMING_CONVENTION",
@@ -31,7 +35,9 @@ __all__ = [
     "alembic_config",
     "create_engine",
     "create_sessionmaker",
+    "current_revisions",
     "downgrade",
+    "head_revisions",
     "schema_at_head",
     "upgrade_to_head",
     "upgrade_to_head_sync",
@@ -83,6 +89,8 @@ def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]
 
 def alembic_config(database_url: str | None = None) -> Config:
     """An Alembic config built in code, independent of the working directory."""
+    from alembic.config import Config
+
     config = Config(str(MIGRATIONS_DIR / "alembic.ini"))
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     if database_url is not None:
@@ -91,19 +99,45 @@ def alembic_config(database_url: str | None = None) -> Config:
     return config
 
 
-def _head_revisions() -> set[str]:
-    return set(ScriptDirectory.from_config(alembic_config()).get_heads())
+@functools.cache
+def head_revisions() -> frozenset[str]:
+    """The migration scripts' heads: the revisions no other script names as its
+    ``down_revision``, read from ``migrations/versions`` without importing Alembic."""
+    revisions: set[str] = set()
+    below: set[str] = set()
+    for path in (MIGRATIONS_DIR / "versions").glob("*.py"):
+        found = _module_strings(path, ("revision", "down_revision"))
+        revisions.update(found.get("revision", ()))
+        below.update(found.get("down_revision", ()))
+    return frozenset(revisions - below)
 
 
-def _current_revisions(connection: Connection) -> set[str]:
-    return set(MigrationContext.configure(connection).get_current_heads())
+def _module_strings(path: Path, names: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """The string (or tuple of strings) each of ``names`` is assigned at the top of ``path``."""
+    out: dict[str, tuple[str, ...]] = {}
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.AnnAssign | ast.Assign) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name) and target.id in names:
+                    value = ast.literal_eval(node.value)
+                    out[target.id] = (value,) if isinstance(value, str) else tuple(value or ())
+    return out
+
+
+def current_revisions(connection: Connection) -> frozenset[str]:
+    """The revisions in the database's ``alembic_version`` table (none without the table)."""
+    if not inspect(connection).has_table("alembic_version"):
+        return frozenset()
+    rows = connection.execute(text("SELECT version_num FROM alembic_version"))
+    return frozenset(row[0] for row in rows)
 
 
 async def schema_at_head(engine: AsyncEngine) -> bool:
     """True when the database's ``alembic_version`` equals the migration scripts' head."""
     async with engine.connect() as connection:
-        current = await connection.run_sync(_current_revisions)
-    return current == _head_revisions()
+        current = await connection.run_sync(current_revisions)
+    return current == head_revisions()
 
 
 async def _run_command(database_url: str, fn: Any, revision: str) -> None:
@@ -124,10 +158,14 @@ async def _run_command(database_url: str, fn: Any, revision: str) -> None:
 
 async def upgrade_to_head(database_url: str) -> None:
     """``alembic upgrade head`` against ``database_url`` (for ``rollout-broker migrate``)."""
+    from alembic import command
+
     await _run_command(database_url, command.upgrade, "head")
 
 
 async def downgrade(database_url: str, revision: str = "base") -> None:
+    from alembic import command
+
     await _run_command(database_url, command.downgrade, revision)
 
 

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection
 
@@ -18,8 +19,11 @@ import app.access.models  # noqa: F401  (the access tables share the metadata)
 from app.db import (
     MIGRATIONS_DIR,
     Base,
+    alembic_config,
     create_engine,
+    current_revisions,
     downgrade,
+    head_revisions,
     schema_at_head,
     upgrade_to_head,
     upgrade_to_head_sync,
@@ -61,6 +65,38 @@ def _diff(connection: Connection) -> list[object]:
             if declared != found:
                 diff.append(("collation", table.name, column.name, declared, found))
     return diff
+
+
+def test_the_heads_read_without_alembic_are_alembics() -> None:
+    assert head_revisions() == set(ScriptDirectory.from_config(alembic_config()).get_heads())
+
+
+async def test_the_revisions_read_without_alembic_are_alembics(
+    database_factory: Callable[[], Awaitable[str]],
+) -> None:
+    """What the head check at start reads from ``alembic_version`` (no table, the head, a
+    revision below it) is what Alembic itself reads."""
+    url = await database_factory()
+    engine = create_engine(url)
+
+    def both(connection: Connection) -> tuple[frozenset[str], set[str]]:
+        alembic = set(MigrationContext.configure(connection).get_current_heads())
+        return current_revisions(connection), alembic
+
+    try:
+        seen = []
+        for step in (None, upgrade_to_head, "0002_prompt_passes"):
+            if step is upgrade_to_head:
+                await upgrade_to_head(url)
+            elif isinstance(step, str):
+                await downgrade(url, step)
+            async with engine.connect() as conn:
+                ours, theirs = await conn.run_sync(both)
+            assert ours == theirs, step
+            seen.append(ours)
+        assert seen == [set(), head_revisions(), {"0002_prompt_passes"}]
+    finally:
+        await engine.dispose()
 
 
 async def test_upgrade_downgrade_upgrade(database_factory: Callable[[], Awaitable[str]]) -> None:
