@@ -55,7 +55,7 @@ With no ``--url`` it starts ``rollout-broker serve`` itself (against ``BROKER_RE
 
     pip install -e '.[examples]'          # torch
     python examples/tool_calc.py          # about 3 minutes on 2 cores
-    python examples/tool_calc.py --quick  # under a minute: every feature, and the first lesson
+    python examples/tool_calc.py --quick  # 30 steps in under a minute: it learns to call
 
 That broker has auth on, and each role a token limited to the example's runs: ``setup``
 (``operate``: the run, its prompts, the consumer, the accounting), ``trainer`` and
@@ -995,7 +995,11 @@ def report(out: dict[str, Any], log_every: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default=os.environ.get("BROKER_URL"), help="broker to use")
-    ap.add_argument("--quick", action="store_true", help="a short run that shows the features")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="30 smaller steps: every feature, and the reward rising",
+    )
     ap.add_argument("--steps", type=int, help="trainer steps (policy versions)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kill-at", type=int, help="version at which the trainer is killed (0: no)")

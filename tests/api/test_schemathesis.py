@@ -31,7 +31,7 @@ from tests.services import REDIS_URL, delete_prefix, new_prefix
 pytestmark = pytest.mark.slow
 
 SEED = 20261203
-MAX_EXAMPLES = 12  # per operation and phase: the whole test stays well under a minute
+MAX_EXAMPLES = 8  # per operation and phase: the whole test stays well under a minute
 MAX_STEPS = 8  # per stateful scenario
 
 
