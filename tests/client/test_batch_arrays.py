@@ -430,6 +430,36 @@ def test_split_responses_wants_the_shape_of_input_ids(form: str) -> None:
         arrays.split_responses(np.zeros((2, 2)))
 
 
+@pytest.mark.parametrize("form", ["right", "left", "packed"])
+def test_join_responses_lays_per_rollout_values_back_where_split_took_them(form: str) -> None:
+    b = batch_of(mixed())
+    x = b.packed() if form == "packed" else b.padded(padding_side=form)
+    values = [np.arange(1, r.response_ids.size + 1, dtype=np.float32) for r in b.rollouts]
+    joined = x.join_responses(values, fill=-7.0)
+    assert joined.dtype == np.float32 and joined.shape == x.input_ids.shape
+    for got, want in zip(x.split_responses(joined), values, strict=True):
+        np.testing.assert_array_equal(got, want)
+    # Everywhere else, the fill: prompts, padding, and nothing of one rollout in another's row.
+    assert int((joined != -7.0).sum()) == sum(v.size for v in values)
+    t = x.to_torch()
+    tensors = [torch.from_numpy(v) for v in values]
+    joined_t = t.join_responses(tensors, fill=-7.0)
+    assert isinstance(joined_t, torch.Tensor) and joined_t.device == t.input_ids.device
+    np.testing.assert_array_equal(joined_t.numpy(), joined)
+
+
+@pytest.mark.parametrize("form", ["padded", "packed"])
+def test_join_responses_wants_one_value_per_response_token(form: str) -> None:
+    b = batch_of(mixed())
+    x = getattr(b, form)()
+    values = [np.zeros(r.response_ids.size) for r in b.rollouts]
+    with pytest.raises(ValueError, match="the batch has"):
+        x.join_responses(values[:-1])
+    values[1] = np.zeros(values[1].size + 1)
+    with pytest.raises(ValueError, match="rollout 1: values of shape"):
+        x.join_responses(values)
+
+
 def run_id() -> str:
     return f"arrays-{uuid.uuid4().hex[:8]}"
 

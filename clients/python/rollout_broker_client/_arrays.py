@@ -93,15 +93,27 @@ class TrainArrays(Generic[ArrayT]):
         ``input_ids``, one float32 array per rollout in batch order: the current policy's
         logprobs at the tokens' own positions, say, ready for :meth:`Batch.ack_with`. A tensor
         is detached and copied to the CPU first."""
+        return _split(self.input_ids, values, self._spans())
+
+    def join_responses(self, values: Sequence[Any], fill: float = 0.0) -> ArrayT:
+        """The inverse of :meth:`split_responses`: one array (or tensor) per rollout in batch
+        order, each as long as its response, laid at the response tokens of a float32 array
+        shaped as ``input_ids`` and ``fill`` elsewhere; a tensor on ``input_ids``' device
+        after :meth:`to_torch`. The importance weights :meth:`Batch.measure` answers per
+        rollout, say, laid out to multiply a per-token loss."""
+        joined: ArrayT = _join(self.input_ids, values, self._spans(), fill)
+        return joined
+
+    def _spans(self) -> list[tuple[int, int, int]]:
+        """(row, first column, length) of each rollout's response."""
         ids: Any = self.input_ids
         width = int(ids.shape[1])
-        spans = [
+        return [
             (i, p if self.padding_side == "right" else width - r, r)
             for i, (p, r) in enumerate(
                 zip(_ints(self.prompt_lengths), _ints(self.response_lengths), strict=True)
             )
         ]
-        return _split(ids, values, spans)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -148,7 +160,16 @@ class PackedArrays(Generic[ArrayT]):
         """The values at each rollout's response tokens of an array (or tensor) shaped as
         ``input_ids``, one float32 array per rollout in batch order, ready for
         :meth:`Batch.ack_with`. A tensor is detached and copied to the CPU first."""
-        spans = [
+        return _split(self.input_ids, values, self._spans())
+
+    def join_responses(self, values: Sequence[Any], fill: float = 0.0) -> ArrayT:
+        """The inverse of :meth:`split_responses`, as :meth:`TrainArrays.join_responses`."""
+        joined: ArrayT = _join(self.input_ids, values, self._spans(), fill)
+        return joined
+
+    def _spans(self) -> list[tuple[int, int, int]]:
+        """(row, first column, length) of each rollout's response."""
+        return [
             (0, c + p, r)
             for c, p, r in zip(
                 _ints(self.cu_seqlens)[:-1],
@@ -157,7 +178,6 @@ class PackedArrays(Generic[ArrayT]):
                 strict=True,
             )
         ]
-        return _split(self.input_ids, values, spans)
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,6 +419,24 @@ def _split(
     if array.shape != shape:
         raise ValueError(f"values of shape {array.shape}: input_ids' shape {shape} is wanted")
     return [array[row, start : start + n].copy() for row, start, n in spans]
+
+
+def _join(
+    input_ids: Any, values: Sequence[Any], spans: list[tuple[int, int, int]], fill: float
+) -> Any:
+    if len(values) != len(spans):
+        raise ValueError(f"values for {len(values)} rollouts: the batch has {len(spans)}")
+    out = np.full(tuple(input_ids.shape), fill, dtype=np.float32)
+    for i, ((row, start, n), v) in enumerate(zip(spans, values, strict=True)):
+        if hasattr(v, "detach"):
+            v = v.detach().float().cpu().numpy()
+        array = np.asarray(v, dtype=np.float32)
+        if array.shape != (n,):
+            raise ValueError(f"rollout {i}: values of shape {array.shape}, its response has {n}")
+        out[row, start : start + n] = array
+    if isinstance(input_ids, np.ndarray):
+        return out
+    return _torch().from_numpy(out).to(input_ids.device)
 
 
 def _torch() -> Any:
