@@ -191,7 +191,7 @@ class Partial:
     def continued(
         self,
         response_ids: npt.ArrayLike,
-        reward: float,
+        reward: float | None,
         logprobs: npt.ArrayLike | None = None,
         *,
         version: int | None = None,
@@ -203,7 +203,7 @@ class Partial:
         by the new ``response_ids`` (and ``logprobs``, needed when the partial has them),
         sampled at ``version`` (default: the partial's last) with ``loss_mask`` (default: all
         trained). Its ``policy_version`` stays the partial's, the oldest version over trained
-        tokens."""
+        tokens. ``reward`` None posts it unscored, for a reward worker to score."""
         n = self.response_ids.size
         more = np.asarray(response_ids, dtype=np.int32)
         lp = None
