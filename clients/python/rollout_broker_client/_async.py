@@ -80,6 +80,7 @@ from rollout_broker_client._wire import (
     rejections_text,
     unreachable,
 )
+from rollout_broker_client.protocol import base_url_of
 
 __all__ = [
     "DEFAULT_URL",
@@ -141,10 +142,10 @@ class AsyncBrokerClient:
         token: str | None = None,
     ) -> None:
         self._token = BearerToken.resolve(token)  # checked before anything is opened
+        inherited = str(http.base_url) if http is not None else ""
+        self.base_url = base_url_of(base_url or inherited or DEFAULT_URL)  # checked before too
         self._owns_http = http is None
         self._http = http if http is not None else httpx.AsyncClient()
-        inherited = str(self._http.base_url) if http is not None else ""
-        self.base_url = (base_url or inherited or DEFAULT_URL).rstrip("/")
         self.timeout = timeout
         self.retry = retry or Retry()
         self.api = Api(format, trainer_id, generator_id)
@@ -1179,7 +1180,9 @@ class AsyncWork(_AsyncHeld[WorkLease]):
         self,
         prompts: Iterable[WorkPrompt | str] | None = None,
         *,
-        partials: Mapping[WorkPrompt | str, Sequence[PartialLike]] | None = None,
+        partials: (
+            Mapping[WorkPrompt, Sequence[PartialLike]] | Mapping[str, Sequence[PartialLike]] | None
+        ) = None,
     ) -> int:
         """Return prompts of this lease not posted (all of them by default) to the broker now,
         for any generator to take; returns how many the broker took back. ``partials`` gives,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from urllib.parse import urlsplit, urlunsplit
 
 __all__ = [
     "JSON",
@@ -14,6 +15,7 @@ __all__ = [
     "MSGPACK",
     "MSGPACK_TYPES",
     "RUN_ID_PATTERN",
+    "base_url_of",
     "is_run_id",
     "new_run_id",
     "token_id_of",
@@ -54,3 +56,28 @@ def token_id_of(token_id: str) -> str:
     that a secret passed by mistake never goes into a URL (and from there into logs)."""
     m = _FULL_TOKEN.match(token_id)
     return m.group(1) if m else token_id
+
+
+def base_url_of(url: str) -> str:
+    """``url`` as a client's base URL, without a trailing slash. ValueError for one whose path
+    ends in ``/v1``, the API's prefix, which the client adds itself (its requests would go to
+    ``/v1/v1/...`` and meet a bare 404), or that has a query or a fragment (the client appends
+    each request's path to the base). A string that is no URL at all is left to httpx, which
+    says so at the first request."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url.rstrip("/")
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        base = urlunsplit(parts._replace(path=path.removesuffix("/v1")))
+        raise ValueError(
+            f"{url} ends in /v1, the API's prefix: give the broker's base URL without it, {base}"
+        )
+    if parts.query or parts.fragment:
+        base = urlunsplit(parts._replace(path=path, query="", fragment=""))
+        raise ValueError(
+            f"{url} has a query or a fragment, to which each request's path would be appended: "
+            f"give the broker's base URL alone, {base}"
+        )
+    return url.rstrip("/")

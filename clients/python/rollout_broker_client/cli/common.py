@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import typer
 
@@ -26,7 +25,7 @@ from rollout_broker_client import (
     RunNotFound,
     Unauthorized,
 )
-from rollout_broker_client.protocol import is_run_id
+from rollout_broker_client.protocol import base_url_of, is_run_id
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -60,20 +59,12 @@ PROG: ContextVar[str] = ContextVar("PROG", default="rollout-broker-ctl")
 
 
 def check_url(url: str, given_as: str) -> str:
-    """``url``, refused when its path ends in ``/v1``: that is the API's prefix, which the
-    client adds itself (a request would go to ``/v1/v1/...`` and meet a bare 404)."""
+    """``url``, or the reason the client refuses it as a base URL (a ``/v1`` suffix, a query),
+    as the command's one-line error."""
     try:
-        parts = urlsplit(url)
-    except ValueError:  # not a URL at all: the client says so when it is used
-        return url
-    path = parts.path.rstrip("/")
-    if path.endswith("/v1"):
-        base = urlunsplit(parts._replace(path=path.removesuffix("/v1")))
-        raise fail(
-            f"{given_as} {url} ends in /v1, the API's prefix: give the broker's base URL "
-            f"without it, {base}",
-            code=2,
-        )
+        base_url_of(url)
+    except ValueError as err:
+        raise fail(f"{given_as} {err}", code=2) from None
     return url
 
 
