@@ -91,7 +91,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 from async_grpo import (  # the same `rollout-broker serve` on a free port, tokens per role
@@ -478,6 +477,10 @@ def generate(
         result = lease.post(prompt, [e.rollout() for e in group])
         stats["rollouts_posted"] += result.accepted
         stats["rollouts_refused"] += len(result.rejected)  # of a lease a rewind ended, say
+        # A refused completion leaves its partial with the broker, which brings it back with
+        # the prompt's pass (counted returned again).
+        refused = {r.rollout_id for r in result.rejected}
+        stats["partials_carried_back"] += sum(p.rollout_id in refused for p in prompt.partials)
         stats["rollouts_spanning_versions"] += sum(len(e.versions) > 1 for e in group)
 
 
@@ -495,9 +498,12 @@ def interrupt(lease: Work, groups: dict[str, list[Episode]], stats: Counter[str]
         stats["interruptions"] += 1
     except ValidationFailed:
         # After a rewind, partials with tokens of a version the run went back past are refused
-        # (partial_future_version): the prompts go back without them, to start afresh.
+        # (partial_future_version): the prompts go back without them. The partials the lease
+        # handed out go back with their prompts: the broker keeps each until a rollout completes
+        # it (it counts them returned again, and drops those above the rewind).
         lease.give_back()
         stats["partials_refused"] += n
+        stats["partials_carried_back"] += sum(len(p.partials) for p in lease.prompts)
 
 
 # -- verifiers -------------------------------------------------------------------------------
@@ -559,15 +565,6 @@ def token_logprobs(
     return F.pad(logp, (1, 0)), F.pad(entropy, (1, 0))
 
 
-def rows_of(x: TrainArrays[torch.Tensor], values: Sequence[npt.NDArray[Any]]) -> torch.Tensor:
-    """Values given per rollout, one per response token (the measure's weights), laid out as
-    the padded rows: the inverse of ``split_responses`` (rows padded on the right)."""
-    out = torch.zeros(x.input_ids.shape)
-    for i, (start, v) in enumerate(zip(x.prompt_lengths.tolist(), values, strict=True)):
-        out[i, start : start + len(v)] = torch.tensor(v)
-    return out
-
-
 def train_step(
     s: Settings, policy: CalcPolicy, optimizer: torch.optim.Optimizer, batch: LeasedBatch
 ) -> dict[str, Any]:
@@ -590,7 +587,7 @@ def train_step(
     with torch.no_grad():
         old, _ = token_logprobs(policy, x)
     m = batch.measure(x.split_responses(old))
-    weights = rows_of(x, [m.weights[r.rollout_id] for r in batch])
+    weights = x.join_responses([m.weights[r.rollout_id] for r in batch])
     beta = m.kl_coef or 0.0
 
     for _ in range(s.epochs):
