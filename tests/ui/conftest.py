@@ -86,7 +86,14 @@ async def live_broker(
     try:
         await worker.start()
         await api.start()
-        async with httpx.AsyncClient(base_url=api.url, headers=headers, timeout=10.0) as http:
+        # A connection per request: twice on a loaded machine a request sent on a kept-alive
+        # connection met the server closing it (no answer, the API process running and its log
+        # empty), as uvicorn does to a connection it holds idle; the pages' figures are the
+        # subject here, not connection reuse (tests/test_serve_connections.py has that).
+        fresh = httpx.Limits(max_keepalive_connections=0)
+        async with httpx.AsyncClient(
+            base_url=api.url, headers=headers, timeout=10.0, limits=fresh
+        ) as http:
             yield LiveBroker(api.url, http, api, worker)
     except Exception as err:  # what the broker's processes said goes with the failure
         for process in (api, worker):
