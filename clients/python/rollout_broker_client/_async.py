@@ -143,7 +143,7 @@ class AsyncBrokerClient:
     ) -> None:
         self._token = BearerToken.resolve(token)  # checked before anything is opened
         inherited = str(http.base_url) if http is not None else ""
-        self.base_url = base_url_of(base_url or inherited or DEFAULT_URL)  # checked before too
+        self.base_url = base_url_of(base_url or inherited or DEFAULT_URL)  # before opening too
         self._owns_http = http is None
         self._http = http if http is not None else httpx.AsyncClient()
         self.timeout = timeout
