@@ -667,8 +667,11 @@ def trainer_main(s: Settings, incarnation: int, resume: bool) -> None:
                     figures = train_step(s, policy, optimizer, batch)
                     # What this ack will count, written first: a kill between the ack and the
                     # history line below leaves a step the broker counted and the history lacks.
-                    acking = {"trainer": incarnation, "version": version + 1}
-                    acking["trained_tokens"] = figures["trained_tokens"]
+                    acking = {
+                        "trainer": incarnation,
+                        "version": version + 1,
+                        "trained_tokens": figures["trained_tokens"],
+                    }
                     write_json(s.path(f"acking-t{incarnation}.json"), acking)
                     batch.ack_with(step=version)  # no logprobs: the measured ones serve
             except LeaseExpired:  # too late to ack: the step happened, the broker says not

@@ -409,12 +409,17 @@ def _ints(values: Any) -> list[int]:
     return [int(v) for v in values.tolist()]
 
 
+def _float32(values: Any) -> npt.NDArray[np.float32]:
+    """An array, or a torch tensor (perhaps on a GPU or in bfloat16), as a float32 numpy array."""
+    if hasattr(values, "detach"):
+        values = values.detach().float().cpu().numpy()
+    return np.asarray(values, dtype=np.float32)
+
+
 def _split(
     input_ids: Any, values: Any, spans: list[tuple[int, int, int]]
 ) -> list[npt.NDArray[np.float32]]:
-    if hasattr(values, "detach"):  # a torch tensor, perhaps on a GPU or in bfloat16
-        values = values.detach().float().cpu().numpy()
-    array = np.asarray(values, dtype=np.float32)
+    array = _float32(values)
     shape = tuple(input_ids.shape)
     if array.shape != shape:
         raise ValueError(f"values of shape {array.shape}: input_ids' shape {shape} is wanted")
@@ -428,9 +433,7 @@ def _join(
         raise ValueError(f"values for {len(values)} rollouts: the batch has {len(spans)}")
     out = np.full(tuple(input_ids.shape), fill, dtype=np.float32)
     for i, ((row, start, n), v) in enumerate(zip(spans, values, strict=True)):
-        if hasattr(v, "detach"):
-            v = v.detach().float().cpu().numpy()
-        array = np.asarray(v, dtype=np.float32)
+        array = _float32(v)
         if array.shape != (n,):
             raise ValueError(f"rollout {i}: values of shape {array.shape}, its response has {n}")
         out[row, start : start + n] = array
